@@ -1,0 +1,382 @@
+"""Strict safetensors header parsing and the CheckpointIndex of a model directory.
+
+Only headers are read here (never tensor data). Every check the loader relies on later
+(offsets tile the data region, span = numel x itemsize, file size matches) is done once,
+up front, so a bad file fails before any rank allocates or reads a byte of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from .errors import CheckpointError
+
+__all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
+           "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity"]
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSORS = 2_000_000
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+
+#: safetensors dtype code -> (torch dtype, bytes per element)
+DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
+    "U16": (torch.uint16, 2), "U32": (torch.uint32, 4), "U64": (torch.uint64, 8),
+    "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1), "F8_E8M0": (torch.float8_e8m0fnu, 1),
+}
+_DTYPE_CODE = {dt: code for code, (dt, _) in DTYPES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """safetensors code of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    return _DTYPE_CODE[dtype]
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file looked like when planned; a change during the load is detected with it."""
+
+    size: int
+    inode: int
+    mtime_ns: int
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_size, st.st_ino, st.st_mtime_ns)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of one shard: absolute byte range ``[start, end)`` inside ``file``."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed and validated shard header."""
+
+    file: str
+    path: Path
+    identity: FileIdentity
+    header_bytes: int
+    data_start: int
+    tensors: Mapping[str, TensorEntry]
+    metadata: Mapping[str, str]
+
+
+def _sniff(head: bytes) -> str:
+    text = head.lstrip()[:64].lower()
+    if text.startswith(b"version https://git-lfs"):
+        return " (it looks like a git-LFS pointer: fetch the real file with `git lfs pull`)"
+    if text.startswith((b"<!doctype", b"<html", b"<?xml")):
+        return " (it looks like an HTML page, e.g. a login or error page saved in its place)"
+    return ""
+
+
+def _no_duplicates(pairs: list) -> dict:
+    seen: dict = {}
+    for key, value in pairs:
+        if key in seen:
+            raise CheckpointError(f"duplicate key {key!r} in the header", tensor=str(key))
+        seen[key] = value
+    return seen
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
+                 max_header_bytes: int = MAX_HEADER_BYTES,
+                 max_tensors: int = MAX_TENSORS) -> ShardHeader:
+    """Read and strictly validate one safetensors header; no tensor data is read.
+
+    ``file`` is the name used in messages and entries (default: the path's name).
+    """
+    path = Path(path)
+    name = file if file is not None else path.name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"cannot open: {exc.strerror}", file=name) from exc
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, 8, 0)
+        if len(head) < 8:
+            raise CheckpointError(f"not a safetensors file: {st.st_size} bytes, too short for the "
+                                  f"8-byte header length{_sniff(head)}", file=name)
+        (n,) = struct.unpack("<Q", head)
+        if n > max_header_bytes:
+            raise CheckpointError(f"not a safetensors file: header length {n} exceeds the "
+                                  f"{max_header_bytes}-byte limit{_sniff(head)}", file=name)
+        if 8 + n > st.st_size:
+            raise CheckpointError(f"truncated: header of {n} bytes does not fit in the "
+                                  f"{st.st_size}-byte file{_sniff(head)}", file=name)
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    if len(raw) != n:
+        raise CheckpointError("file shrank while its header was read", file=name)
+    if not raw.lstrip().startswith(b"{"):
+        raise CheckpointError(f"not a safetensors file: header is not a JSON object{_sniff(head + raw)}",
+                              file=name)
+    if raw.count(b'"data_offsets"') > max_tensors:
+        raise CheckpointError(f"header declares more than {max_tensors} tensors", file=name)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                              file=name) from exc
+    try:
+        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"header is not valid JSON: {exc}", file=name) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError("header is not a JSON object", file=name)
+    data_start = 8 + n
+    data_len = st.st_size - data_start
+    metadata = obj.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+        raise CheckpointError("__metadata__ must map strings to strings", file=name)
+    tensors: dict[str, TensorEntry] = {}
+    for tname, info in obj.items():
+        tensors[tname] = _entry(name, tname, info, data_start, data_len)
+    _check_tiling(name, tensors, data_start, data_len)
+    return ShardHeader(name, path, FileIdentity.of(st), n, data_start, tensors, metadata)
+
+
+def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) -> TensorEntry:
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(msg, file=file, tensor=tname)
+
+    if not tname:
+        raise bad("empty tensor name")
+    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+        raise bad("entry must be an object with exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+        raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {offsets!r}")
+    begin, end = offsets
+    span = math.prod(shape) * DTYPES[dtype][1]
+    if end - begin != span:
+        raise bad(f"byte span {end - begin} != numel x itemsize = {span} for shape {shape} {dtype}")
+    if end > data_len:
+        raise bad(f"data_offsets end {end} is past the end of the data region ({data_len} bytes): "
+                  "file truncated?")
+    return TensorEntry(tname, file, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _check_tiling(file: str, tensors: Mapping[str, TensorEntry], data_start: int,
+                  data_len: int) -> None:
+    cursor = data_start
+    for entry in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
+        if entry.start < cursor:
+            raise CheckpointError(f"byte range overlaps the previous tensor's (starts at "
+                                  f"{entry.start - data_start}, previous ends at "
+                                  f"{cursor - data_start})", file=file, tensor=entry.name)
+        if entry.start > cursor:
+            raise CheckpointError(f"hole of {entry.start - cursor} bytes before this tensor",
+                                  file=file, tensor=entry.name)
+        cursor = entry.end
+    if cursor != data_start + data_len:
+        extra = data_start + data_len - cursor
+        raise CheckpointError(f"{extra} unexpected bytes after the data region "
+                              "(8 + header + data end != file size)", file=file)
+
+
+def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
+    """Reject weight_map values that could escape the model directory."""
+    if not isinstance(value, str) or not value:
+        raise CheckpointError(f"weight_map value {value!r} is not a file name",
+                              file=index_file, tensor=tensor)
+    parts = value.split("/")
+    if ("\x00" in value or "\\" in value or value.startswith("/") or os.path.isabs(value)
+            or any(p in ("", ".", "..") for p in parts)):
+        raise CheckpointError(f"weight_map value {value!r} is not a plain relative file name",
+                              file=index_file, tensor=tensor)
+    return value
+
+
+def _allowed_roots(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
+    roots = [root.resolve()]
+    # Hugging Face cache: <repo>/snapshots/<rev>/file -> <repo>/blobs/<sha>
+    if root.parent.name == "snapshots":
+        roots.append(root.parent.parent.resolve())
+    roots += [Path(p).resolve() for p in extra]
+    return roots
+
+
+@dataclass
+class CheckpointIndex:
+    """Where every tensor of a model directory lives; headers are parsed on first need.
+
+    ``weight_map`` comes from ``model.safetensors.index.json`` (or from the headers when the
+    directory has one or several shards and no index). Files are only opened when a tensor in
+    them is needed, so a stage never touches shards it does not need.
+    """
+
+    root: Path
+    weight_map: Mapping[str, str]
+    paths: Mapping[str, Path]
+    source: str
+    _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(self.paths)
+
+    def header(self, file: str) -> ShardHeader:
+        """The validated header of ``file``, cross-checked against the weight_map."""
+        hdr = self._headers.get(file)
+        if hdr is None:
+            hdr = parse_header(self.paths[file], file=file)
+            self._cross_check(hdr)
+            self._headers[file] = hdr
+        return hdr
+
+    def _cross_check(self, hdr: ShardHeader) -> None:
+        for tname in hdr.tensors:
+            mapped = self.weight_map.get(tname)
+            if mapped is None:
+                raise CheckpointError(f"tensor is in the shard but not in {self.source}",
+                                      file=hdr.file, tensor=tname)
+            if mapped != hdr.file:
+                raise CheckpointError(f"tensor appears in both {hdr.file} and {mapped} "
+                                      f"({self.source} maps it to {mapped})",
+                                      file=hdr.file, tensor=tname)
+        for tname, mapped in self.weight_map.items():
+            if mapped == hdr.file and tname not in hdr.tensors:
+                raise CheckpointError(f"{self.source} maps this tensor to {hdr.file} but the "
+                                      "shard's header does not contain it",
+                                      file=hdr.file, tensor=tname)
+
+    def entry(self, name: str) -> TensorEntry:
+        """The entry of one tensor (parses its shard's header if needed)."""
+        try:
+            file = self.weight_map[name]
+        except KeyError:
+            raise CheckpointError("tensor not in the checkpoint", file=self.source,
+                                  tensor=name) from None
+        return self.header(file).tensors[name]
+
+    def entries(self, names: Iterable[str]) -> dict[str, TensorEntry]:
+        return {n: self.entry(n) for n in names}
+
+    def validate_all(self) -> None:
+        """Parse every shard's header (used by balanced partitioning and `validate`)."""
+        for file in self.paths:
+            self.header(file)
+
+    def opened_files(self) -> tuple[str, ...]:
+        """Files whose headers were read so far."""
+        return tuple(self._headers)
+
+
+def open_checkpoint(model_dir: os.PathLike | str, *,
+                    allowed_roots: Sequence[os.PathLike | str] = ()) -> CheckpointIndex:
+    """Index a model directory without reading tensor data.
+
+    With ``model.safetensors.index.json`` the weight_map is validated (safe relative names,
+    every shard present, all missing shards listed at once) before any shard is opened.
+    Without it, every ``*.safetensors`` file's header is read.
+    """
+    root = Path(model_dir)
+    if not root.is_dir():
+        raise CheckpointError("model directory does not exist", file=str(root))
+    roots = _allowed_roots(root, allowed_roots)
+    index_path = root / INDEX_NAME
+    if index_path.exists():
+        weight_map = _read_index(index_path)
+        files = list(dict.fromkeys(weight_map.values()))
+        paths = _resolve(root, files, roots, INDEX_NAME)
+        return CheckpointIndex(root, weight_map, paths, INDEX_NAME)
+    shards = sorted(p.name for p in root.glob("*.safetensors"))
+    if not shards:
+        pickled = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
+        hint = (f"; found only pickle files ({', '.join(pickled[:4])}): pploader never unpickles "
+                "by default, convert them to safetensors first") if pickled else ""
+        raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
+    paths = _resolve(root, shards, roots, str(root))
+    weight_map: dict[str, str] = {}
+    headers: dict[str, ShardHeader] = {}
+    for file in shards:
+        hdr = parse_header(paths[file], file=file)
+        for tname in hdr.tensors:
+            if tname in weight_map:
+                raise CheckpointError(f"tensor appears in both {weight_map[tname]} and {file}",
+                                      file=file, tensor=tname)
+            weight_map[tname] = file
+        headers[file] = hdr
+    source = SINGLE_NAME if shards == [SINGLE_NAME] else "the shard headers"
+    return CheckpointIndex(root, weight_map, paths, source, headers)
+
+
+def _read_index(index_path: Path) -> dict[str, str]:
+    try:
+        obj = json.loads(index_path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicates)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.detail, file=INDEX_NAME, tensor=exc.tensor) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointError(f"not valid JSON: {exc}", file=INDEX_NAME) from None
+    wmap = obj.get("weight_map") if isinstance(obj, dict) else None
+    if not isinstance(wmap, dict) or not wmap:
+        raise CheckpointError("missing or empty weight_map object", file=INDEX_NAME)
+    return {t: _safe_relpath(f, t, INDEX_NAME) for t, f in wmap.items()}
+
+
+def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
+             source: str) -> dict[str, Path]:
+    """Resolve shard paths (symlinks allowed inside the roots); list every missing one."""
+    missing = [f for f in files if not (root / f).is_file()]
+    if missing:
+        raise CheckpointError(f"{len(missing)} shard file(s) named in {source} are missing: "
+                              + ", ".join(missing), file=source)
+    paths = {}
+    for f in files:
+        real = (root / f).resolve()
+        if not any(real == r or r in real.parents for r in roots):
+            raise CheckpointError(f"resolves to {real}, outside the allowed roots "
+                                  f"({', '.join(map(str, roots))})", file=f)
+        paths[f] = real
+    return paths

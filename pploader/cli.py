@@ -1,0 +1,211 @@
+"""pploader's command line: plan | load | make-tiny | bench.
+
+Exit codes: 0 success; 1 a load failed (every rank prints the combined error); 2 bad
+arguments or input found before any rank started loading.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from . import __version__
+from .errors import PPLoaderError, RankFailure
+from .partition import parse_partition
+from .read import DEFAULT_WINDOW_BYTES
+
+__all__ = ["main", "build_parser"]
+
+log = logging.getLogger("pploader")
+
+_EPILOG = """\
+examples:
+  pploader make-tiny configs/models/tiny-llama.json /tmp/tiny
+  pploader plan --model /tmp/tiny --pp 4                 # who reads what; no data read
+  pploader plan --model /tmp/tiny --pp 2 --tp 2 --json   # machine-readable
+  torchrun --standalone --nproc_per_node=4 -m pploader load --model /tmp/tiny --pp 4
+  pploader bench --size-gb 1 --layers 16                 # ours vs read-all vs raw preadv
+
+Every rank reads only its stage: layers [start_layer, end_layer), the embedding on the
+first stage, the final norm and head on the last, its experts and its TP slice.
+docs/usage.md explains every option and the JSON formats.
+"""
+
+
+def _partition(text: str) -> object:
+    return text if text in ("even", "balanced") else parse_partition(text)
+
+
+def _size(text: str) -> int:
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
+    t = text.strip().lower().rstrip("ib").rstrip("b") if text[-1:].lower() == "b" else text.lower()
+    if t and t[-1] in units:
+        return int(float(t[:-1]) * units[t[-1]])
+    return int(t)
+
+
+def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
+    p.add_argument("--model", required=True, help="model directory: config.json + safetensors "
+                   "shards (+ model.safetensors.index.json)")
+    p.add_argument("--pp", type=int, required=pp_required, default=None,
+                   help="pipeline stages (default for load: world size / (tp*ep))")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage "
+                   "(experts split in contiguous blocks)")
+    p.add_argument("--partition", type=_partition, default="even",
+                   help="even (default; remainder to middle stages), balanced (by bytes from the "
+                   "headers), or layer counts per stage such as 8,8,9,7")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pploader", formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Pipeline-parallel checkpoint loader: each rank reads only its stage.",
+        epilog=_EPILOG)
+    parser.add_argument("--version", action="version", version=f"pploader {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    p = sub.add_parser("plan", help="print every rank's plan (one process, headers only)",
+                       description="Plan every rank of a PP x EP x TP layout from config.json and "
+                       "the safetensors headers. Reads no tensor data; no torch.distributed.")
+    _layout_args(p, pp_required=True)
+
+    p = sub.add_parser("load", help="load this rank's stage (run under torchrun/srun/mpiexec)",
+                       description="Each rank plans, all ranks agree, then each reads exactly its "
+                       "bytes. Rank 0 prints one table (or --json) for the whole job.")
+    _layout_args(p)
+    p.add_argument("--window-bytes", type=_size, default=None,
+                   help=f"host memory in flight per rank (default max({DEFAULT_WINDOW_BYTES >> 20}"
+                   " MiB, 2x largest tensor)); accepts 512M, 1G")
+    p.add_argument("--threads", type=int, default=1, help="reader threads per rank (default 1)")
+    p.add_argument("--timeout", type=float, default=60.0,
+                   help="seconds to wait for other ranks before naming them silent (default 60)")
+    p.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl "
+                   "with GPUs, else gloo)")
+    p.add_argument("--save-loaded", metavar="DIR", default=None,
+                   help="write each rank's tensors to DIR/rank-<rank>.safetensors")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
+    p.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
+
+    p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
+                       description="Write random weights with real names and shapes for the "
+                       "config's family, split into several shards with an index.")
+    p.add_argument("config", help="a config.json (e.g. configs/models/tiny-llama.json)")
+    p.add_argument("out", help="output directory")
+    p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
+    p.add_argument("--seed", type=int, default=None)
+
+    from .bench import add_bench_parser
+    add_bench_parser(sub)
+    return parser
+
+
+def _setup_logging(rank: Optional[int]) -> None:
+    prefix = f"[rank {rank}] " if rank is not None else ""
+    logging.basicConfig(level=os.environ.get("PPLOADER_LOG", "WARNING").upper(),
+                        format=f"{prefix}%(levelname)s %(name)s: %(message)s", force=True)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .checkpoint import open_checkpoint
+    from .plan import plan_all
+    from .report import plan_table
+    from .spec import load_spec
+
+    spec = load_spec(args.model)
+    index = open_checkpoint(args.model)
+    plans = plan_all(spec, index, args.pp, args.tp, args.ep, partition=args.partition)
+    summaries = [p.summary() for p in plans]
+    if args.json:
+        print(json.dumps({"model": str(args.model), "architecture": spec.architecture,
+                          "family": spec.family.name, "num_layers": spec.num_layers,
+                          "pp": args.pp, "tp": args.tp, "ep": args.ep, "ranks": summaries},
+                         indent=1))
+    else:
+        print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
+              f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
+        print(plan_table(summaries))
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from .bootstrap import init_distributed
+    from .comm import Comm
+    from .report import ProgressBar
+    from .stage import load_stage, plan_stage
+    from .topology import Topology
+    import torch.distributed as dist
+
+    launch = init_distributed(backend=args.backend, timeout_s=args.timeout)
+    _setup_logging(launch.rank)
+    topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
+    comm = Comm(topo, timeout_s=args.timeout)
+    cancel = comm.watch_failures()
+    staged, error = None, None
+    try:
+        staged = plan_stage(args.model, topo, partition=args.partition)
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    planned = comm.agree(error, staged.plan.read_bytes if staged else None)
+    add = comm.progress_adder()
+    show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
+    result = None
+    with ProgressBar(sum(planned), comm.progress_total, enabled=show):
+        try:
+            result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
+                                cancel=cancel, on_progress=add)
+            add.flush()  # type: ignore[attr-defined]
+            if args.save_loaded:
+                from safetensors.torch import save_file
+                Path(args.save_loaded).mkdir(parents=True, exist_ok=True)
+                names = {i.target: i.name for i in result.plan.items}
+                save_file({names[k]: v.contiguous() for k, v in result.state_dict.items()},
+                          str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
+        except Exception as exc:  # noqa: BLE001 - agreed on below
+            error = exc
+        comm.agree(error)
+    reports = comm.gather_to_root(result.report.to_json())
+    comm.close()
+    if reports is not None:
+        if args.json:
+            print(json.dumps({"model": str(args.model), "pp": topo.pp_size, "tp": topo.tp_size,
+                              "ep": topo.ep_size, "ranks": reports}, indent=1))
+        else:
+            from .report import format_table
+            print(format_table(reports))
+    dist.destroy_process_group()
+    return 0
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    rank = os.environ.get("RANK")
+    _setup_logging(int(rank) if rank and rank.isdigit() else None)
+    prefix = f"[rank {rank}] " if rank else ""
+    try:
+        if args.command == "plan":
+            return cmd_plan(args)
+        if args.command == "load":
+            return cmd_load(args)
+        if args.command == "make-tiny":
+            from .tiny import make_tiny
+            files = make_tiny(args.config, args.out, shard_bytes=args.shard_bytes, seed=args.seed)
+            print(f"wrote {len(files)} shard(s) to {args.out}")
+            return 0
+        if args.command == "bench":
+            from .bench import run_bench
+            return run_bench(args)
+    except RankFailure as exc:
+        sys.stderr.write(f"{prefix}pploader: load failed on the job: {exc}\n")
+        sys.stderr.flush()
+        os._exit(1)  # never hang in process-group teardown after a peer died
+    except PPLoaderError as exc:
+        sys.stderr.write(f"{prefix}pploader: error: {exc}\n")
+        return 2
+    return 2

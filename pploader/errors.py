@@ -1,0 +1,69 @@
+"""pploader's error types: every failure names what it can (file, tensor, rank)."""
+from __future__ import annotations
+
+from typing import Mapping, Optional
+
+__all__ = ["PPLoaderError", "CheckpointError", "ConfigError", "PlanError", "ReadError",
+           "TopologyError", "RankFailure", "NotReadyError"]
+
+
+class PPLoaderError(Exception):
+    """Base class of every error pploader raises on purpose."""
+
+    def __init__(self, message: str, *, file: Optional[str] = None,
+                 tensor: Optional[str] = None, rank: Optional[int] = None) -> None:
+        self.file, self.tensor, self.rank, self.detail = file, tensor, rank, message
+        super().__init__(self._compose())
+
+    def _compose(self) -> str:
+        where = []
+        if self.rank is not None:
+            where.append(f"rank {self.rank}")
+        if self.file is not None:
+            where.append(f"file {self.file}")
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor}")
+        return f"{', '.join(where)}: {self.detail}" if where else self.detail
+
+    def on_rank(self, rank: int) -> "PPLoaderError":
+        """Attach the rank (kept if already set) and return self for re-raising."""
+        if self.rank is None:
+            self.rank = rank
+            self.args = (self._compose(),)
+        return self
+
+
+class CheckpointError(PPLoaderError):
+    """A checkpoint file, header or index is malformed or inconsistent."""
+
+
+class ConfigError(PPLoaderError):
+    """config.json is missing, unsupported or inconsistent with the checkpoint."""
+
+
+class PlanError(PPLoaderError):
+    """The requested layout cannot be planned (bad partition, indivisible shard, ...)."""
+
+
+class ReadError(PPLoaderError):
+    """Reading planned bytes failed (I/O error, file changed during load, cancelled)."""
+
+
+class TopologyError(PPLoaderError):
+    """Ranks, sizes or launch environment are inconsistent."""
+
+
+class NotReadyError(PPLoaderError):
+    """A model whose reload failed midway is not safe to use until restored."""
+
+
+class RankFailure(PPLoaderError):
+    """One combined error raised on every rank when any rank failed or went silent."""
+
+    def __init__(self, failures: Mapping[int, str], *, silent: tuple[int, ...] = ()) -> None:
+        self.failures = dict(sorted(failures.items()))
+        self.silent = tuple(sorted(silent))
+        lines = [f"{len(self.failures) + len(self.silent)} rank(s) failed:"]
+        lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
+        lines += [f"  rank {r}: no answer within the load timeout (hung or dead)" for r in self.silent]
+        super().__init__("\n".join(lines))

@@ -1,0 +1,153 @@
+"""The shape of model knowledge: a Family is data (patterns, rules, config readers).
+
+The planner never looks at tensor names itself; it asks the family to classify them.
+Adding an architecture = adding one module under ``families/`` with a ``FAMILY`` value and
+registering it in ``families/__init__.py`` (see docs/architecture.md, "Adding a family").
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Callable, Mapping, Optional
+
+from ..errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Template",
+           "LAYER_KINDS", "cfg", "cfg_opt"]
+
+#: The layer kinds pploader knows (cache geometry and shard rules key on these).
+LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_attention_mamba2")
+
+#: name -> shape of every tensor a checkpoint of this config holds (the strict expected set).
+Template = Callable[["ModelSpec"], Mapping[str, tuple[int, ...]]]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Per-layer structure read from config.json by a family."""
+
+    num_layers: int
+    layer_kinds: tuple[str, ...]
+    moe_layers: frozenset[int] = frozenset()
+    num_experts: int = 0
+    num_mtp_layers: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_layers <= 0 or len(self.layer_kinds) != self.num_layers:
+            raise ConfigError(f"{len(self.layer_kinds)} layer kinds for {self.num_layers} layers")
+        unknown = set(self.layer_kinds) - set(LAYER_KINDS)
+        if unknown:
+            raise ConfigError(f"unknown layer kinds {sorted(unknown)}; known: {LAYER_KINDS}")
+
+
+@dataclass(frozen=True)
+class GlobalRule:
+    """A tensor outside the decoder layers; ``placement`` is the stage that holds it."""
+
+    pattern: str                 # regex, full match on the checkpoint name
+    placement: str               # "first" | "last"
+    role: str = "other"          # "embed" | "head" | "final_norm" | "vision" | "other"
+
+
+@dataclass(frozen=True)
+class ShardRule:
+    """How a tensor splits over the TP ranks of a stage.
+
+    ``dim`` None = replicated. ``segments(spec)`` gives the sizes of independent parts along
+    ``dim`` (e.g. Mamba2 in_proj = [z, x, B, C, dt]); each part is split on its own and the
+    rank's pieces are concatenated in order. ``units(spec)`` gives the number of indivisible
+    units (e.g. kv heads) per segment: with fewer units than TP ranks, units are replicated
+    (rank r takes unit r * units // tp). ``pad`` pads dim 0 to a multiple of tp (vocab).
+    ``block`` is the quantization block along ``dim`` a split must not cut.
+    """
+
+    pattern: str
+    dim: Optional[int]
+    segments: Optional[Callable[["ModelSpec"], tuple[int, ...]]] = None
+    units: Optional[Callable[["ModelSpec"], int]] = None
+    pad: bool = False
+
+
+@dataclass(frozen=True)
+class TensorRole:
+    """What a checkpoint tensor is, as far as placement is concerned."""
+
+    placement: str               # "layer" | "first" | "last" | "mtp"
+    component: str               # name inside the layer (or the full name for globals)
+    layer: Optional[int] = None  # global layer id (MTP ids count on from num_layers)
+    expert: Optional[int] = None  # expert id of a per-expert tensor
+    fused_experts: bool = False  # a 3-D tensor stacking all experts on dim 0
+    role: str = "layer"          # GlobalRule.role for globals
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything pploader knows about one architecture family, as data."""
+
+    name: str
+    architectures: tuple[str, ...]
+    layout: Callable[[Mapping], Layout]
+    layer_prefix: str = r"model\.layers\.(\d+)\."
+    globals: tuple[GlobalRule, ...] = ()
+    expert_pattern: Optional[str] = None         # on the component; group 1 = expert id
+    fused_expert_pattern: Optional[str] = None   # on the component; dim 0 = experts
+    shard_rules: tuple[ShardRule, ...] = ()      # first full match on the component wins
+    template: Optional[Template] = None
+    text_config_key: Optional[str] = None        # VL configs nest the LM config here
+    fused_targets: tuple = ()                    # place.py: checkpoint pieces -> fused params
+    _compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def _re(self, pattern: str) -> "re.Pattern[str]":
+        rx = self._compiled.get(pattern)
+        if rx is None:
+            rx = self._compiled[pattern] = re.compile(pattern)
+        return rx
+
+    def classify(self, name: str, num_layers: int, num_mtp_layers: int) -> Optional[TensorRole]:
+        """Role of a checkpoint tensor, or None when the family does not know the name."""
+        for rule in self.globals:
+            if self._re(rule.pattern).fullmatch(name):
+                return TensorRole(rule.placement, name, role=rule.role)
+        m = self._re(self.layer_prefix).match(name)
+        if m is None:
+            return None
+        layer, component = int(m.group(1)), name[m.end():]
+        if layer >= num_layers + num_mtp_layers:
+            return None
+        placement = "layer" if layer < num_layers else "mtp"
+        expert, fused = None, False
+        if self.expert_pattern:
+            em = self._re(self.expert_pattern).fullmatch(component)
+            if em is not None:
+                expert = int(em.group(1))
+        if expert is None and self.fused_expert_pattern:
+            fused = self._re(self.fused_expert_pattern).fullmatch(component) is not None
+        return TensorRole(placement, component, layer, expert, fused)
+
+    def shard_rule(self, component: str) -> Optional[ShardRule]:
+        """The first TP rule whose pattern fully matches ``component`` (None = replicated)."""
+        for rule in self.shard_rules:
+            if self._re(rule.pattern).fullmatch(component):
+                return rule
+        return None
+
+    def layer_name(self, layer: int, component: str) -> str:
+        """Checkpoint name of ``component`` in ``layer`` (inverse of the layer prefix)."""
+        prefix = re.sub(r"\(\\d\+\)", str(layer), self.layer_prefix).replace("\\.", ".")
+        return prefix + component
+
+
+def cfg(config: Mapping, *keys: str) -> object:
+    """The first present key of ``config``; a clear error naming all keys when none is."""
+    for key in keys:
+        if key in config and config[key] is not None:
+            return config[key]
+    raise ConfigError(f"config.json lacks {' / '.join(keys)}")
+
+
+def cfg_opt(config: Mapping, key: str, default: object) -> object:
+    value = config.get(key)
+    return default if value is None else value

@@ -1,0 +1,42 @@
+"""Dense llama-style families: Llama/Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from .base import Family
+from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
+                     mlp_rules, mlp_tensors, uniform_layout, vocab_rules)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["FAMILY", "QWEN2", "QWEN3", "dense_template"]
+
+
+def dense_template(spec: "ModelSpec", *, bias: bool = False, qk_norm: bool = False) -> dict:
+    h = spec.hidden_size
+    out = globals_tensors(spec)
+    for i in range(spec.num_layers):
+        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                 **attention_tensors(spec, bias=bias, qk_norm=qk_norm),
+                 **mlp_tensors(h, spec.int("intermediate_size"))}
+        out.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
+    return out
+
+
+_RULES = vocab_rules() + attention_rules() + mlp_rules()
+
+FAMILY = Family(
+    name="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES,
+    template=lambda spec: dense_template(spec))
+
+QWEN2 = Family(
+    name="qwen2", architectures=("Qwen2ForCausalLM",),
+    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES,
+    template=lambda spec: dense_template(spec, bias=True))
+
+QWEN3 = Family(
+    name="qwen3", architectures=("Qwen3ForCausalLM",),
+    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES,
+    template=lambda spec: dense_template(spec, qk_norm=True))

@@ -1,0 +1,320 @@
+"""LoadPlan: exactly which bytes each rank reads. Pure: headers in, frozen data out.
+
+Called on any process (no torch.distributed); ``pploader plan`` prints it for every rank.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence, Union
+
+from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
+from .errors import PlanError
+from .families.base import TensorRole
+from .partition import (StageWindow, balanced_windows, even_windows, explicit_windows)
+from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
+                    tp_selection)
+from .spec import ModelSpec
+from .topology import Topology
+
+__all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
+           "plan_mtp", "layer_bytes"]
+
+#: "even", "balanced", or explicit layer counts per stage.
+Partition = Union[str, Sequence[int]]
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """One tensor (or slice) to read: byte ``ranges`` concatenated form ``buffer_shape``;
+    ``gather`` then narrows it (coalesced strided reads); ``pad_rows`` zero rows follow."""
+
+    name: str
+    target: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    buffer_shape: tuple[int, ...]
+    gather: tuple[tuple[int, tuple[Interval, ...]], ...] = ()
+    pad_rows: int = 0
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def ideal_bytes(self) -> int:
+        rows = self.shape[0] - self.pad_rows if self.shape else 1
+        return rows * math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def direct(self) -> bool:
+        """True when the ranges land straight in the output (no temporary buffer)."""
+        return not self.gather
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one rank will read, in the order it reads it."""
+
+    model: str
+    topology: Topology
+    window: StageWindow
+    experts: Optional[tuple[int, int]]
+    items: tuple[ReadItem, ...]
+    paths: Mapping[str, str]
+    identities: Mapping[str, FileIdentity]
+    header_bytes: int
+    tensors: tuple[str, ...] = field(default=())
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i.file for i in self.items if i.ranges))
+
+    @property
+    def ideal_bytes(self) -> int:
+        return sum(i.ideal_bytes for i in self.items)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(i.read_bytes for i in self.items)
+
+    @property
+    def largest_item_bytes(self) -> int:
+        return max((max(i.nbytes, i.read_bytes) for i in self.items), default=0)
+
+    def summary(self) -> dict:
+        """The stable JSON form documented in docs/usage.md."""
+        t = self.topology
+        return {"rank": t.rank, "pp_rank": t.pp_rank, "tp_rank": t.tp_rank, "ep_rank": t.ep_rank,
+                "start_layer": self.window.start_layer, "end_layer": self.window.end_layer,
+                "has_embed": self.window.has_embed, "has_head": self.window.has_head,
+                "experts": list(self.experts) if self.experts else None,
+                "num_tensors": len(self.items), "ideal_bytes": self.ideal_bytes,
+                "planned_read_bytes": self.read_bytes, "header_bytes": self.header_bytes,
+                "files": list(self.files), "tensors": list(self.tensors)}
+
+
+def _roles(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
+    roles, unknown = {}, []
+    for name in index.weight_map:
+        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+        if role is None:
+            unknown.append(name)
+        else:
+            roles[name] = role
+    if unknown:
+        raise PlanError(f"{len(unknown)} checkpoint tensor(s) the {spec.family.name} family does "
+                        f"not know (num_hidden_layers={spec.num_layers}, mtp layers="
+                        f"{spec.num_mtp_layers}): {', '.join(unknown[:8])}"
+                        + (" ..." if len(unknown) > 8 else ""), tensor=unknown[0])
+    return roles
+
+
+def layer_bytes(spec: ModelSpec, index: CheckpointIndex) -> tuple[list[int], int, int]:
+    """Bytes per decoder layer, of first-stage globals and of last-stage globals (headers)."""
+    index.validate_all()
+    per_layer, first, last = [0] * spec.num_layers, 0, 0
+    for name, role in _roles(spec, index).items():
+        nbytes = index.entry(name).nbytes
+        if role.placement == "layer":
+            per_layer[role.layer] += nbytes  # type: ignore[index]
+        elif role.placement == "first":
+            first += nbytes
+        elif role.placement == "last":
+            last += nbytes
+    if spec.tie_word_embeddings:
+        last += sum(index.entry(n).nbytes for n, r in _roles(spec, index).items() if r.role == "embed")
+    return per_layer, first, last
+
+
+def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
+                 partition: Partition = "even") -> tuple[StageWindow, ...]:
+    """Stage windows for all PP ranks (balanced reads every header; even/explicit none)."""
+    if isinstance(partition, str):
+        if partition == "even":
+            return even_windows(spec.num_layers, pp)
+        if partition == "balanced":
+            per_layer, first, last = layer_bytes(spec, index)
+            return balanced_windows(per_layer, pp, first_extra=first, last_extra=last)
+        raise PlanError(f"unknown partition {partition!r}: use even, balanced or counts like 8,8,9,7")
+    return explicit_windows(list(partition), spec.num_layers, pp)
+
+
+def _wanted(role: TensorRole, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
+    if role.placement == "first":
+        return window.has_embed
+    if role.placement == "last":
+        return window.has_head
+    if role.placement != "layer" or not window.owns(role.layer):  # type: ignore[arg-type]
+        return False
+    if role.expert is not None and experts is not None:
+        return experts[0] <= role.expert < experts[1]
+    return True
+
+
+def _item(entry: TensorEntry, target: str, selection: Selection, range_cost: int) -> ReadItem:
+    shape, itemsize = entry.shape, entry.itemsize
+    out_shape = selection.shape(shape)
+    if not selection.dims:
+        ranges = ((entry.start, entry.nbytes),) if entry.nbytes else ()
+        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape, ranges,
+                        shape, pad_rows=selection.pad_rows)
+    sel = dict(selection.dims)
+    k, j = max(sel), min(sel)
+    n_runs = len(sel[k]) * math.prod(sum(n for _, n in sel[d]) if d in sel else shape[d]
+                                     for d in range(k))
+    needed = (math.prod(out_shape) - (selection.pad_rows * math.prod(shape[1:]))) * itemsize
+    row_bytes = math.prod(shape[1:]) * itemsize
+    lo = min(a for a, _ in sel[0]) if j == 0 else 0
+    hi = max(a + n for a, n in sel[0]) if j == 0 else shape[0]
+    box_bytes = (hi - lo) * row_bytes
+    if n_runs <= 1 or needed + n_runs * range_cost <= box_bytes:
+        runs = byte_runs(shape, itemsize, entry.start, Selection(selection.dims))
+        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
+                        tuple(runs), _unpadded(out_shape, selection.pad_rows),
+                        pad_rows=selection.pad_rows)
+    gather = tuple((d, tuple((a - lo, n) for a, n in iv) if d == 0 else iv)
+                   for d, iv in selection.dims)
+    box_shape = (hi - lo,) + shape[1:]
+    return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
+                    ((entry.start + lo * row_bytes, box_bytes),), box_shape, gather,
+                    selection.pad_rows)
+
+
+def _unpadded(shape: tuple[int, ...], pad_rows: int) -> tuple[int, ...]:
+    return (shape[0] - pad_rows,) + shape[1:] if pad_rows else shape
+
+
+def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
+               experts: Optional[tuple[int, int]]) -> Selection:
+    rule = spec.family.shard_rule(role.component)
+    sel = tp_selection(rule, entry.shape, spec, topo.tp_rank, topo.tp_size, entry.name)
+    if role.fused_experts and experts is not None:
+        if not entry.shape or entry.shape[0] != spec.num_experts:
+            raise PlanError(f"fused expert tensor has shape {list(entry.shape)}, expected dim 0 = "
+                            f"num_experts {spec.num_experts}", file=entry.file, tensor=entry.name)
+        if experts != (0, spec.num_experts):
+            sel = Selection(((0, ((experts[0], experts[1] - experts[0]),)),)).merged(sel)
+    return sel
+
+
+def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
+              window: StageWindow, *, strict: bool = True,
+              range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> RankPlan:
+    """The plan of one rank: its window's layers, globals, local experts and TP slices."""
+    if window.pp_rank != topology.pp_rank:
+        raise PlanError(f"window of stage {window.pp_rank} given to {topology.describe()}")
+    experts = (local_experts(spec.num_experts, topology.ep_size, topology.ep_rank)
+               if spec.num_experts and topology.ep_size > 1 else None)
+    if topology.ep_size > 1 and not spec.num_experts:
+        raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts")
+    roles = _roles(spec, index)
+    chosen = {n: r for n, r in roles.items() if _wanted(r, window, experts)}
+    targets = {n: n for n in chosen}
+    if window.has_head and spec.tie_word_embeddings and not any(
+            r.role == "head" for r in roles.values()):
+        for name, role in roles.items():
+            if role.role == "embed":
+                chosen[name], targets[name] = role, _head_name(spec)
+    if strict:
+        _check_expected(spec, index, chosen, window, experts, topology)
+    items = []
+    for name, role in chosen.items():
+        entry = index.entry(name)
+        sel = _selection(spec, role, entry, topology, experts)
+        items.append(_item(entry, targets[name], sel, range_cost_bytes))
+    return _finish(spec, index, topology, window, experts, items, list(chosen))
+
+
+def _head_name(spec: ModelSpec) -> str:
+    for rule in spec.family.globals:
+        if rule.role == "head":
+            return rule.pattern.replace("\\", "")
+    raise PlanError(f"{spec.family.name} ties embeddings but declares no head tensor")
+
+
+def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window: StageWindow,
+            experts: Optional[tuple[int, int]], items: list[ReadItem],
+            names: list[str]) -> RankPlan:
+    order = {f: i for i, f in enumerate(sorted(index.paths))}
+    items.sort(key=lambda it: (order[it.file], it.ranges[0][0] if it.ranges else 0, it.target))
+    files = list(dict.fromkeys(i.file for i in items))
+    headers = {f: index.header(f) for f in files}
+    return RankPlan(
+        model=str(index.root), topology=topology, window=window, experts=experts,
+        items=tuple(items), paths={f: str(h.path) for f, h in headers.items()},
+        identities={f: h.identity for f, h in headers.items()},
+        header_bytes=sum(8 + h.header_bytes for h in headers.values()),
+        tensors=tuple(sorted(dict.fromkeys(names))))
+
+
+def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str, TensorRole],
+                    window: StageWindow, experts: Optional[tuple[int, int]],
+                    topology: Topology) -> None:
+    """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
+    if spec.family.template is None:
+        return
+    expected = spec.family.template(spec)
+    roles = {n: spec.family.classify(n, spec.num_layers, spec.num_mtp_layers)
+             for n in expected}
+    need = {n for n, r in roles.items() if r is not None and _wanted(r, window, experts)}
+    have = {n for n in chosen if _wanted(chosen[n], window, experts)}
+    missing = sorted(need - set(index.weight_map))
+    unexpected = sorted(have - set(expected))
+    where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
+    if missing:
+        raise PlanError(f"{where}: {len(missing)} required tensor(s) missing from the checkpoint: "
+                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""),
+                        tensor=missing[0], rank=topology.rank)
+    if unexpected:
+        raise PlanError(f"{where}: {len(unexpected)} tensor(s) not expected for this config: "
+                        + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""),
+                        tensor=unexpected[0], rank=topology.rank)
+    for name in sorted(have):
+        entry = index.entry(name)
+        if tuple(expected[name]) != entry.shape:
+            raise PlanError(f"shape {list(entry.shape)} in the checkpoint != {list(expected[name])} "
+                            "expected from config.json", file=entry.file, tensor=name,
+                            rank=topology.rank)
+
+
+def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
+             partition: Partition = "even", strict: bool = True) -> list[RankPlan]:
+    """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
+    windows = make_windows(spec, index, pp, partition)
+    topo = Topology(pp, tp, ep)
+    return [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict) for t in topo.all_ranks()]
+
+
+def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
+             topology: Optional[Topology] = None) -> RankPlan:
+    """Plan of a draft model: MTP layer ``mtp_layer`` renamed to layer 0 of the draft."""
+    if not 0 <= mtp_layer < spec.num_mtp_layers:
+        raise PlanError(f"MTP layer {mtp_layer} requested; the checkpoint config has "
+                        f"{spec.num_mtp_layers} (num_nextn_predict_layers)")
+    topo = topology or Topology(1)
+    layer = spec.num_layers + mtp_layer
+    window = StageWindow(topo.pp_rank, layer, layer + 1, False, False)
+    items, names = [], []
+    for name, role in _roles(spec, index).items():
+        if role.placement == "mtp" and role.layer == layer:
+            entry = index.entry(name)
+            sel = tp_selection(spec.family.shard_rule(role.component), entry.shape, spec,
+                               topo.tp_rank, topo.tp_size, name)
+            items.append(_item(entry, spec.family.layer_name(0, role.component), sel,
+                               DEFAULT_RANGE_COST_BYTES))
+            names.append(name)
+    if not items:
+        raise PlanError(f"no tensors for MTP layer {mtp_layer} (global layer {layer})")
+    return _finish(spec, index, topo, window, None, items, names)

@@ -1,0 +1,318 @@
+"""The streaming executor: positional reads of a RankPlan with bounded host memory.
+
+One module-level rule: nothing here calls torch.distributed. Cancellation (another rank
+failed) and progress are plain callables/events handed in by the caller.
+
+Modes:
+- ``owned`` (default): every yielded tensor is a fresh allocation the caller keeps.
+- ``borrowed`` (opt-in, fast): tensors are views into a reused ring buffer and become invalid
+  once the consumer asks for the item after next; use :func:`owned` to keep one.
+- destinations: :meth:`Reader.read_into` reads straight into caller-given tensors.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable, Iterator, Mapping, Optional
+
+import torch
+
+from .checkpoint import DTYPES, FileIdentity
+from .errors import ReadError
+from .plan import RankPlan, ReadItem
+
+__all__ = ["Reader", "ReadStats", "owned", "is_borrowed", "default_window_bytes",
+           "DEFAULT_WINDOW_BYTES"]
+
+DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
+_MAX_BATCH_BYTES = 64 * 1024 * 1024
+_MAX_IOV = 512
+_CHUNK = 1 << 30
+
+
+def is_borrowed(t: torch.Tensor) -> bool:
+    """True for a tensor yielded in borrowed mode (backed by a reused buffer)."""
+    return bool(getattr(t, "_pploader_borrowed", False))
+
+
+def owned(t: torch.Tensor) -> torch.Tensor:
+    """A tensor the caller may keep: a clone when ``t`` is borrowed, else ``t`` itself."""
+    return t.clone() if is_borrowed(t) else t
+
+
+def default_window_bytes(plan: RankPlan) -> int:
+    """A few hundred MiB or 2x the largest item, whichever is larger."""
+    return max(DEFAULT_WINDOW_BYTES, 2 * plan.largest_item_bytes)
+
+
+@dataclass
+class ReadStats:
+    """What the reader did (its own byte accounting, cross-checked against /proc in tests)."""
+
+    read_bytes: int = 0
+    items: int = 0
+    syscalls: int = 0
+    seconds: float = 0.0
+    peak_inflight_bytes: int = 0
+
+
+def _as_bytes(t: torch.Tensor) -> memoryview:
+    flat = t.reshape(-1)
+    if flat.dtype != torch.uint8:
+        flat = flat.view(torch.uint8)
+    return memoryview(flat.numpy()).cast("B")
+
+
+class _Ring:
+    """A circular arena handing out FIFO-freed byte regions of one reused buffer."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.buf = torch.empty(nbytes, dtype=torch.uint8)
+        self.buf.fill_(0)  # prefault once: first touch of fresh memory is slow
+        self.size, self.head, self.live = nbytes, 0, deque()  # live: (start, end)
+
+    def _used(self) -> int:
+        return sum(e - s for s, e in self.live)
+
+    def alloc(self, n: int) -> Optional[torch.Tensor]:
+        if n > self.size:
+            raise ReadError(f"item of {n} bytes exceeds the borrowed ring of {self.size} bytes")
+        start = self.head if self.head + n <= self.size else 0
+        for s, e in self.live:
+            if start < e and s < start + n:
+                return None
+        self.live.append((start, start + n))
+        self.head = start + n
+        return self.buf[start:start + n]
+
+    def free_oldest(self) -> None:
+        self.live.popleft()
+
+
+class Reader:
+    """Executes one RankPlan: ``for target, tensor in Reader(plan): ...``."""
+
+    def __init__(self, plan: RankPlan, *, window_bytes: Optional[int] = None, threads: int = 1,
+                 mode: str = "owned", cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+        if mode not in ("owned", "borrowed"):
+            raise ValueError(f"mode must be 'owned' or 'borrowed', got {mode!r}")
+        self.plan, self.threads, self.mode = plan, max(1, threads), mode
+        self.window_bytes = window_bytes or default_window_bytes(plan)
+        if self.window_bytes < plan.largest_item_bytes:
+            raise ReadError(f"window of {self.window_bytes} bytes is smaller than the largest "
+                            f"item ({plan.largest_item_bytes} bytes)", rank=plan.topology.rank)
+        self.cancel, self.on_progress = cancel, on_progress
+        self.stats = ReadStats()
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    # ---- files -------------------------------------------------------------------------
+    def _fd(self, file: str) -> int:
+        with self._lock:
+            fd = self._fds.get(file)
+            if fd is None:
+                try:
+                    fd = os.open(self.plan.paths[file], os.O_RDONLY)
+                except OSError as exc:
+                    raise self._err(f"cannot open: {exc.strerror}", file) from exc
+                self._check_identity(file, fd)
+                self._fds[file] = fd
+            return fd
+
+    def _check_identity(self, file: str, fd: int) -> None:
+        now = FileIdentity.of(os.fstat(fd))
+        then = self.plan.identities[file]
+        if now != then:
+            raise self._err(f"file changed during load (planned size {then.size}, inode "
+                            f"{then.inode}; now size {now.size}, inode {now.inode}): publish new "
+                            "checkpoints by writing elsewhere and renaming", file)
+
+    def _err(self, msg: str, file: Optional[str] = None, tensor: Optional[str] = None) -> ReadError:
+        return ReadError(msg, file=file, tensor=tensor, rank=self.plan.topology.rank)
+
+    def close(self) -> None:
+        with self._lock:
+            for fd in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
+
+    # ---- reading -----------------------------------------------------------------------
+    def _pread_into(self, fd: int, views: list[memoryview], offset: int, item: ReadItem) -> None:
+        """Fill ``views`` (consecutive in the file from ``offset``) completely."""
+        pending = [v for v in views if len(v)]
+        while pending:
+            if self.cancel is not None and self.cancel.is_set():
+                raise self._err("cancelled: another rank failed", item.file, item.name)
+            batch, total = [], 0
+            for v in pending[:_MAX_IOV]:
+                if total + len(v) > _CHUNK and batch:
+                    break
+                batch.append(v if len(v) <= _CHUNK else v[:_CHUNK])
+                total += len(batch[-1])
+            try:
+                got = os.preadv(fd, batch, offset)
+            except OSError as exc:
+                raise self._err(f"read failed at offset {offset}: {exc.strerror}", item.file,
+                                item.name) from exc
+            self.stats.syscalls += 1
+            if got == 0:
+                raise self._err(f"file changed during load: unexpected end of file at offset "
+                                f"{offset} (truncated while loading?)", item.file, item.name)
+            offset += got
+            with self._lock:
+                self.stats.read_bytes += got
+            while got:
+                head = pending[0]
+                if len(head) <= got:
+                    got -= len(head)
+                    pending.pop(0)
+                else:
+                    pending[0] = head[got:]
+                    got = 0
+
+    def _read_item(self, item: ReadItem, dst: torch.Tensor) -> None:
+        fd = self._fd(item.file) if item.ranges else -1
+        if item.direct:
+            out = _as_bytes(dst)
+            pos = 0
+            for off, n in item.ranges:
+                self._pread_into(fd, [out[pos:pos + n]], off, item)
+                pos += n
+            if item.pad_rows:
+                out[pos:] = bytes(len(out) - pos)
+            return
+        buf = torch.empty(sum(n for _, n in item.ranges), dtype=torch.uint8)
+        view, pos = _as_bytes(buf), 0
+        for off, n in item.ranges:
+            self._pread_into(fd, [view[pos:pos + n]], off, item)
+            pos += n
+        t = buf.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
+        for dim, intervals in item.gather:
+            parts = [t.narrow(dim, a, n) for a, n in intervals]
+            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+        rows = item.shape[0] - item.pad_rows if item.shape else None
+        if item.pad_rows:
+            dst[rows:].zero_()
+            dst[:rows].copy_(t)
+        else:
+            dst.copy_(t)
+
+    def _read_batch(self, batch: list[tuple[ReadItem, torch.Tensor]]) -> None:
+        first = batch[0][0]
+        if len(batch) > 1:  # contiguous direct items: one preadv for all of them
+            views = [_as_bytes(dst) for _, dst in batch]
+            self._pread_into(self._fd(first.file), views, first.ranges[0][0], first)
+        else:
+            self._read_item(first, batch[0][1])
+        with self._lock:
+            self.stats.items += len(batch)
+        if self.on_progress is not None:
+            self.on_progress(sum(i.read_bytes for i, _ in batch))
+
+    def _batches(self) -> Iterator[list[ReadItem]]:
+        """Group consecutive single-range items that are adjacent in one file."""
+        batch: list[ReadItem] = []
+        size = 0
+        for item in self.plan.items:
+            simple = item.direct and len(item.ranges) == 1 and not item.pad_rows
+            if (batch and simple and item.file == batch[-1].file
+                    and batch[-1].ranges[-1][0] + batch[-1].ranges[-1][1] == item.ranges[0][0]
+                    and size + item.read_bytes <= _MAX_BATCH_BYTES):
+                batch.append(item)
+                size += item.read_bytes
+                continue
+            if batch:
+                yield batch
+            batch, size = [item], item.read_bytes
+            if not simple:
+                yield batch
+                batch, size = [], 0
+        if batch:
+            yield batch
+
+    def _alloc(self, item: ReadItem, ring: Optional[_Ring]) -> Optional[torch.Tensor]:
+        dtype = DTYPES[item.dtype][0]
+        if ring is None:
+            return torch.empty(item.shape, dtype=dtype)
+        raw = ring.alloc(max(item.nbytes, 1))
+        if raw is None:
+            return None
+        t = raw[:item.nbytes].view(dtype).reshape(item.shape)
+        t._pploader_borrowed = True  # type: ignore[attr-defined]
+        return t
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield ``(target, tensor)`` in plan order with at most ``window_bytes`` in flight."""
+        ring = _Ring(self.window_bytes) if self.mode == "borrowed" else None
+        start = time.perf_counter()
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read")
+        queue: deque[tuple[list[tuple[ReadItem, torch.Tensor]], Future, int]] = deque()
+        inflight, batches = 0, self._batches()
+        pending_batch: Optional[list[ReadItem]] = None
+        try:
+            while True:
+                while True:  # submit ahead while the window allows
+                    if pending_batch is None:
+                        pending_batch = next(batches, None)
+                    if pending_batch is None:
+                        break
+                    cost = sum(i.nbytes + (i.read_bytes if not i.direct else 0)
+                               for i in pending_batch)
+                    if queue and inflight + cost > self.window_bytes:
+                        break
+                    outs = [self._alloc(i, ring) for i in pending_batch]
+                    if any(o is None for o in outs):
+                        break  # ring full: wait for the consumer to release
+                    pairs = list(zip(pending_batch, outs))
+                    queue.append((pairs, pool.submit(self._read_batch, pairs), cost))
+                    inflight += cost
+                    self.stats.peak_inflight_bytes = max(self.stats.peak_inflight_bytes, inflight)
+                    pending_batch = None
+                if not queue:
+                    break
+                pairs, fut, cost = queue.popleft()
+                fut.result()
+                for item, tensor in pairs:
+                    yield item.target, tensor
+                    if ring is not None:
+                        ring.free_oldest()
+                inflight -= cost
+            for file, fd in list(self._fds.items()):
+                self._check_identity(file, fd)
+        finally:
+            for _, fut, _ in queue:
+                fut.cancel()
+            pool.shutdown(wait=True)
+            self.close()
+            self.stats.seconds = time.perf_counter() - start
+
+    def read_into(self, destinations: Mapping[str, torch.Tensor]) -> ReadStats:
+        """Read every item straight into ``destinations[target]`` (contiguous CPU tensors)."""
+        for item in self.plan.items:
+            dst = destinations.get(item.target)
+            if dst is None:
+                raise self._err("no destination given", item.file, item.target)
+            if (tuple(dst.shape) != item.shape or dst.dtype != DTYPES[item.dtype][0]
+                    or not dst.is_contiguous() or dst.device.type != "cpu"):
+                raise self._err(f"destination is {tuple(dst.shape)} {dst.dtype} on {dst.device} "
+                                f"(contiguous={dst.is_contiguous()}), expected {item.shape} "
+                                f"{DTYPES[item.dtype][0]} contiguous on cpu", item.file, item.target)
+        start = time.perf_counter()
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read")
+        try:
+            futs = [pool.submit(self._read_batch, [(i, destinations[i.target]) for i in b])
+                    for b in self._batches()]
+            for fut in futs:
+                fut.result()
+            for file, fd in list(self._fds.items()):
+                self._check_identity(file, fd)
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+            self.close()
+            self.stats.seconds = time.perf_counter() - start
+        return self.stats

@@ -1,0 +1,119 @@
+"""ModelSpec: what the model is, read from config.json through its family's data."""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping, Optional
+
+import torch
+
+from .errors import ConfigError
+from .families import Family, find_family
+from .families.base import cfg
+
+__all__ = ["ModelSpec", "load_spec", "spec_from_config"]
+
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
+                "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as pploader sees it: layers, their kinds, experts, dtype, tying."""
+
+    family: Family
+    architecture: str
+    config: Mapping[str, object]         # the language-model config (text_config for VL)
+    full_config: Mapping[str, object]    # config.json as written
+    num_layers: int
+    layer_kinds: tuple[str, ...]
+    moe_layers: frozenset[int]
+    num_experts: int
+    num_mtp_layers: int
+    dtype: torch.dtype
+    tie_word_embeddings: bool
+
+    def get(self, *keys: str) -> object:
+        """A config value by the first present key (clear error otherwise)."""
+        return cfg(self.config, *keys)
+
+    def int(self, *keys: str) -> int:
+        return int(cfg(self.config, *keys))  # type: ignore[arg-type]
+
+    @property
+    def hidden_size(self) -> int:
+        return self.int("hidden_size", "d_model")
+
+    @property
+    def vocab_size(self) -> int:
+        return self.int("vocab_size")
+
+    @property
+    def num_heads(self) -> int:
+        return self.int("num_attention_heads")
+
+    @property
+    def num_kv_heads(self) -> int:
+        if self.config.get("num_key_value_heads") is None:
+            return self.num_heads
+        return self.int("num_key_value_heads")
+
+    @property
+    def head_dim(self) -> int:
+        if self.config.get("head_dim") is not None:
+            return self.int("head_dim")
+        return self.hidden_size // self.num_heads
+
+    def layers_of_kind(self, *kinds: str) -> tuple[int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in kinds)
+
+
+def _dtype(config: Mapping, outer: Mapping) -> torch.dtype:
+    raw = config.get("dtype") or config.get("torch_dtype") or outer.get("dtype") \
+        or outer.get("torch_dtype")
+    if raw is None:
+        raise ConfigError("config.json has no dtype / torch_dtype: pploader will not guess the "
+                          "checkpoint's dtype", file="config.json")
+    name = str(raw).replace("torch.", "")
+    if name not in _DTYPE_NAMES:
+        raise ConfigError(f"unsupported dtype {raw!r} (known: {', '.join(_DTYPE_NAMES)})",
+                          file="config.json")
+    return _DTYPE_NAMES[name]
+
+
+def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json (pure; used by tests and `plan`)."""
+    if not isinstance(config, Mapping):
+        raise ConfigError("config.json is not a JSON object", file="config.json")
+    fam, arch = (family, (config.get("architectures") or [family.name])[0]) if family \
+        else find_family(config)
+    text = config
+    if fam.text_config_key and isinstance(config.get(fam.text_config_key), Mapping):
+        text = config[fam.text_config_key]  # type: ignore[assignment]
+    try:
+        layout = fam.layout(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{fam.name}: {exc.detail}", file="config.json") from None
+    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return ModelSpec(
+        family=fam, architecture=arch, config=MappingProxyType(dict(text)),
+        full_config=MappingProxyType(dict(config)), num_layers=layout.num_layers,
+        layer_kinds=layout.layer_kinds, moe_layers=layout.moe_layers,
+        num_experts=layout.num_experts, num_mtp_layers=layout.num_mtp_layers,
+        dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
+
+
+def load_spec(model_dir: os.PathLike | str) -> ModelSpec:
+    """Read ``config.json`` of a model directory into a ModelSpec."""
+    path = Path(model_dir) / "config.json"
+    try:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ConfigError("missing config.json", file=str(path)) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
+    return spec_from_config(config)

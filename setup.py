@@ -1,0 +1,4 @@
+"""Setuptools shim; metadata lives in setup.cfg."""
+from setuptools import setup
+
+setup()
