@@ -134,11 +134,11 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
         raise CheckpointError(f"cannot open: {exc.strerror}", file=name) from exc
     try:
         st = os.fstat(fd)
-        head = os.pread(fd, 8, 0)
+        head = os.pread(fd, 64, 0)  # 8-byte length + enough to recognise LFS pointers / HTML
         if len(head) < 8:
             raise CheckpointError(f"not a safetensors file: {st.st_size} bytes, too short for the "
                                   f"8-byte header length{_sniff(head)}", file=name)
-        (n,) = struct.unpack("<Q", head)
+        (n,) = struct.unpack("<Q", head[:8])
         if n > max_header_bytes:
             raise CheckpointError(f"not a safetensors file: header length {n} exceeds the "
                                   f"{max_header_bytes}-byte limit{_sniff(head)}", file=name)

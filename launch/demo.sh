@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# The main job on the bundled tiny model: make .venv, write the checkpoint, load it with
+# PP=4 on 4 CPU ranks (gloo), print the per-rank table.
+#   ./launch/demo.sh                 # defaults
+#   MODEL=configs/models/tiny-llama.json NPROC=4 ./launch/demo.sh --ep 1
+source "$(dirname "$0")/_venv.sh" base
+cd "$ROOT"
+CONFIG="${MODEL:-configs/models/tiny-qwen3_5_moe.json}"
+[ -f "$CONFIG" ] || CONFIG=configs/models/tiny-llama.json
+NPROC="${NPROC:-4}"
+OUT="${OUT:-$ROOT/out/demo/$(basename "$CONFIG" .json)}"
+rm -rf "$OUT"
+pploader make-tiny "$CONFIG" "$OUT"
+echo
+echo "== plan (one process, headers only) =="
+pploader plan --model "$OUT" --pp "$NPROC" "$@"
+echo
+echo "== load: torchrun --standalone --nproc_per_node=$NPROC -m pploader load --pp $NPROC =="
+OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node="$NPROC" -m pploader load \
+  --model "$OUT" --pp "$NPROC" --progress "$@" 2> >(grep -v -E '^(W|I)[0-9]{4} |\*{10}|OMP_NUM_THREADS' >&2)

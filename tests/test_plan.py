@@ -1,0 +1,102 @@
+"""Stage windows and per-rank plans (one process, headers only)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from helpers import make_model, pploader_cmd, run, tiny_config
+from pploader import (PlanError, Topology, balanced_windows, even_windows, explicit_windows,
+                      load_spec, open_checkpoint, plan_all)
+
+
+def test_even_windows_cover_all_layers_remainder_to_middle() -> None:
+    w = even_windows(10, 4)
+    assert [(x.start_layer, x.end_layer) for x in w] == [(0, 2), (2, 5), (5, 8), (8, 10)]
+    assert w[0].has_embed and not w[0].has_head and w[-1].has_head
+    for n in range(1, 40):
+        for pp in range(1, min(n, 9) + 1):
+            ws = even_windows(n, pp)
+            assert ws[0].start_layer == 0 and ws[-1].end_layer == n
+            assert all(a.end_layer == b.start_layer for a, b in zip(ws, ws[1:]))
+            sizes = [x.num_layers for x in ws]
+            assert max(sizes) - min(sizes) <= 1
+
+
+def test_explicit_windows_validate() -> None:
+    assert [x.num_layers for x in explicit_windows([1, 3, 2], 6, 3)] == [1, 3, 2]
+    with pytest.raises(PlanError, match="sums to 5"):
+        explicit_windows([1, 2, 2], 6, 3)
+    with pytest.raises(PlanError, match="3 stages but pp is 2"):
+        explicit_windows([1, 3, 2], 6, 2)
+    with pytest.raises(PlanError, match="cannot split"):
+        even_windows(3, 4)
+
+
+def test_balanced_minimises_the_largest_stage() -> None:
+    costs = [1, 1, 1, 1, 10, 10, 1, 1]
+    ws = balanced_windows(costs, 3)
+    stage = [sum(costs[w.start_layer:w.end_layer]) for w in ws]
+    even = [sum(costs[w.start_layer:w.end_layer]) for w in even_windows(8, 3)]
+    assert max(stage) <= max(even)
+    assert max(stage) == 12  # [1,1,1,1,10] can't be beaten: best is 4 | 10 | 10+1+1 -> 12
+    # embedding/head extras push layers away from the first/last stage
+    ws2 = balanced_windows([1] * 8, 2, first_extra=4)
+    assert ws2[0].num_layers < ws2[1].num_layers
+
+
+@pytest.mark.parametrize("pp", [1, 2, 3, 4])
+def test_union_of_stages_is_the_checkpoint(tiny_llama: Path, pp: int) -> None:
+    spec, index = load_spec(tiny_llama), open_checkpoint(tiny_llama)
+    plans = plan_all(spec, index, pp)
+    held = [n for p in plans for n in p.tensors]
+    assert sorted(held) == sorted(index.weight_map)  # no duplicates, nothing missing
+    for p in plans:
+        for item in p.items:
+            entry = index.entry(item.name)
+            assert item.ranges == ((entry.start, entry.nbytes),)
+        assert p.read_bytes == p.ideal_bytes
+        # files with nothing needed are never opened
+        assert set(p.files) == {index.weight_map[n] for n in p.tensors}
+
+
+def test_tied_embeddings_last_stage_reads_embed_as_head(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tied", tiny_config(tie_word_embeddings=True))
+    spec, index = load_spec(model), open_checkpoint(model)
+    assert "lm_head.weight" not in index.weight_map
+    plans = plan_all(spec, index, 2)
+    last = {i.target: i.name for i in plans[-1].items}
+    assert last["lm_head.weight"] == "model.embed_tokens.weight"
+    assert "model.embed_tokens.weight" in plans[0].tensors
+    assert "model.embed_tokens.weight" in plans[1].tensors  # the declared replica
+
+
+def test_plan_cli_json(tiny_llama: Path) -> None:
+    out = run(pploader_cmd("plan", "--model", str(tiny_llama), "--pp", "4", "--json"))
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    assert (doc["pp"], doc["tp"], doc["ep"]) == (4, 1, 1)
+    assert [r["rank"] for r in doc["ranks"]] == [0, 1, 2, 3]
+    for r in doc["ranks"]:
+        for key in ("pp_rank", "tp_rank", "ep_rank", "start_layer", "end_layer", "ideal_bytes",
+                    "files", "tensors"):
+            assert key in r
+    assert doc["ranks"][-1]["end_layer"] == 8
+    table = run(pploader_cmd("plan", "--model", str(tiny_llama), "--pp", "2"))
+    assert table.returncode == 0 and "planned read" in table.stdout
+
+
+def test_plan_cli_bad_partition_exit_2(tiny_llama: Path) -> None:
+    out = run(pploader_cmd("plan", "--model", str(tiny_llama), "--pp", "2", "--partition", "3,3"))
+    assert out.returncode == 2
+    assert "sums to 6" in out.stderr
+
+
+def test_topology_rank_order_tp_innermost() -> None:
+    topo = Topology(pp_size=2, tp_size=2, ep_size=2)
+    coords = [(t.pp_rank, t.ep_rank, t.tp_rank) for t in topo.all_ranks()]
+    assert coords == [(p, e, t) for p in range(2) for e in range(2) for t in range(2)]
+    assert topo.with_rank(5).tp_group() == (4, 5)
+    with pytest.raises(Exception, match="world size"):
+        Topology.for_world(6, 0, pp=4)
