@@ -1,0 +1,164 @@
+"""GPU benchmark: pploader in the same run as the shared anchor loaders (issue 9).
+
+The anchor script (``shared/anchors/bench_anchors.py``: raw 16-thread preadv ceiling,
+safetensors, runai-model-streamer, fastsafetensors, instanttensor) is imported as a module
+and gains pploader's methods, so every method shares its checkpoint, cache states
+(warm / evicted), subprocess isolation, timing and byte-for-byte verification:
+
+- ``p_pploader``       pinned ring allocated in setup (like the raw ceiling's ring)
+- ``p_pploader_alloc`` ring allocation (cudaHostAlloc) counted inside the timed load
+
+Run on a GPU machine (``pploader bench --device cuda`` calls this)::
+
+    python -m pploader.bench_cuda --anchors PATH/bench_anchors.py --ckdir /tmp/ck --out OUT
+
+``--pp2`` instead loads both PP=2 stages, each alone on its own GPU and then both at
+once, to show that stages do not serialise.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+__all__ = ["load_anchors", "register", "main"]
+
+_LLAMA_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+             "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+             "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+             "tie_word_embeddings": False, "dtype": "bfloat16", "rms_norm_eps": 1e-5}
+_TINY = dict(_LLAMA_8B, hidden_size=256, intermediate_size=896, vocab_size=8192,
+             num_attention_heads=4, num_key_value_heads=1, head_dim=64)
+
+
+def load_anchors(path: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location("bench_anchors", path)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"cannot import the anchor script {path}")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write_config(ckdir: str, scale: str) -> None:
+    path = Path(ckdir) / "config.json"
+    if not path.exists():
+        path.write_text(json.dumps(_LLAMA_8B if scale == "full" else _TINY))
+
+
+def register(anchors: ModuleType, scale: str, threads: int, slot_mib: int) -> None:
+    """Add pploader's methods to the anchor script's registry."""
+    def prep(ctx: Any) -> dict:
+        _write_config(ctx.ckdir, scale)
+        if not ctx.cuda():
+            return {}
+        from pploader.device import PinnedRing
+        return {"ring": PinnedRing(threads, slot_mib << 20)}
+
+    def prep_alloc(ctx: Any) -> dict:
+        _write_config(ctx.ckdir, scale)
+        return {}
+
+    def run(ctx: Any, prep: dict) -> tuple[dict, dict]:
+        from pploader import Topology, plan_stage
+        from pploader.device import DeviceLoader, PinnedRing
+        t0 = time.perf_counter()
+        if not ctx.cuda():  # CPU smoke run of the plumbing: the windowed Reader
+            from pploader import Reader
+            staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
+            return dict(Reader(staged.plan, threads=threads)), {
+                "logical_bytes": staged.plan.read_bytes, "api": "pploader Reader (cpu)"}
+        ring = prep.get("ring") or PinnedRing(threads, slot_mib << 20)
+        ring_s = time.perf_counter() - t0
+        staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
+        plan_s = time.perf_counter() - t0 - ring_s
+        loader = DeviceLoader(staged.plan, ctx.dev, ring=ring)
+        out = loader.load()
+        return out, {"logical_bytes": staged.plan.read_bytes, "ring_alloc_s": round(ring_s, 4),
+                     "plan_s": round(plan_s, 4), "pinned_bytes": ring.nbytes,
+                     "api": f"pploader DeviceLoader x{threads} threads, {slot_mib} MiB slots",
+                     "_keep": ring}
+
+    anchors.METHODS["p_pploader"] = (run, prep)
+    anchors.METHODS["p_pploader_alloc"] = (run, prep_alloc)
+    for order in (anchors.WARM_ORDER, anchors.COLD_ORDER):
+        for name in ("p_pploader_alloc", "p_pploader"):
+            if name not in order:
+                order.insert(1, name)
+    anchors.HERE = os.path.abspath(__file__)  # children re-enter through this wrapper
+
+
+def _stage_child(model: str, rank: int) -> None:
+    import torch
+    from pploader import Topology, load_stage, plan_stage
+    torch.cuda.set_device(rank)
+    torch.empty(1, device="cuda")
+    staged = plan_stage(model, Topology(2, rank=rank))
+    res = load_stage(staged, device=f"cuda:{rank}")
+    print("RESULT " + json.dumps({"rank": rank, "seconds": res.report.seconds,
+                                  "ideal_bytes": res.report.ideal_bytes,
+                                  "gbps": res.report.gbps,
+                                  "peak_rss": res.report.peak_rss_bytes}), flush=True)
+
+
+def _pp2(ckdir: str) -> list[dict]:
+    """Each stage alone on its GPU, then both at once (warm page cache)."""
+    def spawn(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, os.path.abspath(__file__), "--stage-child",
+                                 str(rank), "--ckdir", ckdir], stdout=subprocess.PIPE, text=True)
+
+    def result(p: subprocess.Popen) -> dict:
+        out, _ = p.communicate(timeout=300)
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": out[-500:]}
+
+    rows = []
+    for rank in (0, 1):
+        rows.append(dict(result(spawn(rank)), mode="alone"))
+    procs = [spawn(0), spawn(1)]
+    rows += [dict(result(p), mode="together") for p in procs]
+    for r in rows:
+        print(f"[pp2] {r.get('mode'):8s} rank {r.get('rank')} {r.get('seconds', 0):.3f}s "
+              f"{r.get('gbps', 0):.2f} GB/s", flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--anchors", default=os.environ.get("PPLOADER_ANCHORS",
+                     str(Path(__file__).resolve().parents[2] / "shared/anchors/bench_anchors.py")))
+    pre.add_argument("--threads", type=int, default=int(os.environ.get("PPLOADER_BENCH_THREADS", 16)))
+    pre.add_argument("--slot-mib", type=int, default=int(os.environ.get("PPLOADER_BENCH_SLOT_MIB", 16)))
+    pre.add_argument("--pp2", action="store_true")
+    pre.add_argument("--stage-child", type=int, default=None)
+    known, rest = pre.parse_known_args(argv)
+    if known.stage_child is not None:
+        ck = rest[rest.index("--ckdir") + 1]
+        return _stage_child(ck, known.stage_child)
+    if known.pp2:
+        ck = rest[rest.index("--ckdir") + 1]
+        rows = _pp2(ck)
+        out = os.environ.get("OUT") or "."
+        Path(out, "pp2.json").write_text(json.dumps(rows, indent=1))
+        return None
+    anchors = load_anchors(known.anchors)
+    scale = rest[rest.index("--scale") + 1] if "--scale" in rest else "full"
+    register(anchors, scale, known.threads, known.slot_mib)
+    # children are started as `python <this file> <anchor args>`: forward our options
+    os.environ.update(PPLOADER_ANCHORS=known.anchors, PPLOADER_BENCH_THREADS=str(known.threads),
+                      PPLOADER_BENCH_SLOT_MIB=str(known.slot_mib))
+    sys.argv = [anchors.HERE, *rest]
+    anchors.main()
+
+
+if __name__ == "__main__":
+    sys.path[0] = str(Path(__file__).resolve().parents[1])  # the repo, not pploader/
+    main()

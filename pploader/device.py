@@ -1,0 +1,212 @@
+"""Direct-to-GPU loading: positional reads into a reused ring of pinned staging buffers,
+asynchronous host-to-device copies straight into the destination tensors.
+
+Each reader thread owns ``slots_per_thread`` pinned slots and one CUDA stream: it fills a
+slot with a chunk (one file range, possibly several adjacent tensors), enqueues the H2D
+copies of that slot on its stream, records an event, and only reuses the slot once that
+event has completed. No pageable-to-device copy is on the hot path; host memory is the
+ring (threads x slots x slot_bytes), allocated once and reusable across loads.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from .checkpoint import DTYPES
+from .errors import ReadError
+from .plan import RankPlan, ReadItem
+from .read import ReadStats
+
+__all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS"]
+
+DEFAULT_SLOT_BYTES = 16 << 20
+DEFAULT_DEVICE_THREADS = 16
+
+
+class PinnedRing:
+    """``threads x slots_per_thread`` pinned host buffers of ``slot_bytes`` (allocate once)."""
+
+    def __init__(self, threads: int = DEFAULT_DEVICE_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 slots_per_thread: int = 2) -> None:
+        self.threads, self.slot_bytes, self.per_thread = threads, slot_bytes, slots_per_thread
+        start = time.perf_counter()
+        self.buffer = torch.empty(threads * slots_per_thread * slot_bytes, dtype=torch.uint8,
+                                  pin_memory=True)
+        self.alloc_seconds = time.perf_counter() - start
+        flat = self.buffer.numpy()
+        self.slots = [[(self.buffer[o:o + slot_bytes], memoryview(flat[o:o + slot_bytes]))
+                       for o in ((t * slots_per_thread + s) * slot_bytes
+                                 for s in range(slots_per_thread))] for t in range(threads)]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+
+@dataclass(frozen=True)
+class _Piece:
+    file: str
+    offset: int
+    length: int
+    dst: torch.Tensor        # uint8 view on the device
+
+
+def _pieces(item: ReadItem, dst_bytes: torch.Tensor, slot_bytes: int) -> list[_Piece]:
+    out, pos = [], 0
+    for off, n in item.ranges:
+        done = 0
+        while done < n:
+            k = min(slot_bytes, n - done)
+            out.append(_Piece(item.file, off + done, k, dst_bytes[pos + done:pos + done + k]))
+            done += k
+        pos += n
+    return out
+
+
+def _chunks(pieces: list[_Piece], slot_bytes: int) -> list[list[_Piece]]:
+    """Pack file-contiguous pieces into slot-sized chunks (one preadv each)."""
+    chunks: list[list[_Piece]] = []
+    size = 0
+    for p in sorted(pieces, key=lambda p: (p.file, p.offset)):
+        last = chunks[-1][-1] if chunks else None
+        if (last is not None and last.file == p.file and last.offset + last.length == p.offset
+                and size + p.length <= slot_bytes):
+            chunks[-1].append(p)
+            size += p.length
+        else:
+            chunks.append([p])
+            size = p.length
+    return chunks
+
+
+class DeviceLoader:
+    """Load a RankPlan onto a CUDA device (called by the rank that owns the device)."""
+
+    def __init__(self, plan: RankPlan, device: torch.device | str, *,
+                 ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+        self.plan, self.device = plan, torch.device(device)
+        if self.device.type != "cuda":
+            raise ValueError(f"DeviceLoader needs a cuda device, got {self.device}")
+        self.ring = ring or PinnedRing()
+        self.cancel, self.on_progress = cancel, on_progress
+        self.stats = ReadStats()
+        self.staging_device_bytes = 0
+        self._lock = threading.Lock()
+
+    def _err(self, msg: str, file: Optional[str] = None) -> ReadError:
+        return ReadError(msg, file=file, rank=self.plan.topology.rank)
+
+    def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
+             ) -> dict[str, torch.Tensor]:
+        """Fill ``destinations`` (allocated on the device when None) and return them."""
+        start = time.perf_counter()
+        out: dict[str, torch.Tensor] = {}
+        pieces: list[_Piece] = []
+        post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        for item in self.plan.items:
+            dtype = DTYPES[item.dtype][0]
+            dst = None if destinations is None else destinations.get(item.target)
+            if dst is None:
+                if destinations is not None:
+                    raise self._err(f"no destination for {item.target}", item.file)
+                dst = torch.empty(item.shape, dtype=dtype, device=self.device)
+            elif tuple(dst.shape) != item.shape or dst.dtype != dtype or not dst.is_contiguous():
+                raise self._err(f"destination {item.target} is {tuple(dst.shape)} {dst.dtype}, "
+                                f"expected {item.shape} {dtype} contiguous", item.file)
+            out[item.target] = dst
+            if item.direct:
+                dst_bytes = dst.reshape(-1).view(torch.uint8)
+                pieces += _pieces(item, dst_bytes, self.ring.slot_bytes)
+                if item.pad_rows:
+                    dst_bytes[item.read_bytes:].zero_()
+            else:  # coalesced strided read: stage the box on the device, gather after
+                tmp = torch.empty(item.read_bytes, dtype=torch.uint8, device=self.device)
+                self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
+                pieces += _pieces(item, tmp, self.ring.slot_bytes)
+                post.append((item, tmp, dst))
+        self._run(_chunks(pieces, self.ring.slot_bytes))
+        for item, tmp, dst in post:
+            t = tmp.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
+            for dim, intervals in item.gather:
+                parts = [t.narrow(dim, a, n) for a, n in intervals]
+                t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+            rows = item.shape[0] - item.pad_rows
+            (dst[:rows] if item.pad_rows else dst).copy_(t)
+            if item.pad_rows:
+                dst[rows:].zero_()
+        torch.cuda.synchronize(self.device)
+        self.stats.items = len(out)
+        self.stats.seconds = time.perf_counter() - start
+        return out
+
+    def _run(self, chunks: list[list[_Piece]]) -> None:
+        fds = {f: os.open(p, os.O_RDONLY) for f, p in self.plan.paths.items()}
+        try:
+            for f, fd in fds.items():
+                if (os.fstat(fd).st_size, os.fstat(fd).st_ino) != (
+                        self.plan.identities[f].size, self.plan.identities[f].inode):
+                    raise self._err("file changed since planning", f)
+            queue = iter(chunks)
+            errors: list[BaseException] = []
+            threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
+                                        name=f"pploader-h2d-{i}")
+                       for i in range(min(self.ring.threads, max(1, len(chunks))))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if errors:
+                raise errors[0]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _worker(self, index: int, queue, fds: Mapping[str, int],
+                errors: list[BaseException]) -> None:
+        slots = self.ring.slots[index]
+        stream = torch.cuda.Stream(device=self.device)
+        events: list[Optional[torch.cuda.Event]] = [None] * len(slots)
+        j = 0
+        try:
+            while not errors:
+                with self._lock:
+                    chunk = next(queue, None)
+                if chunk is None:
+                    break
+                if self.cancel is not None and self.cancel.is_set():
+                    raise self._err("cancelled: another rank failed", chunk[0].file)
+                b = j % len(slots)
+                if events[b] is not None:
+                    events[b].synchronize()
+                pinned, view = slots[b]
+                total = sum(p.length for p in chunk)
+                got, off = 0, chunk[0].offset
+                while got < total:
+                    n = os.preadv(fds[chunk[0].file], [view[got:total]], off + got)
+                    if n <= 0:
+                        raise self._err(f"file changed during load: unexpected end of file at "
+                                        f"offset {off + got}", chunk[0].file)
+                    got += n
+                with torch.cuda.stream(stream):
+                    pos = 0
+                    for p in chunk:
+                        p.dst.copy_(pinned[pos:pos + p.length], non_blocking=True)
+                        pos += p.length
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events[b] = ev
+                with self._lock:
+                    self.stats.read_bytes += total
+                    self.stats.syscalls += 1
+                if self.on_progress is not None:
+                    self.on_progress(total)
+                j += 1
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by load()
+            errors.append(exc)
