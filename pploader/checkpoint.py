@@ -106,17 +106,45 @@ def _sniff(head: bytes) -> str:
     return ""
 
 
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+#: dims and byte sizes must fit a signed 64-bit integer (torch's sizes, the reference's usize)
+_MAX_SIZE = 2 ** 63
+
+
 def _no_duplicates(pairs: list) -> dict:
+    """json object hook: a repeated key is an error (json and the reference keep the last)."""
     seen: dict = {}
     for key, value in pairs:
         if key in seen:
-            raise CheckpointError(f"duplicate key {key!r} in the header", tensor=str(key))
+            raise CheckpointError(f"duplicate key {key!r} in the JSON",
+                                  tensor=None if key in _ENTRY_KEYS else str(key))
         seen[key] = value
     return seen
 
 
+def _no_constants(name: str) -> object:
+    """json hook: NaN / Infinity are not JSON (Python's json accepts them by default)."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _is_text(x: object) -> bool:
+    """A str that is valid Unicode (JSON escapes can smuggle in lone surrogates)."""
+    if not isinstance(x, str):
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _loads(raw: bytes | str) -> object:
+    """Strict JSON: no duplicate keys, no NaN/Infinity."""
+    return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
 def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
@@ -153,15 +181,19 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
     if not raw.lstrip().startswith(b"{"):
         raise CheckpointError(f"not a safetensors file: header is not a JSON object{_sniff(head + raw)}",
                               file=name)
-    if raw.count(b'"data_offsets"') > max_tensors:
-        raise CheckpointError(f"header declares more than {max_tensors} tensors", file=name)
+    # every tensor entry is a JSON object, so "{" bytes bound the tensor count from above
+    # (escapes cannot hide a "{"); checked before paying for a JSON parse
+    if raw.count(b"{") - 1 > max_tensors:
+        raise CheckpointError(f"header has room for more than {max_tensors} tensors "
+                              f"({raw.count(b'{') - 1} JSON objects): refusing to parse it",
+                              file=name)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})",
                               file=name) from exc
     try:
-        obj = json.loads(text, object_pairs_hook=_no_duplicates)
+        obj = _loads(text)
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
     except (ValueError, RecursionError) as exc:
@@ -170,10 +202,15 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
         raise CheckpointError("header is not a JSON object", file=name)
     data_start = 8 + n
     data_len = st.st_size - data_start
-    metadata = obj.pop("__metadata__", None) or {}
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            _is_text(k) and _is_text(v) for k, v in metadata.items()):
         raise CheckpointError("__metadata__ must map strings to strings", file=name)
+    if len(obj) > max_tensors:
+        raise CheckpointError(f"header declares {len(obj)} tensors, more than {max_tensors}",
+                              file=name)
     tensors: dict[str, TensorEntry] = {}
     for tname, info in obj.items():
         tensors[tname] = _entry(name, tname, info, data_start, data_len)
@@ -185,26 +222,53 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(msg, file=file, tensor=tname)
 
-    if not tname:
-        raise bad("empty tensor name")
+    if not tname or not _is_text(tname):
+        raise bad("tensor name is empty or not valid Unicode")
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise bad("entry must be an object with exactly dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
     if not isinstance(dtype, str) or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise bad(f"shape must be a list of non-negative integers, got {shape!r}")
+        raise bad(f"shape must be a list of non-negative integers, got {_short(shape)}")
     if (not isinstance(offsets, list) or len(offsets) != 2
             or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
-        raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {offsets!r}")
+        raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {_short(offsets)}")
     begin, end = offsets
-    span = math.prod(shape) * DTYPES[dtype][1]
+    span = _span_bytes(shape, DTYPES[dtype][1])
+    if span is None:
+        raise bad(f"size overflow: shape {_short(shape)} x {DTYPES[dtype][1]} bytes does not fit "
+                  "in 64 bits")
     if end - begin != span:
-        raise bad(f"byte span {end - begin} != numel x itemsize = {span} for shape {shape} {dtype}")
+        raise bad(f"byte span {end - begin} != numel x itemsize = {span} for shape "
+                  f"{_short(shape)} {dtype}")
     if end > data_len:
         raise bad(f"data_offsets end {end} is past the end of the data region ({data_len} bytes): "
                   "file truncated?")
     return TensorEntry(tname, file, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _short(value: object, limit: int = 120) -> str:
+    """repr for messages, cut short (a hostile header can hold million-element lists)."""
+    if isinstance(value, list) and len(value) > 8:
+        return repr(value[:8])[:-1] + f", ... ({len(value)} items)]"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...]"
+
+
+def _span_bytes(shape: list, itemsize: int) -> Optional[int]:
+    """numel x itemsize, or None when a dim or the product overflows 64 bits. Multiplied
+    step by step so a huge shape list cannot make a huge integer."""
+    if any(d >= _MAX_SIZE for d in shape):
+        return None
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for d in shape:
+        total *= d
+        if total >= _MAX_SIZE:
+            return None
+    return total
 
 
 def _check_tiling(file: str, tensors: Mapping[str, TensorEntry], data_start: int,
@@ -227,8 +291,11 @@ def _check_tiling(file: str, tensors: Mapping[str, TensorEntry], data_start: int
 
 def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
     """Reject weight_map values that could escape the model directory."""
-    if not isinstance(value, str) or not value:
-        raise CheckpointError(f"weight_map value {value!r} is not a file name",
+    if not _is_text(tensor) or not tensor:
+        raise CheckpointError(f"weight_map key {_short(tensor)} is not a valid tensor name",
+                              file=index_file)
+    if not _is_text(value) or not value:
+        raise CheckpointError(f"weight_map value {_short(value)} is not a file name",
                               file=index_file, tensor=tensor)
     parts = value.split("/")
     if ("\x00" in value or "\\" in value or value.startswith("/") or os.path.isabs(value)
@@ -239,12 +306,14 @@ def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
 
 
 def _allowed_roots(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
+    """The model directory, its HF-cache repo folder when it is a snapshot, and ``extra``."""
     roots = [root.resolve()]
-    # Hugging Face cache: <repo>/snapshots/<rev>/file -> <repo>/blobs/<sha>
-    if root.parent.name == "snapshots":
-        roots.append(root.parent.parent.resolve())
+    # Hugging Face cache: <repo>/snapshots/<rev>/file -> ../../blobs/<sha>
+    for snap in (Path(os.path.abspath(root)), root.resolve()):
+        if snap.parent.name == "snapshots":
+            roots.append(snap.parent.parent.resolve())
     roots += [Path(p).resolve() for p in extra]
-    return roots
+    return list(dict.fromkeys(roots))
 
 
 @dataclass
@@ -326,8 +395,8 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
         raise CheckpointError("model directory does not exist", file=str(root))
     roots = _allowed_roots(root, allowed_roots)
     index_path = root / INDEX_NAME
-    if index_path.exists():
-        weight_map = _read_index(index_path)
+    if os.path.lexists(index_path):
+        weight_map = _read_index(_resolve(root, [INDEX_NAME], roots, str(root))[INDEX_NAME])
         files = list(dict.fromkeys(weight_map.values()))
         paths = _resolve(root, files, roots, INDEX_NAME)
         return CheckpointIndex(root, weight_map, paths, INDEX_NAME)
@@ -335,7 +404,9 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     if not shards:
         pickled = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))
         hint = (f"; found only pickle files ({', '.join(pickled[:4])}): pploader never unpickles "
-                "by default, convert them to safetensors first") if pickled else ""
+                "by default. If you trust them, convert once with `pploader convert "
+                "--allow-pickle SRC DST` (torch.load(weights_only=True), see "
+                "docs/reliability.md)") if pickled else ""
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
     paths = _resolve(root, shards, roots, str(root))
     weight_map: dict[str, str] = {}
@@ -353,11 +424,15 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
 
 
 def _read_index(index_path: Path) -> dict[str, str]:
+    """The validated weight_map of an index file (no shard is opened here)."""
+    if index_path.stat().st_size > MAX_HEADER_BYTES:
+        raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
+                              file=INDEX_NAME)
     try:
-        obj = json.loads(index_path.read_bytes().decode("utf-8"), object_pairs_hook=_no_duplicates)
+        obj = _loads(index_path.read_bytes().decode("utf-8"))
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=INDEX_NAME, tensor=exc.tensor) from None
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CheckpointError(f"not valid JSON: {exc}", file=INDEX_NAME) from None
     wmap = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wmap, dict) or not wmap:
@@ -370,7 +445,7 @@ def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
     """Resolve shard paths (symlinks allowed inside the roots); list every missing one."""
     missing = [f for f in files if not (root / f).is_file()]
     if missing:
-        raise CheckpointError(f"{len(missing)} shard file(s) named in {source} are missing: "
+        raise CheckpointError(f"{len(missing)} file(s) named in {source} are missing: "
                               + ", ".join(missing), file=source)
     paths = {}
     for f in files:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 __all__ = ["PPLoaderError", "CheckpointError", "ConfigError", "PlanError", "ReadError",
-           "TopologyError", "RankFailure", "NotReadyError"]
+           "TopologyError", "RankFailure", "NotReadyError", "MemoryBudgetError"]
 
 
 class PPLoaderError(Exception):
@@ -47,6 +47,17 @@ class PlanError(PPLoaderError):
 
 class ReadError(PPLoaderError):
     """Reading planned bytes failed (I/O error, file changed during load, cancelled)."""
+
+
+class MemoryBudgetError(ReadError):
+    """Out of memory while loading: an allocation of ``nbytes`` for ``tensor`` failed, or would
+    take the reader past its ``budget_bytes`` (``in_use_bytes`` already allocated)."""
+
+    def __init__(self, message: str, *, nbytes: int, in_use_bytes: int,
+                 budget_bytes: Optional[int], file: Optional[str] = None,
+                 tensor: Optional[str] = None, rank: Optional[int] = None) -> None:
+        self.nbytes, self.in_use_bytes, self.budget_bytes = nbytes, in_use_bytes, budget_bytes
+        super().__init__(message, file=file, tensor=tensor, rank=rank)
 
 
 class TopologyError(PPLoaderError):
