@@ -7,7 +7,7 @@ from typing import Sequence
 from .errors import PlanError
 
 __all__ = ["StageWindow", "even_windows", "explicit_windows", "balanced_windows",
-           "parse_partition", "windows_from_sizes"]
+           "parse_partition", "windows_from_sizes", "stage_costs"]
 
 
 @dataclass(frozen=True)
@@ -109,3 +109,12 @@ def balanced_windows(layer_costs: Sequence[float], pp: int, *, first_extra: floa
         sizes.append(j - i)
         j = i
     return windows_from_sizes(sizes[::-1])
+
+
+def stage_costs(windows: Sequence[StageWindow], layer_costs: Sequence[float], *,
+                first_extra: float = 0.0, last_extra: float = 0.0) -> list[float]:
+    """Each stage's cost under ``windows`` (what ``balanced_windows`` minimises the max of);
+    compare ``max / mean`` of even and balanced windows with it."""
+    return [float(sum(layer_costs[w.start_layer:w.end_layer]))
+            + (first_extra if w.has_embed else 0.0) + (last_extra if w.has_head else 0.0)
+            for w in windows]
