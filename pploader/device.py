@@ -29,23 +29,40 @@ DEFAULT_DEVICE_THREADS = 16
 
 
 class PinnedRing:
-    """``threads x slots_per_thread`` pinned host buffers of ``slot_bytes`` (allocate once)."""
+    """``threads x slots_per_thread`` pinned host buffers of ``slot_bytes``; allocate once and
+    pass the ring to every later load.
+
+    ``lazy=True`` pins each thread's slots on that thread's first use, so pinning (slow,
+    ~0.4 s per GiB) overlaps with the reads of threads that already have their slots.
+    """
 
     def __init__(self, threads: int = DEFAULT_DEVICE_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 slots_per_thread: int = 2) -> None:
+                 slots_per_thread: int = 2, *, lazy: bool = False) -> None:
         self.threads, self.slot_bytes, self.per_thread = threads, slot_bytes, slots_per_thread
-        start = time.perf_counter()
-        self.buffer = torch.empty(threads * slots_per_thread * slot_bytes, dtype=torch.uint8,
-                                  pin_memory=True)
-        self.alloc_seconds = time.perf_counter() - start
-        flat = self.buffer.numpy()
-        self.slots = [[(self.buffer[o:o + slot_bytes], memoryview(flat[o:o + slot_bytes]))
-                       for o in ((t * slots_per_thread + s) * slot_bytes
-                                 for s in range(slots_per_thread))] for t in range(threads)]
+        self._slots: list[Optional[list[tuple[torch.Tensor, memoryview]]]] = [None] * threads
+        self.alloc_seconds = 0.0
+        if not lazy:
+            for i in range(threads):
+                self.slots(i)
+
+    def slots(self, index: int) -> list[tuple[torch.Tensor, memoryview]]:
+        """Thread ``index``'s pinned slots as (tensor, writable memoryview) pairs."""
+        mine = self._slots[index]
+        if mine is None:
+            start = time.perf_counter()
+            buf = torch.empty(self.per_thread * self.slot_bytes, dtype=torch.uint8,
+                              pin_memory=True)
+            flat = buf.numpy()
+            n = self.slot_bytes
+            mine = [(buf[o:o + n], memoryview(flat[o:o + n]))
+                    for o in range(0, self.per_thread * n, n)]
+            self._slots[index] = mine
+            self.alloc_seconds += time.perf_counter() - start
+        return mine
 
     @property
     def nbytes(self) -> int:
-        return self.buffer.numel()
+        return sum(self.per_thread * self.slot_bytes for s in self._slots if s is not None)
 
 
 @dataclass(frozen=True)
@@ -169,7 +186,7 @@ class DeviceLoader:
 
     def _worker(self, index: int, queue, fds: Mapping[str, int],
                 errors: list[BaseException]) -> None:
-        slots = self.ring.slots[index]
+        slots = self.ring.slots(index)
         stream = torch.cuda.Stream(device=self.device)
         events: list[Optional[torch.cuda.Event]] = [None] * len(slots)
         j = 0

@@ -65,6 +65,8 @@ def _worker(rank: int, world: int, port: int, fn: Callable, args: tuple, outdir:
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     try:
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
         store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0,
                               timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
         dist.init_process_group(backend, store=store, rank=rank, world_size=world,
