@@ -5,20 +5,21 @@ Called on any process (no torch.distributed); ``pploader plan`` prints it for ev
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Optional, Sequence, Union
 
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from .errors import PlanError
 from .families.base import TensorRole
 from .partition import (StageWindow, balanced_windows, even_windows, explicit_windows)
+from .quant import QuantScheme, expand_template, quant_scheme, same_shape
 from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
                     tp_selection)
 from .spec import ModelSpec
 from .topology import Topology
 
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
-           "plan_mtp", "layer_bytes"]
+           "plan_mtp", "layer_bytes", "read_item"]
 
 #: "even", "balanced", or explicit layer counts per stage.
 Partition = Union[str, Sequence[int]]
@@ -76,6 +77,7 @@ class RankPlan:
     identities: Mapping[str, FileIdentity]
     header_bytes: int
     tensors: tuple[str, ...] = field(default=())
+    range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES   # the cost rule the items were made with
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -106,9 +108,18 @@ class RankPlan:
 
 
 def _roles(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
+    """Every checkpoint tensor's role; quantization companions take their weight's role (so
+    a scale follows its weight's layer, expert and stage)."""
     roles, unknown = {}, []
+    scheme = quant_scheme(spec)
     for name in index.weight_map:
-        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+        link = scheme.weight_of(name) if scheme is not None else None
+        if link is not None and link[0] in index.weight_map:
+            role = spec.family.classify(link[0], spec.num_layers, spec.num_mtp_layers)
+            if role is not None:
+                role = replace(role, component=role.component[:-len("weight")] + link[1].suffix)
+        else:
+            role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
         if role is None:
             unknown.append(name)
         else:
@@ -139,13 +150,20 @@ def layer_bytes(spec: ModelSpec, index: CheckpointIndex) -> tuple[list[int], int
 
 
 def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
-                 partition: Partition = "even") -> tuple[StageWindow, ...]:
-    """Stage windows for all PP ranks (balanced reads every header; even/explicit none)."""
+                 partition: Partition = "even", *,
+                 cache_bytes: Optional[Sequence[int]] = None) -> tuple[StageWindow, ...]:
+    """Stage windows for all PP ranks (balanced reads every header; even/explicit none).
+
+    ``cache_bytes`` (per layer, e.g. ``pools.layer_cache_bytes`` at a target load) is added to
+    the weight bytes ``balanced`` weighs, so stages with cache-heavy layers get fewer layers.
+    """
     if isinstance(partition, str):
         if partition == "even":
             return even_windows(spec.num_layers, pp)
         if partition == "balanced":
             per_layer, first, last = layer_bytes(spec, index)
+            if cache_bytes is not None:
+                per_layer = [w + c for w, c in zip(per_layer, cache_bytes, strict=True)]
             return balanced_windows(per_layer, pp, first_extra=first, last_extra=last)
         raise PlanError(f"unknown partition {partition!r}: use even, balanced or counts like 8,8,9,7")
     return explicit_windows(list(partition), spec.num_layers, pp)
@@ -163,7 +181,10 @@ def _wanted(role: TensorRole, window: StageWindow, experts: Optional[tuple[int, 
     return True
 
 
-def _item(entry: TensorEntry, target: str, selection: Selection, range_cost: int) -> ReadItem:
+def read_item(entry: TensorEntry, target: str, selection: Selection,
+              range_cost: int = DEFAULT_RANGE_COST_BYTES) -> ReadItem:
+    """The ReadItem of ``selection`` of ``entry``: direct byte runs (concatenated in C order),
+    or one covering box + gather when ``n_runs x range_cost`` makes run-by-run dearer."""
     shape, itemsize = entry.shape, entry.itemsize
     out_shape = selection.shape(shape)
     if not selection.dims:
@@ -196,17 +217,45 @@ def _unpadded(shape: tuple[int, ...], pad_rows: int) -> tuple[int, ...]:
     return (shape[0] - pad_rows,) + shape[1:] if pad_rows else shape
 
 
-def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
-               experts: Optional[tuple[int, int]]) -> Selection:
+def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tuple[int, ...],
+                       topo: Topology, experts: Optional[tuple[int, int]]) -> Selection:
+    """TP rule + local experts on a (logical) shape."""
     rule = spec.family.shard_rule(role.component)
-    sel = tp_selection(rule, entry.shape, spec, topo.tp_rank, topo.tp_size, entry.name)
+    sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
     if role.fused_experts and experts is not None:
-        if not entry.shape or entry.shape[0] != spec.num_experts:
-            raise PlanError(f"fused expert tensor has shape {list(entry.shape)}, expected dim 0 = "
-                            f"num_experts {spec.num_experts}", file=entry.file, tensor=entry.name)
+        if not shape or shape[0] != spec.num_experts:
+            raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
+                            f"num_experts {spec.num_experts}", tensor=name)
         if experts != (0, spec.num_experts):
             sel = Selection(((0, ((experts[0], experts[1] - experts[0]),)),)).merged(sel)
     return sel
+
+
+def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
+               experts: Optional[tuple[int, int]], index: CheckpointIndex,
+               scheme: Optional[QuantScheme]) -> Selection:
+    """The rank's selection of ``entry``; quantized weights and their companions are sliced
+    from the weight's logical selection (quant.py)."""
+    link = scheme.weight_of(entry.name) if scheme is not None else None
+    if scheme is not None and link is not None and link[0] in index.weight_map:
+        weight, comp = index.entry(link[0]), link[1]
+        if not scheme.is_quantized(weight.name, weight.dtype, len(weight.shape)):
+            raise PlanError(f"{comp.suffix} of a weight stored as {weight.dtype} {list(weight.shape)}"
+                            f" ({scheme.name} weights are {scheme.weight_dtype}, >= 2-d)",
+                            file=entry.file, tensor=entry.name, rank=topo.rank)
+        logical = scheme.logical_shape(weight.shape)
+        if not same_shape(comp.shape(logical), entry.shape):
+            raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
+                            f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
+                            file=entry.file, tensor=entry.name, rank=topo.rank)
+        wrole = replace(role, component=role.component[:-len(comp.suffix)] + "weight")
+        wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
+        return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
+    if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
+        logical = scheme.logical_shape(entry.shape)
+        wsel = _logical_selection(spec, role, entry.name, logical, topo, experts)
+        return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
+    return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
 
 
 def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
@@ -230,11 +279,17 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     if strict:
         _check_expected(spec, index, chosen, window, experts, topology)
     items = []
+    scheme = quant_scheme(spec)
     for name, role in chosen.items():
         entry = index.entry(name)
-        sel = _selection(spec, role, entry, topology, experts)
-        items.append(_item(entry, targets[name], sel, range_cost_bytes))
-    return _finish(spec, index, topology, window, experts, items, list(chosen))
+        try:
+            sel = _selection(spec, role, entry, topology, experts, index, scheme)
+        except PlanError as exc:  # name the file and rank of the tensor being planned
+            raise PlanError(exc.detail, file=exc.file or entry.file, tensor=exc.tensor or name,
+                            rank=topology.rank) from None
+        items.append(read_item(entry, targets[name], sel, range_cost_bytes))
+    return replace(_finish(spec, index, topology, window, experts, items, list(chosen)),
+                   range_cost_bytes=range_cost_bytes)
 
 
 def _head_name(spec: ModelSpec) -> str:
@@ -265,12 +320,18 @@ def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str
     """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
     if spec.family.template is None:
         return
-    expected = spec.family.template(spec)
+    template = spec.family.template(spec)
     roles = {n: spec.family.classify(n, spec.num_layers, spec.num_mtp_layers)
-             for n in expected}
-    need = {n for n, r in roles.items() if r is not None and _wanted(r, window, experts)}
+             for n in template}
+    expected = {n: tuple(template[n]) for n, r in roles.items()
+                if r is not None and _wanted(r, window, experts)}
+    scheme = quant_scheme(spec)
+    if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
+        expected = expand_template(  # an error like any missing tensor)
+            scheme, expected,
+            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
     have = {n for n in chosen if _wanted(chosen[n], window, experts)}
-    missing = sorted(need - set(index.weight_map))
+    missing = sorted(set(expected) - set(index.weight_map))
     unexpected = sorted(have - set(expected))
     where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
     if missing:
@@ -283,16 +344,17 @@ def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str
                         tensor=unexpected[0], rank=topology.rank)
     for name in sorted(have):
         entry = index.entry(name)
-        if tuple(expected[name]) != entry.shape:
+        if not same_shape(expected[name], entry.shape):
             raise PlanError(f"shape {list(entry.shape)} in the checkpoint != {list(expected[name])} "
                             "expected from config.json", file=entry.file, tensor=name,
                             rank=topology.rank)
 
 
 def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
-             partition: Partition = "even", strict: bool = True) -> list[RankPlan]:
+             partition: Partition = "even", strict: bool = True,
+             cache_bytes: Optional[Sequence[int]] = None) -> list[RankPlan]:
     """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
-    windows = make_windows(spec, index, pp, partition)
+    windows = make_windows(spec, index, pp, partition, cache_bytes=cache_bytes)
     topo = Topology(pp, tp, ep)
     return [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict) for t in topo.all_ranks()]
 
@@ -306,15 +368,49 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
     topo = topology or Topology(1)
     layer = spec.num_layers + mtp_layer
     window = StageWindow(topo.pp_rank, layer, layer + 1, False, False)
+    experts = (local_experts(spec.num_experts, topo.ep_size, topo.ep_rank)
+               if spec.num_experts and topo.ep_size > 1 else None)
     items, names = [], []
+    scheme = quant_scheme(spec)
     for name, role in _roles(spec, index).items():
-        if role.placement == "mtp" and role.layer == layer:
+        if role.placement == "mtp" and role.layer == layer and (
+                role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
             entry = index.entry(name)
-            sel = tp_selection(spec.family.shard_rule(role.component), entry.shape, spec,
-                               topo.tp_rank, topo.tp_size, name)
-            items.append(_item(entry, spec.family.layer_name(0, role.component), sel,
-                               DEFAULT_RANGE_COST_BYTES))
+            sel = _selection(spec, role, entry, topo, experts, index, scheme)
+            items.append(read_item(entry, spec.family.layer_name(0, role.component), sel))
             names.append(name)
     if not items:
         raise PlanError(f"no tensors for MTP layer {mtp_layer} (global layer {layer})")
-    return _finish(spec, index, topo, window, None, items, names)
+    _check_mtp(spec, index, layer, names, experts)
+    return _finish(spec, index, topo, window, experts, items, names)
+
+
+def _check_mtp(spec: ModelSpec, index: CheckpointIndex, layer: int, names: Sequence[str],
+               experts: Optional[tuple[int, int]]) -> None:
+    """Strict accounting of a draft plan: the MTP layer's tensors (local experts) equal the
+    template's, shapes too (quantized: stored shapes + companions, as for stages)."""
+    if spec.family.template is None:
+        return
+    expected = {}
+    for name, shape in spec.family.template(spec).items():
+        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+        if role is not None and role.placement == "mtp" and role.layer == layer and (
+                role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
+            expected[name] = tuple(shape)
+    scheme = quant_scheme(spec)
+    if scheme is not None:
+        expected = expand_template(
+            scheme, expected,
+            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
+    missing = sorted(set(expected) - set(index.weight_map))
+    unexpected = sorted(set(names) - set(expected))
+    for what, bad in (("missing from the checkpoint", missing), ("not expected", unexpected)):
+        if bad:
+            raise PlanError(f"MTP layer {layer}: {len(bad)} tensor(s) {what}: "
+                            + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""), tensor=bad[0])
+    for name in names:
+        entry = index.entry(name)
+        if not same_shape(expected[name], entry.shape):
+            raise PlanError(f"shape {list(entry.shape)} in the checkpoint != "
+                            f"{list(expected[name])} expected from config.json", file=entry.file,
+                            tensor=name)

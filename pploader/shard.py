@@ -60,44 +60,70 @@ def local_experts(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, in
 
 def tp_selection(rule: Optional[ShardRule], shape: tuple[int, ...], spec: "ModelSpec",
                  tp_rank: int, tp_size: int, name: str) -> Selection:
-    """The TP rank's piece of a tensor under ``rule`` (None or dim None = replicated)."""
+    """The TP rank's piece of a tensor under ``rule`` (None or dim None = replicated).
+
+    A selection that covers its whole dim is returned as replicated (``Selection()``), so
+    ranks holding identical bytes have identical items (see ``plan.share_reads``).
+    """
     if rule is None or rule.dim is None or tp_size == 1:
         return Selection()
-    dim = rule.dim
-    if dim >= len(shape):
-        raise PlanError(f"shard rule splits dim {dim} of a {len(shape)}-d tensor {list(shape)}",
-                        tensor=name)
+    if not -len(shape) <= rule.dim < len(shape):
+        raise PlanError(f"shard rule splits dim {rule.dim} of a {len(shape)}-d tensor "
+                        f"{list(shape)} (tp={tp_size})", tensor=name)
+    dim = rule.dim % len(shape)
     size = shape[dim]
+    where = f"dim {dim} of shape {list(shape)} over tp={tp_size}"
     if rule.pad:
+        if dim != 0:
+            raise PlanError(f"padded (vocab) split must be on dim 0, not {where}", tensor=name)
         per = -(-size // tp_size)
         start = min(tp_rank * per, size)
         length = min(per, size - start)
-        return Selection(((dim, ((start, length),)),), pad_rows=per - length if dim == 0 else 0)
-    segments = rule.segments(spec) if rule.segments else (size,)
-    if sum(segments) != size:
-        raise PlanError(f"segments {list(segments)} do not sum to dim {dim} = {size} of shape "
-                        f"{list(shape)}", tensor=name)
+        return Selection(((0, ((start, length),)),), pad_rows=per - length)
+    segments = tuple(rule.segments(spec)) if rule.segments else (size,)
+    if sum(segments) != size or any(s < 0 for s in segments):
+        raise PlanError(f"segments {list(segments)} do not sum to {size}: cannot split {where}",
+                        tensor=name)
     units = rule.units(spec) if rule.units else None
+    per_segment = units if isinstance(units, tuple) else (units,) * len(segments)
+    if len(per_segment) != len(segments):
+        raise PlanError(f"{len(per_segment)} unit counts for {len(segments)} segments: cannot "
+                        f"split {where}", tensor=name)
     intervals, offset = [], 0
-    for seg in segments:
-        n_units = units if units is not None else seg
-        if seg % n_units:
-            raise PlanError(f"dim {dim} segment of {seg} is not a multiple of {n_units} units "
-                            f"(shape {list(shape)})", tensor=name)
-        unit = seg // n_units
-        if n_units >= tp_size:
-            if n_units % tp_size:
-                raise PlanError(f"cannot split dim {dim} ({n_units} units of {unit}) of shape "
-                                f"{list(shape)} evenly over tp={tp_size}", tensor=name)
-            per = n_units // tp_size
-            intervals.append((offset + tp_rank * per * unit, per * unit))
-        else:
-            if tp_size % n_units:
-                raise PlanError(f"{n_units} units on dim {dim} of shape {list(shape)} cannot be "
-                                f"replicated evenly over tp={tp_size}", tensor=name)
-            intervals.append((offset + (tp_rank * n_units // tp_size) * unit, unit))
+    for seg, seg_units in zip(segments, per_segment):
+        intervals.append(_segment_piece(seg, seg_units, offset, tp_rank, tp_size, where, name))
         offset += seg
-    return Selection(((dim, tuple(_merge(intervals))),))
+    merged = tuple(_merge(intervals))
+    if merged == ((0, size),):
+        return Selection()
+    return Selection(((dim, merged),))
+
+
+def _segment_piece(seg: int, seg_units: Optional[int], offset: int, tp_rank: int, tp_size: int,
+                   where: str, name: str) -> Interval:
+    """The rank's interval of one segment: an even share of its units, or (declared units
+    fewer than tp, e.g. kv heads) one replicated unit."""
+    if seg == 0:
+        return (offset, 0)
+    if seg_units is None:  # every row is its own unit: must split evenly, never replicate
+        if seg % tp_size:
+            raise PlanError(f"segment of {seg} does not divide: cannot split {where}", tensor=name)
+        per = seg // tp_size
+        return (offset + tp_rank * per, per)
+    if seg_units <= 0 or seg % seg_units:
+        raise PlanError(f"segment of {seg} is not a multiple of {seg_units} units: cannot split "
+                        f"{where}", tensor=name)
+    unit = seg // seg_units
+    if seg_units >= tp_size:
+        if seg_units % tp_size:
+            raise PlanError(f"{seg_units} units of {unit} do not divide: cannot split {where}",
+                            tensor=name)
+        per = seg_units // tp_size
+        return (offset + tp_rank * per * unit, per * unit)
+    if tp_size % seg_units:
+        raise PlanError(f"{seg_units} units of {unit} cannot be replicated evenly: cannot split "
+                        f"{where}", tensor=name)
+    return (offset + (tp_rank * seg_units // tp_size) * unit, unit)
 
 
 def _merge(intervals: list[Interval]) -> list[Interval]:

@@ -1,0 +1,130 @@
+"""Read once for replicas: items several ranks of a stage plan identically are read by one
+of them and broadcast to the others. Pure planning; ``stage.load_stage(read_once=True)`` runs
+it and ``comm.Comm.broadcast_bytes`` moves the bytes.
+
+When it pays: storage slower than the interconnect (network file systems, object-store
+mounts, a cold cache shared by many ranks): replicated tensors (norms, routers, MLA's
+replicated projections, and with EP > 1 every non-expert tensor) cost storage bytes once per
+group instead of once per rank. On local NVMe or a warm page cache reading is as fast as a
+broadcast and the extra synchronisation only costs, hence the default is off.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Sequence
+
+from .errors import PlanError
+from .plan import RankPlan, ReadItem
+from .topology import Topology
+
+__all__ = ["SHARE_GROUPS", "SharedItem", "SharedPlan", "share_reads"]
+
+#: Topology groups (largest first) within which identical items are read once and broadcast.
+SHARE_GROUPS = ("stage", "tp", "replica")
+
+
+def _group(topo: Topology, group: str) -> tuple[int, ...]:
+    return {"stage": topo.stage_group, "tp": topo.tp_group, "replica": topo.replica_group}[group]()
+
+
+@dataclass(frozen=True)
+class SharedItem:
+    """An item every rank of ``ranks`` plans identically: ``reader`` reads it from storage and
+    broadcasts it over its ``group`` (a Topology group name); the others receive it."""
+
+    item: ReadItem
+    group: str
+    ranks: tuple[int, ...]
+    reader: int
+
+
+@dataclass(frozen=True)
+class SharedPlan:
+    """One rank's part of a read-once load.
+
+    ``own``: the rank's unshared items (read as usual). ``shared``: every broadcast it takes
+    part in, in the one global order all ranks issue them (by tensor name, then target), so
+    ranks in overlapping groups can never wait on each other in a cycle.
+    """
+
+    own: RankPlan
+    shared: tuple[SharedItem, ...]
+
+    @property
+    def rank(self) -> int:
+        return self.own.topology.rank
+
+    @property
+    def reads(self) -> RankPlan:
+        """The shared items this rank reads for its groups, in broadcast order."""
+        return replace(self.own, items=tuple(s.item for s in self.shared if s.reader == self.rank))
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes this rank plans to read from storage (own + shared items it reads)."""
+        return self.own.read_bytes + self.reads.read_bytes
+
+    @property
+    def received_bytes(self) -> int:
+        return sum(s.item.nbytes for s in self.shared if s.reader != self.rank)
+
+
+def share_reads(stage_plans: Sequence[RankPlan]) -> dict[int, SharedPlan]:
+    """Split the plans of every rank of one stage into own reads and read-once broadcasts.
+
+    An item is shared over the largest group (stage, then tp, then replica) whose members all
+    plan it identically (same bytes, same slice); a group is used only when every member
+    chose it. Each shared item gets one reader, balanced by bytes (largest first to the
+    least-loaded member). Pure and deterministic: every rank computes the same answer from
+    the same plans (``stage.load_stage(read_once=True)`` uses it).
+    """
+    plans = {p.topology.rank: p for p in stage_plans}
+    if not plans:
+        return {}
+    stage = set(next(iter(plans.values())).topology.stage_group())
+    if set(plans) != stage:
+        raise PlanError(f"share_reads needs the plans of every rank of one stage {sorted(stage)}, "
+                        f"got ranks {sorted(plans)}")
+    Key = tuple[str, str]
+    items: dict[int, dict[Key, ReadItem]] = {
+        r: {(i.name, i.target): i for i in p.items} for r, p in plans.items()}
+    choice: dict[tuple[int, Key], str] = {}
+    for r, p in plans.items():
+        for key, item in items[r].items():
+            for g in SHARE_GROUPS:
+                ranks = _group(p.topology, g)
+                if len(ranks) > 1 and all(items[m].get(key) == item for m in ranks):
+                    choice[r, key] = g
+                    break
+    changed = True
+    while changed:  # a group is used only if all its members chose it for this item
+        changed = False
+        for (r, key), g in list(choice.items()):
+            ranks = _group(plans[r].topology, g)
+            if any(choice.get((m, key)) != g for m in ranks):
+                for m in ranks:
+                    if choice.get((m, key)) == g:
+                        del choice[m, key]
+                changed = True
+    readers: dict[tuple[str, tuple[int, ...], Key], int] = {}
+    groups = {(g, _group(plans[r].topology, g), key): items[r][key]
+              for (r, key), g in choice.items()}
+    load = dict.fromkeys(plans, 0)
+    for gk in sorted(groups, key=lambda k: (-groups[k].read_bytes, k)):
+        reader = min(gk[1], key=lambda m: (load[m], m))
+        readers[gk] = reader
+        load[reader] += groups[gk].read_bytes
+    out = {}
+    for r, p in plans.items():
+        own, shared = [], []
+        for item in p.items:
+            key = (item.name, item.target)
+            g = choice.get((r, key))
+            if g is None:
+                own.append(item)
+                continue
+            ranks = _group(p.topology, g)
+            shared.append(SharedItem(item, g, ranks, readers[g, ranks, key]))
+        shared.sort(key=lambda s: (s.item.name, s.item.target))
+        out[r] = SharedPlan(replace(p, items=tuple(own)), tuple(shared))
+    return out

@@ -1,0 +1,267 @@
+"""Quantized checkpoints: FP8 block-scaled, FP8 per-channel / per-tensor and NVFP4 (ModelOpt).
+
+The tests quantize a tiny llama themselves (numerics written here, independent of pploader),
+write it as safetensors (F8_E4M3 / U8 weights, F32 / F8 scales), then load every TP rank's
+shard and check that the scales are consistent with their weights: dequantize(shard, scale
+shard) equals the reference slicing of dequantize(full weight, full scale), bitwise, and the
+scale shards reassemble the full scale.
+"""
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from helpers import reference_tensors, tiny_config
+from pploader import (ConfigError, PlanError, Reader, Topology, load_spec,
+                      load_stage, open_checkpoint, plan_all, plan_stage, spec_from_config)
+from pploader.quant import expected_tensors, scheme_from_config
+from pploader.tiny import write_checkpoint
+from test_tp import _bytes, llama_rule, ref_reassemble, ref_shard
+
+F8 = torch.float8_e4m3fn
+E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+# ---- reference numerics ----------------------------------------------------------------------
+def fp8_block(w: torch.Tensor, bn: int, bk: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    scale = torch.empty(-(-n // bn), -(-k // bk))
+    q = torch.empty(n, k, dtype=F8)
+    for i in range(scale.shape[0]):
+        for j in range(scale.shape[1]):
+            blk = w[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk]
+            scale[i, j] = blk.abs().max().clamp(min=1e-12) / 448
+            q[i * bn:(i + 1) * bn, j * bk:(j + 1) * bk] = (blk / scale[i, j]).to(F8)
+    return {"weight": q, "weight_scale_inv": scale}
+
+
+def fp8_block_dequant(t: dict[str, torch.Tensor], bn: int, bk: int) -> torch.Tensor:
+    n, k = t["weight"].shape
+    s = t["weight_scale_inv"].repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return t["weight"].float() * s
+
+
+def nvfp4(w: torch.Tensor, group: int) -> dict[str, torch.Tensor]:
+    n, k = w.shape
+    gs = w.abs().max() / (448 * 6)
+    g = w.reshape(n, k // group, group)
+    scale = (g.abs().amax(-1) / 6 / gs).clamp(min=2 ** -6).to(F8)
+    x = g / (scale.float() * gs).unsqueeze(-1)
+    codes = (x.abs().unsqueeze(-1) - E2M1).abs().argmin(-1) | ((x < 0).long() << 3)
+    codes = codes.reshape(n, k).to(torch.uint8)
+    return {"weight": codes[:, 0::2] | (codes[:, 1::2] << 4), "weight_scale": scale,
+            "weight_scale_2": gs.reshape(()), "input_scale": torch.tensor(0.5)}
+
+
+def nvfp4_dequant(t: dict[str, torch.Tensor], group: int) -> torch.Tensor:
+    p = t["weight"]
+    codes = torch.stack([p & 0xF, p >> 4], -1).reshape(p.shape[0], -1).long()
+    vals = E2M1[codes & 7] * (1 - 2 * (codes >> 3)).float()
+    return vals * t["weight_scale"].float().repeat_interleave(group, 1) * t["weight_scale_2"]
+
+
+def fp8_channel(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    s = w.abs().amax(1, keepdim=True).clamp(min=1e-12) / 448
+    return {"weight": (w / s).to(F8), "weight_scale": s, "input_scale": torch.ones(1)}
+
+
+def fp8_channel_dequant(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return t["weight"].float() * t["weight_scale"]
+
+
+def fp8_tensor(w: torch.Tensor) -> dict[str, torch.Tensor]:
+    s = w.abs().max().clamp(min=1e-12) / 448
+    return {"weight": (w / s).to(F8), "weight_scale": s.reshape(()),
+            "input_scale": torch.tensor(1.0)}
+
+
+def fp8_tensor_dequant(t: dict[str, torch.Tensor]) -> torch.Tensor:
+    return t["weight"].float() * t["weight_scale"]
+
+
+SCHEMES: dict[str, tuple[dict, Callable, Callable]] = {
+    "fp8-block": ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                   "weight_block_size": [16, 16]},
+                  lambda w: fp8_block(w, 16, 16), lambda t: fp8_block_dequant(t, 16, 16)),
+    "nvfp4": ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16},
+              lambda w: nvfp4(w, 16), lambda t: nvfp4_dequant(t, 16)),
+    "fp8-channel": ({"quant_method": "compressed-tensors", "format": "float-quantized",
+                     "config_groups": {"group_0": {
+                         "targets": ["Linear"],
+                         "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+                         "input_activations": {"type": "float", "num_bits": 8,
+                                               "strategy": "tensor", "dynamic": False}}},
+                     "ignore": ["lm_head"]}, fp8_channel, fp8_channel_dequant),
+    "fp8-tensor": ({"quant_method": "fp8", "activation_scheme": "static"},
+                   fp8_tensor, fp8_tensor_dequant),
+}
+
+
+def _quantized_weights(spec, names) -> list[str]:  # type: ignore[no-untyped-def]
+    """Linear weights of the decoder layers (what the test quantizes)."""
+    return [n for n in names if re.fullmatch(r"model\.layers\.\d+\..*_proj\.weight", n)]
+
+
+def write_quantized(out: Path, scheme: str, *, drop: Optional[str] = None,
+                    quant_config: Optional[dict] = None, seed: int = 0,
+                    quantize: Optional[Callable] = None) -> tuple[Path, dict]:
+    """A tiny llama quantized with ``scheme`` (``drop``: a tensor left out on purpose)."""
+    qc, default_quantize, _ = SCHEMES[scheme]
+    quantize = quantize or default_quantize
+    cfg = tiny_config(quantization_config=quant_config or qc)
+    spec = spec_from_config(cfg)
+    template = spec.family.template(spec)
+    gen = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    quantized = set(_quantized_weights(spec, template))
+    for name, shape in template.items():
+        w = torch.randn(tuple(shape), generator=gen) * 0.02 + 1e-3
+        if name not in quantized:
+            tensors[name] = w.to(torch.bfloat16)
+            continue
+        stem = name[:-len("weight")]
+        for suffix, t in quantize(w).items():
+            tensors[stem + suffix] = t
+    if drop is not None:
+        del tensors[drop]
+    write_checkpoint(out, tensors, cfg, shard_bytes=60_000)
+    return out, cfg
+
+
+def _parts(ref: dict[str, torch.Tensor], weight: str) -> dict[str, torch.Tensor]:
+    stem = weight[:-len("weight")]
+    return {k[len(stem):]: v for k, v in ref.items() if k.startswith(stem)
+            and k[len(stem):] in ("weight", "weight_scale_inv", "weight_scale",
+                                  "weight_scale_2", "input_scale")}
+
+
+# ---- scales follow weights at TP 1 / 2 / 4 ---------------------------------------------------
+@pytest.fixture(scope="module", params=list(SCHEMES))
+def quantized_model(request: pytest.FixtureRequest,
+                    tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
+    model, cfg = write_quantized(tmp_path_factory.mktemp(request.param), request.param)
+    return model, cfg, request.param
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_scales_consistent_with_weights(quantized_model: tuple[Path, dict, str], tp: int) -> None:
+    model, cfg, scheme = quantized_model
+    dequant = SCHEMES[scheme][2]
+    ref = reference_tensors(model)
+    weights = _quantized_weights(None, ref)
+    spec, index = load_spec(model), open_checkpoint(model)
+    plans = plan_all(spec, index, pp=1, tp=tp)   # strict: every companion accounted for
+    shards: list[dict[str, torch.Tensor]] = [dict(Reader(p)) for p in plans]
+    assert all(set(s) == set(ref) for s in shards)
+    for w in weights:
+        full = _parts(ref, w)
+        dim, units, _ = llama_rule(w, cfg)
+        whole = dequant(full)
+        pieces = []
+        for r, shard in enumerate(shards):
+            mine = _parts(shard, w)
+            assert set(mine) == set(full)
+            got = dequant(mine)
+            want = whole if tp == 1 else ref_shard(whole, dim, (whole.shape[dim],), units, tp,
+                                                   r, False)
+            assert torch.equal(got, want), (scheme, w, tp, r)
+            pieces.append(mine)
+        if tp > 1:  # every part reassembles: weights and per-block / per-row scales
+            for part, t in full.items():
+                if t.dim() < 2 or t.shape[dim] == 1:   # scalars, [N, 1] under a dim-1 split
+                    assert all(_bytes(p[part]) == _bytes(t) for p in pieces), (w, part)
+                    continue
+                back = ref_reassemble([p[part] for p in pieces], dim, (t.shape[dim],), units,
+                                      tp, t.shape[dim], False)
+                assert _bytes(back) == _bytes(t), (scheme, w, part, tp)
+
+
+def test_public_load_path_keeps_quantized_dtypes(quantized_model: tuple[Path, dict, str]) -> None:
+    model, _, scheme = quantized_model
+    staged = plan_stage(model, Topology(1, 2, rank=1))
+    result = load_stage(staged)
+    ref = reference_tensors(model)
+    for target, t in result.state_dict.items():
+        assert t.dtype == ref[target].dtype, target   # fp8 / packed uint8 / f32 scales kept
+    assert result.stats.read_bytes == staged.plan.read_bytes
+
+
+def test_expected_tensors_match_what_a_quantized_checkpoint_holds(
+        quantized_model: tuple[Path, dict, str]) -> None:
+    model, _, scheme = quantized_model
+    spec, ref = load_spec(model), reference_tensors(model)
+    held = {k: tuple(v.shape) for k, v in ref.items()}
+    expected = expected_tensors(spec)
+    assert set(expected) == set(held)
+    for name, shape in expected.items():
+        assert shape == held[name] or (shape == () and math.prod(held[name]) == 1), name
+
+
+# ---- errors ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("scheme, qc, quantize, ok_tp, tensor, dim", [
+    # k/v: 2 heads x 16 rows; at tp=2 each rank's 16 rows cut a 32-row block
+    ("fp8-block", {"quant_method": "fp8", "weight_block_size": [32, 32]},
+     lambda w: fp8_block(w, 32, 32), 1, r"self_attn\.[qkv]_proj\.weight", 0),
+    # o_proj: 64 inputs; at tp=4 each rank's 16 columns cut a 32-wide scale group
+    ("nvfp4", {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 32},
+     lambda w: nvfp4(w, 32), 2, r"self_attn\.o_proj\.weight", 1),
+])
+def test_split_cutting_a_block_is_a_clear_error(tmp_path: Path, scheme: str, qc: dict,
+                                                quantize: Callable, ok_tp: int, tensor: str,
+                                                dim: int) -> None:
+    model, _ = write_quantized(tmp_path / scheme, scheme, quant_config=qc, quantize=quantize)
+    spec, index = load_spec(model), open_checkpoint(model)
+    plan_all(spec, index, pp=1, tp=ok_tp)  # blocks divide these slices: fine
+    with pytest.raises(PlanError) as err:
+        plan_all(spec, index, pp=1, tp=ok_tp * 2)
+    msg = str(err.value)
+    assert "cuts" in msg and f"tp={ok_tp * 2}" in msg and f"dim {dim}" in msg, msg
+    assert "block 32" in msg and re.search(r"tensor model\.layers\.\d+\." + tensor, msg), msg
+    assert "shape [" in msg
+
+
+@pytest.mark.parametrize("scheme, drop", [("fp8-block", "weight_scale_inv"),
+                                          ("nvfp4", "weight_scale_2"),
+                                          ("nvfp4", "input_scale")])
+def test_missing_scale_is_an_error(tmp_path: Path, scheme: str, drop: str) -> None:
+    name = "model.layers.3.mlp.down_proj." + drop
+    model, _ = write_quantized(tmp_path / "m", scheme, drop=name)
+    spec, index = load_spec(model), open_checkpoint(model)
+    with pytest.raises(PlanError, match="missing") as err:
+        plan_all(spec, index, pp=2, tp=2)
+    assert err.value.tensor == name
+    plan_all(spec, index, pp=2, tp=2, strict=False)  # non-strict: loads what is there
+
+
+def test_scale_of_an_unquantized_weight_or_wrong_shape_is_an_error(tmp_path: Path) -> None:
+    model, cfg = write_quantized(tmp_path / "m", "fp8-block")
+    ref = reference_tensors(model)
+    bad = dict(ref)
+    bad["model.layers.0.input_layernorm.weight_scale_inv"] = torch.ones(1, 1)
+    write_checkpoint(tmp_path / "extra", bad, cfg)
+    with pytest.raises(PlanError, match="not expected"):
+        plan_all(load_spec(tmp_path / "extra"), open_checkpoint(tmp_path / "extra"), pp=1)
+    bad = dict(ref)
+    bad["model.layers.0.mlp.up_proj.weight_scale_inv"] = torch.ones(7, 4)
+    write_checkpoint(tmp_path / "shape", bad, cfg)
+    with pytest.raises(PlanError, match=r"shape \[7, 4\]"):
+        plan_all(load_spec(tmp_path / "shape"), open_checkpoint(tmp_path / "shape"), pp=1)
+    with pytest.raises(PlanError, match=r"expected \[8, 4\]"):
+        plan_all(load_spec(tmp_path / "shape"), open_checkpoint(tmp_path / "shape"), pp=1,
+                 tp=2, strict=False)
+
+
+def test_unsupported_quantization_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="quant_method 'gptq' is not supported"):
+        scheme_from_config({"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    with pytest.raises(ConfigError, match="weight_block_size"):
+        scheme_from_config({"quantization_config": {"quant_method": "fp8",
+                                                    "weight_block_size": [128]}})
+    assert scheme_from_config({"hidden_size": 8}) is None
+
+
