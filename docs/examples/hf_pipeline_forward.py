@@ -44,7 +44,8 @@ def main() -> None:
           f"{stage.stats.read_bytes / 2**20:.1f} MiB read", flush=True)
 
     vocab = stage.model.config.get_text_config().vocab_size
-    ids = torch.randint(0, vocab, (1, args.tokens), generator=torch.Generator().manual_seed(args.seed))
+    gen = torch.Generator().manual_seed(args.seed)
+    ids = torch.randint(0, vocab, (1, args.tokens), generator=gen)
     logits = pipeline_forward(stage, ids, comm)
     if logits is not None:
         print(f"rank {topo.rank}: logits {tuple(logits.shape)}, next token "
