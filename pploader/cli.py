@@ -11,12 +11,15 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from . import __version__
 from .errors import PPLoaderError, RankFailure
 from .partition import parse_partition
 from .read import DEFAULT_WINDOW_BYTES
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .comm import Comm
 
 __all__ = ["main", "build_parser"]
 
@@ -84,9 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
     p.add_argument("--threads", type=int, default=1, help="reader threads per rank (default 1)")
     p.add_argument("--timeout", type=float, default=60.0,
-                   help="seconds to wait for other ranks before naming them silent (default 60)")
-    p.add_argument("--backend", default=None, help="torch.distributed backend (default: nccl "
-                   "with GPUs, else gloo)")
+                   help="load timeout: a rank making no progress this long while others wait is "
+                   "named silent (hung), one whose heartbeat stops for min(10, timeout) s is "
+                   "named dead; every rank then exits 1 (default 60)")
+    p.add_argument("--backend", default=None, help="torch.distributed backend (default: "
+                   "$PPLOADER_BACKEND, else nccl when each rank has a GPU, else gloo)")
     p.add_argument("--save-loaded", metavar="DIR", default=None,
                    help="write each rank's tensors to DIR/rank-<rank>.safetensors")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
@@ -134,27 +139,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
+    """``pploader load`` on every rank: plan, agree, load, agree, report (docs/launch.md).
+
+    Any rank failing, hanging or dying makes every rank print the combined error and exit 1.
+    """
     from .bootstrap import init_distributed
     from .comm import Comm
-    from .report import ProgressBar
-    from .stage import load_stage, plan_stage
+    from .faults import fault_from_env, with_fault
     from .topology import Topology
     import torch.distributed as dist
 
+    fault = fault_from_env()  # test-only hook, None unless PPLOADER_FAULT is set
     launch = init_distributed(backend=args.backend, timeout_s=args.timeout)
     _setup_logging(launch.rank)
     topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
     comm = Comm(topo, timeout_s=args.timeout)
-    cancel = comm.watch_failures()
-    staged, error = None, None
+    try:
+        reports = _load_agreed(args, comm, with_fault(fault, topo.rank, comm.progress_adder()))
+    except RankFailure as exc:
+        sys.stderr.write(f"[rank {topo.rank}] pploader: load failed on the job: {exc}\n")
+        sys.stderr.flush()
+        comm.close()  # linger: every rank reads the verdict before the store's host leaves
+        os._exit(1)  # never hang in process-group teardown after a peer died
+    if topo.rank == 0:
+        if args.json:
+            print(json.dumps({"model": str(args.model), "launcher": launch.source,
+                              "backend": launch.backend, "world_size": launch.world_size,
+                              "pp": topo.pp_size, "tp": topo.tp_size, "ep": topo.ep_size,
+                              "ranks": reports}, indent=1))
+        else:
+            from .report import format_table
+            print(format_table(reports))
+        sys.stdout.flush()
+    dist.destroy_process_group()
+    comm.close()
+    return 0
+
+
+def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], None]
+                 ) -> list[dict]:
+    """Plan, agree, load, agree (called on all ranks); every rank's report, in rank order."""
+    from .report import ProgressBar
+    from .stage import load_stage, plan_stage
+
+    topo = comm.topology
+    cancel = comm.watch_failures(abort_after_s=min(10.0, args.timeout))
+    staged, error, report = None, None, None
     try:
         staged = plan_stage(args.model, topo, partition=args.partition)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     planned = comm.agree(error, staged.plan.read_bytes if staged else None)
-    add = comm.progress_adder()
     show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
-    result = None
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
@@ -166,20 +202,10 @@ def cmd_load(args: argparse.Namespace) -> int:
                 names = {i.target: i.name for i in result.plan.items}
                 save_file({names[k]: v.contiguous() for k, v in result.state_dict.items()},
                           str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
+            report = result.report.to_json()
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
-        comm.agree(error)
-    reports = comm.gather_to_root(result.report.to_json())
-    comm.close()
-    if reports is not None:
-        if args.json:
-            print(json.dumps({"model": str(args.model), "pp": topo.pp_size, "tp": topo.tp_size,
-                              "ep": topo.ep_size, "ranks": reports}, indent=1))
-        else:
-            from .report import format_table
-            print(format_table(reports))
-    dist.destroy_process_group()
-    return 0
+        return comm.agree(error, report)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
