@@ -223,7 +223,8 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
         return CheckpointError(msg, file=file, tensor=tname)
 
     if not tname or not _is_text(tname):
-        raise bad("tensor name is empty or not valid Unicode")
+        raise CheckpointError("tensor name is empty or not valid Unicode", file=file,
+                              tensor=ascii(tname))
     if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
         raise bad("entry must be an object with exactly dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
@@ -423,21 +424,21 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     return CheckpointIndex(root, weight_map, paths, source, headers)
 
 
-def _read_index(index_path: Path) -> dict[str, str]:
+def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     """The validated weight_map of an index file (no shard is opened here)."""
     if index_path.stat().st_size > MAX_HEADER_BYTES:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
-                              file=INDEX_NAME)
+                              file=name)
     try:
         obj = _loads(index_path.read_bytes().decode("utf-8"))
     except CheckpointError as exc:
-        raise CheckpointError(exc.detail, file=INDEX_NAME, tensor=exc.tensor) from None
+        raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise CheckpointError(f"not valid JSON: {exc}", file=INDEX_NAME) from None
+        raise CheckpointError(f"not valid JSON: {exc}", file=name) from None
     wmap = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wmap, dict) or not wmap:
-        raise CheckpointError("missing or empty weight_map object", file=INDEX_NAME)
-    return {t: _safe_relpath(f, t, INDEX_NAME) for t, f in wmap.items()}
+        raise CheckpointError("missing or empty weight_map object", file=name)
+    return {t: _safe_relpath(f, t, name) for t, f in wmap.items()}
 
 
 def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],

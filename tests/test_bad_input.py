@@ -628,6 +628,9 @@ def test_row21_memory_budget_is_a_structured_oom(tiny_llama: Path,
     assert e.budget_bytes == total // 2 and e.in_use_bytes + e.nbytes > total // 2
     assert f"{e.nbytes} bytes" in str(e) and e.tensor in str(e)
     load_stage(staged, memory_budget_bytes=total)  # exactly enough is enough
+    from pploader.cli import build_parser
+    args = build_parser().parse_args(["load", "--model", "m", "--memory-budget", "512M"])
+    assert args.memory_budget == 512 << 20
     # a real allocator failure becomes the same structured error
     import pploader.read as read_mod
 
