@@ -1,4 +1,4 @@
-"""pploader's command line: plan | load | make-tiny | bench.
+"""pploader's command line: plan | load | make-tiny | convert | bench.
 
 Exit codes: 0 success; 1 a load failed (every rank prints the combined error); 2 bad
 arguments or input found before any rank started loading.
@@ -96,6 +96,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write each rank's tensors to DIR/rank-<rank>.safetensors")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     p.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
+    p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
+                   help="fail with a structured out-of-memory error (tensor, bytes) when a rank "
+                   "would allocate more than this; accepts 512M, 1G (default: no cap)")
 
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
@@ -104,6 +107,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output directory")
     p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
     p.add_argument("--seed", type=int, default=None)
+
+    p = sub.add_parser("convert", help="convert a trusted .bin/.pt checkpoint to safetensors",
+                       description="pploader never unpickles by default. With --allow-pickle, "
+                       "read SRC's pickle files with torch.load(weights_only=True) and write "
+                       "safetensors shards + index to the new directory DST.")
+    p.add_argument("src", help="directory with pytorch_model*.bin / *.pt / *.pth")
+    p.add_argument("dst", help="new output directory (must not exist)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="required: you trust these pickle files")
+    p.add_argument("--shard-bytes", type=_size, default=4 << 30, help="target shard size")
 
     from .bench import add_bench_parser
     add_bench_parser(sub)
@@ -194,7 +207,8 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
-                                cancel=cancel, on_progress=add)
+                                cancel=cancel, on_progress=add,
+                                memory_budget_bytes=args.memory_budget)
             add.flush()  # type: ignore[attr-defined]
             if args.save_loaded:
                 from safetensors.torch import save_file
@@ -223,6 +237,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             from .tiny import make_tiny
             files = make_tiny(args.config, args.out, shard_bytes=args.shard_bytes, seed=args.seed)
             print(f"wrote {len(files)} shard(s) to {args.out}")
+            return 0
+        if args.command == "convert":
+            from .pickled import convert_to_safetensors
+            files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
+                                           shard_bytes=args.shard_bytes)
+            print(f"wrote {len(files)} safetensors shard(s) to {args.dst}")
             return 0
         if args.command == "bench":
             from .bench import run_bench

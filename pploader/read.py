@@ -11,6 +11,7 @@ Modes:
 """
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -22,7 +23,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 
 from .checkpoint import DTYPES, FileIdentity
-from .errors import ReadError
+from .errors import MemoryBudgetError, ReadError
 from .plan import RankPlan, ReadItem
 
 __all__ = ["Reader", "ReadStats", "owned", "is_borrowed", "default_window_bytes",
@@ -98,14 +99,20 @@ class Reader:
 
     def __init__(self, plan: RankPlan, *, window_bytes: Optional[int] = None, threads: int = 1,
                  mode: str = "owned", cancel: Optional[threading.Event] = None,
-                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+                 on_progress: Optional[Callable[[int], None]] = None,
+                 memory_budget_bytes: Optional[int] = None) -> None:
         if mode not in ("owned", "borrowed"):
             raise ValueError(f"mode must be 'owned' or 'borrowed', got {mode!r}")
         self.plan, self.threads, self.mode = plan, max(1, threads), mode
         self.window_bytes = window_bytes or default_window_bytes(plan)
         if self.window_bytes < plan.largest_item_bytes:
+            big = max(plan.items, key=lambda i: max(i.nbytes, i.read_bytes))
             raise ReadError(f"window of {self.window_bytes} bytes is smaller than the largest "
-                            f"item ({plan.largest_item_bytes} bytes)", rank=plan.topology.rank)
+                            f"item ({plan.largest_item_bytes} bytes)", file=big.file,
+                            tensor=big.name, rank=plan.topology.rank)
+        # every byte the reader allocates (outputs it hands out, scratch, the borrowed ring) is
+        # counted against memory_budget_bytes; exceeding it is a structured out-of-memory error
+        self.memory_budget_bytes, self._in_use_bytes = memory_budget_bytes, 0
         self.cancel, self.on_progress = cancel, on_progress
         self.stats = ReadStats()
         self._fds: dict[str, int] = {}
@@ -129,11 +136,47 @@ class Reader:
         then = self.plan.identities[file]
         if now != then:
             raise self._err(f"file changed during load (planned size {then.size}, inode "
-                            f"{then.inode}; now size {now.size}, inode {now.inode}): publish new "
-                            "checkpoints by writing elsewhere and renaming", file)
+                            f"{then.inode}, mtime_ns {then.mtime_ns}; now size {now.size}, inode "
+                            f"{now.inode}, mtime_ns {now.mtime_ns}): publish new checkpoints by "
+                            "writing elsewhere and renaming", file)
 
     def _err(self, msg: str, file: Optional[str] = None, tensor: Optional[str] = None) -> ReadError:
         return ReadError(msg, file=file, tensor=tensor, rank=self.plan.topology.rank)
+
+    def _empty(self, shape: tuple[int, ...], dtype: torch.dtype, item: Optional[ReadItem],
+               what: str = "tensor") -> torch.Tensor:
+        """torch.empty counted against the memory budget; OOM becomes MemoryBudgetError."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        in_use = self._reserve(nbytes, item, what)
+        file, name = (item.file, item.name) if item is not None else (None, None)
+        budget = self.memory_budget_bytes
+        try:
+            return torch.empty(shape, dtype=dtype)
+        except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if not isinstance(exc, MemoryError) and "alloc" not in str(exc).lower():
+                raise
+            raise MemoryBudgetError(f"out of memory: allocating {what} of {nbytes} bytes failed "
+                                    f"({in_use} bytes already allocated by this load): {exc}",
+                                    nbytes=nbytes, in_use_bytes=in_use, budget_bytes=budget,
+                                    file=file, tensor=name, rank=self.plan.topology.rank) from None
+
+    def _reserve(self, nbytes: int, item: Optional[ReadItem], what: str) -> int:
+        """Count ``nbytes`` against the budget (MemoryBudgetError past it); bytes in use before."""
+        budget = self.memory_budget_bytes
+        with self._lock:
+            in_use = self._in_use_bytes
+            if budget is not None and in_use + nbytes > budget:
+                raise MemoryBudgetError(
+                    f"out of memory: {what} of {nbytes} bytes would exceed the memory budget "
+                    f"({in_use} of {budget} bytes in use)", nbytes=nbytes, in_use_bytes=in_use,
+                    budget_bytes=budget, file=item.file if item else None,
+                    tensor=item.name if item else None, rank=self.plan.topology.rank)
+            self._in_use_bytes += nbytes
+            return in_use
+
+    def _release(self, nbytes: int) -> None:
+        with self._lock:
+            self._in_use_bytes -= nbytes
 
     def close(self) -> None:
         with self._lock:
@@ -186,7 +229,15 @@ class Reader:
             if item.pad_rows:
                 out[pos:] = bytes(len(out) - pos)
             return
-        buf = torch.empty(sum(n for _, n in item.ranges), dtype=torch.uint8)
+        scratch = sum(n for _, n in item.ranges)
+        buf = self._empty((scratch,), torch.uint8, item, "read buffer")
+        try:
+            self._gather_into(fd, item, buf, dst)
+        finally:
+            del buf
+            self._release(scratch)
+
+    def _gather_into(self, fd: int, item: ReadItem, buf: torch.Tensor, dst: torch.Tensor) -> None:
         view, pos = _as_bytes(buf), 0
         for off, n in item.ranges:
             self._pread_into(fd, [view[pos:pos + n]], off, item)
@@ -238,7 +289,7 @@ class Reader:
     def _alloc(self, item: ReadItem, ring: Optional[_Ring]) -> Optional[torch.Tensor]:
         dtype = DTYPES[item.dtype][0]
         if ring is None:
-            return torch.empty(item.shape, dtype=dtype)
+            return self._empty(item.shape, dtype, item)
         raw = ring.alloc(max(item.nbytes, 1))
         if raw is None:
             return None
@@ -248,6 +299,8 @@ class Reader:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(target, tensor)`` in plan order with at most ``window_bytes`` in flight."""
+        if self.mode == "borrowed":
+            self._reserve(self.window_bytes, None, "borrowed ring")
         ring = _Ring(self.window_bytes) if self.mode == "borrowed" else None
         start = time.perf_counter()
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read")
