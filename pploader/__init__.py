@@ -13,6 +13,11 @@ from .spec import ModelSpec, load_spec, spec_from_config
 from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights, load_stage,
                     plan_stage)
 from .topology import Topology
+from .families.fused import FusedTarget
+from .layerwise import LayerOrderWarning, LayerTracker, LayerwiseReport, load_layerwise
+from .place import BindResult, NameMap, load_stage_into
+from .postprocess import bind_derived, ensure_ready, is_ready, run_post_processing
+from .reload import ReloadResult, reload_from_disk
 
 __all__ = [
     "__version__", "CheckpointIndex", "TensorEntry", "open_checkpoint", "parse_header",
@@ -22,4 +27,9 @@ __all__ = [
     "plan_mtp", "plan_rank", "Reader", "ReadStats", "is_borrowed", "owned", "ModelSpec",
     "load_spec", "spec_from_config", "StagePlan", "StageResult", "iter_mtp_weights",
     "iter_stage_weights", "load_stage", "plan_stage", "Topology",
+]
+__all__ += [
+    "FusedTarget", "LayerOrderWarning", "LayerTracker", "LayerwiseReport", "load_layerwise",
+    "BindResult", "NameMap", "load_stage_into", "bind_derived", "ensure_ready", "is_ready",
+    "run_post_processing", "ReloadResult", "reload_from_disk",
 ]

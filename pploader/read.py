@@ -5,8 +5,9 @@ failed) and progress are plain callables/events handed in by the caller.
 
 Modes:
 - ``owned`` (default): every yielded tensor is a fresh allocation the caller keeps.
-- ``borrowed`` (opt-in, fast): tensors are views into a reused ring buffer and become invalid
-  once the consumer asks for the item after next; use :func:`owned` to keep one.
+- ``borrowed`` (opt-in, fast): tensors are views into a reused ring buffer; each one is valid
+  only until the consumer asks for the next item (the reader may then refill its bytes in the
+  background). Use :func:`owned` to keep one.
 - destinations: :meth:`Reader.read_into` reads straight into caller-given tensors.
 """
 from __future__ import annotations
@@ -35,9 +36,16 @@ _MAX_IOV = 512
 _CHUNK = 1 << 30
 
 
+#: data_ptr of every live borrowed ring, so views of borrowed tensors count as borrowed too.
+_LIVE_RINGS: set[int] = set()
+
+
 def is_borrowed(t: torch.Tensor) -> bool:
-    """True for a tensor yielded in borrowed mode (backed by a reused buffer)."""
-    return bool(getattr(t, "_pploader_borrowed", False))
+    """True for a tensor yielded in borrowed mode, or a view of one (backed by a reused buffer)."""
+    if getattr(t, "_pploader_borrowed", False):
+        return True
+    return bool(_LIVE_RINGS) and t.device.type == "cpu" \
+        and t.untyped_storage().data_ptr() in _LIVE_RINGS
 
 
 def owned(t: torch.Tensor) -> torch.Tensor:
@@ -78,6 +86,21 @@ class _Ring:
 
     def _used(self) -> int:
         return sum(e - s for s, e in self.live)
+
+    def alloc_all(self, sizes: list[int]) -> Optional[list[torch.Tensor]]:
+        """Regions for every size, or None (and nothing taken) when they do not fit now."""
+        if not self.live:
+            self.head = 0  # empty ring: start over, so anything up to ``size`` in total fits
+        head, taken = self.head, []
+        for n in sizes:
+            region = self.alloc(n)
+            if region is None:
+                for _ in taken:
+                    self.live.pop()
+                self.head = head
+                return None
+            taken.append(region)
+        return taken
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
         if n > self.size:
@@ -265,7 +288,7 @@ class Reader:
         if self.on_progress is not None:
             self.on_progress(sum(i.read_bytes for i, _ in batch))
 
-    def _batches(self) -> Iterator[list[ReadItem]]:
+    def _batches(self, max_bytes: int = _MAX_BATCH_BYTES) -> Iterator[list[ReadItem]]:
         """Group consecutive single-range items that are adjacent in one file."""
         batch: list[ReadItem] = []
         size = 0
@@ -273,7 +296,7 @@ class Reader:
             simple = item.direct and len(item.ranges) == 1 and not item.pad_rows
             if (batch and simple and item.file == batch[-1].file
                     and batch[-1].ranges[-1][0] + batch[-1].ranges[-1][1] == item.ranges[0][0]
-                    and size + item.read_bytes <= _MAX_BATCH_BYTES):
+                    and size + item.read_bytes <= max_bytes):
                 batch.append(item)
                 size += item.read_bytes
                 continue
@@ -286,26 +309,36 @@ class Reader:
         if batch:
             yield batch
 
-    def _alloc(self, item: ReadItem, ring: Optional[_Ring]) -> Optional[torch.Tensor]:
-        dtype = DTYPES[item.dtype][0]
+    def _alloc(self, items: list[ReadItem], ring: Optional[_Ring]
+               ) -> Optional[list[torch.Tensor]]:
+        """Outputs for a whole batch, or None when the ring cannot hold all of them yet."""
         if ring is None:
-            return self._empty(item.shape, dtype, item)
-        raw = ring.alloc(max(item.nbytes, 1))
-        if raw is None:
+            return [self._empty(i.shape, DTYPES[i.dtype][0], i) for i in items]
+        raws = ring.alloc_all([max(i.nbytes, 1) for i in items])
+        if raws is None:
             return None
-        t = raw[:item.nbytes].view(dtype).reshape(item.shape)
-        t._pploader_borrowed = True  # type: ignore[attr-defined]
-        return t
+        outs = []
+        for item, raw in zip(items, raws):
+            t = raw[:item.nbytes].view(DTYPES[item.dtype][0]).reshape(item.shape)
+            t._pploader_borrowed = True  # type: ignore[attr-defined]
+            outs.append(t)
+        return outs
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(target, tensor)`` in plan order with at most ``window_bytes`` in flight."""
+        # the ring never needs more than the whole plan (small stages: small ring)
+        ring_bytes = min(self.window_bytes, sum(max(i.nbytes, 1) for i in self.plan.items) or 1)
         if self.mode == "borrowed":
-            self._reserve(self.window_bytes, None, "borrowed ring")
-        ring = _Ring(self.window_bytes) if self.mode == "borrowed" else None
+            self._reserve(ring_bytes, None, "borrowed ring")
+        ring = _Ring(ring_bytes) if self.mode == "borrowed" else None
+        if ring is not None:
+            _LIVE_RINGS.add(ring.buf.data_ptr())
         start = time.perf_counter()
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read")
         queue: deque[tuple[list[tuple[ReadItem, torch.Tensor]], Future, int]] = deque()
-        inflight, batches = 0, self._batches()
+        inflight = 0
+        batches = self._batches(min(_MAX_BATCH_BYTES, ring_bytes) if ring is not None
+                                else min(_MAX_BATCH_BYTES, self.window_bytes))  # window bounds
         pending_batch: Optional[list[ReadItem]] = None
         try:
             while True:
@@ -318,8 +351,12 @@ class Reader:
                                for i in pending_batch)
                     if queue and inflight + cost > self.window_bytes:
                         break
-                    outs = [self._alloc(i, ring) for i in pending_batch]
-                    if any(o is None for o in outs):
+                    outs = self._alloc(pending_batch, ring)
+                    if outs is None:
+                        if not queue:  # an empty ring always fits one batch (<= window)
+                            raise self._err(f"internal: a batch of {cost} bytes does not fit "
+                                            f"the empty {ring_bytes}-byte ring",
+                                            pending_batch[0].file, pending_batch[0].name)
                         break  # ring full: wait for the consumer to release
                     pairs = list(zip(pending_batch, outs))
                     queue.append((pairs, pool.submit(self._read_batch, pairs), cost))
@@ -341,6 +378,8 @@ class Reader:
             for _, fut, _ in queue:
                 fut.cancel()
             pool.shutdown(wait=True)
+            if ring is not None:
+                _LIVE_RINGS.discard(ring.buf.data_ptr())
             self.close()
             self.stats.seconds = time.perf_counter() - start
 

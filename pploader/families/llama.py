@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 from .base import Family
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, uniform_layout, vocab_rules)
+from .fused import GATE_UP, QKV
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
@@ -25,18 +26,19 @@ def dense_template(spec: "ModelSpec", *, bias: bool = False, qk_norm: bool = Fal
 
 
 _RULES = vocab_rules() + attention_rules() + mlp_rules()
+_FUSED = (QKV, GATE_UP)  # used when the module has qkv_proj / gate_up_proj
 
 FAMILY = Family(
     name="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"),
-    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES,
+    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec))
 
 QWEN2 = Family(
     name="qwen2", architectures=("Qwen2ForCausalLM",),
-    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES,
+    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, bias=True))
 
 QWEN3 = Family(
     name="qwen3", architectures=("Qwen3ForCausalLM",),
-    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES,
+    layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, qk_norm=True))
