@@ -65,6 +65,76 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
 
+def _pool_args(p: argparse.ArgumentParser) -> None:
+    """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
+    g = p.add_argument_group("cache pools (docs/pools.md)")
+    g.add_argument("--tokens", type=int, default=None, help="target KV tokens per stage "
+                   "(sizes the pools when no budget is given; with --partition balanced, the "
+                   "cache load layers are weighed at); default 4096")
+    g.add_argument("--requests", type=int, default=None,
+                   help="target concurrent requests (Mamba / linear-attention state slots); "
+                   "default 16")
+    g.add_argument("--cache-budget", type=_size, default=None, metavar="BYTES",
+                   help="cache bytes per rank (e.g. 20G): report max tokens / requests it holds")
+    g.add_argument("--device-memory", type=_memory, default=None, metavar="BYTES|auto",
+                   help="device memory per rank; budget = this x --memory-fraction - the rank's "
+                   "weight bytes (load: 'auto' = the pool device's total memory)")
+    g.add_argument("--memory-fraction", type=float, default=0.9, help="default 0.9")
+    g.add_argument("--mamba-ratio", type=float, default=0.5,
+                   help="share of a stage's budget for the state pool when it has both "
+                   "attention and state layers (default 0.5)")
+    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
+    g.add_argument("--ssm-dtype", default=None,
+                   help="ssm / temporal state dtype (default float32)")
+
+
+def _memory(text: str) -> int:
+    return -1 if text == "auto" else _size(text)
+
+
+def _auto_memory(device: object) -> int:
+    from .errors import PlanError
+    from .pools import device_memory
+    if device is None:
+        raise PlanError("--device-memory auto applies to `pploader load` (pools on a GPU); "
+                        "give bytes here, e.g. --device-memory 80G")
+    return device_memory(device)  # type: ignore[arg-type]
+
+
+def _load_partition(args: argparse.Namespace, pp: int, device: object) -> object:
+    """``balanced`` with --tokens/--requests weighs each layer's cache too: resolve it to layer
+    counts here so that load places exactly the windows `pploader plan` printed."""
+    if args.partition != "balanced" or (args.tokens is None and args.requests is None):
+        return args.partition
+    from .checkpoint import open_checkpoint
+    from .plan import make_windows
+    from .pools import cache_costs
+    from .spec import load_spec
+    spec, index = load_spec(args.model), open_checkpoint(args.model)
+    costs = cache_costs(spec, args.tp, _pool_options(args, device))  # type: ignore[arg-type]
+    return [w.num_layers for w in make_windows(spec, index, pp, "balanced", cache_bytes=costs)]
+
+
+def _pool_options(args: argparse.Namespace, device: object = None) -> object:
+    from .geometry import CacheDtypes, parse_dtype
+    from .pools import PoolOptions
+    mem = args.device_memory
+    return PoolOptions(
+        tokens=args.tokens, requests=args.requests, budget_bytes=args.cache_budget,
+        device_bytes=_auto_memory(device) if mem == -1 else mem,
+        memory_fraction=args.memory_fraction,
+        mamba_ratio=args.mamba_ratio, page_size=args.page_size,
+        dtypes=CacheDtypes(kv=parse_dtype(args.kv_dtype) if args.kv_dtype else None,
+                           ssm=parse_dtype(args.ssm_dtype) if args.ssm_dtype else None))
+
+
+def _pipeline_pools(reports: Sequence[dict]) -> Optional[dict]:
+    from .pools import pipeline_capacity
+    caps = [r["pools"]["capacity"] for r in reports if r.get("pools")]
+    return pipeline_capacity(caps) if caps else None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="pploader", formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -77,11 +147,16 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plan every rank of a PP x EP x TP layout from config.json and "
                        "the safetensors headers. Reads no tensor data; no torch.distributed.")
     _layout_args(p, pp_required=True)
+    _pool_args(p)
 
     p = sub.add_parser("load", help="load this rank's stage (run under torchrun/srun/mpiexec)",
                        description="Each rank plans, all ranks agree, then each reads exactly its "
                        "bytes. Rank 0 prints one table (or --json) for the whole job.")
     _layout_args(p)
+    _pool_args(p)
+    p.add_argument("--no-pools", action="store_true", help="do not allocate cache pools")
+    p.add_argument("--pool-device", default=None,
+                   help="device of the cache pools (default cuda:LOCAL_RANK with GPUs, else cpu)")
     p.add_argument("--window-bytes", type=_size, default=None,
                    help=f"host memory in flight per rank (default max({DEFAULT_WINDOW_BYTES >> 20}"
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
@@ -135,19 +210,32 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .report import plan_table
     from .spec import load_spec
 
+    from .pools import cache_costs, format_pools, plan_pools
+
     spec = load_spec(args.model)
     index = open_checkpoint(args.model)
-    plans = plan_all(spec, index, args.pp, args.tp, args.ep, partition=args.partition)
+    opts = _pool_options(args)
+    plans = plan_all(spec, index, args.pp, args.tp, args.ep, partition=args.partition,
+                     cache_bytes=cache_costs(spec, args.tp, opts))  # type: ignore[arg-type]
     summaries = [p.summary() for p in plans]
+    pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
+    for summary, pool in zip(summaries, pools):
+        summary["pools"] = pool
     if args.json:
         print(json.dumps({"model": str(args.model), "architecture": spec.architecture,
                           "family": spec.family.name, "num_layers": spec.num_layers,
-                          "pp": args.pp, "tp": args.tp, "ep": args.ep, "ranks": summaries},
-                         indent=1))
+                          "pp": args.pp, "tp": args.tp, "ep": args.ep, "ranks": summaries,
+                          "pipeline_pools": pipeline}, indent=1))
     else:
         print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
               f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
         print(plan_table(summaries))
+        print("\ncache pools (per rank; its own layers only):")
+        print(format_pools(summaries))
+        bal = pipeline["balance"]
+        print(f"stage bytes (weights + cache at {bal['target_tokens']} tokens, "
+              f"{bal['target_requests']} requests): max/mean {bal['chosen']['max_over_mean']} "
+              f"({args.partition}) vs {bal['even']['max_over_mean']} (even)")
     return 0
 
 
@@ -179,10 +267,15 @@ def cmd_load(args: argparse.Namespace) -> int:
             print(json.dumps({"model": str(args.model), "launcher": launch.source,
                               "backend": launch.backend, "world_size": launch.world_size,
                               "pp": topo.pp_size, "tp": topo.tp_size, "ep": topo.ep_size,
-                              "ranks": reports}, indent=1))
+                              "ranks": reports, "pipeline_pools": _pipeline_pools(reports)},
+                             indent=1))
         else:
             from .report import format_table
             print(format_table(reports))
+            if not args.no_pools:
+                from .pools import format_pools
+                print("\ncache pools (per rank; its own layers only):")
+                print(format_pools(reports))
         sys.stdout.flush()
     dist.destroy_process_group()
     comm.close()
@@ -199,7 +292,9 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     cancel = comm.watch_failures(abort_after_s=min(10.0, args.timeout))
     staged, error, report = None, None, None
     try:
-        staged = plan_stage(args.model, topo, partition=args.partition)
+        from .pools import pool_device
+        staged = plan_stage(args.model, topo, partition=_load_partition(
+            args, topo.pp_size, pool_device(args.pool_device)))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     planned = comm.agree(error, staged.plan.read_bytes if staged else None)
@@ -217,6 +312,11 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
                 save_file({names[k]: v.contiguous() for k, v in result.state_dict.items()},
                           str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
             report = result.report.to_json()
+            if not args.no_pools:  # this stage's cache pools, after its weights (docs/pools.md)
+                from .pools import build_rank_pools, pool_device
+                device = pool_device(args.pool_device)
+                report["pools"] = build_rank_pools(staged.spec, staged.plan, _pool_options(
+                    args, device), device=device).report()  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
         return comm.agree(error, report)

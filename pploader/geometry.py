@@ -27,12 +27,14 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Union
 import torch
 
 from .errors import ConfigError, PlanError
+from .partition import StageWindow
 
 if TYPE_CHECKING:  # pragma: no cover
     from .spec import ModelSpec
 
 __all__ = ["CONFIG_KEYS", "KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache",
-           "layer_cache", "model_cache", "local_units", "parse_dtype", "dtype_name"]
+           "layer_cache", "model_cache", "local_units", "parse_dtype", "dtype_name",
+           "StageCacheGeometry", "stage_geometry", "layer_cache_bytes"]
 
 #: Config keys of each cache quantity; the first key present wins. Checked against the
 #: transformers 5.24 config classes (and the mixers' own attributes, see tests/test_pools.py):
@@ -280,3 +282,63 @@ def model_cache(spec: "ModelSpec", tp_size: int = 1,
                 dtypes: CacheDtypes = CacheDtypes()) -> tuple[LayerCache, ...]:
     """The cache of every decoder layer (MTP layers excluded) on one TP rank."""
     return tuple(layer_cache(spec, i, tp_size, dtypes) for i in range(spec.num_layers))
+
+
+@dataclass(frozen=True)
+class StageCacheGeometry:
+    """The cache of one stage on one TP rank: its own layers only."""
+
+    window: StageWindow
+    tp_size: int
+    layers: tuple[LayerCache, ...]          # the window's layers, in order
+
+    @property
+    def start_layer(self) -> int:
+        return self.window.start_layer
+
+    @property
+    def end_layer(self) -> int:
+        return self.window.end_layer
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Global ids of the stage's layers that keep KV pages."""
+        return tuple(c.layer for c in self.layers if c.kv is not None)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Global ids of the stage's layers that keep per-request state."""
+        return tuple(c.layer for c in self.layers if c.states)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(c.kv_bytes_per_token for c in self.layers)
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        return sum(c.state_bytes_per_request for c in self.layers)
+
+    def to_json(self) -> dict:
+        return {"start_layer": self.start_layer, "end_layer": self.end_layer,
+                "tp_size": self.tp_size, "attention_layers": list(self.attention_layers),
+                "state_layers": list(self.state_layers),
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_bytes_per_request": self.state_bytes_per_request,
+                "layers": [c.to_json() for c in self.layers if c.kv is not None or c.states]}
+
+
+def stage_geometry(spec: "ModelSpec", window: StageWindow, tp_size: int = 1,
+                   dtypes: CacheDtypes = CacheDtypes()) -> StageCacheGeometry:
+    """Cache geometry of ``window``'s layers on one of ``tp_size`` TP ranks (pure)."""
+    if not 0 <= window.start_layer < window.end_layer <= spec.num_layers:
+        raise PlanError(f"stage {window.pp_rank} window [{window.start_layer}, "
+                        f"{window.end_layer}) outside the model's {spec.num_layers} layers")
+    every = model_cache(spec, tp_size, dtypes)
+    return StageCacheGeometry(window, tp_size, every[window.start_layer:window.end_layer])
+
+
+def layer_cache_bytes(spec: "ModelSpec", tokens: int, requests: int, tp_size: int = 1,
+                      dtypes: CacheDtypes = CacheDtypes()) -> list[int]:
+    """Cache bytes of each layer at a target load, over the whole TP group of a stage (the
+    same unit as the layer's weight bytes): the cost ``balanced`` partitions add."""
+    return [c.bytes_at(tokens, requests) * tp_size for c in model_cache(spec, tp_size, dtypes)]

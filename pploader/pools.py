@@ -1,207 +1,51 @@
 """Hybrid KV + Mamba cache pools for one pipeline stage, sized by the stage's own layers.
 
-Three steps, each usable alone:
+Three steps, each usable alone (all names are importable from here):
 
-1. :func:`stage_geometry` (pure, any process): which of the stage's layers need KV pages
+1. :func:`stage_geometry` (geometry.py, pure): which of the stage's layers need KV pages
    (``attention_layers``) and which need per-request state (``state_layers``), and the
    bytes per token / per request summed over *this stage's* layers only.
-2. :func:`size_pools` / :func:`size_for_target` (pure): from a byte budget for the stage
-   (:func:`budget_from_memory`: device memory x fraction - the stage's weight bytes), how many
-   pages / tokens and request slots this stage can hold. ``mamba_ratio`` is the share of the
+2. :func:`size_pools` / :func:`size_for_target` (sizing.py, pure): from a byte budget for the
+   stage (:func:`budget_from_memory`: device memory x fraction - the stage's weight bytes), how
+   many pages / tokens and request slots this stage holds. ``mamba_ratio`` is the share of the
    budget given to the state pool when the stage has both kinds of layers.
    :func:`pipeline_capacity` takes the minimum across stages.
-3. :class:`CachePools` (per rank): allocates the tensors on the caller's device, maps a global
-   layer id to its pool and local index, and hands out pages and request slots.
+3. :class:`CachePools` (here, per rank): allocates the tensors on the caller's device, maps a
+   global layer id to its pool and local index, and hands out pages and request slots.
 
 docs/pools.md shows the layouts and worked numbers.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
 
 from .errors import PlanError, PPLoaderError
-from .geometry import CacheDtypes, LayerCache, dtype_name, model_cache
-from .partition import StageWindow
+from .geometry import (CacheDtypes, LayerCache, StageCacheGeometry, dtype_name,
+                       layer_cache_bytes, stage_geometry)
+from .sizing import (DEFAULT_MAMBA_RATIO, DEFAULT_PAGE_SIZE, PoolCapacity, PoolOptions,
+                     budget_from_memory, cache_costs, format_pools, gather_capacity,
+                     pipeline_capacity, plan_pools, rank_pools, size_for_target, size_pools,
+                     stage_balance, stage_capacity)
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .comm import Comm
+    from .plan import RankPlan
     from .spec import ModelSpec
 
-__all__ = ["PoolError", "StageCacheGeometry", "PoolCapacity", "stage_geometry", "size_pools",
-           "size_for_target", "budget_from_memory", "pipeline_capacity", "gather_capacity",
-           "layer_cache_bytes", "SlotAllocator", "PageAllocator", "CachePools",
-           "DEFAULT_PAGE_SIZE", "DEFAULT_MAMBA_RATIO"]
-
-DEFAULT_PAGE_SIZE = 16
-DEFAULT_MAMBA_RATIO = 0.5
+__all__ = ["PoolError", "SlotAllocator", "PageAllocator", "CachePools", "build_rank_pools",
+           "pool_device", "device_memory",
+           # re-exported from geometry.py / sizing.py: one import surface for pools
+           "CacheDtypes", "StageCacheGeometry", "stage_geometry", "layer_cache_bytes",
+           "PoolCapacity", "PoolOptions", "size_pools", "size_for_target", "budget_from_memory",
+           "pipeline_capacity", "gather_capacity", "stage_capacity", "rank_pools", "cache_costs",
+           "stage_balance", "plan_pools", "format_pools", "DEFAULT_PAGE_SIZE",
+           "DEFAULT_MAMBA_RATIO"]
 
 
 class PoolError(PPLoaderError):
     """A pool request cannot be served: layer not owned, pool exhausted, double free."""
-
-
-@dataclass(frozen=True)
-class StageCacheGeometry:
-    """The cache of one stage on one TP rank: its own layers only."""
-
-    window: StageWindow
-    tp_size: int
-    layers: tuple[LayerCache, ...]          # the window's layers, in order
-
-    @property
-    def start_layer(self) -> int:
-        return self.window.start_layer
-
-    @property
-    def end_layer(self) -> int:
-        return self.window.end_layer
-
-    @property
-    def attention_layers(self) -> tuple[int, ...]:
-        """Global ids of the stage's layers that keep KV pages."""
-        return tuple(c.layer for c in self.layers if c.kv is not None)
-
-    @property
-    def state_layers(self) -> tuple[int, ...]:
-        """Global ids of the stage's layers that keep per-request state."""
-        return tuple(c.layer for c in self.layers if c.states)
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return sum(c.kv_bytes_per_token for c in self.layers)
-
-    @property
-    def state_bytes_per_request(self) -> int:
-        return sum(c.state_bytes_per_request for c in self.layers)
-
-    def to_json(self) -> dict:
-        return {"start_layer": self.start_layer, "end_layer": self.end_layer,
-                "tp_size": self.tp_size, "attention_layers": list(self.attention_layers),
-                "state_layers": list(self.state_layers),
-                "kv_bytes_per_token": self.kv_bytes_per_token,
-                "state_bytes_per_request": self.state_bytes_per_request,
-                "layers": [c.to_json() for c in self.layers if c.kv is not None or c.states]}
-
-
-def stage_geometry(spec: "ModelSpec", window: StageWindow, tp_size: int = 1,
-                   dtypes: CacheDtypes = CacheDtypes()) -> StageCacheGeometry:
-    """Cache geometry of ``window``'s layers on one of ``tp_size`` TP ranks (pure)."""
-    if not 0 <= window.start_layer < window.end_layer <= spec.num_layers:
-        raise PlanError(f"stage {window.pp_rank} window [{window.start_layer}, "
-                        f"{window.end_layer}) outside the model's {spec.num_layers} layers")
-    every = model_cache(spec, tp_size, dtypes)
-    return StageCacheGeometry(window, tp_size, every[window.start_layer:window.end_layer])
-
-
-def layer_cache_bytes(spec: "ModelSpec", tokens: int, requests: int, tp_size: int = 1,
-                      dtypes: CacheDtypes = CacheDtypes()) -> list[int]:
-    """Cache bytes of each layer at a target load, over the whole TP group of a stage (the
-    same unit as the layer's weight bytes): the cost ``balanced`` partitions add."""
-    return [c.bytes_at(tokens, requests) * tp_size for c in model_cache(spec, tp_size, dtypes)]
-
-
-@dataclass(frozen=True)
-class PoolCapacity:
-    """What one stage's pools hold. ``None`` = this stage sets no limit on that quantity."""
-
-    budget_bytes: int
-    page_size: int
-    num_pages: int
-    max_requests: Optional[int]
-    kv_pool_bytes: int
-    state_pool_bytes: int
-    kv_bytes_per_token: int
-    state_bytes_per_request: int
-
-    @property
-    def max_tokens(self) -> Optional[int]:
-        return self.num_pages * self.page_size if self.kv_bytes_per_token else None
-
-    @property
-    def pool_bytes(self) -> int:
-        return self.kv_pool_bytes + self.state_pool_bytes
-
-    def to_json(self) -> dict:
-        return {"budget_bytes": self.budget_bytes, "page_size": self.page_size,
-                "num_pages": self.num_pages, "max_tokens": self.max_tokens,
-                "max_requests": self.max_requests, "kv_pool_bytes": self.kv_pool_bytes,
-                "state_pool_bytes": self.state_pool_bytes, "pool_bytes": self.pool_bytes}
-
-
-def _capacity(geom: StageCacheGeometry, budget: int, page_size: int, num_pages: int,
-              requests: Optional[int]) -> PoolCapacity:
-    kv, st = geom.kv_bytes_per_token, geom.state_bytes_per_request
-    return PoolCapacity(budget, page_size, num_pages, requests if st else None,
-                        num_pages * page_size * kv, (requests or 0) * st if st else 0, kv, st)
-
-
-def size_pools(geom: StageCacheGeometry, budget_bytes: int, *,
-               mamba_ratio: float = DEFAULT_MAMBA_RATIO,
-               page_size: int = DEFAULT_PAGE_SIZE) -> PoolCapacity:
-    """Pages and request slots that fit ``budget_bytes`` for this stage's own layers.
-
-    A stage with only state layers gives the whole budget to request slots, one with only
-    attention layers gives it all to KV pages; a mixed stage gives ``mamba_ratio`` of it to
-    the state pool and the rest to pages.
-    """
-    if budget_bytes < 0:
-        raise PlanError(f"stage {geom.window.pp_rank}: negative cache budget {budget_bytes} B "
-                        "(the weights alone exceed the memory given)")
-    if not 0.0 <= mamba_ratio <= 1.0:
-        raise PlanError(f"mamba ratio must be within [0, 1], got {mamba_ratio}")
-    if page_size < 1:
-        raise PlanError(f"page size must be >= 1, got {page_size}")
-    kv, st = geom.kv_bytes_per_token, geom.state_bytes_per_request
-    state_budget = budget_bytes if not kv else int(budget_bytes * mamba_ratio) if st else 0
-    requests = state_budget // st if st else None
-    num_pages = (budget_bytes - state_budget) // (kv * page_size) if kv else 0
-    return _capacity(geom, budget_bytes, page_size, num_pages, requests)
-
-
-def size_for_target(geom: StageCacheGeometry, tokens: int, requests: int, *,
-                    page_size: int = DEFAULT_PAGE_SIZE) -> PoolCapacity:
-    """Pools holding exactly ``tokens`` tokens (rounded up to pages) and ``requests`` slots."""
-    if tokens < 0 or requests < 0:
-        raise PlanError(f"negative target: {tokens} tokens, {requests} requests")
-    num_pages = -(-tokens // page_size) if geom.kv_bytes_per_token else 0
-    need = num_pages * page_size * geom.kv_bytes_per_token + \
-        requests * geom.state_bytes_per_request
-    return _capacity(geom, need, page_size, num_pages, requests)
-
-
-def budget_from_memory(device_bytes: int, fraction: float, weight_bytes: int) -> int:
-    """A stage's cache budget: ``device_bytes * fraction - weight_bytes`` (the rank's
-    planned weight bytes, ``RankPlan.ideal_bytes``)."""
-    if not 0.0 < fraction <= 1.0:
-        raise PlanError(f"memory fraction must be within (0, 1], got {fraction}")
-    budget = int(device_bytes * fraction) - weight_bytes
-    if budget <= 0:
-        raise PlanError(f"no memory left for cache: {device_bytes} B x {fraction} - "
-                        f"{weight_bytes} B of weights = {budget} B")
-    return budget
-
-
-def _min(values: Sequence[Optional[int]]) -> Optional[int]:
-    known = [v for v in values if v is not None]
-    return min(known) if known else None
-
-
-def pipeline_capacity(stages: Sequence[Union[PoolCapacity, dict]]) -> dict:
-    """Pipeline-wide limits: the minimum over stages of max tokens and max requests (a stage
-    without attention / state layers does not limit that quantity)."""
-    caps = [s.to_json() if isinstance(s, PoolCapacity) else s for s in stages]
-    return {"max_tokens": _min([c["max_tokens"] for c in caps]),
-            "max_requests": _min([c["max_requests"] for c in caps]),
-            "pool_bytes": sum(c["pool_bytes"] for c in caps)}
-
-
-def gather_capacity(comm: "Comm", capacity: PoolCapacity) -> dict:
-    """Called on all ranks: every rank's capacity, gathered (through ``Comm.agree``), reduced
-    to the pipeline-wide limits. ``pool_bytes`` counts every rank, TP ranks included."""
-    return pipeline_capacity(comm.agree(None, capacity.to_json()))
 
 
 class SlotAllocator:
@@ -295,6 +139,14 @@ class CachePools:
     def end_layer(self) -> int:
         return self.geometry.end_layer
 
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        return self.geometry.attention_layers
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        return self.geometry.state_layers
+
     def _where(self) -> str:
         w = self.geometry.window
         return f"stage {w.pp_rank} owns layers [{w.start_layer}, {w.end_layer})"
@@ -359,3 +211,29 @@ class CachePools:
                 "dtypes": sorted({dtype_name(t.dtype) for ts in self.kv.values() for t in ts}
                                  | {dtype_name(t.dtype) for ts in self.states.values()
                                     for t in ts.values()})}
+
+
+def build_rank_pools(spec: "ModelSpec", plan: "RankPlan", opts: PoolOptions, *,
+                     device: Union[str, torch.device] = "cpu") -> CachePools:
+    """Allocate the pools of the rank planned by ``plan`` on ``device`` (after its weights)."""
+    geom, cap = rank_pools(spec, plan, opts)
+    return CachePools(geom, cap, device=device)
+
+
+def pool_device(name: Optional[str] = None) -> torch.device:
+    """``name``, else ``cuda:$LOCAL_RANK`` when this process has a GPU, else cpu."""
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) %
+                            torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def device_memory(device: Optional[Union[str, torch.device]]) -> int:
+    """Total memory of a CUDA ``device`` (for ``--device-memory auto``)."""
+    dev = torch.device(device) if device is not None else None
+    if dev is None or dev.type != "cuda":
+        raise PlanError(f"--device-memory auto needs pools on a GPU (pool device: {dev}); "
+                        "give the bytes instead, e.g. --device-memory 80G")
+    return int(torch.cuda.get_device_properties(dev).total_memory)

@@ -118,8 +118,9 @@ class QuantScheme:
         dims = []
         for d, intervals in sel.dims:
             if d == last and self.pack > 1:
+                packed = f"a byte packing {self.pack} values"
                 intervals = tuple(_blockwise(intervals, logical[d], self.pack, self, name,
-                                             logical, d, tp_size, f"a byte packing {self.pack} values"))
+                                             logical, d, tp_size, packed))
             dims.append((d, intervals))
         return Selection(tuple(dims), sel.pad_rows)
 

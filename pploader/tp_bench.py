@@ -21,6 +21,7 @@ from typing import Optional
 from .checkpoint import open_checkpoint
 from .plan import plan_all
 from .read import Reader
+from .shard import DEFAULT_RANGE_COST_BYTES
 from .spec import load_spec
 
 __all__ = ["compare_tp_reads"]
@@ -56,16 +57,18 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 def compare_tp_reads(model_dir: os.PathLike | str, *, pp: int = 2, tp: int = 2,
                      threads: int = 1, cold: bool = True,
-                     ranks: Optional[list[int]] = None) -> dict:
+                     ranks: Optional[list[int]] = None,
+                     range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> dict:
     """Per-rank bytes read, seconds and GB/s of pploader vs read-all for a PP x TP layout.
 
     Returns ``{"layout", "cold", "ranks": [...], "total": {...}}``; each rank row has
     ``ideal_bytes``, ``pploader_read_bytes``, ``pploader_seconds``, ``pploader_gbps``,
     ``pploader_useful_gbps``, ``read_all_bytes``, ``read_all_seconds``, ``read_all_gbps``,
-    ``read_all_useful_gbps``. ``ranks`` limits the measured ranks (default all).
+    ``read_all_useful_gbps``. ``ranks`` limits the measured ranks (default all);
+    ``range_cost_bytes`` is the planner's row-by-row vs box rule (0 = exact byte runs).
     """
     spec, index = load_spec(model_dir), open_checkpoint(model_dir)
-    plans = plan_all(spec, index, pp=pp, tp=tp)
+    plans = plan_all(spec, index, pp=pp, tp=tp, range_cost_bytes=range_cost_bytes)
     paths = [str(p) for p in index.paths.values()]
     rows = []
     for plan in plans:
@@ -97,5 +100,6 @@ def compare_tp_reads(model_dir: os.PathLike | str, *, pp: int = 2, tp: int = 2,
                                                   "read_all_seconds")}
     total["read_reduction"] = (total["read_all_bytes"] / total["pploader_read_bytes"]
                                if total["pploader_read_bytes"] else 0.0)
-    return {"layout": {"pp": pp, "tp": tp}, "cold": cold, "threads": threads, "ranks": rows,
+    return {"layout": {"pp": pp, "tp": tp}, "cold": cold, "threads": threads,
+            "range_cost_bytes": range_cost_bytes, "ranks": rows,
             "total": total}

@@ -11,7 +11,7 @@ from typing import Callable, Mapping, Sequence
 import pytest
 import torch
 
-from helpers import CONFIGS
+from helpers import CONFIGS, make_model, run, run_ranks, tiny_config, torchrun_cmd
 from pploader import ConfigError, PlanError, even_windows, spec_from_config
 from pploader.families import FAMILIES, Family
 from pploader.families.base import LAYER_KINDS, Layout
@@ -92,14 +92,48 @@ CASES: dict[str, tuple[dict, tuple[str, ...], dict]] = {
         2: {"gdn": (0, {"conv": (32, 3), "temporal": (2, 8, 8)}), "full_attention": (32, {})},
         4: {"gdn": (0, {"conv": (24, 3), "temporal": (1, 8, 8)}), "full_attention": (32, {})}}),
 }
-# granitemoehybrid uses bamba's keys (mamba_n_heads, mamba_d_head, ...): same numbers
+# granitemoehybrid uses bamba's keys (mamba_n_heads, mamba_d_head, ...): same numbers;
+# qwen3_5 / qwen3_5_moe use qwen3_next's linear_* keys: same numbers
 CASES["granitemoehybrid"] = CASES["bamba"]
+CASES["qwen3_5"] = CASES["qwen3_5_moe"] = CASES["qwen3_next"]
+
+#: the fields each real family reads its layer kinds from (pploader/families), so that the same
+#: hand configs also go through the real family code: kinds must come out as written above
+REAL: dict[str, dict] = {
+    "llama": {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4},
+    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4,
+                    "first_k_dense_replace": 1, "n_routed_experts": 4},
+    "nemotron_h": {"architectures": ["NemotronHForCausalLM"],
+                   "layers_block_type": ["mamba", "mlp", "attention", "mamba"]},
+    "bamba": {"architectures": ["BambaForCausalLM"], "num_hidden_layers": 2,
+              "attn_layer_indices": [1]},
+    "falcon_h1": {"architectures": ["FalconH1ForCausalLM"], "num_hidden_layers": 3},
+    "jamba": {"architectures": ["JambaForCausalLM"], "num_hidden_layers": 4,
+              "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
+              "expert_layer_offset": 1, "num_experts": 4},
+    "granitemoehybrid": {"architectures": ["GraniteMoeHybridForCausalLM"],
+                         "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
+                         "num_local_experts": 4},
+    **{name: {"architectures": [arch], "num_hidden_layers": 4, "num_experts": 4,
+              "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
+       for name, arch in (("qwen3_next", "Qwen3NextForCausalLM"),
+                          ("qwen3_5", "Qwen3_5ForCausalLM"),
+                          ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"))},
+}
+_FAMILY_NAMES = {f.name for f in FAMILIES}
 
 
-@pytest.mark.parametrize("name,tp", [(n, tp) for n, c in CASES.items() for tp in c[2]])
-def test_layer_geometry_equals_hand_numbers(name: str, tp: int) -> None:
+@pytest.mark.parametrize("name,tp,real", [(n, tp, real) for n, c in CASES.items() for tp in c[2]
+                                          for real in (False, True)])
+def test_layer_geometry_equals_hand_numbers(name: str, tp: int, real: bool) -> None:
+    """Toy family (kinds stated here) and the real family (kinds read by families/)."""
     config, kinds, expected = CASES[name]
-    spec = toy_spec(config, kinds)
+    if real:
+        assert name in _FAMILY_NAMES
+        spec = spec_from_config({**config, **REAL[name], "dtype": "bfloat16"})
+        assert spec.family.name == name and spec.layer_kinds == kinds
+    else:
+        spec = toy_spec(config, kinds)
     for layer, kind in enumerate(kinds):
         kv_bytes, states = expected[tp][kind]
         c = layer_cache(spec, layer, tp)
@@ -152,6 +186,7 @@ _HF = {  # family -> (config class, mixer class, layer kind its mixer serves)
     "qwen3_5": ("qwen3_5.Qwen3_5TextConfig", "qwen3_5.Qwen3_5GatedDeltaNet"),
     "qwen3_5_moe": ("qwen3_5_moe.Qwen3_5MoeTextConfig", "qwen3_5_moe.Qwen3_5MoeGatedDeltaNet"),
 }
+_HF["qwen3_5_vl"], _HF["qwen3_5_moe_vl"] = _HF["qwen3_5"], _HF["qwen3_5_moe"]  # text_config
 
 
 def _hf_class(dotted: str) -> type:
@@ -337,6 +372,7 @@ def test_layer_map_and_out_of_window_errors() -> None:
     pools = CachePools(stage_geometry(spec, w, 2), size_for_target(stage_geometry(spec, w, 2),
                                                                    32, 3, page_size=8))
     assert (pools.start_layer, pools.end_layer) == (4, 8)
+    assert pools.attention_layers == (4,) and pools.state_layers == (5, 6, 7)
     assert pools.locate(4) == {"kv": 0} and pools.locate(6) == {"state": 1}
     k, v = pools.kv_cache(4)
     assert k.shape == v.shape == (4, 8, 1, 8) and k.dtype == torch.bfloat16
@@ -386,3 +422,214 @@ def test_cache_aware_balanced_partition_beats_even(model: str, pp: int, tokens: 
     bal = stage_costs(balanced_windows(costs, pp), costs)
     assert sum(even) == sum(bal) == sum(costs)
     assert _max_over_mean(bal) < _max_over_mean(even)
+
+
+def _template_layer_bytes(spec: ModelSpec) -> tuple[list[int], int, int]:
+    """Weight bytes per layer / first / last stage from the real family's tensor template
+    (what the checkpoint headers of this config hold)."""
+    per, first, last = [0] * spec.num_layers, 0, 0
+    for name, shape in spec.family.template(spec).items():
+        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+        nbytes = math.prod(shape) * spec.dtype.itemsize
+        if role.placement == "layer":
+            per[role.layer] += nbytes
+        elif role.placement == "first":
+            first += nbytes
+        elif role.placement == "last":
+            last += nbytes
+    return per, first, last
+
+
+@pytest.mark.parametrize("pp", [3, 5])
+def test_real_jamba_cache_aware_balance_beats_even_and_weights_only(pp: int) -> None:
+    """The real jamba family: 32 layers, MoE every other layer, attention at 4, 12, 20, 28.
+    At 65536 tokens the attention layers' KV outweighs a MoE layer: only a partition that
+    weighs cache bytes moves them apart."""
+    from pploader.partition import stage_costs
+    spec = spec_from_config({**JAMBA32[0], "architectures": ["JambaForCausalLM"],
+                             "dtype": "bfloat16", "num_hidden_layers": 32, "num_experts": 16,
+                             "intermediate_size": 224, "attn_layer_period": 8,
+                             "attn_layer_offset": 4, "expert_layer_period": 2,
+                             "expert_layer_offset": 1, "mamba_dt_rank": 4})
+    assert spec.layer_kinds == JAMBA32[1]
+    per, first, last = _template_layer_bytes(spec)
+    costs = [w + c for w, c in zip(per, layer_cache_bytes(spec, 65536, 16))]
+    score = {name: _max_over_mean(stage_costs(ws, costs, first_extra=first, last_extra=last))
+             for name, ws in (("even", even_windows(32, pp)),
+                              ("weights", balanced_windows(per, pp, first_extra=first,
+                                                           last_extra=last)),
+                              ("cache", balanced_windows(costs, pp, first_extra=first,
+                                                         last_extra=last)))}
+    assert score["cache"] < score["even"] and score["cache"] < score["weights"]
+
+
+# ---- the bundled tiny configs, by hand ------------------------------------------------------
+#: tiny-<family>.json -> (model dtype bytes, {tp: {kind: (kv bytes/token, {state: shape})}}),
+#: written from the config text. GQA everywhere: 2 kv heads x head_dim 16 x (K, V).
+_GQA = {1: 2 * 2 * 16 * BF16, 2: 2 * 1 * 16 * BF16}
+# GDN: Hk 2 x dk 16, Hv 4 x dv 16, K 4: conv_dim = 2*2*16 + 4*16 = 128 (tp2: 2*1*16 + 2*16 = 64),
+# temporal [Hv, dv, dk] = [4, 16, 16] (tp2: [2, 16, 16])
+_GDN = (BF16, {1: {"full_attention": (_GQA[1], {}),
+                   "gdn": (0, {"conv": (128, 3), "temporal": (4, 16, 16)})},
+               2: {"full_attention": (_GQA[2], {}),
+                   "gdn": (0, {"conv": (64, 3), "temporal": (2, 16, 16)})}})
+# bamba / granitemoehybrid: 8 heads x d_head 16 = 128, 1 group, d_state 16:
+# conv_dim = 128 + 2*1*16 = 160 (tp2: 64 + 2*1*16 = 96, the group replicated)
+_BAMBA = (BF16, {tp: {"full_attention": (_GQA[tp], {}),
+                      "mamba2": (0, {"conv": (160 if tp == 1 else 96, 3),
+                                     "ssm": (8 // tp, 16, 16)})} for tp in (1, 2)})
+_DENSE = (BF16, {tp: {"full_attention": (_GQA[tp], {})} for tp in (1, 2)})
+TINY: dict[str, tuple[int, dict]] = {
+    "llama": _DENSE, "qwen3": _DENSE, "qwen3_moe": _DENSE, "mixtral": _DENSE,
+    "qwen3_next": _GDN, "qwen3_5": _GDN, "qwen3_5_moe": _GDN, "qwen3_5_moe_vl": _GDN,
+    "bamba": _BAMBA, "granitemoehybrid": _BAMBA,
+    # MLA: kv_lora_rank 32 + qk_rope_head_dim 8 = 40 x bf16, not split by TP
+    "deepseek_v3": (BF16, {1: {"mla": (80, {})}, 2: {"mla": (80, {})}}),
+    # nemotron_h: 8 heads x 16 = 128, n_groups 2, d_state 16: conv_dim = 128 + 2*2*16 = 192
+    # (tp2: 64 + 2*1*16 = 96); MLP / MoE blocks: no cache
+    "nemotron_h": (BF16, {tp: {"full_attention": (_GQA[tp], {}), "mlp": (0, {}),
+                               "mamba2": (0, {"conv": (192 if tp == 1 else 96, 3),
+                                              "ssm": (8 // tp, 16, 16)})} for tp in (1, 2)}),
+    # jamba: d_inner = expand 2 x hidden 64 = 128, d_state 16, K 4
+    "jamba": (BF16, {tp: {"full_attention": (_GQA[tp], {}),
+                          "mamba1": (0, {"conv": (128 // tp, 3), "ssm": (128 // tp, 16)})}
+                     for tp in (1, 2)}),
+    # falcon_h1 (float32 model): every layer K+V (2 x 2 x 16 x 4 B) and mamba2 with
+    # d_ssm 128 = 8 heads x 16, 1 group, d_state 16: conv_dim 160 (tp2: 96)
+    "falcon_h1": (F32, {tp: {"hybrid_attention_mamba2": (
+        2 * (2 // tp) * 16 * F32, {"conv": (160 if tp == 1 else 96, 3), "ssm": (8 // tp, 16, 16)})}
+        for tp in (1, 2)}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_bundled_tiny_config_by_hand(family: str) -> None:
+    spec = spec_from_config(tiny_config(f"tiny-{family}"))
+    itemsize, expected = TINY[family]
+    assert spec.dtype.itemsize == itemsize
+    for tp, per_kind in expected.items():
+        caches = model_cache(spec, tp)
+        assert {c.kind for c in caches} == set(per_kind)
+        for c in caches:
+            kv_bytes, states = per_kind[c.kind]
+            assert c.kv_bytes_per_token == kv_bytes
+            assert {s.name: s.shape for s in c.states} == states
+            assert c.state_bytes_per_request == sum(
+                math.prod(shape) * (itemsize if n == "conv" else F32)
+                for n, shape in states.items())
+
+
+def test_every_bundled_tiny_family_has_hand_numbers() -> None:
+    bundled = {n for n, _ in _tiny_family_configs()}
+    assert bundled <= set(TINY), f"add hand-written numbers for {sorted(bundled - set(TINY))}"
+
+
+# ---- pploader plan --json / pploader load ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-qwen3_5_moe: [gdn, gdn, gdn, full_attention] x 2, routed + shared experts."""
+    return make_model(tmp_path_factory.mktemp("tiny-hybrid"), tiny_config("tiny-qwen3_5_moe"))
+
+
+def _plan_json(capsys: pytest.CaptureFixture, *args: str) -> dict:
+    from pploader.cli import main
+    assert main(["plan", "--json", *args]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_plan_json_pools_cover_every_layer_once(tiny_hybrid: Path,
+                                                capsys: pytest.CaptureFixture) -> None:
+    spec = spec_from_config(tiny_config("tiny-qwen3_5_moe"))
+    for pp in range(1, 5):
+        for tp in (1, 2):
+            out = _plan_json(capsys, "--model", str(tiny_hybrid), "--pp", str(pp), "--tp",
+                             str(tp), "--cache-budget", "256K")
+            stages = [r for r in out["ranks"] if r["tp_rank"] == 0]
+            attn = [x for r in stages for x in r["pools"]["attention_layers"]]
+            state = [x for r in stages for x in r["pools"]["state_layers"]]
+            assert attn == [3, 7] and state == [0, 1, 2, 4, 5, 6]
+            for r in out["ranks"]:
+                p = r["pools"]
+                own = model_cache(spec, tp)[r["start_layer"]:r["end_layer"]]
+                assert p["kv_bytes_per_token"] == sum(c.kv_bytes_per_token for c in own)
+                assert p["state_bytes_per_request"] == sum(c.state_bytes_per_request
+                                                           for c in own)
+                assert {x["layer"] for x in p["layers"]} == set(p["attention_layers"]) | \
+                    set(p["state_layers"])
+                assert p["capacity"]["pool_bytes"] <= 256 * 1024
+            reqs = [r["pools"]["capacity"]["max_requests"] for r in out["ranks"]]
+            assert out["pipeline_pools"]["max_requests"] == min(x for x in reqs if x is not None)
+
+
+def test_plan_balanced_with_cache_target_matches_make_windows(
+        tiny_hybrid: Path, capsys: pytest.CaptureFixture) -> None:
+    from pploader import load_spec, open_checkpoint
+    from pploader.plan import make_windows
+    spec, index = load_spec(tiny_hybrid), open_checkpoint(tiny_hybrid)
+    out = _plan_json(capsys, "--model", str(tiny_hybrid), "--pp", "3", "--partition",
+                     "balanced", "--tokens", "100000", "--requests", "4")
+    cache = layer_cache_bytes(spec, 100000, 4)
+    assert cache[3] == 100000 * 128 + 0 and cache[0] == 4 * (768 + 4096)
+    want = make_windows(spec, index, 3, "balanced", cache_bytes=cache)
+    assert [(r["start_layer"], r["end_layer"]) for r in out["ranks"]] == \
+        [(w.start_layer, w.end_layer) for w in want]
+    bal = out["pipeline_pools"]["balance"]
+    assert bal["chosen"]["max_over_mean"] <= bal["even"]["max_over_mean"]
+    assert [r["pools"]["capacity"]["max_tokens"] for r in out["ranks"]] == [
+        None if not r["pools"]["attention_layers"] else 100000 for r in out["ranks"]]
+
+
+def _load_pools_rank(rank: int, world: int, model: str, pp: int, tp: int) -> dict:
+    """One rank: load its stage, then build its pools and gather the pipeline-wide limits."""
+    from pploader import Topology, load_stage, plan_stage
+    from pploader.comm import Comm
+    from pploader.pools import PoolOptions, build_rank_pools, gather_capacity
+    topo = Topology.for_world(world, rank, pp=pp, tp=tp)
+    comm = Comm(topo, timeout_s=30)
+    staged = plan_stage(model, topo)
+    load_stage(staged)
+    pools = build_rank_pools(staged.spec, staged.plan, PoolOptions(budget_bytes=200_000),
+                             device="cpu")
+    limits = gather_capacity(comm, pools.capacity)
+    comm.close()
+    return {"report": pools.report(), "limits": limits}
+
+
+@pytest.mark.slow
+def test_load_builds_each_stages_pools_and_gathers_limits(tiny_hybrid: Path) -> None:
+    res = run_ranks(_load_pools_rank, 4, str(tiny_hybrid), 2, 2)
+    reports = [r["report"] for r in res]
+    assert [r["state_layers"] for r in reports] == [[0, 1, 2]] * 2 + [[4, 5, 6]] * 2
+    assert [r["attention_layers"] for r in reports] == [[3]] * 2 + [[7]] * 2
+    for r in reports:
+        cap = r["capacity"]
+        assert r["kv_allocated_bytes"] == cap["kv_pool_bytes"]
+        assert r["state_allocated_bytes"] == cap["state_pool_bytes"]
+        # tp2: 1 kv head x 16 x 2 x bf16 = 64 B/token; 3 gdn layers x (64x3x2 + 2x16x16x4) B
+        assert r["kv_bytes_per_token"] == 64 and r["state_bytes_per_request"] == 3 * 2432
+        assert cap["max_requests"] == 100_000 // (3 * 2432) == 13
+    assert all(r["limits"] == res[0]["limits"] for r in res)
+    assert res[0]["limits"]["max_requests"] == 13
+
+
+@pytest.mark.slow
+def test_cli_load_reports_pools_balanced_like_plan(tiny_hybrid: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """`pploader load --partition balanced --tokens ...` places the windows `plan` printed and
+    reports each rank's pools (allocated bytes = capacity) plus the pipeline-wide limits."""
+    args = ["--model", str(tiny_hybrid), "--pp", "2", "--partition", "balanced", "--tokens",
+            "50000", "--requests", "3"]
+    planned = _plan_json(capsys, *args)
+    out = run(torchrun_cmd(2, "load", *args, "--json", "--no-progress"), timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    for got, want in zip(doc["ranks"], planned["ranks"]):
+        assert (got["start_layer"], got["end_layer"]) == (want["start_layer"], want["end_layer"])
+        p = got["pools"]
+        assert p["attention_layers"] == want["pools"]["attention_layers"]
+        assert p["state_layers"] == want["pools"]["state_layers"]
+        assert p["kv_allocated_bytes"] + p["state_allocated_bytes"] == \
+            p["capacity"]["pool_bytes"] == want["pools"]["capacity"]["pool_bytes"]
+        assert p["device"] == "cpu"
+    assert doc["pipeline_pools"]["max_tokens"] == 50000
+    assert doc["pipeline_pools"]["max_requests"] == 3

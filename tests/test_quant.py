@@ -16,6 +16,9 @@ from typing import Callable, Optional
 import pytest
 import torch
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from helpers import reference_tensors, tiny_config
 from pploader import (ConfigError, PlanError, Reader, Topology, load_spec,
                       load_stage, open_checkpoint, plan_all, plan_stage, spec_from_config)
@@ -265,3 +268,71 @@ def test_unsupported_quantization_is_a_config_error() -> None:
     assert scheme_from_config({"hidden_size": 8}) is None
 
 
+
+
+# ---- the weight -> companion mapping, property-tested --------------------------------------
+def _take(t: torch.Tensor, sel) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    for d, intervals in sel.dims:
+        t = torch.cat([t.narrow(d, a, n) for a, n in intervals], d)
+    return t
+
+
+def _expand(scale: torch.Tensor, block: tuple, logical: tuple) -> torch.Tensor:
+    """A scale tensor at the element resolution of its weight (None = one entry per dim)."""
+    out = scale
+    for axis, b in zip((-2, -1), block):
+        size = logical[axis]
+        idx = torch.arange(size) // b if b is not None else torch.zeros(size, dtype=torch.long)
+        out = out.index_select(out.dim() + axis, idx)
+    return out
+
+
+@st.composite
+def mapping_cases(draw: st.DrawFn) -> dict:
+    tp = draw(st.sampled_from([1, 2, 4]))
+    experts = draw(st.sampled_from([0, 3]))
+    bn = draw(st.sampled_from([1, 2, 4]))
+    bk = draw(st.sampled_from([None, 2, 4, 8]))
+    n = draw(st.integers(1, 6)) * draw(st.sampled_from([1, 2, 4]))
+    k = draw(st.integers(1, 4)) * 8
+    dim = draw(st.sampled_from([-2, -1]))
+    return dict(tp=tp, experts=experts, block=(bn, bk), dim=dim,
+                logical=((experts,) if experts else ()) + (n, k),
+                units=draw(st.sampled_from([None, 1, 2, 4, 8])),
+                first_expert=draw(st.integers(0, 2)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(mapping_cases())
+def test_companion_slices_follow_the_weight(case: dict) -> None:
+    from pploader.families.base import ShardRule
+    from pploader.quant import Companion, QuantScheme
+    from pploader.shard import Selection, tp_selection
+    logical, (bn, bk), tp = case["logical"], case["block"], case["tp"]
+    comp = Companion("weight_scale", "F32", (bn, bk))
+    scheme = QuantScheme("test", "F8_E4M3", (comp,))
+    dim = len(logical) + case["dim"]
+    units = case["units"]
+    rule = ShardRule("w", dim, units=(lambda s, u=units: u) if units else None)
+    scale = torch.rand(comp.shape(logical))
+    whole = _expand(scale, (bn, bk), logical)
+    for r in range(tp):
+        try:
+            sel = tp_selection(rule, logical, None, r, tp, "w")  # type: ignore[arg-type]
+        except PlanError:
+            return  # indivisible shapes are tested elsewhere
+        if case["experts"]:
+            e0 = min(case["first_expert"], case["experts"] - 1)
+            sel = Selection(((0, ((e0, case["experts"] - e0),)),)).merged(sel)
+        blocked = {0: bn, 1: bk}
+        aligned = all(a % b == 0 and (m % b == 0 or a + m == logical[d])
+                      for d, iv in sel.dims if d >= len(logical) - 2
+                      for b in [blocked[d - len(logical) + 2]] if b is not None
+                      for a, m in iv)
+        if not aligned:
+            with pytest.raises(PlanError, match=rf"cuts .* tp={tp}"):
+                scheme.companion_selection(comp, sel, logical, "w", tp)
+            return
+        csel = scheme.companion_selection(comp, sel, logical, "w", tp)
+        got = _expand(_take(scale, csel), (bn, bk), _take(whole, sel).shape)
+        assert torch.equal(got, _take(whole, sel))

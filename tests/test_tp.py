@@ -305,6 +305,27 @@ def test_share_reads_reads_each_replica_once(llama_tp: tuple[Path, dict]) -> Non
                                               next(iter(shared.values())).shared)
 
 
+def test_share_reads_with_experts_uses_the_replica_group(tmp_path: Path) -> None:
+    """EP=2 x TP=2: norms/router are stage-wide replicas, attention slices are shared by the
+    ranks of equal tp_rank (replica group), experts are never shared."""
+    from pploader.families import supported_architectures
+    if "MixtralForCausalLM" not in supported_architectures():
+        pytest.skip("no MoE family registered")
+    model = make_model(tmp_path / "moe", tiny_config("tiny-mixtral"))
+    plans = plan_all(load_spec(model), open_checkpoint(model), pp=1, tp=2, ep=2)
+    shared = share_reads(plans)
+    for r, sp in shared.items():
+        groups = {s.item.name: s.group for s in sp.shared}
+        assert groups, r
+        assert all(g == "replica" for n, g in groups.items() if "self_attn" in n)
+        assert all(g == "stage" for n, g in groups.items() if "norm" in n)
+        assert not any(".experts." in n for n in groups)
+        assert all(set(s.ranks) == set(plans[r].topology.replica_group())
+                   for s in sp.shared if s.group == "replica")
+        own = {i.name for i in sp.own.items}
+        assert own.isdisjoint(groups) and own | set(groups) == set(plans[r].tensors)
+
+
 def test_share_reads_needs_the_whole_stage(llama_tp: tuple[Path, dict]) -> None:
     model, _ = llama_tp
     plans = plan_all(load_spec(model), open_checkpoint(model), pp=1, tp=2)
@@ -313,10 +334,10 @@ def test_share_reads_needs_the_whole_stage(llama_tp: tuple[Path, dict]) -> None:
 
 
 # ---- a real gloo job: PP=2 x TP=2 ----------------------------------------------------------
-def _tp_rank(rank: int, world: int, model: str) -> dict:
+def _tp_rank(rank: int, world: int, model: str, pp: int = 2, tp: int = 2, ep: int = 1) -> dict:
     from pploader import load_stage, plan_stage
     from pploader.comm import Comm
-    topo = Topology.for_world(world, rank, pp=2, tp=2)
+    topo = Topology.for_world(world, rank, pp=pp, tp=tp, ep=ep)
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo)
     plain = load_stage(staged)
@@ -369,3 +390,23 @@ def test_compare_tp_reads_accounting(llama_tp: tuple[Path, dict]) -> None:
         assert row["ideal_bytes"] == plan.ideal_bytes <= row["pploader_read_bytes"]
         assert row["read_all_bytes"] == total
     assert out["total"]["read_reduction"] > 1.5
+
+
+@pytest.mark.slow
+def test_gloo_ep2_tp2_read_once_over_replica_groups(tmp_path: Path) -> None:
+    """MoE, EP=2 x TP=2: attention slices travel over the replica groups, norms over the
+    stage; the result equals the plain load bitwise and storage reads drop accordingly."""
+    from pploader.families import supported_architectures
+    if "MixtralForCausalLM" not in supported_architectures():
+        pytest.skip("no MoE family registered")
+    model = make_model(tmp_path / "moe", tiny_config("tiny-mixtral"))
+    results = run_ranks(_tp_rank, 4, str(model), 1, 2, 2)
+    plans = plan_all(load_spec(model), open_checkpoint(model), pp=1, tp=2, ep=2)
+    shared = share_reads(plans)
+    assert {s.group for sp in shared.values() for s in sp.shared} == {"stage", "replica"}
+    for rank, res in enumerate(results):
+        assert res["plain"] == res["once"]
+        assert res["once_read"] == shared[rank].read_bytes
+    saved = sum(r["plain_read"] - r["once_read"] for r in results)
+    assert saved == sum(s.item.read_bytes * (len(s.ranks) - 1)
+                        for sp in shared.values() for s in sp.shared if s.reader == sp.rank)
