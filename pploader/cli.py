@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
                    help="fail with a structured out-of-memory error (tensor, bytes) when a rank "
                    "would allocate more than this; accepts 512M, 1G (default: no cap)")
+    p.add_argument("--read-once", action="store_true",
+                   help="read tensors that several ranks of a stage need (replicated ones) on one "
+                   "rank and broadcast them; pays on network storage (default off)")
+    p.add_argument("--range-cost", type=_size, default=None, metavar="BYTES",
+                   help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
+                   "are read row by row when cheaper than the covering box; 0 = always row by "
+                   "row (default 64K)")
 
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
@@ -294,7 +301,8 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     try:
         from .pools import pool_device
         staged = plan_stage(args.model, topo, partition=_load_partition(
-            args, topo.pp_size, pool_device(args.pool_device)))
+            args, topo.pp_size, pool_device(args.pool_device)),
+            **({} if args.range_cost is None else {"range_cost_bytes": args.range_cost}))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     planned = comm.agree(error, staged.plan.read_bytes if staged else None)
@@ -303,7 +311,8 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
         try:
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
                                 cancel=cancel, on_progress=add,
-                                memory_budget_bytes=args.memory_budget)
+                                memory_budget_bytes=args.memory_budget,
+                                comm=comm, read_once=args.read_once)
             add.flush()  # type: ignore[attr-defined]
             if args.save_loaded:
                 from safetensors.torch import save_file

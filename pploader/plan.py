@@ -352,11 +352,13 @@ def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str
 
 def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
              partition: Partition = "even", strict: bool = True,
-             cache_bytes: Optional[Sequence[int]] = None) -> list[RankPlan]:
+             cache_bytes: Optional[Sequence[int]] = None,
+             range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> list[RankPlan]:
     """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
     windows = make_windows(spec, index, pp, partition, cache_bytes=cache_bytes)
     topo = Topology(pp, tp, ep)
-    return [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict) for t in topo.all_ranks()]
+    return [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict,
+                      range_cost_bytes=range_cost_bytes) for t in topo.all_ranks()]
 
 
 def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,

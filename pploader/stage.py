@@ -7,22 +7,28 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from .checkpoint import CheckpointIndex, open_checkpoint
+from .checkpoint import DTYPES, CheckpointIndex, open_checkpoint
 from .dtypes import cast_stream, dtype_casts
 from .errors import PPLoaderError
 from .plan import Partition, RankPlan, make_windows, plan_mtp, plan_rank
 from .read import Reader, ReadStats
+from .share import share_reads
+from .shard import DEFAULT_RANGE_COST_BYTES
 from .report import RankReport, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 from .spec import ModelSpec, load_spec
 from .topology import Topology
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .comm import Comm
+
 __all__ = ["StagePlan", "plan_stage", "iter_stage_weights", "load_stage", "StageResult",
-           "iter_mtp_weights"]
+           "iter_mtp_weights", "ReadOnceReader"]
 
 
 @dataclass(frozen=True)
@@ -37,16 +43,20 @@ class StagePlan:
 
 def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
                partition: Partition = "even", strict: bool = True,
-               allowed_roots: Sequence[str] = ()) -> StagePlan:
+               allowed_roots: Sequence[str] = (),
+               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> StagePlan:
     """Plan this rank's stage from config.json and the needed shards' headers.
 
     Every check (headers, shapes, dtype policy) happens here, before anything is allocated;
-    errors name this rank."""
+    errors name this rank. ``range_cost_bytes``: what one extra positional read costs in
+    bytes of transfer; strided (dim-1) TP slices are read row by row when that is cheaper
+    than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes)."""
     try:
         spec = load_spec(model_dir)
         index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
         windows = make_windows(spec, index, topology.pp_size, partition)
-        plan = plan_rank(spec, index, topology, windows[topology.pp_rank], strict=strict)
+        plan = plan_rank(spec, index, topology, windows[topology.pp_rank], strict=strict,
+                         range_cost_bytes=range_cost_bytes)
         return StagePlan(spec, index, plan, dtype_casts(spec, plan))
     except PPLoaderError as exc:
         raise exc.on_rank(topology.rank)
@@ -56,16 +66,28 @@ def iter_stage_weights(model_dir: os.PathLike | str, topology: Topology, *,
                        partition: Partition = "even", window_bytes: Optional[int] = None,
                        threads: int = 1, mode: str = "owned",
                        cancel: Optional[threading.Event] = None,
-                       on_progress: Optional[Callable[[int], None]] = None
+                       on_progress: Optional[Callable[[int], None]] = None,
+                       comm: Optional["Comm"] = None, read_once: bool = False
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of this rank's stage, lazily, with bounded host memory.
 
-    Feed it to a serving stack's ``load_weights(weights)`` unchanged.
+    Feed it to a serving stack's ``load_weights(weights)`` unchanged. ``read_once`` (needs
+    ``comm``; every rank of the stage must iterate) reads replicated tensors once per group
+    and broadcasts them, see :class:`ReadOnceReader`.
     """
     staged = plan_stage(model_dir, topology, partition=partition)
-    yield from cast_stream(Reader(staged.plan, window_bytes=window_bytes, threads=threads,
-                                  mode=mode, cancel=cancel, on_progress=on_progress),
-                           staged.casts)
+    if read_once:
+        if comm is None:
+            raise ValueError("read_once needs a Comm (the broadcasts go through it)")
+        if mode != "owned":
+            raise ValueError("read_once yields owned tensors only")
+        stream: Iterator = iter(ReadOnceReader(staged, comm, window_bytes=window_bytes,
+                                               threads=threads, cancel=cancel,
+                                               on_progress=on_progress))
+    else:
+        stream = iter(Reader(staged.plan, window_bytes=window_bytes, threads=threads, mode=mode,
+                             cancel=cancel, on_progress=on_progress))
+    yield from cast_stream(stream, staged.casts)
 
 
 def iter_mtp_weights(model_dir: os.PathLike | str, mtp_layer: int, *,
@@ -75,6 +97,63 @@ def iter_mtp_weights(model_dir: os.PathLike | str, mtp_layer: int, *,
     spec = load_spec(model_dir)
     plan = plan_mtp(spec, open_checkpoint(model_dir), mtp_layer, topology)
     yield from Reader(plan, window_bytes=window_bytes)
+
+
+class ReadOnceReader:
+    """Read once for replicas: items that several ranks of the stage plan identically
+    (replicated tensors; with EP > 1 every non-expert slice) are read from storage by one rank
+    of their group and broadcast through ``comm`` (share.py decides who reads what).
+
+    Yields ``(target, tensor)`` like a Reader: the shared items first, in the global broadcast
+    order, then this rank's own items. Every rank of the stage must iterate it to the end.
+    ``stats.read_bytes`` counts storage bytes only (received bytes are in ``received_bytes``).
+
+    It pays when storage is slower than the interconnect (network file systems, a cold cache
+    shared by many ranks); on local NVMe or a warm page cache it only adds synchronisation,
+    so it is off by default (``load_stage(read_once=False)``).
+    """
+
+    def __init__(self, staged: StagePlan, comm: "Comm", *, window_bytes: Optional[int] = None,
+                 threads: int = 1, cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None,
+                 memory_budget_bytes: Optional[int] = None) -> None:
+        plan, topo = staged.plan, staged.plan.topology
+        plans = [plan if r == topo.rank else plan_rank(staged.spec, staged.index,
+                                                       topo.with_rank(r), plan.window,
+                                                       strict=False,
+                                                       range_cost_bytes=plan.range_cost_bytes)
+                 for r in topo.stage_group()]
+        self.shared = share_reads(plans)[topo.rank]
+        self.comm, self.stats = comm, ReadStats()
+        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
+        self._readers = (Reader(self.shared.reads, **kw), Reader(self.shared.own, **kw))
+        self.received_bytes = 0
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        mine, own = self._readers
+        rank = self.shared.rank
+        start = time.perf_counter()
+        try:
+            reads = iter(mine)
+            for s in self.shared.shared:
+                if s.reader == rank:
+                    target, tensor = next(reads)
+                else:
+                    target = s.item.target
+                    tensor = torch.empty(s.item.shape, dtype=DTYPES[s.item.dtype][0])
+                    self.received_bytes += s.item.nbytes
+                self.comm.broadcast_bytes(tensor, s.reader, s.group)
+                yield target, tensor
+            next(reads, None)  # lets the reader finish (identity checks, close)
+            yield from own
+        finally:
+            for field_name in ("read_bytes", "items", "syscalls"):
+                setattr(self.stats, field_name, sum(getattr(r.stats, field_name)
+                                                    for r in self._readers))
+            self.stats.seconds = time.perf_counter() - start  # reads + broadcasts
+            self.stats.peak_inflight_bytes = max(r.stats.peak_inflight_bytes
+                                                 for r in self._readers)
 
 
 @dataclass
@@ -90,8 +169,12 @@ class StageResult:
 def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None, threads: int = 1,
                cancel: Optional[threading.Event] = None,
                on_progress: Optional[Callable[[int], None]] = None,
-               memory_budget_bytes: Optional[int] = None) -> StageResult:
+               memory_budget_bytes: Optional[int] = None, comm: Optional["Comm"] = None,
+               read_once: bool = False) -> StageResult:
     """Read a planned stage into owned tensors and measure it.
+
+    ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
+    read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off).
 
     ``memory_budget_bytes`` caps what the reader may allocate: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
@@ -99,8 +182,16 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None, threads
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()
-    reader = Reader(plan, window_bytes=window_bytes, threads=threads, cancel=cancel,
-                    on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
+    reader: "Reader | ReadOnceReader"
+    if read_once:
+        if comm is None:
+            raise ValueError("read_once needs a Comm (the broadcasts go through it)")
+        reader = ReadOnceReader(staged, comm, window_bytes=window_bytes, threads=threads,
+                                cancel=cancel, on_progress=on_progress,
+                                memory_budget_bytes=memory_budget_bytes)
+    else:
+        reader = Reader(plan, window_bytes=window_bytes, threads=threads, cancel=cancel,
+                        on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
     state = dict(cast_stream(reader, staged.casts))  # dtype policy (dtypes.py)
     t = plan.topology
     report = RankReport(
