@@ -135,6 +135,7 @@ def _roles(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
 def layer_bytes(spec: ModelSpec, index: CheckpointIndex) -> tuple[list[int], int, int]:
     """Bytes per decoder layer, of first-stage globals and of last-stage globals (headers)."""
     index.validate_all()
+    spec = spec.for_checkpoint(index.weight_map)
     per_layer, first, last = [0] * spec.num_layers, 0, 0
     for name, role in _roles(spec, index).items():
         nbytes = index.entry(name).nbytes
@@ -264,6 +265,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     """The plan of one rank: its window's layers, globals, local experts and TP slices."""
     if window.pp_rank != topology.pp_rank:
         raise PlanError(f"window of stage {window.pp_rank} given to {topology.describe()}")
+    spec = spec.for_checkpoint(index.weight_map)
     experts = (local_experts(spec.num_experts, topology.ep_size, topology.ep_rank)
                if spec.num_experts and topology.ep_size > 1 else None)
     if topology.ep_size > 1 and not spec.num_experts:
@@ -355,6 +357,7 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
              cache_bytes: Optional[Sequence[int]] = None,
              range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> list[RankPlan]:
     """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
+    spec = spec.for_checkpoint(index.weight_map)
     windows = make_windows(spec, index, pp, partition, cache_bytes=cache_bytes)
     topo = Topology(pp, tp, ep)
     return [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict,
@@ -368,6 +371,7 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
         raise PlanError(f"MTP layer {mtp_layer} requested; the checkpoint config has "
                         f"{spec.num_mtp_layers} (num_nextn_predict_layers)")
     topo = topology or Topology(1)
+    spec = spec.for_checkpoint(index.weight_map)
     layer = spec.num_layers + mtp_layer
     window = StageWindow(topo.pp_rank, layer, layer + 1, False, False)
     experts = (local_experts(spec.num_experts, topo.ep_size, topo.ep_rank)

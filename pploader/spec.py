@@ -3,10 +3,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
@@ -70,6 +70,13 @@ class ModelSpec:
 
     def layers_of_kind(self, *kinds: str) -> tuple[int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in kinds)
+
+    def for_checkpoint(self, names: Iterable[str]) -> "ModelSpec":
+        """This spec with its family resolved to the naming the checkpoint uses (e.g. fused
+        3-D experts written by transformers); the planner calls it with the index's names."""
+        if not self.family.formats:
+            return self
+        return replace(self, family=self.family.for_checkpoint(names))
 
 
 def _dtype(config: Mapping, outer: Mapping) -> torch.dtype:

@@ -4,14 +4,20 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..errors import ConfigError
-from .base import Family, GlobalRule, Layout, ShardRule, TensorRole
-from . import llama
+from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, TensorRole
+from . import deepseek, granite, llama, mamba, moe, nemotron_h, qwen_hybrid
 
-__all__ = ["Family", "GlobalRule", "Layout", "ShardRule", "TensorRole", "FAMILIES",
-           "find_family", "supported_architectures"]
+__all__ = ["CheckpointFormat", "Family", "GlobalRule", "Layout", "ShardRule", "TensorRole",
+           "FAMILIES", "find_family", "supported_architectures"]
 
 #: Every family pploader supports. Add yours here (see docs/architecture.md).
-FAMILIES: tuple[Family, ...] = (llama.FAMILY, llama.QWEN3, llama.QWEN2)
+FAMILIES: tuple[Family, ...] = (
+    llama.FAMILY, llama.QWEN3, llama.QWEN2,
+    moe.QWEN3_MOE, moe.MIXTRAL, deepseek.DEEPSEEK_V3,
+    qwen_hybrid.QWEN3_NEXT, qwen_hybrid.QWEN3_5, qwen_hybrid.QWEN3_5_MOE,
+    qwen_hybrid.QWEN3_5_VL, qwen_hybrid.QWEN3_5_MOE_VL,
+    mamba.JAMBA, mamba.BAMBA, mamba.FALCON_H1, nemotron_h.NEMOTRON_H, granite.GRANITE_MOE_HYBRID,
+)
 
 
 def supported_architectures() -> list[str]:

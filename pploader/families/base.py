@@ -7,8 +7,8 @@ registering it in ``families/__init__.py`` (see docs/architecture.md, "Adding a 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Union
 
 from ..errors import ConfigError
 
@@ -16,10 +16,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
 
 __all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Template",
-           "LAYER_KINDS", "cfg", "cfg_opt"]
+           "CheckpointFormat", "LAYER_KINDS", "cfg", "cfg_opt"]
 
-#: The layer kinds pploader knows (cache geometry and shard rules key on these).
-LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_attention_mamba2")
+#: The layer kinds pploader knows (cache geometry and shard rules key on these). ``mlp`` is a
+#: block with no sequence mixer (NemotronH's MLP / MoE layers): no cache.
+LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_attention_mamba2",
+               "mlp")
 
 #: name -> shape of every tensor a checkpoint of this config holds (the strict expected set).
 Template = Callable[["ModelSpec"], Mapping[str, tuple[int, ...]]]
@@ -59,15 +61,16 @@ class ShardRule:
     ``dim`` None = replicated. ``segments(spec)`` gives the sizes of independent parts along
     ``dim`` (e.g. Mamba2 in_proj = [z, x, B, C, dt]); each part is split on its own and the
     rank's pieces are concatenated in order. ``units(spec)`` gives the number of indivisible
-    units (e.g. kv heads) per segment: with fewer units than TP ranks, units are replicated
-    (rank r takes unit r * units // tp). ``pad`` pads dim 0 to a multiple of tp (vocab).
+    units (e.g. kv heads) of every segment, or a tuple with one count per segment (Mamba2
+    in_proj: heads for z/x/dt, groups for B/C): with fewer units than TP ranks, units are
+    replicated (rank r takes unit r * units // tp). ``pad`` pads dim 0 to a multiple of tp.
     ``block`` is the quantization block along ``dim`` a split must not cut.
     """
 
     pattern: str
     dim: Optional[int]
     segments: Optional[Callable[["ModelSpec"], tuple[int, ...]]] = None
-    units: Optional[Callable[["ModelSpec"], int]] = None
+    units: Optional[Callable[["ModelSpec"], Union[int, tuple[int, ...]]]] = None
     pad: bool = False
 
 
@@ -81,6 +84,18 @@ class TensorRole:
     expert: Optional[int] = None  # expert id of a per-expert tensor
     fused_experts: bool = False  # a 3-D tensor stacking all experts on dim 0
     role: str = "layer"          # GlobalRule.role for globals
+
+
+@dataclass(frozen=True)
+class CheckpointFormat:
+    """A second on-disk naming of one architecture, e.g. transformers' own layout
+    (``save_pretrained(save_original_format=False)``: fused 3-D experts, sometimes another
+    prefix). ``marker`` is a regex searched in the checkpoint's tensor names; any hit selects
+    this format, whose ``changes`` replace Family fields (template, prefixes, globals...)."""
+
+    name: str
+    marker: str
+    changes: tuple[tuple[str, object], ...]
 
 
 @dataclass(frozen=True)
@@ -98,7 +113,23 @@ class Family:
     template: Optional[Template] = None
     text_config_key: Optional[str] = None        # VL configs nest the LM config here
     fused_targets: tuple = ()                    # place.py: checkpoint pieces -> fused params
+    formats: tuple[CheckpointFormat, ...] = ()   # other namings, detected from the checkpoint
+    format: str = "original"                     # which naming this Family value describes
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def for_checkpoint(self, names: Iterable[str]) -> "Family":
+        """This family as the checkpoint with tensor ``names`` spells it (its ``formats`` are
+        tried in order; none matching = the original naming). The result has no formats left,
+        so resolving twice is free."""
+        if not self.formats:
+            return self
+        names = list(names)
+        for fmt in self.formats:
+            rx = re.compile(fmt.marker)
+            if any(rx.search(n) for n in names):
+                return replace(self, formats=(), format=fmt.name, _compiled={},
+                               **dict(fmt.changes))
+        return replace(self, formats=())
 
     def _re(self, pattern: str) -> "re.Pattern[str]":
         rx = self._compiled.get(pattern)

@@ -1,0 +1,117 @@
+"""DeepSeek-V3 (MLA attention, routed + shared experts, multi-token-prediction layers).
+
+Dense MLPs in the first ``first_k_dense_replace`` layers, MoE after. The checkpoint carries
+``num_nextn_predict_layers`` MTP layers after the last decoder layer (``model.layers.61.*`` for
+a 61-layer model), each a full MoE decoder layer plus ``embed_tokens``, ``enorm``, ``hnorm``,
+``eh_proj`` and ``shared_head.{norm,head}``. transformers' ``save_pretrained`` does not write
+MTP layers; official checkpoints do. Main-model stages never read them (placement "mtp");
+``plan_mtp`` selects one for a draft model.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from .base import CheckpointFormat, Family, Layout, ShardRule, cfg, cfg_opt
+from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
+from .common import globals_tensors, llama_globals, mlp_rules, mlp_tensors, vocab_rules
+from .moe import FUSED_MARKER
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["DEEPSEEK_V3", "mla_tensors", "MLA_RULES"]
+
+
+def _layout(config: Mapping) -> Layout:
+    n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
+    experts = num_experts_of(config, "n_routed_experts")
+    first_dense = int(cfg_opt(config, "first_k_dense_replace", 0))  # type: ignore[arg-type]
+    moe = frozenset(range(first_dense, n)) if experts else frozenset()
+    return Layout(n, ("mla",) * n, moe, experts,
+                  int(cfg_opt(config, "num_nextn_predict_layers", 0)))  # type: ignore[arg-type]
+
+
+def mla_tensors(spec: "ModelSpec", prefix: str = "self_attn.") -> Shapes:
+    """Multi-head latent attention: low-rank q (or a plain q_proj), compressed kv + rope key."""
+    h, nh = spec.hidden_size, spec.num_heads
+    nope, rope = spec.int("qk_nope_head_dim"), spec.int("qk_rope_head_dim")
+    v, kv_rank = spec.int("v_head_dim"), spec.int("kv_lora_rank")
+    q_rank = spec.config.get("q_lora_rank")
+    bias = bool(spec.config.get("attention_bias", False))
+    out: Shapes = {}
+    if q_rank:
+        out.update({"q_a_proj.weight": (int(q_rank), h), "q_a_layernorm.weight": (int(q_rank),),
+                    "q_b_proj.weight": (nh * (nope + rope), int(q_rank))})
+        if bias:
+            out["q_a_proj.bias"] = (int(q_rank),)
+    else:
+        out["q_proj.weight"] = (nh * (nope + rope), h)
+    out.update({"kv_a_proj_with_mqa.weight": (kv_rank + rope, h),
+                "kv_a_layernorm.weight": (kv_rank,),
+                "kv_b_proj.weight": (nh * (nope + v), kv_rank), "o_proj.weight": (h, nh * v)})
+    if bias:
+        out.update({"kv_a_proj_with_mqa.bias": (kv_rank + rope,), "o_proj.bias": (h,)})
+    return {prefix + k: s for k, s in out.items()}
+
+
+def _heads(spec: "ModelSpec") -> int:
+    return spec.num_heads
+
+
+#: q_a / kv_a (the shared low-rank inputs) replicated; per-head q_b / q / kv_b column-parallel;
+#: o row-parallel by heads.
+MLA_RULES = (ShardRule(r"self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight", 0, units=_heads),
+             ShardRule(r"self_attn\.o_proj\.weight", 1, units=_heads))
+
+
+def _decoder_layer(spec: "ModelSpec", layer: int, fused: bool) -> Shapes:
+    h = spec.hidden_size
+    out: Shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                   **mla_tensors(spec)}
+    first_dense = int(cfg_opt(spec.config, "first_k_dense_replace", 0))  # type: ignore[arg-type]
+    if spec.num_experts and layer >= first_dense:
+        inter = spec.int("moe_intermediate_size")
+        shared = inter * int(cfg_opt(spec.config, "n_shared_experts", 1))  # type: ignore[arg-type]
+        out.update({"mlp.gate.weight": (spec.num_experts, h),
+                    "mlp.gate.e_score_correction_bias": (spec.num_experts,),
+                    **expert_tensors("mlp.experts.", spec.num_experts, h, inter, fused=fused),
+                    **mlp_tensors(h, shared, prefix="mlp.shared_experts.")})
+    else:
+        out.update(mlp_tensors(h, spec.int("intermediate_size")))
+    return out
+
+
+def _mtp_extras(spec: "ModelSpec") -> Shapes:
+    h, vocab = spec.hidden_size, spec.vocab_size
+    return {"embed_tokens.weight": (vocab, h), "enorm.weight": (h,), "hnorm.weight": (h,),
+            "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,),
+            "shared_head.head.weight": (vocab, h)}
+
+
+def _template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+    """Main layers, then MTP layers ``num_layers .. num_layers + num_mtp_layers - 1``."""
+    def layer(i: int) -> Shapes:
+        out = _decoder_layer(spec, i, fused)
+        if i >= spec.num_layers:
+            out.update(_mtp_extras(spec))
+        return out
+    return assemble(spec, globals_tensors(spec), layer,
+                    layers=range(spec.num_layers + spec.num_mtp_layers))
+
+
+def _moe_inter(spec: "ModelSpec") -> int:
+    return spec.int("moe_intermediate_size")
+
+
+DEEPSEEK_V3 = Family(
+    name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), layout=_layout,
+    globals=llama_globals(), expert_pattern=r"mlp\.experts\.(\d+)\..+",
+    fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
+    shard_rules=vocab_rules()
+    + (ShardRule(r"embed_tokens\.weight", 0, pad=True),          # MTP layers' own copies
+       ShardRule(r"shared_head\.head\.weight", 0, pad=True))
+    + MLA_RULES + mlp_rules() + mlp_rules(r"mlp\.shared_experts\.")
+    + expert_rules(r"mlp\.experts\.", _moe_inter),
+    template=_template,
+    formats=(CheckpointFormat("transformers", FUSED_MARKER,
+                              (("template", lambda s: _template(s, fused=True)),)),))

@@ -1,0 +1,111 @@
+"""MoE transformer families: Qwen3-MoE and Mixtral (both expert layouts).
+
+Original naming (transformers' default ``save_pretrained``, as on the Hub): one tensor per
+expert, ``mlp.experts.N.{gate,up,down}_proj.weight`` (Mixtral:
+``block_sparse_moe.experts.N.w1/w2/w3.weight``). Transformers' own naming
+(``save_original_format=False``): fused 3-D ``mlp.experts.gate_up_proj`` [E, 2I, H] and
+``mlp.experts.down_proj`` [E, H, I] (Mixtral's block moves from ``block_sparse_moe`` to ``mlp``).
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from .base import CheckpointFormat, Family, Layout, cfg, cfg_opt
+from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
+from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
+                     mlp_rules, mlp_tensors, vocab_rules)
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "qwen_moe_layers", "qwen_experts"]
+
+#: A transformers-format checkpoint: some layer holds fused 3-D experts.
+FUSED_MARKER = r"\.experts\.gate_up_proj$"
+
+
+def qwen_moe_layers(config: Mapping, num_layers: int) -> frozenset[int]:
+    """Qwen MoE placement: every ``decoder_sparse_step``-th layer not in ``mlp_only_layers``."""
+    experts = num_experts_of(config, "num_experts", "num_local_experts")
+    step = int(cfg_opt(config, "decoder_sparse_step", 1))  # type: ignore[arg-type]
+    only = set(cfg_opt(config, "mlp_only_layers", []) or [])  # type: ignore[arg-type]
+    return frozenset(i for i in range(num_layers)
+                     if experts > 0 and i not in only and (i + 1) % step == 0)
+
+
+def _qwen3_moe_layout(config: Mapping) -> Layout:
+    n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
+    return Layout(n, ("full_attention",) * n, qwen_moe_layers(config, n),
+                  num_experts_of(config, "num_experts", "num_local_experts"))
+
+
+def qwen_experts(spec: "ModelSpec", *, fused: bool, prefix: str = "mlp.") -> Shapes:
+    """Router + routed experts of a Qwen MoE block (``mlp.gate`` / ``mlp.experts``)."""
+    h = spec.hidden_size
+    return {prefix + "gate.weight": (spec.num_experts, h),
+            **expert_tensors(prefix + "experts.", spec.num_experts, h,
+                             spec.int("moe_intermediate_size"), fused=fused)}
+
+
+def _qwen3_moe_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+    h = spec.hidden_size
+    bias = bool(spec.config.get("attention_bias", False))
+
+    def layer(i: int) -> Shapes:
+        out: Shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                       **attention_tensors(spec, bias=bias, o_bias=bias, qk_norm=True)}
+        if i in spec.moe_layers:
+            out.update(qwen_experts(spec, fused=fused))
+        else:
+            out.update(mlp_tensors(h, spec.int("intermediate_size")))
+        return out
+    return assemble(spec, globals_tensors(spec), layer)
+
+
+def _moe_inter(spec: "ModelSpec") -> int:
+    return spec.int("moe_intermediate_size")
+
+
+QWEN3_MOE = Family(
+    name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), layout=_qwen3_moe_layout,
+    globals=llama_globals(), expert_pattern=r"mlp\.experts\.(\d+)\..+",
+    fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
+    shard_rules=vocab_rules() + attention_rules() + expert_rules(r"mlp\.experts\.", _moe_inter)
+    + mlp_rules(),
+    template=_qwen3_moe_template,
+    formats=(CheckpointFormat("transformers", FUSED_MARKER,
+                              (("template", lambda s: _qwen3_moe_template(s, fused=True)),)),))
+
+
+def _mixtral_layout(config: Mapping) -> Layout:
+    n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
+    return Layout(n, ("full_attention",) * n, frozenset(range(n)),
+                  num_experts_of(config, "num_local_experts", "num_experts"))
+
+
+def _mixtral_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+    h, inter = spec.hidden_size, spec.int("intermediate_size")
+    block = "mlp." if fused else "block_sparse_moe."
+
+    def layer(i: int) -> Shapes:
+        return {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+                **attention_tensors(spec), block + "gate.weight": (spec.num_experts, h),
+                **expert_tensors(block + "experts.", spec.num_experts, h, inter, fused=fused,
+                                 names=("w1", "w3", "w2"))}
+    return assemble(spec, globals_tensors(spec), layer)
+
+
+def _dense_inter(spec: "ModelSpec") -> int:
+    return spec.int("intermediate_size")
+
+
+MIXTRAL = Family(
+    name="mixtral", architectures=("MixtralForCausalLM",), layout=_mixtral_layout,
+    globals=llama_globals(), expert_pattern=r"block_sparse_moe\.experts\.(\d+)\..+",
+    fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
+    shard_rules=vocab_rules() + attention_rules()
+    + expert_rules(r"block_sparse_moe\.experts\.", _dense_inter, col="w1|w3", row="w2")
+    + expert_rules(r"mlp\.experts\.", _dense_inter),
+    template=_mixtral_template,
+    formats=(CheckpointFormat("transformers", FUSED_MARKER,
+                              (("template", lambda s: _mixtral_template(s, fused=True)),)),))

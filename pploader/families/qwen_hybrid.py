@@ -1,0 +1,182 @@
+"""Qwen hybrids: gated-delta-net (linear attention) + gated full attention.
+
+- Qwen3-Next: ``in_proj_qkvz`` / ``in_proj_ba`` GDN, MoE by ``decoder_sparse_step`` /
+  ``mlp_only_layers`` with a gated shared expert.
+- Qwen3.5 (dense) and Qwen3.5-MoE (every layer MoE + shared expert): ``in_proj_qkv/z/b/a``.
+- Qwen3.5(-MoE) vision-language (``...ForConditionalGeneration``): the language model under
+  ``model.language_model.``, its config under ``text_config``, the vision tower
+  ``model.visual.*`` placed on the first stage (replicated over TP), ``lm_head`` at the top.
+
+Layer kinds come from ``layer_types`` (``linear_attention`` -> gdn), or, for configs without
+it, every ``full_attention_interval``-th layer (default 4) is full attention, as transformers
+does.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Mapping
+
+from ..errors import ConfigError
+from .base import CheckpointFormat, Family, GlobalRule, Layout, cfg, cfg_opt
+from .blocks import (Shapes, assemble, expert_rules, gdn_rules, gdn_tensors, kinds_from_names,
+                     num_experts_of)
+from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
+                     mlp_rules, mlp_tensors, vocab_rules)
+from .moe import FUSED_MARKER, qwen_experts, qwen_moe_layers
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
+           "vision_tensors"]
+
+_KINDS = {"linear_attention": "gdn", "full_attention": "full_attention"}
+
+
+def _kinds(config: Mapping, n: int) -> tuple[str, ...]:
+    if config.get("layer_types") is not None:
+        kinds = kinds_from_names(config["layer_types"], _KINDS, "layer_types")
+        if len(kinds) != n:
+            raise ConfigError(f"layer_types has {len(kinds)} entries for {n} layers")
+        return kinds
+    every = int(cfg_opt(config, "full_attention_interval", 4))  # type: ignore[arg-type]
+    return tuple("full_attention" if (i + 1) % every == 0 else "gdn" for i in range(n))
+
+
+def _layout_next(config: Mapping) -> Layout:
+    n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
+    return Layout(n, _kinds(config, n), qwen_moe_layers(config, n),
+                  num_experts_of(config, "num_experts", "num_local_experts"))
+
+
+def _layout_dense(config: Mapping) -> Layout:
+    n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
+    return Layout(n, _kinds(config, n))
+
+
+def _layout_all_moe(config: Mapping) -> Layout:
+    n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
+    experts = num_experts_of(config, "num_experts", "num_local_experts")
+    return Layout(n, _kinds(config, n), frozenset(range(n)) if experts else frozenset(), experts)
+
+
+def _gated_attention(spec: "ModelSpec") -> Shapes:
+    """Full attention with an output gate: q_proj packs [q, gate] per head (2 x head_dim)."""
+    bias = bool(spec.config.get("attention_bias", False))
+    out = attention_tensors(spec, bias=bias, o_bias=bias, qk_norm=True)
+    q = 2 * spec.num_heads * spec.head_dim
+    out["self_attn.q_proj.weight"] = (q, spec.hidden_size)
+    if bias:
+        out["self_attn.q_proj.bias"] = (q,)
+    return out
+
+
+def _shared_expert(spec: "ModelSpec") -> Shapes:
+    h = spec.hidden_size
+    return {**mlp_tensors(h, spec.int("shared_expert_intermediate_size"),
+                          prefix="mlp.shared_expert."),
+            "mlp.shared_expert_gate.weight": (1, h)}
+
+
+def _hybrid_template(spec: "ModelSpec", *, split_proj: bool, fused: bool,
+                     prefix: str = "model.", head: str = "lm_head.weight") -> Shapes:
+    h = spec.hidden_size
+
+    def layer(i: int) -> Shapes:
+        out: Shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,)}
+        if spec.layer_kinds[i] == "gdn":
+            out.update(gdn_tensors(spec, split_proj=split_proj))
+        else:
+            out.update(_gated_attention(spec))
+        if i in spec.moe_layers:
+            out.update(qwen_experts(spec, fused=fused))
+            out.update(_shared_expert(spec))
+        else:
+            out.update(mlp_tensors(h, spec.int("intermediate_size")))
+        return out
+    return assemble(spec, globals_tensors(spec, prefix, head), layer, prefix=prefix + "layers.")
+
+
+def vision_tensors(vision: Mapping, prefix: str = "model.visual.") -> Shapes:
+    """The Qwen3.5 vision tower: patch embed, learned positions, ViT blocks, patch merger."""
+    hid, inter = int(vision["hidden_size"]), int(vision["intermediate_size"])
+    merge = int(vision.get("spatial_merge_size", 2)) ** 2 * hid
+    patch, tpatch = int(vision["patch_size"]), int(vision.get("temporal_patch_size", 2))
+    out: Shapes = {"patch_embed.proj.weight": (hid, int(vision.get("in_channels", 3)), tpatch,
+                                               patch, patch),
+                   "patch_embed.proj.bias": (hid,),
+                   "pos_embed.weight": (int(vision["num_position_embeddings"]), hid),
+                   "merger.norm.weight": (hid,), "merger.norm.bias": (hid,),
+                   "merger.linear_fc1.weight": (merge, merge), "merger.linear_fc1.bias": (merge,),
+                   "merger.linear_fc2.weight": (int(vision["out_hidden_size"]), merge),
+                   "merger.linear_fc2.bias": (int(vision["out_hidden_size"]),)}
+    for b in range(int(vision["depth"])):
+        out.update({f"blocks.{b}.{k}": s for k, s in {
+            "norm1.weight": (hid,), "norm1.bias": (hid,), "norm2.weight": (hid,),
+            "norm2.bias": (hid,), "attn.qkv.weight": (3 * hid, hid), "attn.qkv.bias": (3 * hid,),
+            "attn.proj.weight": (hid, hid), "attn.proj.bias": (hid,),
+            "mlp.linear_fc1.weight": (inter, hid), "mlp.linear_fc1.bias": (inter,),
+            "mlp.linear_fc2.weight": (hid, inter), "mlp.linear_fc2.bias": (hid,)}.items()})
+    return {prefix + k: s for k, s in out.items()}
+
+
+def _vl_template(spec: "ModelSpec", *, fused: bool) -> Shapes:
+    out = _hybrid_template(spec, split_proj=True, fused=fused, prefix="model.language_model.")
+    vision = spec.full_config.get("vision_config")
+    if not isinstance(vision, Mapping):
+        raise ConfigError(f"{spec.architecture} config.json has no vision_config")
+    out.update(vision_tensors(vision))
+    return out
+
+
+def _moe_inter(spec: "ModelSpec") -> int:
+    return spec.int("moe_intermediate_size")
+
+
+def _rules(prefix: str = r"model\.") -> tuple:
+    return (vocab_rules(prefix) + gdn_rules(r"linear_attn\.") + attention_rules()
+            + expert_rules(r"mlp\.experts\.", _moe_inter) + mlp_rules(r"mlp\.shared_expert\.")
+            + mlp_rules())
+
+
+_EXPERTS = dict(expert_pattern=r"mlp\.experts\.(\d+)\..+",
+                fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)")
+
+
+def _fused(template: object) -> tuple[CheckpointFormat, ...]:
+    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),)),)
+
+
+QWEN3_NEXT = Family(
+    name="qwen3_next", architectures=("Qwen3NextForCausalLM",), layout=_layout_next,
+    globals=llama_globals(), shard_rules=_rules(), **_EXPERTS,  # type: ignore[arg-type]
+    template=lambda s: _hybrid_template(s, split_proj=False, fused=False),
+    formats=_fused(lambda s: _hybrid_template(s, split_proj=False, fused=True)))
+
+QWEN3_5 = Family(
+    name="qwen3_5", architectures=("Qwen3_5ForCausalLM",), layout=_layout_dense,
+    globals=llama_globals(), shard_rules=_rules(),
+    template=lambda s: _hybrid_template(s, split_proj=True, fused=False))
+
+QWEN3_5_MOE = Family(
+    name="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",), layout=_layout_all_moe,
+    globals=llama_globals(), shard_rules=_rules(), **_EXPERTS,  # type: ignore[arg-type]
+    template=lambda s: _hybrid_template(s, split_proj=True, fused=False),
+    formats=_fused(lambda s: _hybrid_template(s, split_proj=True, fused=True)))
+
+_VL_PREFIX = r"model\.language_model\."
+_VL_GLOBALS = llama_globals("model.language_model.") + (
+    GlobalRule(r"model\.visual\..+", "first", "vision"),)
+
+QWEN3_5_VL = Family(
+    name="qwen3_5_vl", architectures=("Qwen3_5ForConditionalGeneration",),
+    layout=_layout_dense, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
+    shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
+    template=lambda s: _vl_template(s, fused=False))
+
+QWEN3_5_MOE_VL = Family(
+    name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeForConditionalGeneration",),
+    layout=_layout_all_moe, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
+    shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
+    **_EXPERTS,  # type: ignore[arg-type]
+    template=lambda s: _vl_template(s, fused=False),
+    formats=_fused(lambda s: _vl_template(s, fused=True)))
