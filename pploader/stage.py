@@ -26,6 +26,7 @@ from .topology import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
+    from .device import DeviceLoader, PinnedRing
 
 __all__ = ["StagePlan", "plan_stage", "iter_stage_weights", "load_stage", "StageResult",
            "iter_mtp_weights", "ReadOnceReader"]
@@ -128,7 +129,7 @@ class ReadOnceReader:
         kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
                   on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
         self._readers = (Reader(self.shared.reads, **kw), Reader(self.shared.own, **kw))
-        self.received_bytes = 0
+        self.received_bytes, self._on_progress = 0, on_progress
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         mine, own = self._readers
@@ -144,6 +145,8 @@ class ReadOnceReader:
                     tensor = torch.empty(s.item.shape, dtype=DTYPES[s.item.dtype][0])
                     self.received_bytes += s.item.nbytes
                 self.comm.broadcast_bytes(tensor, s.reader, s.group)
+                if s.reader != rank and self._on_progress is not None:
+                    self._on_progress(s.item.read_bytes)  # counts as loaded, as planned
                 yield target, tensor
             next(reads, None)  # lets the reader finish (identity checks, close)
             yield from own
@@ -166,33 +169,44 @@ class StageResult:
     report: RankReport
 
 
-def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None, threads: int = 1,
-               cancel: Optional[threading.Event] = None,
+def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
+               threads: Optional[int] = None, device: str | torch.device = "cpu",
+               ring: Optional["PinnedRing"] = None, cancel: Optional[threading.Event] = None,
                on_progress: Optional[Callable[[int], None]] = None,
                memory_budget_bytes: Optional[int] = None, comm: Optional["Comm"] = None,
                read_once: bool = False) -> StageResult:
-    """Read a planned stage into owned tensors and measure it.
+    """Read a planned stage into owned tensors on ``device`` and measure it.
 
-    ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
-    read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off).
+    ``read_once`` (CPU; needs ``comm``, all ranks of the stage call it): replicated tensors
+    are read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off).
 
-    ``memory_budget_bytes`` caps what the reader may allocate: exceeding it raises a
+    ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
+
+    On CUDA the bytes go through a pinned staging ring straight into device tensors
+    (``ring`` may be passed in to reuse one across loads); on CPU through the windowed Reader.
     """
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()
-    reader: "Reader | ReadOnceReader"
+    reader: "Reader | DeviceLoader | ReadOnceReader"
+    if read_once and (comm is None or torch.device(device).type != "cpu"):
+        raise ValueError("read_once needs a Comm and the CPU reader")
     if read_once:
-        if comm is None:
-            raise ValueError("read_once needs a Comm (the broadcasts go through it)")
-        reader = ReadOnceReader(staged, comm, window_bytes=window_bytes, threads=threads,
-                                cancel=cancel, on_progress=on_progress,
+        reader = ReadOnceReader(staged, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
+                                threads=threads or 1, cancel=cancel, on_progress=on_progress,
                                 memory_budget_bytes=memory_budget_bytes)
+        state = dict(reader)
+    elif torch.device(device).type == "cuda":
+        from .device import DEFAULT_DEVICE_THREADS, DeviceLoader, PinnedRing
+        ring = ring or PinnedRing(threads or DEFAULT_DEVICE_THREADS)
+        reader = DeviceLoader(plan, device, ring=ring, cancel=cancel, on_progress=on_progress)
+        state = reader.load()
     else:
-        reader = Reader(plan, window_bytes=window_bytes, threads=threads, cancel=cancel,
+        reader = Reader(plan, window_bytes=window_bytes, threads=threads or 1, cancel=cancel,
                         on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
-    state = dict(cast_stream(reader, staged.casts))  # dtype policy (dtypes.py)
+        state = dict(reader)
+    state = dict(cast_stream(state.items(), staged.casts))  # dtype policy (dtypes.py)
     t = plan.topology
     report = RankReport(
         rank=t.rank, pp_rank=t.pp_rank, tp_rank=t.tp_rank, ep_rank=t.ep_rank,
