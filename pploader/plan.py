@@ -272,24 +272,25 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts")
     roles = _roles(spec, index)
     chosen = {n: r for n, r in roles.items() if _wanted(r, window, experts)}
-    targets = {n: n for n in chosen}
+    reads = [(n, r, n) for n, r in chosen.items()]   # (checkpoint name, role, target)
     if window.has_head and spec.tie_word_embeddings and not any(
             r.role == "head" for r in roles.values()):
         for name, role in roles.items():
-            if role.role == "embed":
-                chosen[name], targets[name] = role, _head_name(spec)
+            if role.role == "embed":  # the declared replica: the embedding read as the head
+                reads.append((name, role, _head_name(spec)))
+                chosen.setdefault(name, role)
     if strict:
         _check_expected(spec, index, chosen, window, experts, topology)
     items = []
     scheme = quant_scheme(spec)
-    for name, role in chosen.items():
+    for name, role, target in reads:
         entry = index.entry(name)
         try:
             sel = _selection(spec, role, entry, topology, experts, index, scheme)
         except PlanError as exc:  # name the file and rank of the tensor being planned
             raise PlanError(exc.detail, file=exc.file or entry.file, tensor=exc.tensor or name,
                             rank=topology.rank) from None
-        items.append(read_item(entry, targets[name], sel, range_cost_bytes))
+        items.append(read_item(entry, target, sel, range_cost_bytes))
     return replace(_finish(spec, index, topology, window, experts, items, list(chosen)),
                    range_cost_bytes=range_cost_bytes)
 

@@ -100,3 +100,11 @@ def test_topology_rank_order_tp_innermost() -> None:
     assert topo.with_rank(5).tp_group() == (4, 5)
     with pytest.raises(Exception, match="world size"):
         Topology.for_world(6, 0, pp=4)
+
+
+def test_tied_single_stage_holds_embed_and_head(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "tied1", tiny_config(tie_word_embeddings=True))
+    plan = plan_all(load_spec(model), open_checkpoint(model), 1)[0]
+    targets = {i.target: i.name for i in plan.items}
+    assert targets["model.embed_tokens.weight"] == "model.embed_tokens.weight"
+    assert targets["lm_head.weight"] == "model.embed_tokens.weight"
