@@ -55,6 +55,7 @@ def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
     try:
         spec = load_spec(model_dir)
         index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
+        spec = spec.for_checkpoint(index.weight_map)  # the naming on disk (e.g. fused experts)
         windows = make_windows(spec, index, topology.pp_size, partition)
         plan = plan_rank(spec, index, topology, windows[topology.pp_rank], strict=strict,
                          range_cost_bytes=range_cost_bytes)

@@ -176,7 +176,7 @@ def _layer(name: str) -> Optional[int]:
 
 
 def _is_embed(name: str) -> bool:
-    return _layer(name) is None and re.search(r"(embed_tokens|embeddings)\.weight$", name) is not None
+    return _layer(name) is None and bool(re.search(r"(embed_tokens|embeddings)\.weight$", name))
 
 
 def _stage_of(name: str, windows: list[tuple[int, int]]) -> int:
@@ -304,7 +304,7 @@ def test_unknown_architecture_lists_supported() -> None:
     with pytest.raises(ConfigError) as err:
         spec_from_config({"architectures": ["NoSuchForCausalLM"], "dtype": "float32"})
     text = str(err.value)
-    assert "NoSuchForCausalLM" in text
+    assert "NoSuchForCausalLM" in text and "docs/families.md" in text
     for arch in ("DeepseekV3ForCausalLM", "Qwen3_5MoeForConditionalGeneration",
                  "NemotronHForCausalLM", "JambaForCausalLM", "GraniteMoeHybridForCausalLM"):
         assert arch in text and arch in supported_architectures()

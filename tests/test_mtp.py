@@ -76,8 +76,8 @@ def test_main_stages_never_read_mtp(deepseek: Path) -> None:
                 assert all(_layer(n) < spec.num_layers for n in plan.tensors)
                 for item in plan.items:
                     for off, length in item.ranges:
-                        assert not any(e.file == item.file and off < e.end and e.start < off + length
-                                       for e in mtp), (pp, ep, item.name)
+                        assert not any(e.file == item.file and off < e.end
+                                       and e.start < off + length for e in mtp), (pp, ep, item.name)
 
 
 def test_mtp_with_expert_parallelism(deepseek: Path) -> None:
@@ -164,3 +164,32 @@ def test_mtp_stream_peak_rss_within_window(tmp_path: Path) -> None:
     assert stream["bytes"] == plan.read_bytes and stream["count"] == len(plan.items)
     assert stream["growth"] <= window + (16 << 20), stream
     assert control["growth"] >= plan.read_bytes * 0.9, control
+
+
+def test_qwen_mtp_module_is_known_and_never_read(tmp_path: Path) -> None:
+    """Official Qwen3-Next / Qwen3.5 checkpoints add an ``mtp.*`` module transformers does not
+    write: strict planning accepts it and no stage reads a byte of it; other names still fail."""
+    raw = json.loads((CONFIGS / "tiny-qwen3_next.json").read_text())
+    raw.pop("pploader_tiny")
+    path = make_model(tmp_path / "qnext", raw, shard_bytes=200_000)
+    ref = reference_tensors(path)
+    h = raw["hidden_size"]
+    extra = {"mtp.fc.weight": torch.ones(h, 2 * h), "mtp.norm.weight": torch.ones(h),
+             "mtp.pre_fc_norm_embedding.weight": torch.ones(h),
+             "mtp.pre_fc_norm_hidden.weight": torch.ones(h),
+             "mtp.layers.0.input_layernorm.weight": torch.ones(h),
+             "mtp.layers.0.mlp.experts.0.up_proj.weight": torch.ones(32, h)}
+    write_checkpoint(tmp_path / "with_mtp", {**ref, **extra}, raw, shard_bytes=200_000)
+    spec, index = load_spec(tmp_path / "with_mtp"), open_checkpoint(tmp_path / "with_mtp")
+    mtp = [index.entry(n) for n in extra]
+    for pp, ep in ((1, 1), (2, 2), (4, 1)):
+        plans = plan_all(spec, index, pp, 1, ep)
+        assert set().union(*(p.tensors for p in plans)) == set(ref)
+        for plan in plans:
+            for item in plan.items:
+                assert not any(e.file == item.file and item.ranges[0][0] < e.end
+                               and e.start < item.ranges[-1][0] + item.ranges[-1][1]
+                               for e in mtp), item.name
+    write_checkpoint(tmp_path / "stray", {**ref, "mtpx.fc.weight": torch.ones(2)}, raw)
+    with pytest.raises(PlanError, match="mtpx.fc.weight"):
+        plan_all(spec, open_checkpoint(tmp_path / "stray"), 1)

@@ -10,7 +10,7 @@ from . import deepseek, granite, llama, mamba, moe, nemotron_h, qwen_hybrid
 __all__ = ["CheckpointFormat", "Family", "GlobalRule", "Layout", "ShardRule", "TensorRole",
            "FAMILIES", "find_family", "supported_architectures"]
 
-#: Every family pploader supports. Add yours here (see docs/architecture.md).
+#: Every family pploader supports. Add yours here (see docs/families.md).
 FAMILIES: tuple[Family, ...] = (
     llama.FAMILY, llama.QWEN3, llama.QWEN2,
     moe.QWEN3_MOE, moe.MIXTRAL, deepseek.DEEPSEEK_V3,
@@ -36,4 +36,4 @@ def find_family(config: Mapping) -> tuple[Family, str]:
                 return fam, arch
     raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: "
                       + ", ".join(supported_architectures())
-                      + " (docs/architecture.md explains how to add a family)", file="config.json")
+                      + " (docs/families.md explains how to add a family)", file="config.json")

@@ -2,7 +2,7 @@
 
 The planner never looks at tensor names itself; it asks the family to classify them.
 Adding an architecture = adding one module under ``families/`` with a ``FAMILY`` value and
-registering it in ``families/__init__.py`` (see docs/architecture.md, "Adding a family").
+registering it in ``families/__init__.py`` (see docs/families.md, "Adding a family").
 """
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ class Family:
     text_config_key: Optional[str] = None        # VL configs nest the LM config here
     fused_targets: tuple = ()                    # place.py: checkpoint pieces -> fused params
     formats: tuple[CheckpointFormat, ...] = ()   # other namings, detected from the checkpoint
+    mtp_pattern: Optional[str] = None            # MTP tensors outside the layer numbering
     format: str = "original"                     # which naming this Family value describes
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
@@ -142,6 +143,8 @@ class Family:
         for rule in self.globals:
             if self._re(rule.pattern).fullmatch(name):
                 return TensorRole(rule.placement, name, role=rule.role)
+        if self.mtp_pattern and self._re(self.mtp_pattern).fullmatch(name):
+            return TensorRole("mtp", name, role="mtp")  # known, never read by a stage
         m = self._re(self.layer_prefix).match(name)
         if m is None:
             return None

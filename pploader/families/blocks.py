@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["Shapes", "expert_tensors", "expert_rules", "Mamba2Dims", "mamba2_tensors",
            "mamba2_rules", "Mamba1Dims", "mamba1_dims", "mamba1_tensors", "mamba1_rules",
            "GdnDims", "gdn_dims", "gdn_tensors", "gdn_rules", "prefixed", "assemble", "mlp_biased",
-           "kinds_from_names", "num_experts_of"]
+           "kinds_from_names", "num_experts_of", "int_opt"]
 
 Shapes = dict[str, tuple[int, ...]]
 
@@ -49,6 +49,11 @@ def kinds_from_names(names: object, mapping: Mapping[str, str], key: str) -> tup
     if unknown:
         raise ConfigError(f"`{key}` has unknown block types {unknown}; known: {sorted(mapping)}")
     return tuple(mapping[n] for n in names)
+
+
+def int_opt(config: Mapping, key: str, default: int) -> int:
+    """An optional integer config value (``default`` when absent or null)."""
+    return int(cfg_opt(config, key, default))  # type: ignore[arg-type]
 
 
 def num_experts_of(config: Mapping, *keys: str) -> int:
@@ -171,7 +176,8 @@ def mamba2_rules(prefix: str, dims: Callable[["ModelSpec"], Mamba2Dims]) -> tupl
     """in_proj by heads (z, x, dt) and groups (B, C; replicated when groups < tp), conv the same
     over [x, B, C], per-head params and the gated norm by heads, out_proj row-parallel."""
     return (
-        ShardRule(prefix + r"in_proj\.(weight|bias)", 0, segments=lambda s: dims(s).in_proj_segments,
+        ShardRule(prefix + r"in_proj\.(weight|bias)", 0,
+                  segments=lambda s: dims(s).in_proj_segments,
                   units=lambda s: dims(s).in_proj_units),
         ShardRule(prefix + r"conv1d\.(weight|bias)", 0, segments=lambda s: dims(s).conv_segments,
                   units=lambda s: dims(s).conv_units),
@@ -194,13 +200,14 @@ def mamba1_dims(spec: "ModelSpec") -> Mamba1Dims:
     hidden = spec.hidden_size
     rank = spec.config.get("mamba_dt_rank", "auto")
     dt_rank = -(-hidden // 16) if rank in (None, "auto") else int(rank)  # type: ignore[arg-type]
-    return Mamba1Dims(int(cfg_opt(spec.config, "mamba_expand", 2)) * hidden,  # type: ignore[arg-type]
+    return Mamba1Dims(int_opt(spec.config, "mamba_expand", 2) * hidden,
                       spec.int("mamba_d_state"), dt_rank, spec.int("mamba_d_conv"))
 
 
 def mamba1_tensors(spec: "ModelSpec", prefix: str = "mamba.") -> Shapes:
     d, h = mamba1_dims(spec), spec.hidden_size
-    out: Shapes = {"in_proj.weight": (2 * d.d_inner, h), "conv1d.weight": (d.d_inner, 1, d.conv_kernel),
+    out: Shapes = {"in_proj.weight": (2 * d.d_inner, h),
+                   "conv1d.weight": (d.d_inner, 1, d.conv_kernel),
                    "x_proj.weight": (d.dt_rank + 2 * d.d_state, d.d_inner),
                    "dt_proj.weight": (d.d_inner, d.dt_rank), "dt_proj.bias": (d.d_inner,),
                    "A_log": (d.d_inner, d.d_state), "D": (d.d_inner,),
@@ -279,7 +286,8 @@ def gdn_rules(prefix: str) -> tuple[ShardRule, ...]:
     """Key-head groups (qkvz / ba, interleaved per group) or [q; k; v] blocks split per part;
     value heads for z / b / a / A_log / dt_bias; out_proj row-parallel; the norm replicated."""
     return (
-        ShardRule(prefix + r"in_proj_(qkvz|ba)\.weight", 0, units=lambda s: gdn_dims(s).num_k_heads),
+        ShardRule(prefix + r"in_proj_(qkvz|ba)\.weight", 0,
+                  units=lambda s: gdn_dims(s).num_k_heads),
         ShardRule(prefix + r"(in_proj_qkv\.weight|conv1d\.weight)", 0,
                   segments=lambda s: gdn_dims(s).conv_segments,
                   units=lambda s: gdn_dims(s).conv_units),

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, cfg, cfg_opt
-from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors, mamba1_rules,
-                     mamba1_tensors, mamba2_rules, mamba2_tensors, mlp_biased, num_experts_of)
+from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors, int_opt,
+                     mamba1_rules, mamba1_tensors, mamba2_rules, mamba2_tensors, mlp_biased,
+                     num_experts_of)
 from .common import attention_rules, attention_tensors, globals_tensors, mlp_rules, vocab_rules
 from .moe import FUSED_MARKER
 
@@ -39,12 +40,12 @@ def _globals_tensors(spec: "ModelSpec") -> Shapes:
 def bamba_mamba2_dims(spec: "ModelSpec") -> Mamba2Dims:
     """Mamba2 sizes from ``mamba_*`` keys (Bamba, GraniteMoeHybrid, Falcon-H1's ``mamba_d_ssm``)."""
     c = spec.config
-    d_inner = c.get("mamba_d_ssm") or int(cfg_opt(c, "mamba_expand", 2)) * spec.hidden_size  # type: ignore[arg-type]
+    d_inner = int_opt(c, "mamba_d_ssm", 0) or int_opt(c, "mamba_expand", 2) * spec.hidden_size
     heads = spec.int("mamba_n_heads")
-    head_dim = c.get("mamba_d_head", "auto")
-    head_dim = int(d_inner) // heads if head_dim in (None, "auto") else int(head_dim)  # type: ignore[arg-type]
-    return Mamba2Dims(int(d_inner), heads, head_dim, int(cfg_opt(c, "mamba_n_groups", 1)),  # type: ignore[arg-type]
-                      spec.int("mamba_d_state"), int(cfg_opt(c, "mamba_d_conv", 4)))  # type: ignore[arg-type]
+    auto = c.get("mamba_d_head") in (None, "auto")
+    head_dim = d_inner // heads if auto else spec.int("mamba_d_head")
+    return Mamba2Dims(d_inner, heads, head_dim, int_opt(c, "mamba_n_groups", 1),
+                      spec.int("mamba_d_state"), int_opt(c, "mamba_d_conv", 4))
 
 
 def _attention(spec: "ModelSpec") -> Shapes:
@@ -61,9 +62,10 @@ def _ff(spec: "ModelSpec") -> Shapes:
 
 def _jamba_layout(config: Mapping) -> Layout:
     n = int(cfg(config, "num_hidden_layers"))  # type: ignore[arg-type]
-    a_period, a_offset = int(cfg(config, "attn_layer_period")), int(cfg(config, "attn_layer_offset"))  # type: ignore[arg-type]
-    e_period = int(cfg(config, "expert_layer_period"))  # type: ignore[arg-type]
-    e_offset = int(cfg(config, "expert_layer_offset"))  # type: ignore[arg-type]
+    a_period = int_opt(config, "attn_layer_period", 8)
+    a_offset = int_opt(config, "attn_layer_offset", 4)
+    e_period = int_opt(config, "expert_layer_period", 2)
+    e_offset = int_opt(config, "expert_layer_offset", 1)
     if a_offset >= a_period or e_offset >= e_period:
         raise ConfigError("attn/expert layer offset must be smaller than its period")
     experts = num_experts_of(config, "num_experts")

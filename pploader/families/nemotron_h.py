@@ -66,8 +66,9 @@ def _template(spec: "ModelSpec", prefix: str = "backbone.", fused: bool = False)
         out: Shapes = {"norm.weight": (h,)}
         if blocks[i] == "mamba":
             bias = bool(cfg_opt(c, "use_bias", False))
-            out.update(mamba2_tensors(_dims(spec), h, conv_bias=bool(cfg_opt(c, "use_conv_bias", True)),
-                                      in_bias=bias, out_bias=bias, norm=True, prefix="mixer."))
+            out.update(mamba2_tensors(_dims(spec), h, in_bias=bias, out_bias=bias, norm=True,
+                                      conv_bias=bool(cfg_opt(c, "use_conv_bias", True)),
+                                      prefix="mixer."))
         elif blocks[i] == "attention":
             out.update(attention_tensors(spec, prefix="mixer."))
         elif blocks[i] == "mlp":

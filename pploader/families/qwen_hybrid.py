@@ -141,6 +141,11 @@ def _rules(prefix: str = r"model\.") -> tuple:
 _EXPERTS = dict(expert_pattern=r"mlp\.experts\.(\d+)\..+",
                 fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)")
 
+#: Official Qwen3-Next / Qwen3.5 checkpoints carry an MTP module (``mtp.fc``, ``mtp.norm``,
+#: ``mtp.pre_fc_norm_*``, ``mtp.layers.N.*``) that transformers does not write: known, so strict
+#: planning accepts it, and never read by the main model's stages (no draft selection yet).
+_MTP = r"mtp\..+"
+
 
 def _fused(template: object) -> tuple[CheckpointFormat, ...]:
     return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),)),)
@@ -148,18 +153,20 @@ def _fused(template: object) -> tuple[CheckpointFormat, ...]:
 
 QWEN3_NEXT = Family(
     name="qwen3_next", architectures=("Qwen3NextForCausalLM",), layout=_layout_next,
-    globals=llama_globals(), shard_rules=_rules(), **_EXPERTS,  # type: ignore[arg-type]
+    globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
+    **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=False, fused=False),
     formats=_fused(lambda s: _hybrid_template(s, split_proj=False, fused=True)))
 
 QWEN3_5 = Family(
     name="qwen3_5", architectures=("Qwen3_5ForCausalLM",), layout=_layout_dense,
-    globals=llama_globals(), shard_rules=_rules(),
+    globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False))
 
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",), layout=_layout_all_moe,
-    globals=llama_globals(), shard_rules=_rules(), **_EXPERTS,  # type: ignore[arg-type]
+    globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
+    **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False),
     formats=_fused(lambda s: _hybrid_template(s, split_proj=True, fused=True)))
 
@@ -171,12 +178,14 @@ QWEN3_5_VL = Family(
     name="qwen3_5_vl", architectures=("Qwen3_5ForConditionalGeneration",),
     layout=_layout_dense, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
     shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
+    mtp_pattern=_MTP,
     template=lambda s: _vl_template(s, fused=False))
 
 QWEN3_5_MOE_VL = Family(
     name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeForConditionalGeneration",),
     layout=_layout_all_moe, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
     shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
+    mtp_pattern=_MTP,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _vl_template(s, fused=False),
     formats=_fused(lambda s: _vl_template(s, fused=True)))
