@@ -508,3 +508,30 @@ def test_tp2_fused_gate_up_reference_slices(checkpoints: Checkpoints, references
                 assert torch.equal(got[item.target], _segments(full, t.tp_rank, [16, 16], dim=1))
             elif item.name.endswith("experts.down_proj"):
                 assert torch.equal(got[item.target], _halves(full, t.tp_rank, 2))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["original", "fused"])
+def test_deepseek_mtp_draft_with_ep(checkpoints: Checkpoints, references: Any, fmt: str) -> None:
+    """The appended MTP layers of a transformers-written DeepSeek-V3 (both namings): plan_mtp
+    with EP=2 streams layer k renamed to layer 0, only the rank's experts (fused: its slab)."""
+    from pploader import Topology, plan_mtp
+    path = checkpoints("deepseek_v3", fmt)
+    spec, index, ref = load_spec(path), open_checkpoint(path), references(path)
+    n, e = spec.num_layers, spec.num_experts
+    for k in range(spec.num_mtp_layers):
+        union: set[str] = set()
+        for rank in range(2):
+            plan = plan_mtp(spec, index, k, Topology(1, 1, 2, rank))
+            got = dict(Reader(plan))
+            for item in plan.items:
+                assert _layer(item.name) == n + k
+                assert item.target == item.name.replace(f"layers.{n + k}.", "layers.0.")
+                m = _EXPERT.search(item.name)
+                assert m is None or _local(int(m.group(1)), e, 2, rank)
+                want = ref[item.name]
+                if _FUSED.search(item.name):
+                    want = want[rank * e // 2:(rank + 1) * e // 2]
+                assert torch.equal(got[item.target], want), item.name
+            union |= set(plan.tensors)
+        assert union == {name for name in index.weight_map if _layer(name) == n + k}
