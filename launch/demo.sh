@@ -14,7 +14,14 @@ pploader make-tiny "$CONFIG" "$OUT"
 echo
 echo "== plan (one process, headers only) =="
 pploader plan --model "$OUT" --pp "$NPROC" "$@"
+quiet() { grep -v -E '^(W|I)[0-9]{4} |\*{10}|OMP_NUM_THREADS' >&2; }
 echo
 echo "== load: torchrun --standalone --nproc_per_node=$NPROC -m pploader load --pp $NPROC =="
 OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node="$NPROC" -m pploader load \
-  --model "$OUT" --pp "$NPROC" --progress "$@" 2> >(grep -v -E '^(W|I)[0-9]{4} |\*{10}|OMP_NUM_THREADS' >&2)
+  --model "$OUT" --pp "$NPROC" --progress "$@" 2> >(quiet)
+if [ $((NPROC % 2)) -eq 0 ] && grep -q -E '"num_(local_)?experts"|"n_routed_experts"' "$OUT/config.json"; then
+  echo
+  echo "== load with experts split: --pp $((NPROC / 2)) --ep 2 (each rank reads only its experts) =="
+  OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node="$NPROC" -m pploader load \
+    --model "$OUT" --pp $((NPROC / 2)) --ep 2 --no-pools "$@" 2> >(quiet)
+fi
