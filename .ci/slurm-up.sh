@@ -78,8 +78,9 @@ if [ ! -e /etc/slurm/slurm.conf ] || [ -L /etc/slurm/slurm.conf ]; then
     mkdir -p /etc/slurm && ln -sfn "$SLURM_CONF" /etc/slurm/slurm.conf
 fi
 
-slurmctld -f "$SLURM_CONF"
-slurmd -f "$SLURM_CONF"
+running() { [ -s "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
+running "$DIR/slurmctld.pid" || slurmctld -f "$SLURM_CONF"
+running "$DIR/slurmd.pid" || slurmd -f "$SLURM_CONF"
 
 for _ in $(seq 120); do
     state=$(sinfo -h -N -o %t 2>/dev/null | head -1 || true)

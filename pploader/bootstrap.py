@@ -297,10 +297,10 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 60.0,
     store connection and the group's collectives (NCCL's 10-minute default is never used).
     """
     env = os.environ if env is None else env
-    if dist.is_initialized():
-        local = _local_rank_from_env(env)
-        return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(), local, "", 0,
-                         str(dist.get_backend()), _device(local))
+    if dist.is_initialized():  # the host application chose the group and the device
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(),
+                         _local_rank_from_env(env), "", 0, str(dist.get_backend()), device)
     launch = detect_launch(env)
     launch = replace(launch, backend=choose_backend(launch.local_rank, backend, env),
                      device=_device(launch.local_rank))

@@ -17,12 +17,14 @@ All ranks must construct their Comm objects in the same order (as with ``new_gro
 """
 from __future__ import annotations
 
+import atexit
 import itertools
 import json
 import os
 import sys
 import threading
 import time
+import weakref
 from typing import Any, Callable, Iterable, Optional, TypeVar
 
 import torch
@@ -36,7 +38,6 @@ __all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "run_guarded"]
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEAD_AFTER_S = 10.0
 _BEAT_S = 0.5
-_LINGER_S = 5.0
 _CANCELLED = "cancelled: another rank failed"
 _STORE_ERRORS = (RuntimeError, OSError)  # DistStoreError / DistNetworkError are RuntimeErrors
 _SEQUENCE = itertools.count()  # per process: Comm #n of this process talks to Comm #n elsewhere
@@ -46,6 +47,12 @@ T = TypeVar("T")
 def _default_store_host() -> Optional[int]:
     """Rank 0 hosts the store unless torchrun's agent does."""
     return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+
+
+def _stop_at_exit(ref: "weakref.ref[Comm]") -> None:
+    comm = ref()
+    if comm is not None:
+        comm._stop_watcher()
 
 
 def _describe(error: BaseException) -> str:
@@ -102,6 +109,7 @@ class Comm:
         self.store.add(f"beat/{self.rank}", 1)
         self._watcher = threading.Thread(target=self._watch, name="pploader-watch", daemon=True)
         self._watcher.start()
+        atexit.register(_stop_at_exit, weakref.ref(self))
         self.tp_group = self._groups(lambda t: t.tp_group())
         self.replica_group = self._groups(lambda t: t.replica_group())
         self.stage_group = self._groups(lambda t: t.stage_group())
@@ -271,19 +279,27 @@ class Comm:
 
     # ---- teardown ----------------------------------------------------------------------
     def close(self, *, linger: bool = True) -> None:
-        """Stop the watcher; with ``linger``, wait (≤ 5 s) until every live rank has closed
-        too, so a rank hosting the store does not leave before the others read from it."""
+        """Stop the watcher; with ``linger``, wait until every live rank has closed too (at
+        most the load timeout), so a rank hosting the store does not leave before the others
+        have read from it."""
         if self._closed.is_set():
             return
-        self._closed.set()
+        self._stop_watcher()
         try:
             self.store.add("closed", 1)
-            deadline = time.monotonic() + _LINGER_S
+            deadline = time.monotonic() + self.timeout_s
             while (linger and self.store.add("closed", 0) < self._expected_closers
                    and time.monotonic() < deadline):
                 time.sleep(0.02)
         except _STORE_ERRORS:
             pass
+
+    def _stop_watcher(self) -> None:
+        """Stop and join the watcher: a daemon thread caught inside a store call when the
+        interpreter exits is unwound through C++ frames and aborts the process."""
+        self._closed.set()
+        if self._watcher.is_alive() and self._watcher is not threading.current_thread():
+            self._watcher.join(timeout=10.0)
 
     def __enter__(self) -> "Comm":
         return self
