@@ -20,7 +20,7 @@ stop() {  # stop <pidfile>: TERM, wait up to 10 s, then KILL
 stop "$DIR/slurmd.pid"
 stop "$DIR/slurmctld.pid"
 if [ -f "$DIR/munged.started-here" ]; then
-    stop "$DIR/munged.pid"
+    stop /run/munge/munged.pid
     rm -f "$DIR/munged.started-here"
 fi
 if [ -L /etc/slurm/slurm.conf ] && [ "$(readlink /etc/slurm/slurm.conf)" = "$SLURM_CONF" ]; then

@@ -33,7 +33,7 @@ if [ ! -s /etc/munge/munge.key ]; then
     chown munge:munge /etc/munge/munge.key; chmod 0400 /etc/munge/munge.key
 fi
 if ! munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1; then
-    runuser -u munge -- /usr/sbin/munged --pid-file="$DIR/munged.pid"
+    runuser -u munge -- /usr/sbin/munged  # pid file: /run/munge/munged.pid
     for _ in $(seq 50); do munge -n </dev/null 2>/dev/null | unmunge >/dev/null 2>&1 && break; sleep 0.1; done
     touch "$DIR/munged.started-here"
 fi
