@@ -234,7 +234,7 @@ def _slurm_reason() -> str:
         return "Slurm is not installed (run .ci/slurm-up.sh as root)"
     try:
         probe = subprocess.run(["sinfo", "-h", "-o", "%t"], capture_output=True, text=True,
-                               timeout=10)
+                               timeout=5)
     except (OSError, subprocess.TimeoutExpired) as exc:
         return f"no Slurm controller answers ({exc}); run .ci/slurm-up.sh"
     if probe.returncode != 0 or not any(s.startswith(("idle", "mix", "alloc"))
