@@ -331,10 +331,21 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
         return comm.agree(error, report)
 
 
+def _env_rank() -> Optional[str]:
+    """This process's rank as its launcher exported it (for message prefixes only)."""
+    env = os.environ
+    for key in ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK"):
+        if env.get(key, "").isdigit():
+            return env[key]
+    if "SLURM_STEP_ID" in env and env.get("SLURM_PROCID", "").isdigit():
+        return env["SLURM_PROCID"]
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    rank = os.environ.get("RANK")
+    rank = _env_rank()
     _setup_logging(int(rank) if rank and rank.isdigit() else None)
     prefix = f"[rank {rank}] " if rank else ""
     try:
