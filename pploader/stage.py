@@ -118,8 +118,10 @@ class ReadOnceReader:
     def __init__(self, staged: StagePlan, comm: "Comm", *, window_bytes: Optional[int] = None,
                  threads: int = 1, cancel: Optional[threading.Event] = None,
                  on_progress: Optional[Callable[[int], None]] = None,
-                 memory_budget_bytes: Optional[int] = None) -> None:
+                 memory_budget_bytes: Optional[int] = None,
+                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None) -> None:
         plan, topo = staged.plan, staged.plan.topology
+        self.device, self.ring, self.cancel = torch.device(device), ring, cancel
         plans = [plan if r == topo.rank else plan_rank(staged.spec, staged.index,
                                                        topo.with_rank(r), plan.window,
                                                        strict=False,
@@ -132,18 +134,33 @@ class ReadOnceReader:
         self._readers = (Reader(self.shared.reads, **kw), Reader(self.shared.own, **kw))
         self.received_bytes, self._on_progress = 0, on_progress
 
+    def _device_loads(self) -> tuple[Iterator[tuple[str, torch.Tensor]],
+                                     Iterator[tuple[str, torch.Tensor]]]:
+        """On CUDA: this rank's shared reads and own items, each loaded by a DeviceLoader."""
+        from .device import DeviceLoader, PinnedRing
+        ring = self.ring = self.ring or PinnedRing()
+        loaders = [DeviceLoader(p, self.device, ring=ring, cancel=self.cancel,
+                                on_progress=self._on_progress)
+                   for p in (self.shared.reads, self.shared.own)]
+        self._readers = tuple(loaders)  # type: ignore[assignment]
+        mine = loaders[0].load()
+        return iter([(i.target, mine[i.target]) for i in self.shared.reads.items]), \
+            (pair for pair in loaders[1].load().items())
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        mine, own = self._readers
         rank = self.shared.rank
         start = time.perf_counter()
+        cuda = self.device.type == "cuda"
         try:
-            reads = iter(mine)
+            reads, own = self._device_loads() if cuda else (iter(self._readers[0]),
+                                                            iter(self._readers[1]))
             for s in self.shared.shared:
                 if s.reader == rank:
                     target, tensor = next(reads)
                 else:
                     target = s.item.target
-                    tensor = torch.empty(s.item.shape, dtype=DTYPES[s.item.dtype][0])
+                    tensor = torch.empty(s.item.shape, dtype=DTYPES[s.item.dtype][0],
+                                         device=self.device)
                     self.received_bytes += s.item.nbytes
                 self.comm.broadcast_bytes(tensor, s.reader, s.group)
                 if s.reader != rank and self._on_progress is not None:
@@ -178,8 +195,9 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                read_once: bool = False) -> StageResult:
     """Read a planned stage into owned tensors on ``device`` and measure it.
 
-    ``read_once`` (CPU; needs ``comm``, all ranks of the stage call it): replicated tensors
-    are read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off).
+    ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
+    read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off), on
+    CPU (gloo) or on CUDA (DeviceLoader + NCCL broadcasts).
 
     ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
@@ -191,11 +209,13 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     rss_before = current_rss_bytes()
     reset_peak_rss()
     reader: "Reader | DeviceLoader | ReadOnceReader"
-    if read_once and (comm is None or torch.device(device).type != "cpu"):
-        raise ValueError("read_once needs a Comm and the CPU reader")
+    if read_once and comm is None:
+        raise ValueError("read_once needs a Comm (the broadcasts go through it)")
     if read_once:
+        cuda = torch.device(device).type == "cuda"
         reader = ReadOnceReader(staged, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
-                                threads=threads or 1, cancel=cancel, on_progress=on_progress,
+                                threads=threads or (16 if cuda else 1), cancel=cancel,
+                                on_progress=on_progress, device=device, ring=ring,
                                 memory_budget_bytes=memory_budget_bytes)
         state = dict(reader)
     elif torch.device(device).type == "cuda":
