@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Mapping
 from .base import CheckpointFormat, Family, Layout, ShardRule, cfg, cfg_opt
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
 from .common import globals_tensors, llama_globals, mlp_rules, mlp_tensors, vocab_rules
-from .moe import FUSED_MARKER
+from .fused import GATE_UP, FusedTarget, expert_fusions, gate_up
+from .moe import FUSED_MARKER, STACKED_3D
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
 
-__all__ = ["DEEPSEEK_V3", "mla_tensors", "MLA_RULES"]
+__all__ = ["DEEPSEEK_V3", "mla_tensors", "MLA_RULES", "FUSED_QKV_A"]
 
 
 def _layout(config: Mapping) -> Layout:
@@ -62,6 +63,13 @@ def _heads(spec: "ModelSpec") -> int:
 #: o row-parallel by heads.
 MLA_RULES = (ShardRule(r"self_attn\.(q_b_proj|q_proj|kv_b_proj)\.weight", 0, units=_heads),
              ShardRule(r"self_attn\.o_proj\.weight", 1, units=_heads))
+
+
+#: MLA's two replicated low-rank input projections -> one ``fused_qkv_a_proj`` [q_lora_rank +
+#: kv_lora_rank + rope, H] (vLLM's MergedColumnParallelLinear, used when q_lora_rank is set).
+#: The per-head q_b / kv_b stay separate: vLLM keeps them so (kv_b is absorbed per head).
+FUSED_QKV_A = FusedTarget("self_attn.fused_qkv_a_proj.{p}",
+                          ("self_attn.q_a_proj.{p}", "self_attn.kv_a_proj_with_mqa.{p}"))
 
 
 def _decoder_layer(spec: "ModelSpec", layer: int, fused: bool) -> Shapes:
@@ -113,5 +121,7 @@ DEEPSEEK_V3 = Family(
     + MLA_RULES + mlp_rules() + mlp_rules(r"mlp\.shared_experts\.")
     + expert_rules(r"mlp\.experts\.", _moe_inter),
     template=_template,
+    fused_targets=(FUSED_QKV_A, GATE_UP, gate_up("mlp.shared_experts."), *expert_fusions(),
+                   *STACKED_3D),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _template(s, fused=True)),)),))

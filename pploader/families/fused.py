@@ -8,7 +8,10 @@ each piece straight into its slice of the fused destination (no concatenation bu
 Templates are layer-relative component names. ``{e}`` matches an expert id; any other
 ``{name}`` matches one name segment (no dots) and carries over to the target. When ``{e}``
 appears in the parts but not in the target, the target is *stacked*: local expert ``e`` lands
-at index ``e - first_local_expert`` of its leading dim.
+at index ``e - first_local_expert`` of its leading dim. A one-part fusion is a rename: a tensor
+stored already fused (3-D experts) fills the whole target. Families declare theirs with the
+helpers below (``qkv``, ``gate_up``, ``expert_fusions``, ``stacked_renames``); docs/families.md
+lists them per family.
 """
 from __future__ import annotations
 
@@ -17,7 +20,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Optional
 
-__all__ = ["FusedTarget", "FusedMatch", "QKV", "GATE_UP", "expert_fusions", "match_fused"]
+__all__ = ["FusedTarget", "FusedMatch", "QKV", "GATE_UP", "qkv", "gate_up", "expert_fusions",
+           "stacked_renames", "match_fused"]
 
 _FIELD = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
@@ -101,18 +105,43 @@ def match_fused(fusions: tuple[FusedTarget, ...], component: str) -> Optional[Fu
     return None
 
 
+def qkv(prefix: str = "self_attn.") -> FusedTarget:
+    """q/k/v projections (weights, biases, per-tensor scales) -> one ``{prefix}qkv_proj``
+    (vLLM QKVParallelLinear layout: local q, then local k, then local v on dim 0)."""
+    return FusedTarget(prefix + "qkv_proj.{p}",
+                       tuple(f"{prefix}{n}_proj.{{p}}" for n in ("q", "k", "v")))
+
+
+def gate_up(prefix: str = "mlp.", gate: str = "gate_proj", up: str = "up_proj",
+            target: str = "gate_up_proj") -> FusedTarget:
+    """A gated MLP's gate and up projections -> one ``{prefix}gate_up_proj`` (vLLM
+    MergedColumnParallelLinear layout: local gate rows, then local up rows)."""
+    return FusedTarget(f"{prefix}{target}.{{p}}", (f"{prefix}{gate}.{{p}}", f"{prefix}{up}.{{p}}"))
+
+
 #: q/k/v projections (weights and biases) -> one ``qkv_proj`` (vLLM QKVParallelLinear layout).
-QKV = FusedTarget("self_attn.qkv_proj.{p}",
-                  ("self_attn.q_proj.{p}", "self_attn.k_proj.{p}", "self_attn.v_proj.{p}"))
+QKV = qkv()
 
 #: gate/up projections -> one ``gate_up_proj`` (vLLM MergedColumnParallelLinear layout).
-GATE_UP = FusedTarget("mlp.gate_up_proj.{p}", ("mlp.gate_proj.{p}", "mlp.up_proj.{p}"))
+GATE_UP = gate_up()
 
 
-def expert_fusions(prefix: str = "mlp.experts.", gate: str = "gate_proj", up: str = "up_proj",
-                   down: str = "down_proj") -> tuple[FusedTarget, FusedTarget]:
+def expert_fusions(prefix: str = "mlp.experts.", gate: Optional[str] = "gate_proj",
+                   up: str = "up_proj", down: str = "down_proj"
+                   ) -> tuple[FusedTarget, FusedTarget]:
     """Per-expert gate/up -> stacked ``w13_weight`` [E_local, 2I, H]; down -> ``w2_weight``
-    [E_local, H, I] (vLLM FusedMoE naming)."""
+    [E_local, H, I] (vLLM FusedMoE naming). ``gate=None``: ungated experts (NemotronH), whose
+    ``w13_weight`` [E_local, I, H] holds the up projection alone (vLLM maps it to w1)."""
+    parts = ((gate,) if gate else ()) + (up,)
     return (FusedTarget(prefix + "w13_weight",
-                        (prefix + "{e}." + gate + ".weight", prefix + "{e}." + up + ".weight")),
+                        tuple(f"{prefix}{{e}}.{name}.weight" for name in parts)),
             FusedTarget(prefix + "w2_weight", (prefix + "{e}." + down + ".weight",)))
+
+
+def stacked_renames(gate_up_source: str, down_source: str, prefix: str = "mlp.experts."
+                    ) -> tuple[FusedTarget, FusedTarget]:
+    """Experts already stacked on disk (3-D [E, 2I, H] = [gate; up] on dim 1, and [E, H, I]):
+    the same layout as ``w13_weight`` / ``w2_weight``, so each is a one-part fusion (a rename)
+    whose local piece (this rank's experts and TP slice) fills the whole target."""
+    return (FusedTarget(prefix + "w13_weight", (gate_up_source,)),
+            FusedTarget(prefix + "w2_weight", (down_source,)))

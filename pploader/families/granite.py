@@ -15,6 +15,7 @@ from .base import CheckpointFormat, Family, Layout, ShardRule, cfg, cfg_opt
 from .blocks import Shapes, assemble, expert_rules, kinds_from_names, mamba2_rules, mamba2_tensors
 from .common import attention_rules, attention_tensors, globals_tensors, llama_globals, vocab_rules
 from .mamba import bamba_mamba2_dims
+from .fused import QKV, stacked_renames
 from .moe import FUSED_MARKER
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,5 +87,13 @@ GRANITE_MOE_HYBRID = Family(
     + (ShardRule(r"shared_mlp\.input_linear\.weight", 0, segments=_shared_halves),
        ShardRule(r"shared_mlp\.output_linear\.weight", 1)),
     template=_template,
+    # experts are 3-D in both namings: renamed to vLLM's block_sparse_moe.experts.w13/w2_weight;
+    # shared_mlp.input_linear is [gate; up] on disk already
+    fused_targets=(QKV, *stacked_renames("block_sparse_moe.input_linear.weight",
+                                         "block_sparse_moe.output_linear.weight",
+                                         "block_sparse_moe.experts."),
+                   *stacked_renames("block_sparse_moe.experts.gate_up_proj",
+                                    "block_sparse_moe.experts.down_proj",
+                                    "block_sparse_moe.experts.")),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _template(s, fused=True)),)),))

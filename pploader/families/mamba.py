@@ -17,6 +17,7 @@ from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors,
                      mamba1_rules, mamba1_tensors, mamba2_rules, mamba2_tensors, mlp_biased,
                      num_experts_of)
 from .common import attention_rules, attention_tensors, globals_tensors, mlp_rules, vocab_rules
+from .fused import QKV, expert_fusions, gate_up, stacked_renames
 from .moe import FUSED_MARKER
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -102,6 +103,9 @@ JAMBA = Family(
     shard_rules=vocab_rules() + attention_rules() + mamba1_rules(r"mamba\.")
     + expert_rules(r"feed_forward\.experts\.", _dense_inter) + mlp_rules(r"feed_forward\."),
     template=_jamba_template,
+    fused_targets=(QKV, gate_up("feed_forward."), *expert_fusions("feed_forward.experts."),
+                   *stacked_renames("feed_forward.experts.gate_up_proj",
+                                    "feed_forward.experts.down_proj", "feed_forward.experts.")),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _jamba_template(s, fused=True)),)),))
 
@@ -140,7 +144,8 @@ _MAMBA_FF_RULES = (vocab_rules() + attention_rules() + mamba2_rules(r"mamba\.", 
 
 BAMBA = Family(
     name="bamba", architectures=("BambaForCausalLM",), layout=_bamba_layout,
-    globals=final_layernorm_globals(), shard_rules=_MAMBA_FF_RULES, template=_bamba_template)
+    globals=final_layernorm_globals(), shard_rules=_MAMBA_FF_RULES, template=_bamba_template,
+    fused_targets=(QKV, gate_up("feed_forward.")))
 
 
 # ---- Falcon-H1 --------------------------------------------------------------------------------
@@ -163,4 +168,5 @@ def _falcon_template(spec: "ModelSpec") -> Shapes:
 
 FALCON_H1 = Family(
     name="falcon_h1", architectures=("FalconH1ForCausalLM",), layout=_falcon_layout,
-    globals=final_layernorm_globals(), shard_rules=_MAMBA_FF_RULES, template=_falcon_template)
+    globals=final_layernorm_globals(), shard_rules=_MAMBA_FF_RULES, template=_falcon_template,
+    fused_targets=(QKV, gate_up("feed_forward.")))

@@ -14,14 +14,19 @@ from .base import CheckpointFormat, Family, Layout, cfg, cfg_opt
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
+from .fused import GATE_UP, QKV, expert_fusions, stacked_renames
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
 
-__all__ = ["QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "qwen_moe_layers", "qwen_experts"]
+__all__ = ["QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "qwen_moe_layers", "qwen_experts"]
 
 #: A transformers-format checkpoint: some layer holds fused 3-D experts.
 FUSED_MARKER = r"\.experts\.gate_up_proj$"
+
+#: transformers' 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` -> ``w13_weight`` / ``w2_weight``
+#: (same layout), so one stacked-expert module loads both namings.
+STACKED_3D = stacked_renames("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 
 
 def qwen_moe_layers(config: Mapping, num_layers: int) -> frozenset[int]:
@@ -72,7 +77,7 @@ QWEN3_MOE = Family(
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules() + attention_rules() + expert_rules(r"mlp\.experts\.", _moe_inter)
     + mlp_rules(),
-    template=_qwen3_moe_template,
+    template=_qwen3_moe_template, fused_targets=(QKV, GATE_UP, *expert_fusions(), *STACKED_3D),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _qwen3_moe_template(s, fused=True)),)),))
 
@@ -107,5 +112,7 @@ MIXTRAL = Family(
     + expert_rules(r"block_sparse_moe\.experts\.", _dense_inter, col="w1|w3", row="w2")
     + expert_rules(r"mlp\.experts\.", _dense_inter),
     template=_mixtral_template,
+    fused_targets=(QKV, *expert_fusions("block_sparse_moe.experts.", "w1", "w3", "w2"),
+                   *STACKED_3D),  # transformers' naming moves the block to ``mlp.``
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _mixtral_template(s, fused=True)),)),))

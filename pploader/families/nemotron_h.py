@@ -19,6 +19,7 @@ from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, cfg_o
 from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors,
                      kinds_from_names, mamba2_rules, mamba2_tensors, mlp_biased, num_experts_of)
 from .common import attention_rules, attention_tensors
+from .fused import expert_fusions, qkv, stacked_renames
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
@@ -118,6 +119,10 @@ NEMOTRON_H = Family(
     expert_pattern=r"mixer\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mixer\.experts\.(up_proj|down_proj)",
     shard_rules=_rules(r"backbone\."), template=_template,
+    # ungated experts: w13_weight holds up alone (vLLM maps up_proj to w1); no MLP fusion
+    fused_targets=(qkv("mixer."), *expert_fusions("mixer.experts.", gate=None),
+                   *stacked_renames("mixer.experts.up_proj", "mixer.experts.down_proj",
+                                    "mixer.experts.")),
     formats=(CheckpointFormat("transformers", r"^model\.", (
         ("layer_prefix", r"model\.layers\.(\d+)\."), ("globals", _globals(r"model\.")),
         ("shard_rules", _rules(r"model\.")),

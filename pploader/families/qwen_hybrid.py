@@ -21,13 +21,14 @@ from .blocks import (Shapes, assemble, expert_rules, gdn_rules, gdn_tensors, kin
                      num_experts_of)
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
-from .moe import FUSED_MARKER, qwen_experts, qwen_moe_layers
+from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
+from .moe import FUSED_MARKER, STACKED_3D, qwen_experts, qwen_moe_layers
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
 
 __all__ = ["QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
-           "vision_tensors"]
+           "vision_tensors", "GDN_FUSED"]
 
 _KINDS = {"linear_attention": "gdn", "full_attention": "full_attention"}
 
@@ -147,13 +148,23 @@ _EXPERTS = dict(expert_pattern=r"mlp\.experts\.(\d+)\..+",
 _MTP = r"mtp\..+"
 
 
+#: Qwen3.5's split GDN projections -> vLLM's ``in_proj_qkvz`` ([q; k; v] then z, each as the
+#: rank holds it) and ``in_proj_ba`` (b then a). Qwen3-Next stores both already fused.
+GDN_FUSED = (FusedTarget("linear_attn.in_proj_qkvz.{p}",
+                         ("linear_attn.in_proj_qkv.{p}", "linear_attn.in_proj_z.{p}")),
+             FusedTarget("linear_attn.in_proj_ba.{p}",
+                         ("linear_attn.in_proj_b.{p}", "linear_attn.in_proj_a.{p}")))
+_DENSE_FUSED = (QKV, GATE_UP)
+_MOE_FUSED = (QKV, GATE_UP, gate_up("mlp.shared_expert."), *expert_fusions(), *STACKED_3D)
+
+
 def _fused(template: object) -> tuple[CheckpointFormat, ...]:
     return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),)),)
 
 
 QWEN3_NEXT = Family(
     name="qwen3_next", architectures=("Qwen3NextForCausalLM",), layout=_layout_next,
-    globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
+    globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP, fused_targets=_MOE_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=False, fused=False),
     formats=_fused(lambda s: _hybrid_template(s, split_proj=False, fused=True)))
@@ -161,11 +172,13 @@ QWEN3_NEXT = Family(
 QWEN3_5 = Family(
     name="qwen3_5", architectures=("Qwen3_5ForCausalLM",), layout=_layout_dense,
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
+    fused_targets=_DENSE_FUSED + GDN_FUSED,
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False))
 
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",), layout=_layout_all_moe,
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
+    fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False),
     formats=_fused(lambda s: _hybrid_template(s, split_proj=True, fused=True)))
@@ -178,14 +191,14 @@ QWEN3_5_VL = Family(
     name="qwen3_5_vl", architectures=("Qwen3_5ForConditionalGeneration",),
     layout=_layout_dense, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
     shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
-    mtp_pattern=_MTP,
+    mtp_pattern=_MTP, fused_targets=_DENSE_FUSED + GDN_FUSED,
     template=lambda s: _vl_template(s, fused=False))
 
 QWEN3_5_MOE_VL = Family(
     name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeForConditionalGeneration",),
     layout=_layout_all_moe, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
     shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
-    mtp_pattern=_MTP,
+    mtp_pattern=_MTP, fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _vl_template(s, fused=False),
     formats=_fused(lambda s: _vl_template(s, fused=True)))
