@@ -9,7 +9,9 @@ device or on its target device). Phases, so that nothing is written unless every
 2. agree: with a ``Comm``, every rank learns every rank's verdict before any write.
 3. materialise the stage's meta tensors only (other layers stay on meta), then write: bytes
    go straight into the destination (slice) when it is a contiguous CPU tensor of the
-   checkpoint dtype, else through a borrowed ring and one ``copy_`` (GPU, casts).
+   checkpoint dtype; into a contiguous CUDA one of that dtype through ``DeviceLoader``'s
+   pinned ring and asynchronous H2D copies; anything else (casts, strided slices) through a
+   borrowed ring and one ``copy_``.
 4. record what was filled (for ``reload_from_disk``), run ``process_weights_after_loading``.
 """
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from torch import nn
 
 from .checkpoint import DTYPES
+from .device import DEFAULT_SLOT_BYTES, DeviceLoader, PinnedRing
 from .errors import NotReadyError, PlanError, PPLoaderError
 from .families.base import Family
 from .families.fused import FusedMatch, match_fused
@@ -380,9 +383,30 @@ def _materialise(module: nn.Module, binding: Binding, device: Union[str, torch.d
                     table[key] = new[id(value)]  # type: ignore[assignment]
 
 
+def _fits(view: torch.Tensor, item: ReadItem) -> bool:
+    """Whether the item's bytes are exactly ``view``'s (contiguous, same dtype and shape)."""
+    return (view.is_contiguous() and view.dtype == DTYPES[item.dtype][0]
+            and tuple(view.shape) == item.shape)
+
+
 def _direct(view: torch.Tensor, item: ReadItem) -> bool:
-    return (view.device.type == "cpu" and view.is_contiguous()
-            and view.dtype == DTYPES[item.dtype][0] and tuple(view.shape) == item.shape)
+    return view.device.type == "cpu" and _fits(view, item)
+
+
+def _to_device(view: torch.Tensor, item: ReadItem) -> bool:
+    return view.device.type == "cuda" and _fits(view, item)
+
+
+def _pinned_ring(items: Sequence[ReadItem], window_bytes: Optional[int],
+                 threads: int) -> PinnedRing:
+    """Host staging for device writes: ``threads`` x 2 pinned slots, no larger than the items
+    need nor (given) ``window_bytes`` in all; larger items are split over several slots."""
+    threads = max(1, threads)
+    page = 1 << 12
+    slot = min(DEFAULT_SLOT_BYTES, -(-sum(i.read_bytes for i in items) // threads))
+    if window_bytes:
+        slot = min(slot, window_bytes // (2 * threads))
+    return PinnedRing(threads, max(page, -(-slot // page) * page), lazy=True)
 
 
 def _merge_stats(into: ReadStats, other: ReadStats) -> None:
@@ -398,18 +422,22 @@ def write_binding(module: nn.Module, binding: Binding, plan: RankPlan, *,
                   cancel: Optional[threading.Event] = None,
                   on_progress: Optional[Callable[[int], None]] = None) -> ReadStats:
     """Write every bound item into its slot, in place. Contiguous CPU slots of the checkpoint
-    dtype are read into directly; the rest stream through a borrowed ring of at most
-    ``window_bytes`` and are copied (cast / moved to the device) before the next item."""
+    dtype are read into directly; contiguous CUDA slots of that dtype get their bytes through
+    a pinned ring by asynchronous H2D copies (``DeviceLoader``, one per device); the rest
+    stream through a borrowed ring of at most ``window_bytes`` and are copied (cast / moved
+    to the device) before the next item. Every path writes into the existing storage."""
     tensors = module_tensors(module)
     views: dict[str, torch.Tensor] = {}
     direct: list[ReadItem] = []
+    to_device: list[ReadItem] = []
     copied: list[ReadItem] = []
     for item in plan.items:
         slot = binding.slots.get(item.target)
         if slot is None:
             continue  # unexpected (strict=False): not read at all
-        views[item.target] = slot.view(tensors[slot.param].detach())
-        (direct if _direct(views[item.target], item) else copied).append(item)
+        view = views[item.target] = slot.view(tensors[slot.param].detach())
+        (direct if _direct(view, item) else to_device if _to_device(view, item)
+         else copied).append(item)
     stats = ReadStats()
     kw = dict(threads=threads, cancel=cancel, on_progress=on_progress)
     with torch.no_grad():
@@ -417,6 +445,15 @@ def write_binding(module: nn.Module, binding: Binding, plan: RankPlan, *,
             sub = dataclasses.replace(plan, items=tuple(direct))
             reader = Reader(sub, **kw)  # type: ignore[arg-type]
             _merge_stats(stats, reader.read_into({i.target: views[i.target] for i in direct}))
+        for device in dict.fromkeys(views[i.target].device for i in to_device):
+            mine = tuple(i for i in to_device if views[i.target].device == device)
+            torch.cuda.synchronize(device)  # pending work on the destinations (zero fills,
+            # a forward still reading them) finishes before the loader's own streams write
+            loader = DeviceLoader(dataclasses.replace(plan, items=mine), device,
+                                  ring=_pinned_ring(mine, window_bytes, threads),
+                                  cancel=cancel, on_progress=on_progress)
+            loader.load({i.target: views[i.target] for i in mine})  # synchronises the device
+            _merge_stats(stats, loader.stats)
         if copied:
             sub = dataclasses.replace(plan, items=tuple(copied))
             total = sum(max(i.nbytes, i.read_bytes) for i in copied)

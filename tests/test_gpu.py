@@ -6,8 +6,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import run_ranks
-from pploader import RankFailure, Reader, Topology, load_stage, plan_stage
+from bind_models import MOE_CONFIG, MoEStage, TinyLM, make_moe, param_ptrs, plan_moe
+from helpers import make_model, run_ranks, tiny_config
+from pploader import (RankFailure, Reader, Topology, load_stage, load_stage_into, plan_stage,
+                      reload_from_disk)
+from pploader import place
 from pploader.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
@@ -148,3 +151,69 @@ def test_nccl_pipeline_forward_matches_single_process(tmp_path: Path) -> None:
         ref = model.cuda()(ids.cuda(), use_cache=False).logits.cpu()
     assert res[0]["logits"] is None
     assert (res[1]["logits"] - ref).abs().max().item() <= 1e-4
+
+
+# ---- load_stage_into / reload_from_disk onto a CUDA module ------------------------------------
+
+@pytest.fixture
+def device_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Items written by place's DeviceLoader (pinned ring + async H2D), per load() call."""
+    calls: list[int] = []
+
+    class Spy(place.DeviceLoader):
+        def load(self, destinations=None):  # type: ignore[no-untyped-def]
+            calls.append(len(destinations or {}))
+            return super().load(destinations)
+    monkeypatch.setattr(place, "DeviceLoader", Spy)
+    return calls
+
+
+def _stage(model_dir: Path, topo: Topology, device: str, dtype: torch.dtype) -> TinyLM:
+    staged = plan_stage(model_dir, topo)
+    module = TinyLM(tiny_config(), staged.plan.window, tp=topo.tp_size, dtype=dtype,
+                    device="meta")
+    load_stage_into(module, staged, device=device, allow_cast=dtype != torch.bfloat16)
+    return module
+
+
+def _same(gpu: torch.nn.Module, cpu: torch.nn.Module) -> None:
+    a, b = gpu.state_dict(keep_vars=True), cpu.state_dict(keep_vars=True)
+    assert a.keys() == b.keys()
+    for name, t in a.items():
+        assert t.device.type == "cuda", name
+        assert torch.equal(t.detach().cpu(), b[name].detach()), name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pp,tp,rank", [(1, 1, 0), (2, 2, 3)])
+def test_load_stage_into_cuda_equals_cpu_and_reload_keeps_pointers(
+        tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory, device_loads: list[int],
+        pp: int, tp: int, rank: int, dtype: torch.dtype) -> None:
+    """Fused qkv / gate_up slices on cuda:0 equal a CPU bind; bf16 destinations go through
+    DeviceLoader (every item), float32 ones (a cast) through the ring + copy_ path; reloading
+    twice keeps every data_ptr (derived parameters included)."""
+    topo = Topology(pp, tp, rank=rank)
+    n_items = len(plan_stage(tiny_llama, topo).plan.items)
+    gpu = _stage(tiny_llama, topo, "cuda:0", dtype)
+    _same(gpu, _stage(tiny_llama, topo, "cpu", dtype))
+    assert sum(device_loads) == (n_items if dtype == torch.bfloat16 else 0)
+    ptrs = param_ptrs(gpu)
+    other = make_model(tmp_path_factory.mktemp("other"), seed=5)
+    for src in (other, tiny_llama):
+        reload_from_disk(gpu, src)
+        assert param_ptrs(gpu) == ptrs
+        _same(gpu, _stage(src, topo, "cpu", dtype))
+
+
+@pytest.mark.parametrize("tp,ep,rank", [(1, 1, 0), (2, 2, 5)])
+def test_stacked_experts_onto_cuda_equal_cpu(tmp_path: Path, device_loads: list[int],
+                                             tp: int, ep: int, rank: int) -> None:
+    moe = make_moe(tmp_path)
+    topo = Topology(2, tp, ep, rank=rank)
+    staged = plan_moe(moe, topo)
+    gpu = MoEStage(MOE_CONFIG, staged.plan.window, tp=tp, ep=ep)
+    cpu = MoEStage(MOE_CONFIG, staged.plan.window, tp=tp, ep=ep)
+    load_stage_into(gpu, staged, device="cuda:0")
+    load_stage_into(cpu, plan_moe(moe, topo))
+    _same(gpu, cpu)
+    assert sum(device_loads) == len(staged.plan.items)
