@@ -19,6 +19,7 @@ import torch
 
 from .checkpoint import DTYPES
 from .errors import ReadError
+from .pagecache import resident_bytes_of_ranges
 from .plan import RankPlan, ReadItem
 from .read import ReadStats
 
@@ -26,6 +27,7 @@ __all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_T
 
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_DEVICE_THREADS = 16
+DIRECT_ALIGN = 4096          # O_DIRECT offset/length/address alignment
 
 
 class PinnedRing:
@@ -85,6 +87,12 @@ def _pieces(item: ReadItem, dst_bytes: torch.Tensor, slot_bytes: int) -> list[_P
     return out
 
 
+def _split(p: _Piece, limit: int) -> list[_Piece]:
+    """``p`` cut into pieces of at most ``limit`` bytes."""
+    return [_Piece(p.file, p.offset + a, min(limit, p.length - a), p.dst[a:a + limit])
+            for a in range(0, p.length, limit)] if p.length > limit else [p]
+
+
 def _chunks(pieces: list[_Piece], slot_bytes: int) -> list[list[_Piece]]:
     """Pack file-contiguous pieces into slot-sized chunks (one preadv each)."""
     chunks: list[list[_Piece]] = []
@@ -106,8 +114,13 @@ class DeviceLoader:
 
     def __init__(self, plan: RankPlan, device: torch.device | str, *,
                  ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
-                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+                 on_progress: Optional[Callable[[int], None]] = None,
+                 direct_io: Optional[bool] = None) -> None:
+        """``direct_io``: True reads with O_DIRECT (bypassing the page cache: what cold loads
+        from fast devices want), False buffered, None (default) decides per load from the
+        page-cache residency of the planned ranges (mostly cached -> buffered)."""
         self.plan, self.device = plan, torch.device(device)
+        self.direct_io, self.direct = direct_io, False
         if self.device.type != "cuda":
             raise ValueError(f"DeviceLoader needs a cuda device, got {self.device}")
         self.ring = ring or PinnedRing()
@@ -147,7 +160,9 @@ class DeviceLoader:
                 self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
                 pieces += _pieces(item, tmp, self.ring.slot_bytes)
                 post.append((item, tmp, dst))
-        self._run(_chunks(pieces, self.ring.slot_bytes))
+        self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        limit = self.ring.slot_bytes - (2 * DIRECT_ALIGN if self.direct else 0)
+        self._run(_chunks([q for p in pieces for q in _split(p, limit)], limit))
         for item, tmp, dst in post:
             t = tmp.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
             for dim, intervals in item.gather:
@@ -162,8 +177,27 @@ class DeviceLoader:
         self.stats.seconds = time.perf_counter() - start
         return out
 
+    def _use_direct(self) -> bool:
+        """O_DIRECT when less than half of the planned bytes are in the page cache."""
+        if not hasattr(os, "O_DIRECT"):
+            return False
+        resident = total = 0
+        for file, path in self.plan.paths.items():
+            ranges = [r for i in self.plan.items if i.file == file for r in i.ranges]
+            r, t = resident_bytes_of_ranges(path, ranges)
+            resident, total = resident + r, total + t
+        return total > 0 and resident < total / 2
+
+    def _open(self, path: str) -> int:
+        if self.direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # e.g. tmpfs: no O_DIRECT; buffered reads of the same bytes
+                pass
+        return os.open(path, os.O_RDONLY)
+
     def _run(self, chunks: list[list[_Piece]]) -> None:
-        fds = {f: os.open(p, os.O_RDONLY) for f, p in self.plan.paths.items()}
+        fds = {f: self._open(p) for f, p in self.plan.paths.items()}
         try:
             for f, fd in fds.items():
                 if (os.fstat(fd).st_size, os.fstat(fd).st_ino) != (
@@ -203,15 +237,9 @@ class DeviceLoader:
                     events[b].synchronize()
                 pinned, view = slots[b]
                 total = sum(p.length for p in chunk)
-                got, off = 0, chunk[0].offset
-                while got < total:
-                    n = os.preadv(fds[chunk[0].file], [view[got:total]], off + got)
-                    if n <= 0:
-                        raise self._err(f"file changed during load: unexpected end of file at "
-                                        f"offset {off + got}", chunk[0].file)
-                    got += n
+                head, nread = self._read_chunk(fds[chunk[0].file], view, chunk[0], total)
                 with torch.cuda.stream(stream):
-                    pos = 0
+                    pos = head
                     for p in chunk:
                         p.dst.copy_(pinned[pos:pos + p.length], non_blocking=True)
                         pos += p.length
@@ -219,7 +247,7 @@ class DeviceLoader:
                     ev.record(stream)
                     events[b] = ev
                 with self._lock:
-                    self.stats.read_bytes += total
+                    self.stats.read_bytes += nread
                     self.stats.syscalls += 1
                 if self.on_progress is not None:
                     self.on_progress(total)
@@ -227,3 +255,24 @@ class DeviceLoader:
             stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - re-raised by load()
             errors.append(exc)
+
+    def _read_chunk(self, fd: int, view: memoryview, first: _Piece,
+                    total: int) -> tuple[int, int]:
+        """Read ``total`` bytes from ``first.offset`` into ``view``; returns (where the data
+        starts in ``view``, bytes read). O_DIRECT reads whole aligned blocks around them."""
+        off = first.offset
+        head = off % DIRECT_ALIGN if self.direct else 0
+        end = head + total
+        want = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN if self.direct else end
+        got = 0
+        while got < end:
+            try:
+                n = os.preadv(fd, [view[got:want]], off - head + got)
+            except OSError as exc:
+                raise self._err(f"read failed at offset {off - head + got}: {exc.strerror}",
+                                first.file) from exc
+            if n <= 0:
+                raise self._err(f"file changed during load: unexpected end of file at offset "
+                                f"{off - head + got}", first.file)
+            got += n
+        return head, got

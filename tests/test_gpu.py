@@ -22,12 +22,14 @@ def _cpu(plan) -> dict[str, torch.Tensor]:
     return dict(Reader(plan))
 
 
+@pytest.mark.parametrize("direct_io", [False, True, None])
 @pytest.mark.parametrize("pp,tp,rank", [(2, 1, 0), (2, 1, 1), (1, 2, 1), (2, 2, 2)])
-def test_device_loader_equals_cpu_reader(tiny_llama: Path, pp: int, tp: int, rank: int) -> None:
+def test_device_loader_equals_cpu_reader(tiny_llama: Path, pp: int, tp: int, rank: int,
+                                         direct_io) -> None:
     from pploader.device import DeviceLoader, PinnedRing
     plan = plan_stage(tiny_llama, Topology(pp, tp, rank=rank)).plan
     ring = PinnedRing(threads=4, slot_bytes=1 << 16)  # small slots: many chunks per tensor
-    out = DeviceLoader(plan, "cuda:0", ring=ring).load()
+    out = DeviceLoader(plan, "cuda:0", ring=ring, direct_io=direct_io).load()
     ref = _cpu(plan)
     assert set(out) == set(ref)
     for k, v in out.items():
@@ -112,6 +114,7 @@ def _nccl_read_once(rank: int, world: int, model: str) -> dict:
     plain = dict(Reader(staged.plan))
     same = set(shared.state_dict) == set(plain) and all(
         torch.equal(v.cpu(), plain[k]) for k, v in shared.state_dict.items())
+    comm.agree(None)  # rank 0 hosts the store: keep it until both ranks are done
     comm.close()
     return {"same": same, "read": shared.stats.read_bytes, "ideal": staged.plan.ideal_bytes}
 
@@ -132,6 +135,7 @@ def _nccl_pipeline(rank: int, world: int, model: str) -> dict:
     stage.model.to(f"cuda:{rank}")
     ids = torch.arange(10, device=f"cuda:{rank}").reshape(1, 10) % 60
     logits = pipeline_forward(stage, ids, comm)
+    comm.agree(None)
     comm.close()
     return {"logits": None if logits is None else logits.cpu()}
 

@@ -1,0 +1,59 @@
+"""Page-cache residency (mincore) of byte ranges: lets a loader pick buffered reads for data
+that is already in memory and O_DIRECT for data that must come from the device."""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import os
+from functools import lru_cache
+from typing import Iterable
+
+__all__ = ["resident_bytes_of_ranges", "PAGE_BYTES"]
+
+PAGE_BYTES = mmap.PAGESIZE
+
+
+@lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                          ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    return libc
+
+
+def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """(resident, total) bytes of the pages covering ``ranges`` ((offset, length) pairs).
+
+    Maps the file without touching it (no data is read); returns (0, total) when mincore is
+    unavailable, so callers treat unknown residency as cold.
+    """
+    ranges = [(o, n) for o, n in ranges if n > 0]
+    total = sum(n for _, n in ranges)
+    size = os.path.getsize(path)
+    if not ranges or size == 0:
+        return 0, total
+    libc = _libc()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            return 0, total
+        try:
+            resident = 0
+            for off, n in ranges:
+                first, last = off // PAGE_BYTES, (off + n - 1) // PAGE_BYTES
+                vec = (ctypes.c_ubyte * (last - first + 1))()
+                if libc.mincore(ctypes.c_void_p(addr + first * PAGE_BYTES),
+                                (last - first + 1) * PAGE_BYTES, vec) != 0:
+                    return 0, total
+                pages = len(vec) - bytes(vec).count(0)
+                resident += min(n, pages * PAGE_BYTES)
+            return resident, total
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
