@@ -21,9 +21,11 @@ else
 fi
 nvidia-smi -L; python3 -c "import torch, safetensors; print('torch', torch.__version__, 'safetensors', safetensors.__version__)"
 echo "== pytest -m gpu =="
-timeout 240 python3 -m pytest tests/test_gpu.py -m gpu -q -x -p no:cacheprovider 2>&1 | tail -25 | tee "$OUT/pytest_gpu.txt"
+timeout 240 python3 -m pytest tests/test_gpu.py -m gpu -q -p no:cacheprovider 2>&1 \
+  | tee "$OUT/pytest_gpu.txt" | grep -E "passed|failed|^FAILED|^E  " | head -30
 echo "== anchors + pploader (one GPU, warm and cold) =="
-python3 pploader/bench_cuda.py --anchors "$ANCHORS" --ckdir /tmp/ck --out "$OUT" --budget "$BUDGET" 2>&1 \
+python3 pploader/bench_cuda.py --anchors "$ANCHORS" --ckdir /tmp/ck --out "$OUT" --budget "$BUDGET" \
+  ${METHODS:+--methods "$METHODS"} 2>&1 \
   | grep -v '^\[anchors\] env' | tail -40
 echo "== PP=2: each stage alone on its GPU, then both at once =="
 OUT="$OUT" python3 pploader/bench_cuda.py --pp2 --ckdir /tmp/ck 2>&1 | tail -8

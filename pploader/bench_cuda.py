@@ -81,6 +81,7 @@ def register(anchors: ModuleType, scale: str, threads: int, slot_mib: int) -> No
             return dict(Reader(staged.plan, threads=threads)), {
                 "logical_bytes": staged.plan.read_bytes, "api": "pploader Reader (cpu)"}
         ring = prep.get("ring") or PinnedRing(threads, slot_mib << 20, lazy=True)
+        n_threads = ring.threads
         ring_s = time.perf_counter() - t0
         staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
         plan_s = time.perf_counter() - t0 - ring_s
@@ -91,15 +92,25 @@ def register(anchors: ModuleType, scale: str, threads: int, slot_mib: int) -> No
                      "ring_alloc_s": round(ring.alloc_seconds, 4),
                      "plan_s": round(plan_s, 4), "pinned_bytes": ring.nbytes,
                      "direct_io": loader.direct,
-                     "api": f"pploader DeviceLoader x{threads} threads, {slot_mib} MiB slots"
+                     "api": f"pploader DeviceLoader x{n_threads} threads, {slot_mib} MiB slots"
                             f"{', O_DIRECT' if loader.direct else ''}",
                      "_keep": ring}
+
+    def variant(n_threads: int, mib: int) -> tuple:
+        def prep_v(ctx: Any) -> dict:
+            _write_config(ctx.ckdir, scale)
+            from pploader.device import PinnedRing
+            return {"ring": PinnedRing(n_threads, mib << 20)} if ctx.cuda() else {}
+        return (lambda c, p: run(c, p, mib), prep_v)
 
     anchors.METHODS["p_pploader"] = (run, prep)
     anchors.METHODS["p_pploader_alloc"] = (run, prep_alloc)
     anchors.METHODS["p_pploader_alloc4"] = (lambda c, p: run(c, p, 4), prep_alloc)
+    anchors.METHODS["p_pploader_t4x64"] = variant(4, 64)
+    anchors.METHODS["p_pploader_t8x32"] = variant(8, 32)
     for order in (anchors.WARM_ORDER, anchors.COLD_ORDER):
-        for name in ("p_pploader_alloc4", "p_pploader_alloc", "p_pploader"):
+        for name in ("p_pploader_t8x32", "p_pploader_t4x64", "p_pploader_alloc4",
+                     "p_pploader_alloc", "p_pploader"):
             if name not in order:
                 order.insert(1, name)
     anchors.HERE = os.path.abspath(__file__)  # children re-enter through this wrapper
