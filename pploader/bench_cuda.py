@@ -157,6 +157,30 @@ def _pp2(ckdir: str) -> list[dict]:
     return rows
 
 
+def plot(anchors_json: str, png: str, title: str = "") -> None:
+    """Bar chart of warm and cold GB/s per method from an anchors.json (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = json.loads(Path(anchors_json).read_text())["results"]
+    methods = list(dict.fromkeys(r["method"] for r in rows if r.get("cache") in ("warm", "cold")))
+    rate = {(r["method"], r["cache"]): r.get("gbps") or 0.0 for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, cache in zip(axes, ("warm", "cold")):
+        names = [m for m in methods if (m, cache) in rate]
+        colors = ["tab:green" if m.startswith("p_") else "tab:gray" if m.startswith("a_")
+                  else "tab:blue" for m in names]
+        ax.barh(names, [rate[(m, cache)] for m in names], color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel("GB/s of the stage's ideal bytes (8.03 GB)")
+        ax.set_title(f"{cache} page cache")
+        for y, m in enumerate(names):
+            ax.text(rate[(m, cache)], y, f" {rate[(m, cache)]:.1f}", va="center", fontsize=8)
+    fig.suptitle(title or "one PP=2 stage onto one GPU: pploader (green), raw ceiling (gray)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     pre = argparse.ArgumentParser(add_help=False)
@@ -166,7 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     pre.add_argument("--slot-mib", type=int, default=int(os.environ.get("PPLOADER_BENCH_SLOT_MIB", 16)))
     pre.add_argument("--pp2", action="store_true")
     pre.add_argument("--stage-child", type=int, default=None)
+    pre.add_argument("--plot", nargs=2, metavar=("ANCHORS_JSON", "PNG"), default=None)
     known, rest = pre.parse_known_args(argv)
+    if known.plot:
+        return plot(*known.plot)
     if known.stage_child is not None:
         ck = rest[rest.index("--ckdir") + 1]
         return _stage_child(ck, known.stage_child)
