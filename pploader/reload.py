@@ -16,10 +16,8 @@ modules were loaded by ``load_stage_into``. Order (nothing is written before ste
 """
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from torch import nn
@@ -30,7 +28,7 @@ from .place import (LoadRecord, agree_or_raise, bind_stage, commit_writes, load_
                     module_tensors)
 from .plan import RankPlan, plan_rank
 from .read import ReadStats
-from .spec import spec_from_config
+from .spec import read_config, spec_from_config
 from .stage import StagePlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -51,13 +49,7 @@ class ReloadResult:
 def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
                 allowed_roots: Sequence[str] = ()) -> StagePlan:
     """Plan the recorded stage (same family, topology and window) from a new checkpoint."""
-    path = Path(checkpoint_dir) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("missing config.json", file=str(path)) from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
+    config = read_config(checkpoint_dir)
     archs = config.get("architectures") if isinstance(config, dict) else None
     if isinstance(archs, list) and archs and not set(archs) & set(record.family.architectures):
         raise ConfigError(f"architecture {archs[0]!r} but the model was loaded as "

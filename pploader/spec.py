@@ -14,7 +14,7 @@ from .errors import ConfigError
 from .families import Family, find_family
 from .families.base import cfg
 
-__all__ = ["ModelSpec", "load_spec", "spec_from_config"]
+__all__ = ["ModelSpec", "load_spec", "read_config", "spec_from_config"]
 
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
@@ -114,13 +114,17 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
         dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
 
 
-def load_spec(model_dir: os.PathLike | str) -> ModelSpec:
-    """Read ``config.json`` of a model directory into a ModelSpec."""
+def read_config(model_dir: os.PathLike | str) -> object:
+    """The parsed ``config.json`` of a model directory (clear errors when missing or bad)."""
     path = Path(model_dir) / "config.json"
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
+        return json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError("missing config.json", file=str(path)) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
-    return spec_from_config(config)
+
+
+def load_spec(model_dir: os.PathLike | str) -> ModelSpec:
+    """Read ``config.json`` of a model directory into a ModelSpec."""
+    return spec_from_config(read_config(model_dir))  # type: ignore[arg-type]
