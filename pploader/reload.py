@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from torch import nn
@@ -50,6 +51,7 @@ def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
                 allowed_roots: Sequence[str] = ()) -> StagePlan:
     """Plan the recorded stage (same family, topology and window) from a new checkpoint."""
     config = read_config(checkpoint_dir)
+    path = Path(checkpoint_dir) / "config.json"
     archs = config.get("architectures") if isinstance(config, dict) else None
     if isinstance(archs, list) and archs and not set(archs) & set(record.family.architectures):
         raise ConfigError(f"architecture {archs[0]!r} but the model was loaded as "

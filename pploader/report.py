@@ -1,7 +1,6 @@
 """Per-rank reports: what each rank planned and did, one table on rank 0, JSON, progress."""
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time

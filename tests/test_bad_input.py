@@ -16,7 +16,7 @@ import shutil
 import struct
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -25,9 +25,8 @@ from safetensors.torch import load_file, save_file
 
 from helpers import make_model, pploader_cmd, reference_tensors, run, run_ranks, tiny_config, \
     torchrun_cmd
-from pploader import (CheckpointError, ConfigError, PlanError, PPLoaderError, RankFailure,
-                      ReadError, Reader, Topology, load_spec, load_stage, open_checkpoint,
-                      parse_header, plan_stage)
+from pploader import (CheckpointError, ConfigError, PlanError, RankFailure, ReadError, Reader,
+                      Topology, load_stage, open_checkpoint, parse_header, plan_stage)
 from pploader.checkpoint import INDEX_NAME
 from pploader.dtypes import DTYPE_POLICY, dtype_action
 from pploader.errors import MemoryBudgetError
