@@ -160,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--window-bytes", type=_size, default=None,
                    help=f"host memory in flight per rank (default max({DEFAULT_WINDOW_BYTES >> 20}"
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
-    p.add_argument("--threads", type=int, default=1, help="reader threads per rank (default 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="reader threads per rank (default 1 on CPU, 16 on a GPU)")
+    p.add_argument("--device", default=None,
+                   help="where the weights go: cpu, cuda, cuda:N (default cuda:LOCAL_RANK when "
+                   "this rank has a GPU, else cpu). On a GPU bytes go through a pinned ring "
+                   "straight into device memory (O_DIRECT when the files are not cached)")
     p.add_argument("--timeout", type=float, default=60.0,
                    help="load timeout: a rank making no progress this long while others wait is "
                    "named silent (hung), one whose heartbeat stops for min(10, timeout) s is "
@@ -310,7 +315,7 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
-                                cancel=cancel, on_progress=add,
+                                device=pool_device(args.device), cancel=cancel, on_progress=add,
                                 memory_budget_bytes=args.memory_budget,
                                 comm=comm, read_once=args.read_once)
             add.flush()  # type: ignore[attr-defined]
@@ -318,7 +323,7 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
                 from safetensors.torch import save_file
                 Path(args.save_loaded).mkdir(parents=True, exist_ok=True)
                 names = {i.target: i.name for i in result.plan.items}
-                save_file({names[k]: v.contiguous() for k, v in result.state_dict.items()},
+                save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
                           str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
             report = result.report.to_json()
             if not args.no_pools:  # this stage's cache pools, after its weights (docs/pools.md)

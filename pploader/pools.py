@@ -221,10 +221,11 @@ def build_rank_pools(spec: "ModelSpec", plan: "RankPlan", opts: PoolOptions, *,
 
 
 def pool_device(name: Optional[str] = None) -> torch.device:
-    """``name``, else ``cuda:$LOCAL_RANK`` when this process has a GPU, else cpu."""
-    if name:
+    """``name``, else ``cuda:$LOCAL_RANK`` when this process has a GPU, else cpu
+    (``cuda`` without an index also means this rank's local GPU)."""
+    if name and name != "cuda":
         return torch.device(name)
-    if torch.cuda.is_available():
+    if name == "cuda" or torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) %
                             torch.cuda.device_count())
     return torch.device("cpu")
