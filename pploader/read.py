@@ -395,16 +395,22 @@ class Reader:
                                 f"(contiguous={dst.is_contiguous()}), expected {item.shape} "
                                 f"{DTYPES[item.dtype][0]} contiguous on cpu", item.file, item.target)
         start = time.perf_counter()
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read")
+        # one thread: read inline (nothing to overlap with; no hand-offs, ~4% faster warm)
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read") \
+            if self.threads > 1 else None
         try:
-            futs = [pool.submit(self._read_batch, [(i, destinations[i.target]) for i in b])
-                    for b in self._batches()]
-            for fut in futs:
-                fut.result()
+            batches = ([(i, destinations[i.target]) for i in b] for b in self._batches())
+            if pool is None:
+                for batch in batches:
+                    self._read_batch(batch)
+            else:
+                for fut in [pool.submit(self._read_batch, batch) for batch in batches]:
+                    fut.result()
             for file, fd in list(self._fds.items()):
                 self._check_identity(file, fd)
         finally:
-            pool.shutdown(wait=True, cancel_futures=True)
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
             self.close()
             self.stats.seconds = time.perf_counter() - start
         return self.stats
