@@ -113,13 +113,16 @@ _MAX_SIZE = 2 ** 63
 
 def _no_duplicates(pairs: list) -> dict:
     """json object hook: a repeated key is an error (json and the reference keep the last)."""
-    seen: dict = {}
-    for key, value in pairs:
+    obj = dict(pairs)
+    if len(obj) == len(pairs):  # the common case, at C speed
+        return obj
+    seen: set = set()
+    for key, _ in pairs:
         if key in seen:
             raise CheckpointError(f"duplicate key {key!r} in the JSON",
                                   tensor=None if key in _ENTRY_KEYS else str(key))
-        seen[key] = value
-    return seen
+        seen.add(key)
+    return obj
 
 
 def _no_constants(name: str) -> object:

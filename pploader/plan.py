@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Mapping, Optional, Sequence, Union
+from typing import Callable, TypeVar, Mapping, Optional, Sequence, Union
 
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from .errors import PlanError
@@ -17,6 +17,8 @@ from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, lo
                     tp_selection)
 from .spec import ModelSpec
 from .topology import Topology
+
+T = TypeVar("T")
 
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
            "plan_mtp", "layer_bytes", "read_item"]
@@ -107,19 +109,43 @@ class RankPlan:
                 "files": list(self.files), "tensors": list(self.tensors)}
 
 
+def _memo(index: CheckpointIndex, key: str, spec: ModelSpec, build: Callable[[], T]) -> T:
+    """``build()`` once per index and spec: every rank planned in one process (``plan_all``,
+    read-once) shares the classification of the checkpoint's names and the template."""
+    memo = index.__dict__.setdefault("_plan_memo", {})
+    hit = memo.get(key)
+    if hit is not None and (hit[0] is spec or hit[0] == spec):
+        return hit[1]
+    value = build()
+    memo[key] = (spec, value)
+    return value
+
+
 def _roles(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
     """Every checkpoint tensor's role; quantization companions take their weight's role (so
     a scale follows its weight's layer, expert and stage)."""
+    return _memo(index, "roles", spec, lambda: _classify_all(spec, index))
+
+
+def _classify_plain(spec: ModelSpec, index: CheckpointIndex) -> dict[str, Optional[TensorRole]]:
+    """The family's own role of every checkpoint name (no quantization linking), once."""
+    classify, n, m = spec.family.classify, spec.num_layers, spec.num_mtp_layers
+    return _memo(index, "plain", spec, lambda: {name: classify(name, n, m)
+                                                for name in index.weight_map})
+
+
+def _classify_all(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
     roles, unknown = {}, []
+    plain = _classify_plain(spec, index)
     scheme = quant_scheme(spec)
     for name in index.weight_map:
         link = scheme.weight_of(name) if scheme is not None else None
         if link is not None and link[0] in index.weight_map:
-            role = spec.family.classify(link[0], spec.num_layers, spec.num_mtp_layers)
+            role = plain[link[0]]
             if role is not None:
                 role = replace(role, component=role.component[:-len("weight")] + link[1].suffix)
         else:
-            role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+            role = plain[name]
         if role is None:
             unknown.append(name)
         else:
@@ -323,9 +349,13 @@ def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str
     """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
     if spec.family.template is None:
         return
-    template = spec.family.template(spec)
-    roles = {n: spec.family.classify(n, spec.num_layers, spec.num_mtp_layers)
-             for n in template}
+    def build() -> tuple[Mapping[str, tuple[int, ...]], dict[str, Optional[TensorRole]]]:
+        names = spec.family.template(spec)  # type: ignore[misc]
+        known = _classify_plain(spec, index)
+        return names, {n: known[n] if n in known else
+                       spec.family.classify(n, spec.num_layers, spec.num_mtp_layers)
+                       for n in names}
+    template, roles = _memo(index, "template", spec, build)
     expected = {n: tuple(template[n]) for n, r in roles.items()
                 if r is not None and _wanted(r, window, experts)}
     scheme = quant_scheme(spec)

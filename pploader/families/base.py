@@ -138,14 +138,31 @@ class Family:
             rx = self._compiled[pattern] = re.compile(pattern)
         return rx
 
+    def _matchers(self) -> tuple:
+        """Compiled once: all globals as one alternation (named groups), then mtp, layer
+        prefix, expert and fused-expert patterns (classify runs for every checkpoint name)."""
+        found = self._compiled.get("__classify__")
+        if found is None:
+            globs = re.compile("|".join(f"(?P<g{i}>{r.pattern})"
+                                        for i, r in enumerate(self.globals))) \
+                if self.globals else None
+            found = self._compiled["__classify__"] = tuple(
+                [globs] + [self._re(p) if p else None for p in (
+                    self.mtp_pattern, self.layer_prefix, self.expert_pattern,
+                    self.fused_expert_pattern)])
+        return found
+
     def classify(self, name: str, num_layers: int, num_mtp_layers: int) -> Optional[TensorRole]:
         """Role of a checkpoint tensor, or None when the family does not know the name."""
-        for rule in self.globals:
-            if self._re(rule.pattern).fullmatch(name):
-                return TensorRole(rule.placement, name, role=rule.role)
-        if self.mtp_pattern and self._re(self.mtp_pattern).fullmatch(name):
+        globs, mtp, prefix, expert_rx, fused_rx = self._matchers()
+        g = globs.fullmatch(name) if globs is not None else None
+        if g is not None:
+            rule = self.globals[int(next(k for k, v in g.groupdict().items()
+                                         if v is not None)[1:])]
+            return TensorRole(rule.placement, name, role=rule.role)
+        if mtp is not None and mtp.fullmatch(name):
             return TensorRole("mtp", name, role="mtp")  # known, never read by a stage
-        m = self._re(self.layer_prefix).match(name)
+        m = prefix.match(name)
         if m is None:
             return None
         layer, component = int(m.group(1)), name[m.end():]
@@ -153,12 +170,12 @@ class Family:
             return None
         placement = "layer" if layer < num_layers else "mtp"
         expert, fused = None, False
-        if self.expert_pattern:
-            em = self._re(self.expert_pattern).fullmatch(component)
+        if expert_rx is not None:
+            em = expert_rx.fullmatch(component)
             if em is not None:
                 expert = int(em.group(1))
-        if expert is None and self.fused_expert_pattern:
-            fused = self._re(self.fused_expert_pattern).fullmatch(component) is not None
+        if expert is None and fused_rx is not None:
+            fused = fused_rx.fullmatch(component) is not None
         return TensorRole(placement, component, layer, expert, fused)
 
     def shard_rule(self, component: str) -> Optional[ShardRule]:
