@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from .spec import spec_from_config
+from .tiny import model_order
 
 __all__ = ["LlamaShape", "llama_shape", "llama_config", "write_synthetic", "write_wide",
            "SynthInfo", "checkpoint_files"]
@@ -96,15 +97,8 @@ def _ordered_template(config: dict) -> list[tuple[str, tuple[int, ...]]]:
     spec = spec_from_config(config)
     template = spec.family.template(spec)  # type: ignore[misc]
 
-    def key(name: str) -> tuple[int, int]:
-        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
-        if role is None or role.placement == "first":
-            return (0, 0)
-        if role.placement == "last":
-            return (2, 0)
-        return (1, role.layer or 0)
-
-    return [(n, tuple(template[n])) for n in sorted(template, key=key)]
+    return [(n, tuple(template[n]))
+            for n in sorted(template, key=lambda n: model_order(spec, n))]
 
 
 def _groups(tensors: list[tuple[str, tuple[int, ...]]], shard_bytes: int

@@ -13,7 +13,6 @@ anchor script so they share its files, cache states and competitors.
 """
 from __future__ import annotations
 
-import ctypes
 import gc
 import json
 import os
@@ -23,6 +22,8 @@ import time
 import zlib
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Sequence
+
+from .pagecache import resident_bytes_of_ranges
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -41,39 +42,10 @@ _IOV_MAX = 1024
 
 
 # ---- page cache ---------------------------------------------------------------------------
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL("libc.so.6", use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    return libc
-
-
 def resident_bytes(paths: Iterable[str]) -> int:
-    """Bytes of ``paths`` in the page cache now (mincore over a PROT_READ shared mapping)."""
-    libc, total = _libc(), 0
-    for path in paths:
-        size = os.path.getsize(path)
-        if not size:
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, 1, 1, fd, 0)  # PROT_READ, MAP_SHARED
-            if addr in (None, ctypes.c_void_p(-1).value):
-                raise OSError(ctypes.get_errno(), f"mmap failed on {path}")
-            try:
-                pages = (size + _PAGE - 1) // _PAGE
-                vec = (ctypes.c_ubyte * pages)()
-                if libc.mincore(addr, size, vec) != 0:
-                    raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
-                total += (pages - bytes(vec).count(0)) * _PAGE
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
+    """Bytes of ``paths`` in the page cache now (every page, mincore; raises if it can't tell)."""
+    return sum(resident_bytes_of_ranges(p, [(0, os.path.getsize(p))], sample_bytes=0,
+                                        strict=True)[0] for p in paths)
 
 
 def evict(paths: Sequence[str]) -> int:

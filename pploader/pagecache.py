@@ -35,13 +35,14 @@ def _windows(off: int, n: int, sample_bytes: int) -> list[tuple[int, int]]:
 
 
 def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
-                             sample_bytes: int = 64 << 10) -> tuple[int, int]:
+                             sample_bytes: int = 64 << 10,
+                             strict: bool = False) -> tuple[int, int]:
     """(resident, total) bytes of ``ranges`` ((offset, length) pairs) in the page cache.
 
     Maps the file without touching it (no data is read). Large ranges are sampled (windows of
     ``sample_bytes`` covering about 1/64 of them, scaled up), so checking gigabytes costs
     milliseconds; ``sample_bytes=0`` checks every page. Returns (0, total) when mincore is
-    unavailable, so callers treat unknown residency as cold.
+    unavailable, so callers treat unknown residency as cold (``strict``: raise OSError instead).
     """
     ranges = [(o, n) for o, n in ranges if n > 0]
     total = sum(n for _, n in ranges)
@@ -53,6 +54,8 @@ def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
     try:
         addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
+            if strict:
+                raise OSError(ctypes.get_errno(), f"mmap failed on {path}")
             return 0, total
         try:
             resident = 0
@@ -63,6 +66,8 @@ def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
                     vec = (ctypes.c_ubyte * (last - first + 1))()
                     if libc.mincore(ctypes.c_void_p(addr + first * PAGE_BYTES),
                                     (last - first + 1) * PAGE_BYTES, vec) != 0:
+                        if strict:
+                            raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
                         return 0, total
                     seen += len(vec)
                     hit += len(vec) - bytes(vec).count(0)

@@ -19,7 +19,7 @@ from safetensors.torch import save_file
 from .errors import ConfigError
 from .spec import ModelSpec, spec_from_config
 
-__all__ = ["make_tiny", "write_checkpoint"]
+__all__ = ["make_tiny", "write_checkpoint", "model_order"]
 
 
 def write_checkpoint(out_dir: os.PathLike | str, tensors: Mapping[str, torch.Tensor],
@@ -61,7 +61,7 @@ def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) ->
         if dtype.itemsize == 1 else torch.randint(0, 1000, shape, generator=gen).to(dtype)
 
 
-def _model_order(spec: "ModelSpec", name: str) -> tuple[int, int]:
+def model_order(spec: "ModelSpec", name: str) -> tuple[int, int]:
     """Order tensors as a model's state dict does: embed, layers 0.., MTP, norm + head."""
     role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
     if role is None or role.placement == "first":
@@ -82,7 +82,7 @@ def make_tiny(config_path: os.PathLike | str, out_dir: os.PathLike | str, *,
     gen = torch.Generator().manual_seed(int(seed if seed is not None else opts.get("seed", 0)))
     template = spec.family.template(spec)
     tensors = {name: _random(tuple(template[name]), spec.dtype, gen)
-               for name in sorted(template, key=lambda n: _model_order(spec, n))}
+               for name in sorted(template, key=lambda n: model_order(spec, n))}
     total = sum(math.prod(s) for s in template.values()) * spec.dtype.itemsize
     shard = shard_bytes if shard_bytes is not None else int(opts.get("shard_bytes", total // 3 + 1))
     return write_checkpoint(out_dir, tensors, raw, shard_bytes=shard)
