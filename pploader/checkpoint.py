@@ -441,7 +441,11 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     wmap = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError("missing or empty weight_map object", file=name)
-    return {t: _safe_relpath(f, t, name) for t, f in wmap.items()}
+    checked: set = set()  # shards repeat: validate each distinct value once
+    for t, f in wmap.items():
+        if not isinstance(f, str) or f not in checked:
+            checked.add(_safe_relpath(f, t, name))
+    return dict(wmap)
 
 
 def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],

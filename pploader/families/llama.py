@@ -17,10 +17,10 @@ __all__ = ["FAMILY", "QWEN2", "QWEN3", "dense_template"]
 def dense_template(spec: "ModelSpec", *, bias: bool = False, qk_norm: bool = False) -> dict:
     h = spec.hidden_size
     out = globals_tensors(spec)
+    layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
+             **attention_tensors(spec, bias=bias, qk_norm=qk_norm),
+             **mlp_tensors(h, spec.int("intermediate_size"))}  # every layer has the same
     for i in range(spec.num_layers):
-        layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-                 **attention_tensors(spec, bias=bias, qk_norm=qk_norm),
-                 **mlp_tensors(h, spec.int("intermediate_size"))}
         out.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return out
 
