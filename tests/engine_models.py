@@ -11,6 +11,7 @@ compared with a single-stage run.
 """
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterable, Mapping, Optional, Union
 
 import torch
@@ -101,9 +102,11 @@ class SGLangLlamaModel(nn.Module):
         first, last = pp_rank == 0, pp_rank == pp_size - 1
         self.embed_tokens = _Holder(cfg["vocab_size"], cfg["hidden_size"]) if first \
             else MissingLayer(passthrough=True)
-        # SGLang: make_layers(..., pp_rank, pp_size) -> (layers, start_layer, end_layer)
-        self.start_layer, self.end_layer = pploader.get_pp_indices(n, pp_rank, pp_size,
-                                                                   style="sglang")
+        # SGLang: make_layers(..., pp_rank, pp_size) -> (layers, start_layer, end_layer), its
+        # get_pp_indices reading SGLANG_PP_LAYER_PARTITION itself
+        self.start_layer, self.end_layer = pploader.get_pp_indices(
+            n, pp_rank, pp_size, style="sglang",
+            partition=os.environ.get("SGLANG_PP_LAYER_PARTITION"))
         self.layers = make_stage_layers(n, (self.start_layer, self.end_layer),
                                         lambda i: SGLangDecoderLayer(cfg))
         self.norm = _Holder(cfg["hidden_size"]) if last else MissingLayer(passthrough=True)
@@ -123,11 +126,12 @@ class SGLangStyleLlama(nn.Module):
         self.model = SGLangLlamaModel(cfg, pp_rank, pp_size)
         if self.last:
             self.lm_head = _Holder(cfg["vocab_size"], cfg["hidden_size"])
+        self.loaded: set[str] = set()  # parameter names load_weights wrote (for the tests)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """SGLang's loop: skip other stages' layers, stack by shard id, else load by name."""
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loaded = self.loaded
         for name, tensor in weights:
             parts = name.split(".")
             layer = int(parts[2]) if name.startswith("model.layers.") else None

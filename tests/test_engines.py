@@ -4,6 +4,7 @@ SGLang / hand-written engine integrations of docs/integration.md."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 import pytest
 import torch
@@ -80,7 +81,7 @@ def test_even_split_is_vllms_and_not_sglangs() -> None:
         even = [(w.start_layer, w.end_layer) for w in even_windows(layers, pp)]
         assert even == [vllm_reference(layers, r, pp) for r in range(pp)], (layers, pp)
         differ += even != [sglang_reference(layers, r, pp) for r in range(pp)]
-    assert differ > 1000  # why --partition sglang exists
+    assert differ == 1501  # of the 1,928 pairs with layers >= pp: why --partition sglang exists
 
 
 def test_planning_with_engine_splits_for_every_layout() -> None:
@@ -276,46 +277,56 @@ def test_iter_stage_weights_takes_the_plan(tiny_llama: Path, monkeypatch: pytest
 
 # ---- docs/integration.md: SGLang ----------------------------------------------------------
 
-def sglang_stage(model_dir: Path, cfg: dict, pp_rank: int, pp_size: int,
-                 partition: object = "sglang") -> tuple[SGLangStyleLlama, set[str]]:
-    """The worked SGLang integration: plan with SGLang's split, check the window against the
-    model SGLang built, stream the stage into the model's own load_weights."""
-    model = SGLangStyleLlama(cfg, pp_rank, pp_size)  # SGLang builds it (make_layers)
-    staged = plan_stage(model_dir, Topology(pp_size, rank=pp_rank),
-                        partition=partition)  # type: ignore[arg-type]
-    check_engine_window(staged.plan.window, model.model.start_layer, model.model.end_layer,
-                        engine="sglang")
-    return model, model.load_weights(iter_stage_weights(staged))
+def load_stage(model: SGLangStyleLlama, model_dir: Path, pp_rank: int, pp_size: int) -> None:
+    """docs/integration.md's SGLang integration, verbatim: plan with SGLang's split (its
+    partition variable included), check the window against the model SGLang built, stream
+    the stage into the model's own load_weights."""
+    split = pploader.EngineSplit("sglang", os.environ.get("SGLANG_PP_LAYER_PARTITION"))
+    staged = pploader.plan_stage(model_dir, pploader.Topology(pp_size, rank=pp_rank),
+                                 partition=split)
+    pploader.check_engine_window(staged.plan.window, model.model.start_layer,
+                                 model.model.end_layer, engine="sglang")
+    model.load_weights(pploader.iter_stage_weights(staged))   # planned once, streamed
 
 
-def test_sglang_worked_integration(tiny_llama: Path) -> None:
+def sglang_stage(model_dir: Path, pp_rank: int, pp_size: int) -> SGLangStyleLlama:
+    model = SGLangStyleLlama(CFG, pp_rank, pp_size)  # what SGLang builds (make_layers)
+    load_stage(model, model_dir, pp_rank, pp_size)
+    return model
+
+
+def test_sglang_worked_integration(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
     ids = torch.arange(10)
-    single, loaded = sglang_stage(tiny_llama, CFG, 0, 1)
-    assert loaded == {n for n, _ in single.named_parameters()}
+    single = sglang_stage(tiny_llama, 0, 1)
     ref = reference_tensors(tiny_llama)
     assert torch.equal(single.model.layers[7].mlp.down_proj.weight,
                        ref["model.layers.7.mlp.down_proj.weight"])
     want = run_pipeline([single], ids)
-    for pp in (2, 3, 4):
-        stages = []
-        for r in range(pp):
-            stage, loaded = sglang_stage(tiny_llama, CFG, r, pp)
-            assert loaded == {n for n, _ in stage.named_parameters()}, (pp, r)  # all loaded
-            stages.append(stage)
+    for pp in (1, 2, 3, 4):
+        stages = [sglang_stage(tiny_llama, r, pp) for r in range(pp)]
+        for r, stage in enumerate(stages):  # every parameter loaded, with its checkpoint value
+            assert stage.loaded == {n for n, _ in stage.named_parameters()}, (pp, r)
         assert torch.equal(run_pipeline(stages, ids), want), pp
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,7")   # SGLang's variable, honoured
+    stages = [sglang_stage(tiny_llama, r, 2) for r in range(2)]
+    assert (stages[1].model.start_layer, stages[1].model.end_layer) == (1, 8)
+    assert torch.equal(run_pipeline(stages, ids), want)
 
 
 def test_sglang_window_disagreement_is_an_error(tiny_llama: Path) -> None:
     """8 layers over 3 stages: pploader's even split 3,3,2, SGLang's 2,3,3. Fed the even
-    plan, SGLang's load_weights would drop layer 2 and never see layer 5: silently unloaded.
-    The window check turns that into an error."""
+    plan, SGLang's load_weights drops what it does not own and never sees layer 5: silently
+    unloaded. The window check turns that into an error."""
+    model = SGLangStyleLlama(CFG, 0, 3)                      # layers 0-1
+    staged = plan_stage(tiny_llama, Topology(3, rank=0))     # even: layers 0-2
     with pytest.raises(PlanError, match=r"sglang built layers \[0, 2\) but pploader planned "
                                         r"\[0, 3\)"):
-        sglang_stage(tiny_llama, CFG, 0, 3, partition="even")
-    model = SGLangStyleLlama(CFG, 2, 3)
-    staged = plan_stage(tiny_llama, Topology(3, rank=2))  # even: layers 6-7
-    loaded = model.load_weights(iter_stage_weights(staged))
-    assert "model.layers.5.self_attn.qkv_proj.weight" not in loaded  # what the check prevents
+        check_engine_window(staged.plan.window, model.model.start_layer,
+                            model.model.end_layer, engine="sglang")
+    model = SGLangStyleLlama(CFG, 2, 3)                      # layers 5-7
+    model.load_weights(iter_stage_weights(plan_stage(tiny_llama, Topology(3, rank=2))))
+    assert "model.layers.5.self_attn.qkv_proj.weight" not in model.loaded  # the hazard
 
 
 # ---- docs/integration.md: a hand-written engine --------------------------------------------
