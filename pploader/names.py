@@ -101,11 +101,12 @@ class NameMap:
         """(module name or None, whether a drop rule removed it)."""
         if not name.startswith(self.checkpoint_prefix):
             return None, False
-        out: Optional[str] = self.module_prefix + name[len(self.checkpoint_prefix):]
+        out = self.module_prefix + name[len(self.checkpoint_prefix):]
         for rule in self.rules:
-            out = rule.apply(out)  # type: ignore[arg-type]
-            if out is None:
+            mapped = rule.apply(out)
+            if mapped is None:
                 return None, True
+            out = mapped
         return out, False
 
     def to_module(self, name: str) -> Optional[str]:

@@ -19,7 +19,7 @@ from pploader.plan import make_windows
 from pploader.spec import spec_from_config
 
 from engine_models import (HAND_NAMES, HandStage, SGLangStyleLlama, run_pipeline)
-from helpers import make_model, reference_tensors, tiny_config
+from helpers import make_model, reference_tensors, run, tiny_config, torchrun_cmd
 
 CFG = tiny_config()
 PAIRS = [(layers, pp) for layers in range(1, 129) for pp in range(1, 17)]
@@ -155,6 +155,29 @@ def test_cli_plan_partition_sglang_and_vllm(deep_model: Path, capsys: pytest.Cap
     assert cli_main(["plan", "--model", str(deep_model), "--pp", "2", "--partition",
                      "vllm"]) == 2
     assert "VLLM_PP_LAYER_PARTITION='30,30' sums to 60" in capsys.readouterr().err
+
+
+def test_cli_load_resolves_the_engine_split(tiny_llama: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    from pploader.cli import _load_partition, build_parser
+    args = build_parser().parse_args(["load", "--model", str(tiny_llama), "--partition",
+                                      "sglang"])
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
+    assert _load_partition(args, 3, None) == EngineSplit("sglang")
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,1,6")
+    assert _load_partition(args, 3, None) == EngineSplit("sglang", "1,1,6")
+
+
+@pytest.mark.slow
+def test_torchrun_load_partition_sglang(tiny_llama: Path) -> None:
+    """`pploader load --partition sglang` on 3 ranks: each rank loads SGLang's window."""
+    out = run(torchrun_cmd(3, "load", "--model", str(tiny_llama), "--pp", "3", "--partition",
+                           "sglang", "--json", "--no-pools"), timeout=300,
+              env={"SGLANG_PP_LAYER_PARTITION": "1,3,4"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    assert [(r["start_layer"], r["end_layer"]) for r in doc["ranks"]] == [(0, 1), (1, 4), (4, 8)]
+    assert all(r["read_bytes"] == r["ideal_bytes"] for r in doc["ranks"])
 
 
 def test_plan_stage_partition_sglang(deep_model: Path) -> None:
@@ -357,6 +380,19 @@ def test_hand_written_engine(tiny_llama: Path, tmp_path: Path) -> None:
     assert stages[1].blocks[3].attn.qkv.w.data_ptr() == ptr
     assert torch.equal(run_pipeline(stages, ids),
                        run_pipeline([hand_stage(second, 0, 1)], ids))
+
+
+def test_hand_written_engine_layerwise(tiny_llama: Path, tmp_path: Path) -> None:
+    """load_layerwise through the same name rules: a stream of the second checkpoint."""
+    second = make_model(tmp_path / "second", seed=2)
+    stage = hand_stage(tiny_llama, 1, 3)
+    staged = plan_stage(second, Topology(3, rank=1), partition="sglang")
+    report = pploader.load_layerwise(stage, iter_stage_weights(staged))
+    assert report.peak_buffered_layers <= 1
+    ref = reference_tensors(second)
+    assert torch.equal(stage.blocks[2].ffn.down.w, ref["model.layers.2.mlp.down_proj.weight"])
+    q = ref["model.layers.4.self_attn.q_proj.weight"]
+    assert torch.equal(stage.blocks[4].attn.qkv.w[: q.shape[0]], q)
 
 
 def test_hand_written_engine_own_loader(tiny_llama: Path) -> None:
