@@ -300,10 +300,11 @@ def test_iter_stage_weights_takes_the_plan(tiny_llama: Path, monkeypatch: pytest
 
 # ---- docs/integration.md: SGLang ----------------------------------------------------------
 
+# docs/integration.md's SGLang integration, verbatim (type hints aside): plan with SGLang's
+# split (its partition variable included), check the window against the model SGLang built,
+# stream the stage into the model's own load_weights.
 def load_stage(model: SGLangStyleLlama, model_dir: Path, pp_rank: int, pp_size: int) -> None:
-    """docs/integration.md's SGLang integration, verbatim: plan with SGLang's split (its
-    partition variable included), check the window against the model SGLang built, stream
-    the stage into the model's own load_weights."""
+    """model: the stage SGLang built (make_layers gave it start_layer / end_layer)."""
     split = pploader.EngineSplit("sglang", os.environ.get("SGLANG_PP_LAYER_PARTITION"))
     staged = pploader.plan_stage(model_dir, pploader.Topology(pp_size, rank=pp_rank),
                                  partition=split)
