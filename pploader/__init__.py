@@ -33,3 +33,13 @@ __all__ += [
     "BindResult", "NameMap", "load_stage_into", "bind_derived", "ensure_ready", "is_ready",
     "run_post_processing", "ReloadResult", "reload_from_disk",
 ]
+
+from .partition import (EngineSplit, check_engine_window, engine_layer_counts, engine_windows,
+                        get_pp_indices)
+from .names import NameRule
+from .stage_layers import MissingLayer, is_placeholder, make_stage_layers
+
+__all__ += [
+    "EngineSplit", "check_engine_window", "engine_layer_counts", "engine_windows",
+    "get_pp_indices", "NameRule", "MissingLayer", "is_placeholder", "make_stage_layers",
+]

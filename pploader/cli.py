@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from . import __version__
 from .errors import PPLoaderError, RankFailure
-from .partition import parse_partition
+from .partition import ENGINE_PARTITION_ENV, ENGINES, EngineSplit, parse_partition
 from .read import DEFAULT_WINDOW_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -44,7 +44,15 @@ docs/usage.md explains every option and the JSON formats.
 
 
 def _partition(text: str) -> object:
-    return text if text in ("even", "balanced") else parse_partition(text)
+    return text if text in ("even", "balanced") + ENGINES else parse_partition(text)
+
+
+def _engine_partition(partition: object) -> object:
+    """``vllm`` / ``sglang``: the engine's split, including its partition variable
+    (VLLM_PP_LAYER_PARTITION / SGLANG_PP_LAYER_PARTITION) when set, as the engine reads it."""
+    if isinstance(partition, str) and partition in ENGINES:
+        return EngineSplit(partition, os.environ.get(ENGINE_PARTITION_ENV[partition]))
+    return partition
 
 
 def _size(text: str) -> int:
@@ -65,7 +73,9 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
                    "(experts split in contiguous blocks)")
     p.add_argument("--partition", type=_partition, default="even",
                    help="even (default; remainder to middle stages), balanced (by bytes from the "
-                   "headers), or layer counts per stage such as 8,8,9,7")
+                   "headers), vllm or sglang (exactly that engine's split; honours "
+                   "VLLM_PP_LAYER_PARTITION / SGLANG_PP_LAYER_PARTITION when set), or layer "
+                   "counts per stage such as 8,8,9,7")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
 
@@ -110,7 +120,7 @@ def _load_partition(args: argparse.Namespace, pp: int, device: object) -> object
     """``balanced`` with --tokens/--requests weighs each layer's cache too: resolve it to layer
     counts here so that load places exactly the windows `pploader plan` printed."""
     if args.partition != "balanced" or (args.tokens is None and args.requests is None):
-        return args.partition
+        return _engine_partition(args.partition)
     from .checkpoint import open_checkpoint
     from .plan import make_windows
     from .pools import cache_costs
@@ -231,7 +241,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     spec = load_spec(args.model)
     index = open_checkpoint(args.model)
     opts = _pool_options(args)
-    plans = plan_all(spec, index, args.pp, args.tp, args.ep, partition=args.partition,
+    partition = _engine_partition(args.partition)
+    plans = plan_all(spec, index, args.pp, args.tp, args.ep,
+                     partition=partition,  # type: ignore[arg-type]
                      cache_bytes=cache_costs(spec, args.tp, opts))  # type: ignore[arg-type]
     summaries = [p.summary() for p in plans]
     pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
@@ -240,7 +252,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"model": str(args.model), "architecture": spec.architecture,
                           "family": spec.family.name, "num_layers": spec.num_layers,
-                          "pp": args.pp, "tp": args.tp, "ep": args.ep, "ranks": summaries,
+                          "pp": args.pp, "tp": args.tp, "ep": args.ep,
+                          "partition": _partition_label(partition), "ranks": summaries,
                           "pipeline_pools": pipeline}, indent=1))
     else:
         print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
@@ -251,8 +264,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
         bal = pipeline["balance"]
         print(f"stage bytes (weights + cache at {bal['target_tokens']} tokens, "
               f"{bal['target_requests']} requests): max/mean {bal['chosen']['max_over_mean']} "
-              f"({args.partition}) vs {bal['even']['max_over_mean']} (even)")
+              f"({_partition_label(partition)}) vs {bal['even']['max_over_mean']} (even)")
     return 0
+
+
+def _partition_label(partition: object) -> str:
+    if isinstance(partition, (list, tuple)):
+        return ",".join(str(n) for n in partition)
+    return str(partition)
 
 
 def cmd_load(args: argparse.Namespace) -> int:

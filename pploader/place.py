@@ -29,40 +29,23 @@ from .checkpoint import DTYPES
 from .errors import NotReadyError, PlanError, PPLoaderError
 from .families.base import Family
 from .families.fused import FusedMatch, match_fused
+from .names import NameMap, NameRule
 from .partition import StageWindow
 from .plan import Partition, RankPlan, ReadItem
 from .postprocess import mark_not_ready, mark_ready, run_post_processing
 from .read import ReadStats
 from .spec import ModelSpec
 from .stage import StagePlan, plan_stage
+from .stage_layers import placeholder_problems
 from .topology import Topology
 from .write import module_tensors, write_binding
 
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
 
-__all__ = ["NameMap", "Slot", "Binding", "BindResult", "TensorSnapshot", "LoadRecord",
+__all__ = ["NameMap", "NameRule", "Slot", "Binding", "BindResult", "TensorSnapshot", "LoadRecord",
            "module_tensors", "bind_stage", "write_binding", "load_stage_into", "load_record",
            "agree_or_raise", "commit_writes"]
-
-
-@dataclass(frozen=True)
-class NameMap:
-    """Checkpoint names <-> module names: ``checkpoint_prefix`` is swapped for
-    ``module_prefix`` (e.g. ``NameMap("model.", "")`` for a bare ``LlamaModel``)."""
-
-    checkpoint_prefix: str = ""
-    module_prefix: str = ""
-
-    def to_module(self, name: str) -> Optional[str]:
-        if not name.startswith(self.checkpoint_prefix):
-            return None
-        return self.module_prefix + name[len(self.checkpoint_prefix):]
-
-    def to_checkpoint(self, name: str) -> Optional[str]:
-        if not name.startswith(self.module_prefix):
-            return None
-        return self.checkpoint_prefix + name[len(self.module_prefix):]
 
 
 @dataclass(frozen=True)
@@ -252,6 +235,8 @@ def bind_stage(module: nn.Module, staged: StagePlan, *, names: NameMap = NameMap
                 group_of[key] = (fm, layer)  # type: ignore[assignment]
                 continue
         plain = names.to_module(item.target)
+        if plain is None and names.drops(item.target):
+            continue  # dropped by a NameRule(..., new=None): neither read nor unexpected
         if plain is None or plain not in tensors:
             unexpected.append(item.target)
             continue
@@ -267,6 +252,7 @@ def bind_stage(module: nn.Module, staged: StagePlan, *, names: NameMap = NameMap
         fm, layer = group_of[key]
         _bind_group(key[0], tensors[key[0]], fm, layer, parts, family, first_expert, allow_cast,
                     slots, problems, details)
+    problems += placeholder_problems(module, plan.window)
     missing = _missing(tensors, slots, spec, names, plan, ignore, problems, details)
     where = (f"stage {plan.window.pp_rank} (layers {plan.window.start_layer}-"
              f"{plan.window.end_layer - 1})")

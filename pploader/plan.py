@@ -11,7 +11,8 @@ from typing import Callable, TypeVar, Mapping, Optional, Sequence, Union
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from .errors import PlanError
 from .families.base import TensorRole
-from .partition import (StageWindow, balanced_windows, even_windows, explicit_windows)
+from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, engine_windows,
+                        even_windows, explicit_windows)
 from .quant import QuantScheme, expand_template, quant_scheme, same_shape
 from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
                     tp_selection)
@@ -23,8 +24,8 @@ T = TypeVar("T")
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
            "plan_mtp", "layer_bytes", "read_item"]
 
-#: "even", "balanced", or explicit layer counts per stage.
-Partition = Union[str, Sequence[int]]
+#: "even", "balanced", "vllm", "sglang", explicit layer counts per stage, or an EngineSplit.
+Partition = Union[str, Sequence[int], EngineSplit]
 
 
 @dataclass(frozen=True)
@@ -184,6 +185,16 @@ def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
     ``cache_bytes`` (per layer, e.g. ``pools.layer_cache_bytes`` at a target load) is added to
     the weight bytes ``balanced`` weighs, so stages with cache-heavy layers get fewer layers.
     """
+    if isinstance(partition, str) and partition in ENGINES:
+        partition = EngineSplit(partition)  # the formula (its partition variable: EngineSplit)
+    if isinstance(partition, EngineSplit):
+        windows = engine_windows(partition.engine, spec.num_layers, pp, partition.layer_partition)
+        for w in windows:
+            if w.num_layers == 0:
+                raise PlanError(f"{partition} gives stage {w.pp_rank} no layer ({spec.num_layers} "
+                                f"layers over {pp} stages); pploader plans stages of at least "
+                                "one layer")
+        return windows
     if isinstance(partition, str):
         if partition == "even":
             return even_windows(spec.num_layers, pp)
@@ -192,7 +203,8 @@ def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
             if cache_bytes is not None:
                 per_layer = [w + c for w, c in zip(per_layer, cache_bytes, strict=True)]
             return balanced_windows(per_layer, pp, first_extra=first, last_extra=last)
-        raise PlanError(f"unknown partition {partition!r}: use even, balanced or counts like 8,8,9,7")
+        raise PlanError(f"unknown partition {partition!r}: use even, balanced, vllm, sglang or "
+                        "counts like 8,8,9,7")
     return explicit_windows(list(partition), spec.num_layers, pp)
 
 

@@ -64,7 +64,8 @@ def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
         raise exc.on_rank(topology.rank)
 
 
-def iter_stage_weights(model_dir: os.PathLike | str, topology: Topology, *,
+def iter_stage_weights(model: "StagePlan | os.PathLike | str",
+                       topology: Optional[Topology] = None, *,
                        partition: Partition = "even", window_bytes: Optional[int] = None,
                        threads: int = 1, mode: str = "owned",
                        cancel: Optional[threading.Event] = None,
@@ -73,11 +74,23 @@ def iter_stage_weights(model_dir: os.PathLike | str, topology: Topology, *,
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of this rank's stage, lazily, with bounded host memory.
 
-    Feed it to a serving stack's ``load_weights(weights)`` unchanged. ``read_once`` (needs
-    ``comm``; every rank of the stage must iterate) reads replicated tensors once per group
-    and broadcasts them, see :class:`ReadOnceReader`.
+    ``model`` is a ``StagePlan`` (from :func:`plan_stage`: an engine that needed the window
+    first, to build its stage, streams that same plan; nothing is planned twice) or a model
+    directory with ``topology`` (and ``partition``). Feed it to a serving stack's
+    ``load_weights(weights)`` unchanged. ``read_once`` (needs ``comm``; every rank of the stage
+    must iterate) reads replicated tensors once per group and broadcasts them, see
+    :class:`ReadOnceReader`.
     """
-    staged = plan_stage(model_dir, topology, partition=partition)
+    if isinstance(model, StagePlan):
+        if topology is not None and topology != model.plan.topology:
+            raise ValueError(f"iter_stage_weights: topology {topology.describe()} differs from "
+                             f"the StagePlan's {model.plan.topology.describe()}")
+        staged = model
+    elif topology is None:
+        raise ValueError("iter_stage_weights(model_dir, topology): topology missing "
+                         "(or pass a StagePlan from plan_stage)")
+    else:
+        staged = plan_stage(model, topology, partition=partition)
     if read_once:
         if comm is None:
             raise ValueError("read_once needs a Comm (the broadcasts go through it)")
