@@ -50,10 +50,11 @@ class FileIdentity:
     size: int
     inode: int
     mtime_ns: int
+    ctime_ns: int = 0   # an in-place rewrite that restores mtime still moves ctime
 
     @classmethod
     def of(cls, st: os.stat_result) -> "FileIdentity":
-        return cls(st.st_size, st.st_ino, st.st_mtime_ns)
+        return cls(st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,33 @@ def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
     return value
 
 
+def check_model_dir(model_dir: os.PathLike | str) -> Path:
+    """``model_dir`` as a Path when it is a directory; a CheckpointError saying what it is
+    instead (missing, a file such as a shard given in place of its directory)."""
+    root = Path(model_dir)
+    if root.is_dir():
+        return root
+    if not os.path.lexists(root):
+        raise CheckpointError("model directory does not exist: --model takes the directory "
+                              "holding config.json and the *.safetensors shards", file=str(root))
+    if root.is_file():
+        raise CheckpointError("is a file, not a directory: --model takes the directory holding "
+                              f"config.json and the shards (here: {root.parent})", file=str(root))
+    raise CheckpointError("is not a directory (a dangling symlink?): --model takes the "
+                          "directory holding config.json and the shards", file=str(root))
+
+
+def inside_roots(root: Path, path: Path, extra: Sequence[os.PathLike | str], name: str) -> Path:
+    """``path`` resolved; a CheckpointError when it resolves outside the allowed roots."""
+    roots = _allowed_roots(root, extra)
+    real = path.resolve()
+    if not any(real == r or r in real.parents for r in roots):
+        raise CheckpointError(f"resolves to {real}, outside the allowed roots "
+                              f"({', '.join(map(str, roots))}); allow its directory with "
+                              "--allow-root DIR (allowed_roots= in the API)", file=name)
+    return real
+
+
 def _allowed_roots(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
     """The model directory, its HF-cache repo folder when it is a snapshot, and ``extra``."""
     roots = [root.resolve()]
@@ -394,9 +422,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     every shard present, all missing shards listed at once) before any shard is opened.
     Without it, every ``*.safetensors`` file's header is read.
     """
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError("model directory does not exist", file=str(root))
+    root = check_model_dir(model_dir)
     roots = _allowed_roots(root, allowed_roots)
     index_path = root / INDEX_NAME
     if os.path.lexists(index_path):
@@ -460,6 +486,7 @@ def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
         real = (root / f).resolve()
         if not any(real == r or r in real.parents for r in roots):
             raise CheckpointError(f"resolves to {real}, outside the allowed roots "
-                                  f"({', '.join(map(str, roots))})", file=f)
+                                  f"({', '.join(map(str, roots))}); allow its directory with "
+                                  "--allow-root DIR (allowed_roots= in the API)", file=f)
         paths[f] = real
     return paths

@@ -79,7 +79,8 @@ def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
         return value
     out = getattr(torch, str(value).replace("torch.", ""), None)
     if not isinstance(out, torch.dtype):
-        raise ConfigError(f"unknown cache dtype {value!r}")
+        raise ConfigError(f"unknown cache dtype {value!r}: use a torch dtype name such as "
+                          "bfloat16, float16, float32 or float8_e4m3fn")
     return out
 
 

@@ -12,6 +12,7 @@ Modes:
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
@@ -26,6 +27,8 @@ import torch
 from .checkpoint import DTYPES, FileIdentity
 from .errors import MemoryBudgetError, ReadError
 from .plan import RankPlan, ReadItem
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Reader", "ReadStats", "owned", "is_borrowed", "default_window_bytes",
            "DEFAULT_WINDOW_BYTES"]
@@ -140,6 +143,8 @@ class Reader:
         self.stats = ReadStats()
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        logger.debug("rank %d: reader over %d item(s), window %d bytes, %d thread(s), %s",
+                     plan.topology.rank, len(plan.items), self.window_bytes, self.threads, mode)
 
     # ---- files -------------------------------------------------------------------------
     def _fd(self, file: str) -> int:
@@ -152,6 +157,7 @@ class Reader:
                     raise self._err(f"cannot open: {exc.strerror}", file) from exc
                 self._check_identity(file, fd)
                 self._fds[file] = fd
+                logger.debug("rank %d: opened %s", self.plan.topology.rank, file)
             return fd
 
     def _check_identity(self, file: str, fd: int) -> None:
@@ -159,8 +165,9 @@ class Reader:
         then = self.plan.identities[file]
         if now != then:
             raise self._err(f"file changed during load (planned size {then.size}, inode "
-                            f"{then.inode}, mtime_ns {then.mtime_ns}; now size {now.size}, inode "
-                            f"{now.inode}, mtime_ns {now.mtime_ns}): publish new checkpoints by "
+                            f"{then.inode}, mtime_ns {then.mtime_ns}, ctime_ns {then.ctime_ns}; "
+                            f"now size {now.size}, inode {now.inode}, mtime_ns {now.mtime_ns}, "
+                            f"ctime_ns {now.ctime_ns}): publish new checkpoints by "
                             "writing elsewhere and renaming", file)
 
     def _err(self, msg: str, file: Optional[str] = None, tensor: Optional[str] = None) -> ReadError:

@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from types import MappingProxyType
-from typing import Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -114,17 +114,30 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
         dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
 
 
-def read_config(model_dir: os.PathLike | str) -> object:
-    """The parsed ``config.json`` of a model directory (clear errors when missing or bad)."""
-    path = Path(model_dir) / "config.json"
+def read_config(model_dir: os.PathLike | str, *,
+                allowed_roots: Sequence[os.PathLike | str] = ()) -> object:
+    """The parsed ``config.json`` of a model directory (clear errors when missing or bad).
+
+    Like the shards, config.json may be a symlink only into the allowed roots (the model
+    directory, its Hugging Face cache repo, ``allowed_roots``)."""
+    from .checkpoint import check_model_dir, inside_roots
+    root = check_model_dir(model_dir)
+    path = root / "config.json"
+    if not path.is_file():
+        what = "is not a regular file" if os.path.lexists(path) else "is missing"
+        raise ConfigError(f"config.json {what} in the model directory: --model must be the "
+                          "directory holding config.json and the *.safetensors shards",
+                          file=str(path))
+    inside_roots(root, path, allowed_roots, "config.json")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("missing config.json", file=str(path)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
 
 
-def load_spec(model_dir: os.PathLike | str) -> ModelSpec:
+def load_spec(model_dir: os.PathLike | str, *,
+              allowed_roots: Sequence[os.PathLike | str] = ()) -> ModelSpec:
     """Read ``config.json`` of a model directory into a ModelSpec."""
-    return spec_from_config(read_config(model_dir))  # type: ignore[arg-type]
+    return spec_from_config(read_config(model_dir, allowed_roots=allowed_roots))  # type: ignore[arg-type]
