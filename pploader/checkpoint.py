@@ -104,7 +104,7 @@ def _sniff(head: bytes) -> str:
         return " (it looks like a git-LFS pointer: fetch the real file with `git lfs pull`)"
     if text.startswith((b"<!doctype", b"<html", b"<?xml")):
         return " (it looks like an HTML page, e.g. a login or error page saved in its place)"
-    return ""
+    return " (damaged, or not a safetensors file: fetch or write it again)"
 
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
@@ -163,7 +163,8 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        raise CheckpointError(f"cannot open: {exc.strerror}", file=name) from exc
+        raise CheckpointError(f"cannot open: {exc.strerror} (check that the file exists and is "
+                              "readable by this user)", file=name) from exc
     try:
         st = os.fstat(fd)
         head = os.pread(fd, 64, 0)  # 8-byte length + enough to recognise LFS pointers / HTML
@@ -437,6 +438,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
                 "by default. If you trust them, convert once with `pploader convert "
                 "--allow-pickle SRC DST` (torch.load(weights_only=True), see "
                 "docs/reliability.md)") if pickled else ""
+        hint = hint or ": --model must be the directory holding the checkpoint's shards"
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
     paths = _resolve(root, shards, roots, str(root))
     weight_map: dict[str, str] = {}
@@ -480,7 +482,8 @@ def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
     missing = [f for f in files if not (root / f).is_file()]
     if missing:
         raise CheckpointError(f"{len(missing)} file(s) named in {source} are missing: "
-                              + ", ".join(missing), file=source)
+                              + ", ".join(missing) + " (copy or download them into the model "
+                              "directory)", file=source)
     paths = {}
     for f in files:
         real = (root / f).resolve()

@@ -419,7 +419,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         reports = _load_agreed(args, comm, with_fault(fault, topo.rank, comm.progress_adder()))
     except RankFailure as exc:
         if exc.input_only:  # every failing rank found a mistake in the input while planning
-            sys.stderr.write(f"[rank {topo.rank}] pploader: error: {exc.first()}\n")
+            first = exc.first().removeprefix(f"rank {topo.rank}: ")  # own rank: in the prefix
+            sys.stderr.write(f"[rank {topo.rank}] pploader: error: {first}\n")
         else:
             sys.stderr.write(f"[rank {topo.rank}] pploader: load failed on the job: {exc}\n")
         sys.stderr.flush()

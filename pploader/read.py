@@ -19,7 +19,7 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
@@ -161,9 +161,11 @@ class Reader:
             return fd
 
     def _check_identity(self, file: str, fd: int) -> None:
-        now = FileIdentity.of(os.fstat(fd))
-        then = self.plan.identities[file]
-        if now != then:
+        st = os.fstat(fd)
+        now, then = FileIdentity.of(st), self.plan.identities[file]
+        if st.st_nlink == 0 and then.ctime_ns:  # renamed over while open (the documented way
+            now = replace(now, ctime_ns=then.ctime_ns)  # to publish): unlinking moves ctime,
+        if now != then:                                 # the open inode's bytes are intact
             raise self._err(f"file changed during load (planned size {then.size}, inode "
                             f"{then.inode}, mtime_ns {then.mtime_ns}, ctime_ns {then.ctime_ns}; "
                             f"now size {now.size}, inode {now.inode}, mtime_ns {now.mtime_ns}, "
