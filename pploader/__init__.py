@@ -35,7 +35,18 @@ _EXPORTS: dict[str, str] = {
     "ReloadResult": "reload", "reload_from_disk": "reload",
 }
 
-__all__ = ["__version__", *_EXPORTS]
+__all__ = [
+    "__version__", "CheckpointIndex", "TensorEntry", "open_checkpoint", "parse_header",
+    "CheckpointError", "ConfigError", "NotReadyError", "PlanError", "PPLoaderError", "RankFailure",
+    "ReadError", "TopologyError", "StageWindow", "balanced_windows", "even_windows",
+    "explicit_windows", "RankPlan", "ReadItem", "make_windows", "plan_all", "plan_mtp",
+    "plan_rank", "Reader", "ReadStats", "is_borrowed", "owned", "ModelSpec", "load_spec",
+    "spec_from_config", "StagePlan", "StageResult", "iter_mtp_weights", "iter_stage_weights",
+    "load_stage", "plan_stage", "Topology", "FusedTarget", "LayerOrderWarning", "LayerTracker",
+    "LayerwiseReport", "load_layerwise", "BindResult", "NameMap", "load_stage_into",
+    "bind_derived", "ensure_ready", "is_ready", "run_post_processing", "ReloadResult",
+    "reload_from_disk",
+]  # == _EXPORTS (tests/test_cli_mistakes.py checks)
 
 
 def __getattr__(name: str) -> Any:

@@ -481,3 +481,10 @@ def test_load_mistake_under_torchrun(variants: dict[str, Path]) -> None:
         assert m.problem in line and m.fix in line, line
     assert "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]
     assert "frame #" not in proc.stderr
+
+
+def test_public_api_lists_and_lazy_exports_agree() -> None:
+    import pploader
+    assert pploader.__all__ == ["__version__", *pploader._EXPORTS]
+    for name in pploader._EXPORTS:
+        assert getattr(pploader, name) is not None
