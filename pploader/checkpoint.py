@@ -300,7 +300,7 @@ def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
     if not _is_text(tensor) or not tensor:
         raise CheckpointError(f"weight_map key {_short(tensor)} is not a valid tensor name",
                               file=index_file)
-    if not _is_text(value) or not value:
+    if not isinstance(value, str) or not _is_text(value) or not value:
         raise CheckpointError(f"weight_map value {_short(value)} is not a file name",
                               file=index_file, tensor=tensor)
     parts = value.split("/")
@@ -441,7 +441,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
         hint = hint or ": --model must be the directory holding the checkpoint's shards"
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
     paths = _resolve(root, shards, roots, str(root))
-    weight_map: dict[str, str] = {}
+    weight_map = {}
     headers: dict[str, ShardHeader] = {}
     for file in shards:
         hdr = parse_header(paths[file], file=file)

@@ -21,6 +21,7 @@ from .partition import parse_partition
 
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
+    from .stage import StagePlan
 
 __all__ = ["main", "build_parser"]
 
@@ -459,12 +460,14 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
 
     topo = comm.topology
     cancel = comm.watch_failures(abort_after_s=min(10.0, args.timeout))
-    staged, error, report = None, None, None
+    staged: Optional["StagePlan"] = None
+    error: Optional[BaseException] = None
+    report: Optional[dict] = None
     device = pools_on = None
     try:
         device, pools_on = pool_device(args.device), pool_device(args.pool_device)
         staged = plan_stage(args.model, topo, allowed_roots=args.allow_root,
-                            partition=_load_partition(args, topo.pp_size, pools_on),
+                            partition=_load_partition(args, topo.pp_size, pools_on),  # type: ignore[arg-type]
                             **({} if args.range_cost is None else
                                {"range_cost_bytes": args.range_cost}))
         largest = staged.plan.largest_item_bytes
@@ -482,6 +485,7 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
+            assert staged is not None and device is not None  # else the agreement raised
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
                                 device=device, cancel=cancel, on_progress=add,
                                 memory_budget_bytes=args.memory_budget,

@@ -329,7 +329,7 @@ class Comm:
         lock = threading.Lock()
 
         def send() -> None:
-            self.store.add("progress", pending[0])
+            self.store.add("progress", int(pending[0]))
             self.touch()
             pending[0], pending[1] = 0, time.monotonic()
 

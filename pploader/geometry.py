@@ -270,7 +270,7 @@ def layer_cache(spec: "ModelSpec", layer: int, tp_size: int = 1,
         raise ConfigError(f"layer {layer} has kind {kind!r} with no cache geometry; known kinds: "
                           + ", ".join(KIND_CACHES) + " (add it to pploader.geometry.KIND_CACHES)")
     dt = dtypes.resolve(spec)
-    kv, states = None, ()
+    kv, states = None, tuple[StateTensor, ...]()
     for part in KIND_CACHES[kind]:
         if part in _KV_BUILDERS:
             kv = _KV_BUILDERS[part](spec, tp_size, dt)

@@ -20,7 +20,7 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
@@ -76,7 +76,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class _Ring:
@@ -85,7 +85,8 @@ class _Ring:
     def __init__(self, nbytes: int) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8)
         self.buf.fill_(0)  # prefault once: first touch of fresh memory is slow
-        self.size, self.head, self.live = nbytes, 0, deque()  # live: (start, end)
+        self.size, self.head = nbytes, 0
+        self.live: deque[tuple[int, int]] = deque()  # (start, end)
 
     def _used(self) -> int:
         return sum(e - s for s, e in self.live)
@@ -94,7 +95,7 @@ class _Ring:
         """Regions for every size, or None (and nothing taken) when they do not fit now."""
         if not self.live:
             self.head = 0  # empty ring: start over, so anything up to ``size`` in total fits
-        head, taken = self.head, []
+        head, taken = self.head, list[torch.Tensor]()
         for n in sizes:
             region = self.alloc(n)
             if region is None:
@@ -223,7 +224,7 @@ class Reader:
         while pending:
             if self.cancel is not None and self.cancel.is_set():
                 raise self._err("cancelled: another rank failed", item.file, item.name)
-            batch, total = [], 0
+            batch, total = list[Any](), 0
             for v in pending[:_MAX_IOV]:
                 if total + len(v) > _CHUNK and batch:
                     break

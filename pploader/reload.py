@@ -60,7 +60,7 @@ def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
         raise ConfigError(f"architecture {archs[0]!r} but the model was loaded as "
                           f"{record.family.name} ({', '.join(record.family.architectures)})",
                           file=str(path))
-    spec = spec_from_config(config, family=record.family)
+    spec = spec_from_config(config, family=record.family)  # type: ignore[arg-type]
     if spec.num_layers != record.num_layers:
         raise ConfigError(f"{spec.num_layers} layers but the loaded model has "
                           f"{record.num_layers}", file=str(path))
@@ -120,7 +120,7 @@ def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
     agree_or_raise(comm, error, rank)
     logger.info("rank %s: reloading %d tensor(s) in place from %s", rank,
                 len(binding.params), checkpoint_dir)
-    model.__dict__["_pploader_record"] = replace(record, binding=binding)  # type: ignore[arg-type]
+    model.__dict__["_pploader_record"] = replace(record, binding=binding)  # type: ignore[arg-type, type-var]
     stats, processed = commit_writes(
         model, binding, staged.plan, action="reload_from_disk", comm=comm, process=process,
         window_bytes=window_bytes, threads=threads, on_progress=on_progress)

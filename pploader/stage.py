@@ -10,7 +10,7 @@ import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -138,8 +138,8 @@ class ReadOnceReader:
                  for r in topo.stage_group()]
         self.shared = share_reads(plans)[topo.rank]
         self.comm, self.stats = comm, ReadStats()
-        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
+        kw: dict[str, Any] = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
         self._readers = (Reader(self.shared.reads, **kw), Reader(self.shared.own, **kw))
         self.received_bytes, self._on_progress = 0, on_progress
 
