@@ -488,3 +488,22 @@ def test_public_api_lists_and_lazy_exports_agree() -> None:
     assert pploader.__all__ == ["__version__", *pploader._EXPORTS]
     for name in pploader._EXPORTS:
         assert getattr(pploader, name) is not None
+
+
+def test_same_size_rewrite_restoring_mtime_is_detected(tmp_path: Path) -> None:
+    """A shard rewritten in place (same size) with its mtime put back still fails the load:
+    ctime cannot be reset."""
+    from pploader import ReadError, Reader, Topology, plan_stage
+    model = make_model(tmp_path / "m")
+    plan = plan_stage(model, Topology(1)).plan
+    shard = model / plan.files[-1]
+    st = os.stat(shard)
+    time.sleep(0.01)
+    with open(shard, "r+b") as fh:  # same bytes back: only the inode's ctime moves
+        data = fh.read()
+        fh.seek(0)
+        fh.write(data)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(shard).st_mtime_ns == st.st_mtime_ns and os.stat(shard).st_size == st.st_size
+    with pytest.raises(ReadError, match="file changed during load.*ctime_ns"):
+        dict(Reader(plan))
