@@ -24,7 +24,6 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from .bench_data import checkpoint_files, write_synthetic, write_wide
 from .bench_methods import (METHODS, ChildSpec, evict, make_resident, methods_for,
                             resident_bytes, spec_json)
 
@@ -209,6 +208,7 @@ def _wall(rows: Sequence[dict], mode: str) -> float:
 
 
 def _plan_timing(directory: Path, tensors: int, pp: int, timeout: float, log: _Log) -> dict:
+    from .bench_data import write_wide
     count = write_wide(directory, tensors)
     best: Optional[dict] = None
     for _ in range(2):  # best of two fresh processes: the box is shared
@@ -282,6 +282,7 @@ def run_bench(args: argparse.Namespace) -> int:
     made: list[Path] = []
     started = time.monotonic()
     machine = machine_info(root)  # before measuring: its date is the run's start
+    from .bench_data import checkpoint_files, write_synthetic
     try:
         sizes = [("main", args.size_gb)]
         if args.rss_scale > 1:

@@ -113,7 +113,7 @@ def register(anchors: ModuleType, scale: str, threads: int, slot_mib: int) -> No
                      "p_pploader_alloc", "p_pploader"):
             if name not in order:
                 order.insert(1, name)
-    anchors.HERE = os.path.abspath(__file__)  # children re-enter through this wrapper
+    anchors.HERE = os.path.abspath(__file__)  # type: ignore[attr-defined]  # children re-enter through this wrapper
 
 
 def _stage_child(model: str, rank: int) -> None:

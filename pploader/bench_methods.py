@@ -150,7 +150,7 @@ def _topology(spec: ChildSpec) -> "Topology":
 def _bytes_of(t: "torch.Tensor") -> memoryview:
     import torch
     flat = t.reshape(-1)
-    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")
+    return memoryview(flat.view(torch.uint8).numpy()) if flat.numel() else memoryview(b"")  # type: ignore[arg-type]
 
 
 def _empty_like_plan(plan: "RankPlan", prefault: bool) -> dict:
@@ -232,7 +232,8 @@ def _runs(plan: "RankPlan") -> list[tuple[str, int, list[str]]]:
 def _preadv_all(fd: int, views: list[memoryview], offset: int) -> int:
     pending, done = [v for v in views if len(v)], 0
     while pending:
-        batch, size = [], 0
+        batch: list = []
+        size = 0
         for v in pending[:_IOV_MAX]:
             if batch and size + len(v) > _RAW_CALL_BYTES:
                 break

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import typing
 import sys
 from dataclasses import dataclass, replace
 from datetime import timedelta
@@ -283,7 +284,7 @@ def _mpi_store(launch: LaunchEnv, timeout: timedelta) -> tuple[dist.Store, Launc
     where = world.bcast(where, root=0)
     if isinstance(where, str):
         raise TopologyError(f"rank 0 could not open the job's store: {where}")
-    host, port = where  # type: ignore[misc]
+    host, port = typing.cast("tuple[str, int]", where)
     if store is None:
         store = dist.TCPStore(host, port, launch.world_size, is_master=False, timeout=timeout)
     return store, replace(launch, master_addr=host, master_port=port)

@@ -50,10 +50,11 @@ class FileIdentity:
     size: int
     inode: int
     mtime_ns: int
+    ctime_ns: int = 0   # an in-place rewrite that restores mtime still moves ctime
 
     @classmethod
     def of(cls, st: os.stat_result) -> "FileIdentity":
-        return cls(st.st_size, st.st_ino, st.st_mtime_ns)
+        return cls(st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def _sniff(head: bytes) -> str:
         return " (it looks like a git-LFS pointer: fetch the real file with `git lfs pull`)"
     if text.startswith((b"<!doctype", b"<html", b"<?xml")):
         return " (it looks like an HTML page, e.g. a login or error page saved in its place)"
-    return ""
+    return " (damaged, or not a safetensors file: fetch or write it again)"
 
 
 _ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
@@ -162,7 +163,8 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        raise CheckpointError(f"cannot open: {exc.strerror}", file=name) from exc
+        raise CheckpointError(f"cannot open: {exc.strerror} (check that the file exists and is "
+                              "readable by this user)", file=name) from exc
     try:
         st = os.fstat(fd)
         head = os.pread(fd, 64, 0)  # 8-byte length + enough to recognise LFS pointers / HTML
@@ -298,7 +300,7 @@ def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
     if not _is_text(tensor) or not tensor:
         raise CheckpointError(f"weight_map key {_short(tensor)} is not a valid tensor name",
                               file=index_file)
-    if not _is_text(value) or not value:
+    if not isinstance(value, str) or not _is_text(value) or not value:
         raise CheckpointError(f"weight_map value {_short(value)} is not a file name",
                               file=index_file, tensor=tensor)
     parts = value.split("/")
@@ -307,6 +309,33 @@ def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
         raise CheckpointError(f"weight_map value {value!r} is not a plain relative file name",
                               file=index_file, tensor=tensor)
     return value
+
+
+def check_model_dir(model_dir: os.PathLike | str) -> Path:
+    """``model_dir`` as a Path when it is a directory; a CheckpointError saying what it is
+    instead (missing, a file such as a shard given in place of its directory)."""
+    root = Path(model_dir)
+    if root.is_dir():
+        return root
+    if not os.path.lexists(root):
+        raise CheckpointError("model directory does not exist: --model takes the directory "
+                              "holding config.json and the *.safetensors shards", file=str(root))
+    if root.is_file():
+        raise CheckpointError("is a file, not a directory: --model takes the directory holding "
+                              f"config.json and the shards (here: {root.parent})", file=str(root))
+    raise CheckpointError("is not a directory (a dangling symlink?): --model takes the "
+                          "directory holding config.json and the shards", file=str(root))
+
+
+def inside_roots(root: Path, path: Path, extra: Sequence[os.PathLike | str], name: str) -> Path:
+    """``path`` resolved; a CheckpointError when it resolves outside the allowed roots."""
+    roots = _allowed_roots(root, extra)
+    real = path.resolve()
+    if not any(real == r or r in real.parents for r in roots):
+        raise CheckpointError(f"resolves to {real}, outside the allowed roots "
+                              f"({', '.join(map(str, roots))}); allow its directory with "
+                              "--allow-root DIR (allowed_roots= in the API)", file=name)
+    return real
 
 
 def _allowed_roots(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
@@ -394,9 +423,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     every shard present, all missing shards listed at once) before any shard is opened.
     Without it, every ``*.safetensors`` file's header is read.
     """
-    root = Path(model_dir)
-    if not root.is_dir():
-        raise CheckpointError("model directory does not exist", file=str(root))
+    root = check_model_dir(model_dir)
     roots = _allowed_roots(root, allowed_roots)
     index_path = root / INDEX_NAME
     if os.path.lexists(index_path):
@@ -411,9 +438,10 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
                 "by default. If you trust them, convert once with `pploader convert "
                 "--allow-pickle SRC DST` (torch.load(weights_only=True), see "
                 "docs/reliability.md)") if pickled else ""
+        hint = hint or ": --model must be the directory holding the checkpoint's shards"
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
     paths = _resolve(root, shards, roots, str(root))
-    weight_map: dict[str, str] = {}
+    weight_map = {}
     headers: dict[str, ShardHeader] = {}
     for file in shards:
         hdr = parse_header(paths[file], file=file)
@@ -454,12 +482,14 @@ def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
     missing = [f for f in files if not (root / f).is_file()]
     if missing:
         raise CheckpointError(f"{len(missing)} file(s) named in {source} are missing: "
-                              + ", ".join(missing), file=source)
+                              + ", ".join(missing) + " (copy or download them into the model "
+                              "directory)", file=source)
     paths = {}
     for f in files:
         real = (root / f).resolve()
         if not any(real == r or r in real.parents for r in roots):
             raise CheckpointError(f"resolves to {real}, outside the allowed roots "
-                                  f"({', '.join(map(str, roots))})", file=f)
+                                  f"({', '.join(map(str, roots))}); allow its directory with "
+                                  "--allow-root DIR (allowed_roots= in the API)", file=f)
         paths[f] = real
     return paths

@@ -1,7 +1,10 @@
 """pploader's command line: plan | load | make-tiny | convert | bench.
 
 Exit codes: 0 success; 1 a load failed (every rank prints the combined error); 2 bad
-arguments or input found before any rank started loading.
+arguments or input (config, checkpoint, layout) found before any rank started loading, on
+every rank, for ``plan`` and ``load`` alike: one line naming the problem and the fix.
+
+Imports are lazy: ``pploader --help`` and argument mistakes never import torch.
 """
 from __future__ import annotations
 
@@ -11,23 +14,44 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence
 
-from . import __version__
-from .errors import PPLoaderError, RankFailure
+from .errors import PPLoaderError, RankFailure, UsageError
 from .partition import ENGINE_PARTITION_ENV, ENGINES, EngineSplit, parse_partition
-from .read import DEFAULT_WINDOW_BYTES
 
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
+    from .stage import StagePlan
 
 __all__ = ["main", "build_parser"]
 
 log = logging.getLogger("pploader")
 
+#: read.DEFAULT_WINDOW_BYTES in MiB (a literal: --help must not import torch; a test checks it)
+_DEFAULT_WINDOW_MIB = 256
+#: what PPLOADER_LOG accepts
+_LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+#: torch.distributed backends pploader runs on
+_BACKENDS = ("gloo", "nccl", "mpi")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors naming the fix (``--help``), exit 2, rank-prefixed."""
+
+    def error(self, message: str) -> NoReturn:
+        rank = _env_rank()
+        prefix = f"[rank {rank}] " if rank else ""
+        self.exit(2, f"{prefix}{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
 _EPILOG = """\
 examples:
-  pploader make-tiny configs/models/tiny-llama.json /tmp/tiny
+  pploader make-tiny llama /tmp/tiny                     # or a config.json path
   pploader plan --model /tmp/tiny --pp 4                 # who reads what; no data read
   pploader plan --model /tmp/tiny --pp 2 --tp 2 --json   # machine-readable
   torchrun --standalone --nproc_per_node=4 -m pploader load --model /tmp/tiny --pp 4
@@ -44,7 +68,12 @@ docs/usage.md explains every option and the JSON formats.
 
 
 def _partition(text: str) -> object:
-    return text if text in ("even", "balanced") + ENGINES else parse_partition(text)
+    from .errors import PlanError
+    try:
+        return text if text in ("even", "balanced") + ENGINES else parse_partition(text)
+    except PlanError as exc:
+        raise argparse.ArgumentTypeError(f"{exc.detail}; or use even / balanced / "
+                                         "vllm / sglang") from None
 
 
 def _engine_partition(partition: object) -> object:
@@ -56,20 +85,74 @@ def _engine_partition(partition: object) -> object:
 
 
 def _size(text: str) -> int:
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30}
-    t = text.strip().lower().rstrip("ib").rstrip("b") if text[-1:].lower() == "b" else text.lower()
-    if t and t[-1] in units:
-        return int(float(t[:-1]) * units[t[-1]])
-    return int(t)
+    """Bytes from ``512M``, ``1G``, ``64KiB``, ``1048576``; positive."""
+    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+    t = text.strip().lower()
+    t = t[:-2] if t.endswith("ib") else t[:-1] if t.endswith("b") else t
+    try:
+        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes like 512M, 1G "
+                                         "or 1048576") from None
+    if value != value or value <= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive, e.g. 512M")
+    return int(value)
+
+
+def _size0(text: str) -> int:
+    """A size that may be 0 (``--range-cost 0``)."""
+    return 0 if text.strip() == "0" else _size(text)
+
+
+def _count(text: str) -> int:
+    """A positive integer (ranks, threads, tokens)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: the timeout must be positive seconds, "
+                                         "e.g. 60")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1], e.g. 0.9")
+    return value
+
+
+def _ratio(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1], e.g. 0.5")
+    return value
 
 
 def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
     p.add_argument("--model", required=True, help="model directory: config.json + safetensors "
                    "shards (+ model.safetensors.index.json)")
-    p.add_argument("--pp", type=int, required=pp_required, default=None,
+    p.add_argument("--pp", type=_count, required=pp_required, default=None,
                    help="pipeline stages (default for load: world size / (tp*ep))")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--ep", type=int, default=1, help="expert-parallel ranks per stage "
+    p.add_argument("--tp", type=_count, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--ep", type=_count, default=1, help="expert-parallel ranks per stage "
                    "(experts split in contiguous blocks)")
     p.add_argument("--partition", type=_partition, default="even",
                    help="even (default; remainder to middle stages), balanced (by bytes from the "
@@ -77,15 +160,19 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
                    "VLLM_PP_LAYER_PARTITION / SGLANG_PP_LAYER_PARTITION when set), or layer "
                    "counts per stage such as 8,8,9,7")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
+    p.add_argument("--allow-root", action="append", default=[], metavar="DIR",
+                   help="also accept config.json, the index and shards that are symlinks into "
+                   "DIR (repeatable; default: the model directory and its Hugging Face cache "
+                   "repo only)")
 
 
 def _pool_args(p: argparse.ArgumentParser) -> None:
     """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
     g = p.add_argument_group("cache pools (docs/pools.md)")
-    g.add_argument("--tokens", type=int, default=None, help="target KV tokens per stage "
+    g.add_argument("--tokens", type=_count, default=None, help="target KV tokens per stage "
                    "(sizes the pools when no budget is given; with --partition balanced, the "
                    "cache load layers are weighed at); default 4096")
-    g.add_argument("--requests", type=int, default=None,
+    g.add_argument("--requests", type=_count, default=None,
                    help="target concurrent requests (Mamba / linear-attention state slots); "
                    "default 16")
     g.add_argument("--cache-budget", type=_size, default=None, metavar="BYTES",
@@ -93,11 +180,11 @@ def _pool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--device-memory", type=_memory, default=None, metavar="BYTES|auto",
                    help="device memory per rank; budget = this x --memory-fraction - the rank's "
                    "weight bytes (load: 'auto' = the pool device's total memory)")
-    g.add_argument("--memory-fraction", type=float, default=0.9, help="default 0.9")
-    g.add_argument("--mamba-ratio", type=float, default=0.5,
+    g.add_argument("--memory-fraction", type=_fraction, default=0.9, help="default 0.9")
+    g.add_argument("--mamba-ratio", type=_ratio, default=0.5,
                    help="share of a stage's budget for the state pool when it has both "
                    "attention and state layers (default 0.5)")
-    g.add_argument("--page-size", type=int, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--page-size", type=_count, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
     g.add_argument("--ssm-dtype", default=None,
                    help="ssm / temporal state dtype (default float32)")
@@ -105,6 +192,22 @@ def _pool_args(p: argparse.ArgumentParser) -> None:
 
 def _memory(text: str) -> int:
     return -1 if text == "auto" else _size(text)
+
+
+def _backend(text: str) -> str:
+    if text not in _BACKENDS:
+        raise argparse.ArgumentTypeError(f"unknown backend {text!r}: use gloo (CPU), nccl "
+                                         "(GPUs) or mpi")
+    return text
+
+
+def _device_name(text: str) -> str:
+    """cpu, cuda or cuda:N (whether this rank has that GPU is checked at plan time)."""
+    kind, _, index = text.partition(":")
+    if kind not in ("cpu", "cuda") or (index and not index.isdigit()) or (kind == "cpu" and
+                                                                         ":" in text):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}: use cpu, cuda or cuda:N")
+    return text
 
 
 def _auto_memory(device: object) -> int:
@@ -125,7 +228,9 @@ def _load_partition(args: argparse.Namespace, pp: int, device: object) -> object
     from .plan import make_windows
     from .pools import cache_costs
     from .spec import load_spec
-    spec, index = load_spec(args.model), open_checkpoint(args.model)
+    roots = args.allow_root
+    spec = load_spec(args.model, allowed_roots=roots)
+    index = open_checkpoint(args.model, allowed_roots=roots)
     costs = cache_costs(spec, args.tp, _pool_options(args, device))  # type: ignore[arg-type]
     return [w.num_layers for w in make_windows(spec, index, pp, "balanced", cache_bytes=costs)]
 
@@ -150,11 +255,11 @@ def _pipeline_pools(reports: Sequence[dict]) -> Optional[dict]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pploader", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Pipeline-parallel checkpoint loader: each rank reads only its stage.",
         epilog=_EPILOG)
-    parser.add_argument("--version", action="version", version=f"pploader {__version__}")
+    parser.add_argument("--version", action="version", version=f"pploader {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("plan", help="print every rank's plan (one process, headers only)",
@@ -169,22 +274,22 @@ def build_parser() -> argparse.ArgumentParser:
     _layout_args(p)
     _pool_args(p)
     p.add_argument("--no-pools", action="store_true", help="do not allocate cache pools")
-    p.add_argument("--pool-device", default=None,
+    p.add_argument("--pool-device", type=_device_name, default=None,
                    help="device of the cache pools (default cuda:LOCAL_RANK with GPUs, else cpu)")
     p.add_argument("--window-bytes", type=_size, default=None,
-                   help=f"host memory in flight per rank (default max({DEFAULT_WINDOW_BYTES >> 20}"
+                   help=f"host memory in flight per rank (default max({_DEFAULT_WINDOW_MIB}"
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
-    p.add_argument("--threads", type=int, default=None,
+    p.add_argument("--threads", type=_count, default=None,
                    help="reader threads per rank (default 1 on CPU, 16 on a GPU)")
-    p.add_argument("--device", default=None,
+    p.add_argument("--device", type=_device_name, default=None,
                    help="where the weights go: cpu, cuda, cuda:N (default cuda:LOCAL_RANK when "
                    "this rank has a GPU, else cpu). On a GPU bytes go through a pinned ring "
                    "straight into device memory (O_DIRECT when the files are not cached)")
-    p.add_argument("--timeout", type=float, default=60.0,
+    p.add_argument("--timeout", type=_seconds, default=60.0,
                    help="load timeout: a rank making no progress this long while others wait is "
                    "named silent (hung), one whose heartbeat stops for min(10, timeout) s is "
                    "named dead; every rank then exits 1 (default 60)")
-    p.add_argument("--backend", default=None, help="torch.distributed backend (default: "
+    p.add_argument("--backend", type=_backend, default=None, help="torch.distributed backend (default: "
                    "$PPLOADER_BACKEND, else nccl when each rank has a GPU, else gloo)")
     p.add_argument("--save-loaded", metavar="DIR", default=None,
                    help="write each rank's tensors to DIR/rank-<rank>.safetensors")
@@ -196,15 +301,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-once", action="store_true",
                    help="read tensors that several ranks of a stage need (replicated ones) on one "
                    "rank and broadcast them; pays on network storage (default off)")
-    p.add_argument("--range-cost", type=_size, default=None, metavar="BYTES",
+    p.add_argument("--range-cost", type=_size0, default=None, metavar="BYTES",
                    help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
                    "are read row by row when cheaper than the covering box; 0 = always row by "
                    "row (default 64K)")
 
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
-                       "config's family, split into several shards with an index.")
-    p.add_argument("config", help="a config.json (e.g. configs/models/tiny-llama.json)")
+                       "config's family, split into several shards with an index. The tiny "
+                       "configs ship with pploader: name a family (llama, qwen3_moe, ...).")
+    p.add_argument("config", help="a family name (llama, mixtral, deepseek_v3, ...: a bundled "
+                   "tiny config) or a config.json path")
     p.add_argument("out", help="output directory")
     p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
     p.add_argument("--seed", type=int, default=None)
@@ -225,26 +332,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _setup_logging(rank: Optional[int]) -> None:
+    """Configure logging from PPLOADER_LOG (the CLI's only place; the library only logs)."""
     prefix = f"[rank {rank}] " if rank is not None else ""
-    logging.basicConfig(level=os.environ.get("PPLOADER_LOG", "WARNING").upper(),
-                        format=f"{prefix}%(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(level=_log_level(), format=f"{prefix}%(levelname)s %(name)s: %(message)s",
+                        force=True)
+
+
+def _log_level() -> str:
+    level = os.environ.get("PPLOADER_LOG", "WARNING").strip().upper() or "WARNING"
+    if level not in _LOG_LEVELS:
+        raise UsageError(f"PPLOADER_LOG={os.environ.get('PPLOADER_LOG')!r}: use one of "
+                         f"{', '.join(_LOG_LEVELS)}")
+    return level
+
+
+def _quiet_torch_logs() -> None:
+    """Keep torch's C++ warnings (store socket errors with stack frames, printed when a peer
+    or the store's host leaves first) off stderr: pploader reports those failures itself.
+    Must run before torch is imported; PPLOADER_LOG=DEBUG or TORCH_CPP_LOG_LEVEL keeps them."""
+    if os.environ.get("PPLOADER_LOG", "").strip().upper() != "DEBUG":
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "FATAL")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .checkpoint import open_checkpoint
+    from .dtypes import dtype_casts
     from .plan import plan_all
+    from .pools import cache_costs, format_pools, plan_pools
     from .report import plan_table
     from .spec import load_spec
 
-    from .pools import cache_costs, format_pools, plan_pools
-
-    spec = load_spec(args.model)
-    index = open_checkpoint(args.model)
+    spec = load_spec(args.model, allowed_roots=args.allow_root)
+    index = open_checkpoint(args.model, allowed_roots=args.allow_root)
     opts = _pool_options(args)
     partition = _engine_partition(args.partition)
     plans = plan_all(spec, index, args.pp, args.tp, args.ep,
                      partition=partition,  # type: ignore[arg-type]
                      cache_bytes=cache_costs(spec, args.tp, opts))  # type: ignore[arg-type]
+    for plan in plans:  # the dtype policy, as `load` applies it (rejections, warnings)
+        dtype_casts(spec, plan)
     summaries = [p.summary() for p in plans]
     pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
     for summary, pool in zip(summaries, pools):
@@ -274,10 +400,25 @@ def _partition_label(partition: object) -> str:
     return str(partition)
 
 
+def _check_backend(backend: Optional[str]) -> None:
+    """A backend this torch build and this machine can run (before any rank connects)."""
+    if backend is None:
+        return
+    import torch
+    import torch.distributed as dist
+    if not dist.is_backend_available(backend):
+        raise UsageError(f"--backend {backend}: this torch build has no {backend} support; use "
+                         "--backend gloo (CPU) or leave --backend out")
+    if backend == "nccl" and not torch.cuda.is_available():
+        raise UsageError("--backend nccl needs a GPU on every rank and this one sees none; use "
+                         "--backend gloo or leave --backend out")
+
+
 def cmd_load(args: argparse.Namespace) -> int:
     """``pploader load`` on every rank: plan, agree, load, agree, report (docs/launch.md).
 
-    Any rank failing, hanging or dying makes every rank print the combined error and exit 1.
+    Any rank failing, hanging or dying makes every rank print the combined error and exit 1;
+    when every failing rank found a mistake in the input while planning, each exits 2.
     """
     from .bootstrap import init_distributed
     from .comm import Comm
@@ -286,17 +427,26 @@ def cmd_load(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
     fault = fault_from_env()  # test-only hook, None unless PPLOADER_FAULT is set
-    launch = init_distributed(backend=args.backend, timeout_s=args.timeout)
+    _check_backend(args.backend)
+    try:
+        launch = init_distributed(backend=args.backend, timeout_s=args.timeout)
+    except (RuntimeError, ValueError) as exc:  # torch's DistError and friends: one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise _StartFailure(f"could not start torch.distributed: {first}") from None
     _setup_logging(launch.rank)
     topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
     comm = Comm(topo, timeout_s=args.timeout)
     try:
         reports = _load_agreed(args, comm, with_fault(fault, topo.rank, comm.progress_adder()))
     except RankFailure as exc:
-        sys.stderr.write(f"[rank {topo.rank}] pploader: load failed on the job: {exc}\n")
+        if exc.input_only:  # every failing rank found a mistake in the input while planning
+            first = exc.first().removeprefix(f"rank {topo.rank}: ")  # own rank: in the prefix
+            sys.stderr.write(f"[rank {topo.rank}] pploader: error: {first}\n")
+        else:
+            sys.stderr.write(f"[rank {topo.rank}] pploader: load failed on the job: {exc}\n")
         sys.stderr.flush()
         comm.close()  # linger: every rank reads the verdict before the store's host leaves
-        os._exit(1)  # never hang in process-group teardown after a peer died
+        os._exit(2 if exc.input_only else 1)  # never hang in teardown after a peer died
     if topo.rank == 0:
         if args.json:
             print(json.dumps({"model": str(args.model), "launcher": launch.source,
@@ -317,28 +467,47 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+class _StartFailure(Exception):
+    """torch.distributed could not start (exit 1: the job, not the input, failed)."""
+
+
 def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], None]
                  ) -> list[dict]:
     """Plan, agree, load, agree (called on all ranks); every rank's report, in rank order."""
+    from .pools import pool_device
     from .report import ProgressBar
     from .stage import load_stage, plan_stage
 
     topo = comm.topology
     cancel = comm.watch_failures(abort_after_s=min(10.0, args.timeout))
-    staged, error, report = None, None, None
+    staged: Optional["StagePlan"] = None
+    error: Optional[BaseException] = None
+    report: Optional[dict] = None
+    device = pools_on = None
     try:
-        from .pools import pool_device
-        staged = plan_stage(args.model, topo, partition=_load_partition(
-            args, topo.pp_size, pool_device(args.pool_device)),
-            **({} if args.range_cost is None else {"range_cost_bytes": args.range_cost}))
+        device, pools_on = pool_device(args.device), pool_device(args.pool_device)
+        staged = plan_stage(args.model, topo, allowed_roots=args.allow_root,
+                            partition=_load_partition(args, topo.pp_size, pools_on),  # type: ignore[arg-type]
+                            **({} if args.range_cost is None else
+                               {"range_cost_bytes": args.range_cost}))
+        largest = staged.plan.largest_item_bytes
+        if args.window_bytes is not None and args.window_bytes < largest:
+            raise UsageError(f"--window-bytes {args.window_bytes} is smaller than this stage's "
+                             f"largest tensor ({largest} bytes): give --window-bytes {largest} "
+                             "or more, or leave the option out")
+        if not args.no_pools:  # pool options are input too: refuse them before loading
+            _pool_options(args, pools_on)
+    except PPLoaderError as exc:  # agreed on below
+        error = exc.on_rank(topo.rank)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     planned = comm.agree(error, staged.plan.read_bytes if staged else None)
     show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
+            assert staged is not None and device is not None  # else the agreement raised
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
-                                device=pool_device(args.device), cancel=cancel, on_progress=add,
+                                device=device, cancel=cancel, on_progress=add,
                                 memory_budget_bytes=args.memory_budget,
                                 comm=comm, read_once=args.read_once)
             add.flush()  # type: ignore[attr-defined]
@@ -350,13 +519,13 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
                           str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
             report = result.report.to_json()
             if not args.no_pools:  # this stage's cache pools, after its weights (docs/pools.md)
-                from .pools import build_rank_pools, pool_device
-                device = pool_device(args.pool_device)
+                from .pools import build_rank_pools
                 report["pools"] = build_rank_pools(staged.spec, staged.plan, _pool_options(
-                    args, device), device=device).report()  # type: ignore[arg-type]
+                    args, pools_on), device=pools_on).report()  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
-        return comm.agree(error, report)
+        reports = comm.agree(error, report)
+    return reports
 
 
 def _env_rank() -> Optional[str]:
@@ -370,22 +539,28 @@ def _env_rank() -> Optional[str]:
     return None
 
 
+def _make_tiny(args: argparse.Namespace) -> int:
+    from .tiny import make_tiny, resolve_tiny_config
+    config = resolve_tiny_config(args.config)
+    files = make_tiny(config, args.out, shard_bytes=args.shard_bytes, seed=args.seed)
+    print(f"wrote {len(files)} shard(s) to {args.out}")
+    return 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    """The ``pploader`` command; returns the exit code (see the module docstring)."""
     rank = _env_rank()
-    _setup_logging(int(rank) if rank and rank.isdigit() else None)
     prefix = f"[rank {rank}] " if rank else ""
+    _quiet_torch_logs()
+    args = build_parser().parse_args(argv)
     try:
+        _setup_logging(int(rank) if rank and rank.isdigit() else None)
         if args.command == "plan":
             return cmd_plan(args)
         if args.command == "load":
             return cmd_load(args)
         if args.command == "make-tiny":
-            from .tiny import make_tiny
-            files = make_tiny(args.config, args.out, shard_bytes=args.shard_bytes, seed=args.seed)
-            print(f"wrote {len(files)} shard(s) to {args.out}")
-            return 0
+            return _make_tiny(args)
         if args.command == "convert":
             from .pickled import convert_to_safetensors
             files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
@@ -402,4 +577,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except PPLoaderError as exc:
         sys.stderr.write(f"{prefix}pploader: error: {exc}\n")
         return 2
+    except _StartFailure as exc:
+        sys.stderr.write(f"{prefix}pploader: error: {exc}\n")
+        return 1
     return 2

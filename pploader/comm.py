@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import itertools
 import json
+import logging
 import os
 import sys
 import threading
@@ -32,6 +33,8 @@ import torch.distributed as dist
 
 from .errors import RankFailure, TopologyError
 from .topology import Topology
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "run_guarded"]
 
@@ -202,6 +205,7 @@ class Comm:
                         f"(rank {self.rank} saw: {exc})"}
             if msg is not None and not isinstance(error, dist.DistError):
                 lost[self.rank] = msg  # its own failure, unless it was this same lost store
+            logger.debug("rank %d: agreement %d: store lost (%s)", self.rank, gen, exc)
             raise RankFailure(lost) from exc
         if verdict != "ok":
             failure = json.loads(verdict)
@@ -214,7 +218,10 @@ class Comm:
                 self.store.add("aborted", 1)
             except _STORE_ERRORS:
                 pass
+            logger.debug("rank %d: agreement %d failed: ranks %s failed, %s silent", self.rank,
+                         gen, sorted(failures), list(silent))
             raise RankFailure(failures, silent=silent)
+        logger.debug("rank %d: agreement %d: every rank ok", self.rank, gen)
         return [values[r][1] for r in range(self.world_size)]
 
     def _posted(self, key: str, ranks: Iterable[int]) -> list[int]:
@@ -322,7 +329,7 @@ class Comm:
         lock = threading.Lock()
 
         def send() -> None:
-            self.store.add("progress", pending[0])
+            self.store.add("progress", int(pending[0]))
             self.touch()
             pending[0], pending[1] = 0, time.monotonic()
 

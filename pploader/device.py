@@ -56,7 +56,7 @@ class PinnedRing:
                               pin_memory=True)
             flat = buf.numpy()
             n = self.slot_bytes
-            mine = [(buf[o:o + n], memoryview(flat[o:o + n]))
+            mine = [(buf[o:o + n], memoryview(flat[o:o + n]))  # type: ignore[arg-type]
                     for o in range(0, self.per_thread * n, n)]
             self._slots[index] = mine
             self.alloc_seconds += time.perf_counter() - start
@@ -233,8 +233,9 @@ class DeviceLoader:
                 if self.cancel is not None and self.cancel.is_set():
                     raise self._err("cancelled: another rank failed", chunk[0].file)
                 b = j % len(slots)
-                if events[b] is not None:
-                    events[b].synchronize()
+                event = events[b]
+                if event is not None:
+                    event.synchronize()
                 pinned, view = slots[b]
                 total = sum(p.length for p in chunk)
                 head, nread = self._read_chunk(fds[chunk[0].file], view, chunk[0], total)

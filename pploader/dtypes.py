@@ -16,6 +16,7 @@ Pure: called by ``stage.plan_stage`` on every rank, so all ranks agree before re
 """
 from __future__ import annotations
 
+import logging
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional
 
@@ -48,6 +49,8 @@ QUANT_STORAGE: frozenset[str] = frozenset({
 
 _QUANT_KEYS = ("quantization_config", "compression_config")
 
+logger = logging.getLogger(__name__)
+
 
 def is_quantized(spec: "ModelSpec") -> bool:
     """True when config.json declares a quantization method."""
@@ -75,13 +78,15 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
     expected = dtype_code(spec.dtype)
     quantized = is_quantized(spec)
     casts: dict[str, torch.dtype] = {}
-    rejected = []
+    rejected, kept = [], []
     for item in plan.items:
         action = dtype_action(item.dtype, expected, quantized=quantized)
         if action is None:
             rejected.append(item)
         elif action == "cast":
             casts[item.target] = DTYPES[expected][0]
+        elif item.dtype != expected and not (quantized and item.dtype in QUANT_STORAGE):
+            kept.append(item)
     if rejected:
         first = rejected[0]
         more = f" (and {len(rejected) - 1} more: " + ", ".join(
@@ -90,6 +95,12 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
                         f"{' (quantized)' if quantized else ''}; pploader converts only along "
                         f"its allowlist: {_allowed_text()}{more}. See docs/reliability.md.",
                         file=first.file, tensor=first.name, rank=plan.topology.rank)
+    if kept:
+        logger.warning("rank %d: %d tensor(s) stored as %s in a %s model are passed through as "
+                       "stored, not cast: %s%s (load_stage_into refuses them unless the module "
+                       "has that dtype or allow_cast=True)", plan.topology.rank, len(kept),
+                       "/".join(sorted({i.dtype for i in kept})), expected,
+                       ", ".join(i.name for i in kept[:8]), " ..." if len(kept) > 8 else "")
     return casts
 
 

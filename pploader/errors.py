@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 __all__ = ["PPLoaderError", "CheckpointError", "ConfigError", "PlanError", "ReadError",
-           "TopologyError", "RankFailure", "NotReadyError", "MemoryBudgetError"]
+           "TopologyError", "UsageError", "RankFailure", "NotReadyError", "MemoryBudgetError"]
 
 
 class PPLoaderError(Exception):
@@ -64,6 +64,10 @@ class TopologyError(PPLoaderError):
     """Ranks, sizes or launch environment are inconsistent."""
 
 
+class UsageError(PPLoaderError):
+    """A command-line option or environment setting is invalid (``pploader`` exits 2)."""
+
+
 class NotReadyError(PPLoaderError):
     """A model whose reload failed midway is not safe to use until restored."""
 
@@ -78,3 +82,22 @@ class RankFailure(PPLoaderError):
         lines += [f"  rank {r}: {msg}" for r, msg in self.failures.items()]
         lines += [f"  rank {r}: no answer within the load timeout (hung or dead)" for r in self.silent]
         super().__init__("\n".join(lines))
+
+    @property
+    def input_only(self) -> bool:
+        """True when every failing rank reported a mistake in the input (config, checkpoint,
+        layout, arguments) and none went silent: the job failed before loading, exit 2."""
+        return bool(self.failures) and not self.silent and all(
+            m.split(":", 1)[0] in INPUT_ERRORS for m in self.failures.values())
+
+    def first(self) -> str:
+        """The lowest failing rank's message without its type name (one line)."""
+        rank, msg = next(iter(self.failures.items()))
+        kind, _, text = msg.partition(": ")
+        text = text if kind in INPUT_ERRORS else msg
+        return text if text.startswith(f"rank {rank}") else f"rank {rank}: {text}"
+
+
+#: Error types that mean "the input is wrong" (CLI exit code 2), as Comm.agree names them.
+INPUT_ERRORS = frozenset({"ConfigError", "CheckpointError", "PlanError", "TopologyError",
+                          "UsageError"})

@@ -79,7 +79,8 @@ def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
         return value
     out = getattr(torch, str(value).replace("torch.", ""), None)
     if not isinstance(out, torch.dtype):
-        raise ConfigError(f"unknown cache dtype {value!r}")
+        raise ConfigError(f"unknown cache dtype {value!r}: use a torch dtype name such as "
+                          "bfloat16, float16, float32 or float8_e4m3fn")
     return out
 
 
@@ -269,7 +270,7 @@ def layer_cache(spec: "ModelSpec", layer: int, tp_size: int = 1,
         raise ConfigError(f"layer {layer} has kind {kind!r} with no cache geometry; known kinds: "
                           + ", ".join(KIND_CACHES) + " (add it to pploader.geometry.KIND_CACHES)")
     dt = dtypes.resolve(spec)
-    kv, states = None, ()
+    kv, states = None, tuple[StateTensor, ...]()
     for part in KIND_CACHES[kind]:
         if part in _KV_BUILDERS:
             kv = _KV_BUILDERS[part](spec, tp_size, dt)

@@ -131,12 +131,13 @@ def load_layerwise(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]
     mark_not_ready(model, "load_layerwise in progress (or interrupted)")
     try:
         for name, tensor in weights:
-            slot = slots.get(name)
-            if slot is None:
+            found = slots.get(name)
+            if found is None:
                 if strict:
                     raise PlanError("not a tensor of this rank's stage", tensor=name,
                                     rank=record.topology.rank)
                 continue
+            slot = found
             _check_piece(name, tensor, slot, record)
             if name in seen:
                 raise PlanError("tensor arrived twice in the stream", tensor=name,

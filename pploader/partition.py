@@ -45,7 +45,7 @@ def even_windows(num_layers: int, pp: int) -> tuple[StageWindow, ...]:
     stages already carry the embedding and the head."""
     if pp < 1 or pp > num_layers:
         raise PlanError(f"cannot split {num_layers} layers into {pp} stages "
-                        "(each stage needs at least one layer)")
+                        f"(each stage needs at least one layer): use --pp {num_layers} or fewer")
     sizes = [num_layers // pp] * pp
     order = list(range(pp - 2, 0, -1)) + [0, pp - 1] if pp > 1 else [0]
     for i in order[: num_layers % pp]:
@@ -63,12 +63,15 @@ def parse_partition(text: str) -> list[int]:
 
 def explicit_windows(sizes: Sequence[int], num_layers: int, pp: int) -> tuple[StageWindow, ...]:
     if len(sizes) != pp:
-        raise PlanError(f"partition {list(sizes)} has {len(sizes)} stages but pp is {pp}")
+        raise PlanError(f"partition {list(sizes)} has {len(sizes)} stages but pp is {pp}: give "
+                        f"{pp} layer counts, or --pp {len(sizes)}")
     if any(n < 1 for n in sizes):
-        raise PlanError(f"partition {list(sizes)}: every stage needs at least one layer")
+        raise PlanError(f"partition {list(sizes)}: every stage needs at least one layer; give "
+                        "counts of 1 or more")
     if sum(sizes) != num_layers:
         raise PlanError(f"partition {list(sizes)} sums to {sum(sizes)} but the model has "
-                        f"{num_layers} layers")
+                        f"{num_layers} layers: give counts that sum to {num_layers}, or "
+                        "--partition even")
     return windows_from_sizes(sizes)
 
 
@@ -82,7 +85,7 @@ def balanced_windows(layer_costs: Sequence[float], pp: int, *, first_extra: floa
     """
     n = len(layer_costs)
     if pp < 1 or pp > n:
-        raise PlanError(f"cannot split {n} layers into {pp} stages")
+        raise PlanError(f"cannot split {n} layers into {pp} stages: use --pp {n} or fewer")
     prefix = [0.0]
     for c in layer_costs:
         prefix.append(prefix[-1] + float(c))

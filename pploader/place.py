@@ -222,7 +222,8 @@ def bind_stage(module: nn.Module, staged: StagePlan, *, names: NameMap = NameMap
     for item in plan.items:
         role = family.classify(item.target, spec.num_layers, spec.num_mtp_layers)
         layer = role.layer if role is not None and role.placement in ("layer", "mtp") else None
-        fm = match_fused(family.fused_targets, role.component) if layer is not None else None
+        fm = match_fused(family.fused_targets, role.component) \
+            if role is not None and layer is not None else None
         if fm is not None:
             fused = names.to_module(family.layer_name(layer, fm.target))  # type: ignore[arg-type]
             if fused is not None and fused in tensors:
@@ -385,7 +386,7 @@ def commit_writes(model: nn.Module, binding: Binding, plan: RankPlan, *, action:
     rank = plan.topology.rank
     mark_not_ready(model, f"{action} in progress (or interrupted) on rank {rank}")
     error: Optional[BaseException] = None
-    stats, processed = ReadStats(), ()
+    stats, processed = ReadStats(), tuple[str, ...]()
     try:
         stats = write_binding(model, binding, plan, **reader)  # type: ignore[arg-type]
         if after_write is not None:

@@ -4,6 +4,7 @@ Called on any process (no torch.distributed); ``pploader plan`` prints it for ev
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field, replace
 from typing import Callable, TypeVar, Mapping, Optional, Sequence, Union
@@ -11,6 +12,7 @@ from typing import Callable, TypeVar, Mapping, Optional, Sequence, Union
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from .errors import PlanError
 from .families.base import TensorRole
+from .families.heads import check_tp_heads
 from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, engine_windows,
                         even_windows, explicit_windows)
 from .quant import QuantScheme, expand_template, quant_scheme, same_shape
@@ -20,6 +22,7 @@ from .spec import ModelSpec
 from .topology import Topology
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
            "plan_mtp", "layer_bytes", "read_item"]
@@ -304,17 +307,21 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     if window.pp_rank != topology.pp_rank:
         raise PlanError(f"window of stage {window.pp_rank} given to {topology.describe()}")
     spec = spec.for_checkpoint(index.weight_map)
+    check_tp_heads(spec, topology.tp_size)
     experts = (local_experts(spec.num_experts, topology.ep_size, topology.ep_rank)
                if spec.num_experts and topology.ep_size > 1 else None)
     if topology.ep_size > 1 and not spec.num_experts:
-        raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts")
+        raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts: leave "
+                        "--ep at 1 (use --tp to split the stage)")
     roles = _roles(spec, index)
     chosen = {n: r for n, r in roles.items() if _wanted(r, window, experts)}
     reads = [(n, r, n) for n, r in chosen.items()]   # (checkpoint name, role, target)
-    if window.has_head and spec.tie_word_embeddings and not any(
+    if window.has_head and not window.has_embed and spec.tie_word_embeddings and not any(
             r.role == "head" for r in roles.values()):
+        # the declared replica: the last stage reads the embedding as its head (a stage
+        # holding both reads it once; the model ties the head to it)
         for name, role in roles.items():
-            if role.role == "embed":  # the declared replica: the embedding read as the head
+            if role.role == "embed":
                 reads.append((name, role, _head_name(spec)))
                 chosen.setdefault(name, role)
     if strict:
@@ -329,8 +336,11 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             raise PlanError(exc.detail, file=exc.file or entry.file, tensor=exc.tensor or name,
                             rank=topology.rank) from None
         items.append(read_item(entry, target, sel, range_cost_bytes))
-    return replace(_finish(spec, index, topology, window, experts, items, list(chosen)),
+    plan = replace(_finish(spec, index, topology, window, experts, items, list(chosen)),
                    range_cost_bytes=range_cost_bytes)
+    logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
+                 len(plan.items), plan.read_bytes, ", ".join(plan.files))
+    return plan
 
 
 def _head_name(spec: ModelSpec) -> str:
@@ -403,8 +413,12 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
     spec = spec.for_checkpoint(index.weight_map)
     windows = make_windows(spec, index, pp, partition, cache_bytes=cache_bytes)
     topo = Topology(pp, tp, ep)
-    return [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict,
-                      range_cost_bytes=range_cost_bytes) for t in topo.all_ranks()]
+    plans = [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict,
+                       range_cost_bytes=range_cost_bytes) for t in topo.all_ranks()]
+    logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
+                "ideal %d", len(plans), pp, ep, tp, partition, sum(p.read_bytes for p in plans),
+                sum(p.ideal_bytes for p in plans))
+    return plans
 
 
 def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,

@@ -222,10 +222,25 @@ def build_rank_pools(spec: "ModelSpec", plan: "RankPlan", opts: PoolOptions, *,
 
 def pool_device(name: Optional[str] = None) -> torch.device:
     """``name``, else ``cuda:$LOCAL_RANK`` when this process has a GPU, else cpu
-    (``cuda`` without an index also means this rank's local GPU)."""
-    if name and name != "cuda":
-        return torch.device(name)
-    if name == "cuda" or torch.cuda.is_available():
+    (``cuda`` without an index also means this rank's local GPU). A device this process
+    does not have is a PlanError naming it."""
+    try:
+        dev = torch.device(name) if name else None
+    except (RuntimeError, ValueError):
+        raise PlanError(f"unknown device {name!r}: use cpu, cuda or cuda:N") from None
+    if dev is not None and dev.type not in ("cpu", "cuda"):
+        raise PlanError(f"device {name!r} is not supported: use cpu, cuda or cuda:N")
+    if dev is not None and dev.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            raise PlanError(f"device {name!r} asked for but this process sees no GPU "
+                            "(torch.cuda.is_available() is False): use --device cpu")
+        if dev.index is not None and dev.index >= count:
+            raise PlanError(f"device {name!r} asked for but this process sees {count} GPU(s): "
+                            f"use cuda:0..cuda:{count - 1}, or cuda for this rank's own GPU")
+    if dev is not None and not (dev.type == "cuda" and dev.index is None):
+        return dev
+    if dev is not None or torch.cuda.is_available():
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) %
                             torch.cuda.device_count())
     return torch.device("cpu")

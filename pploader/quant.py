@@ -22,7 +22,7 @@ import fnmatch
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from .errors import ConfigError, PlanError
 from .shard import Interval, Selection
@@ -182,7 +182,7 @@ def _fp8(qc: Mapping) -> QuantScheme:
 
 
 def _modelopt(qc: Mapping) -> QuantScheme:
-    inner = qc.get("quantization") if isinstance(qc.get("quantization"), Mapping) else qc
+    inner: Any = qc.get("quantization") if isinstance(qc.get("quantization"), Mapping) else qc
     algo = str(inner.get("quant_algo") or qc.get("quant_algo") or "").upper()
     ignore = tuple(inner.get("exclude_modules") or qc.get("ignore") or ())
     if algo == "FP8":

@@ -12,20 +12,23 @@ Modes:
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from typing import Callable, Iterator, Mapping, Optional
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
 from .checkpoint import DTYPES, FileIdentity
 from .errors import MemoryBudgetError, ReadError
 from .plan import RankPlan, ReadItem
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["Reader", "ReadStats", "owned", "is_borrowed", "default_window_bytes",
            "DEFAULT_WINDOW_BYTES"]
@@ -73,7 +76,7 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
         flat = flat.view(torch.uint8)
-    return memoryview(flat.numpy()).cast("B")
+    return memoryview(flat.numpy()).cast("B")  # type: ignore[arg-type]
 
 
 class _Ring:
@@ -82,7 +85,8 @@ class _Ring:
     def __init__(self, nbytes: int) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8)
         self.buf.fill_(0)  # prefault once: first touch of fresh memory is slow
-        self.size, self.head, self.live = nbytes, 0, deque()  # live: (start, end)
+        self.size, self.head = nbytes, 0
+        self.live: deque[tuple[int, int]] = deque()  # (start, end)
 
     def _used(self) -> int:
         return sum(e - s for s, e in self.live)
@@ -91,7 +95,7 @@ class _Ring:
         """Regions for every size, or None (and nothing taken) when they do not fit now."""
         if not self.live:
             self.head = 0  # empty ring: start over, so anything up to ``size`` in total fits
-        head, taken = self.head, []
+        head, taken = self.head, list[torch.Tensor]()
         for n in sizes:
             region = self.alloc(n)
             if region is None:
@@ -140,6 +144,8 @@ class Reader:
         self.stats = ReadStats()
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
+        logger.debug("rank %d: reader over %d item(s), window %d bytes, %d thread(s), %s",
+                     plan.topology.rank, len(plan.items), self.window_bytes, self.threads, mode)
 
     # ---- files -------------------------------------------------------------------------
     def _fd(self, file: str) -> int:
@@ -152,15 +158,19 @@ class Reader:
                     raise self._err(f"cannot open: {exc.strerror}", file) from exc
                 self._check_identity(file, fd)
                 self._fds[file] = fd
+                logger.debug("rank %d: opened %s", self.plan.topology.rank, file)
             return fd
 
     def _check_identity(self, file: str, fd: int) -> None:
-        now = FileIdentity.of(os.fstat(fd))
-        then = self.plan.identities[file]
-        if now != then:
+        st = os.fstat(fd)
+        now, then = FileIdentity.of(st), self.plan.identities[file]
+        if st.st_nlink == 0 and then.ctime_ns:  # renamed over while open (the documented way
+            now = replace(now, ctime_ns=then.ctime_ns)  # to publish): unlinking moves ctime,
+        if now != then:                                 # the open inode's bytes are intact
             raise self._err(f"file changed during load (planned size {then.size}, inode "
-                            f"{then.inode}, mtime_ns {then.mtime_ns}; now size {now.size}, inode "
-                            f"{now.inode}, mtime_ns {now.mtime_ns}): publish new checkpoints by "
+                            f"{then.inode}, mtime_ns {then.mtime_ns}, ctime_ns {then.ctime_ns}; "
+                            f"now size {now.size}, inode {now.inode}, mtime_ns {now.mtime_ns}, "
+                            f"ctime_ns {now.ctime_ns}): publish new checkpoints by "
                             "writing elsewhere and renaming", file)
 
     def _err(self, msg: str, file: Optional[str] = None, tensor: Optional[str] = None) -> ReadError:
@@ -214,7 +224,7 @@ class Reader:
         while pending:
             if self.cancel is not None and self.cancel.is_set():
                 raise self._err("cancelled: another rank failed", item.file, item.name)
-            batch, total = [], 0
+            batch, total = list[Any](), 0
             for v in pending[:_MAX_IOV]:
                 if total + len(v) > _CHUNK and batch:
                     break

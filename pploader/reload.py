@@ -16,6 +16,7 @@ modules were loaded by ``load_stage_into``. Order (nothing is written before ste
 """
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -37,6 +38,8 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["ReloadResult", "reload_from_disk", "plan_reload", "check_destinations"]
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class ReloadResult:
@@ -50,14 +53,14 @@ class ReloadResult:
 def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
                 allowed_roots: Sequence[str] = ()) -> StagePlan:
     """Plan the recorded stage (same family, topology and window) from a new checkpoint."""
-    config = read_config(checkpoint_dir)
+    config = read_config(checkpoint_dir, allowed_roots=allowed_roots)
     path = Path(checkpoint_dir) / "config.json"
     archs = config.get("architectures") if isinstance(config, dict) else None
     if isinstance(archs, list) and archs and not set(archs) & set(record.family.architectures):
         raise ConfigError(f"architecture {archs[0]!r} but the model was loaded as "
                           f"{record.family.name} ({', '.join(record.family.architectures)})",
                           file=str(path))
-    spec = spec_from_config(config, family=record.family)
+    spec = spec_from_config(config, family=record.family)  # type: ignore[arg-type]
     if spec.num_layers != record.num_layers:
         raise ConfigError(f"{spec.num_layers} layers but the loaded model has "
                           f"{record.num_layers}", file=str(path))
@@ -115,8 +118,11 @@ def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
     except Exception as exc:  # noqa: BLE001 - agreed on below, before any write
         error = exc
     agree_or_raise(comm, error, rank)
-    model.__dict__["_pploader_record"] = replace(record, binding=binding)  # type: ignore[arg-type]
+    logger.info("rank %s: reloading %d tensor(s) in place from %s", rank,
+                len(binding.params), checkpoint_dir)
+    model.__dict__["_pploader_record"] = replace(record, binding=binding)  # type: ignore[arg-type, type-var]
     stats, processed = commit_writes(
         model, binding, staged.plan, action="reload_from_disk", comm=comm, process=process,
         window_bytes=window_bytes, threads=threads, on_progress=on_progress)
+    logger.info("rank %s: reloaded %d bytes in %.3f s", rank, stats.read_bytes, stats.seconds)
     return ReloadResult(staged.plan, stats, processed)

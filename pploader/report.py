@@ -1,9 +1,9 @@
 """Per-rank reports: what each rank planned and did, one table on rank 0, JSON, progress."""
 from __future__ import annotations
 
+import shutil
 import sys
 import threading
-import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Optional, Sequence, TextIO
 
@@ -133,7 +133,11 @@ def plan_table(summaries: Sequence[dict]) -> str:
 
 
 class ProgressBar:
-    """Rank 0's job-wide progress line, fed by a callable returning bytes loaded so far."""
+    """Rank 0's job-wide progress bar (tqdm), fed by a callable returning bytes loaded so far.
+
+    A thread polls ``current`` every ``interval_s``; the bar is closed (its last line
+    written and ``stream`` flushed) when the block ends, so tables printed afterwards follow it.
+    """
 
     def __init__(self, total_bytes: int, current: Callable[[], int], *,
                  stream: TextIO = sys.stderr, interval_s: float = 0.5,
@@ -143,27 +147,28 @@ class ProgressBar:
         self.enabled = stream.isatty() if enabled is None else enabled
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self._start = time.monotonic()
+        self._bar: Any = None
 
-    def _draw(self, final: bool = False) -> None:
+    def _poll(self, final: bool = False) -> None:
         try:
             done = self.total if final else min(self.current(), self.total)
         except (RuntimeError, OSError):
             return
-        frac = done / self.total if self.total else 1.0
-        bar = "#" * int(frac * 30)
-        rate = done / max(time.monotonic() - self._start, 1e-9) / 1e9
-        self.stream.write(f"\r[pploader] [{bar:<30}] {frac * 100:5.1f}% "
-                          f"{format_bytes(done)}/{format_bytes(self.total)} {rate:.2f} GB/s")
-        if final:
-            self.stream.write("\n")
-        self.stream.flush()
+        if done > self._bar.n:
+            self._bar.update(done - self._bar.n)
 
     def __enter__(self) -> "ProgressBar":
         if self.enabled:
+            from tqdm import tqdm
+            sys.stdout.flush()
+            self._bar = tqdm(total=self.total, desc="pploader", unit="B", unit_scale=True,
+                             unit_divisor=1024, file=self.stream, mininterval=self.interval,
+                             ncols=min(100, shutil.get_terminal_size((100, 20)).columns or 100),
+                             nrows=20, leave=True)
+
             def loop() -> None:
                 while not self._stop.wait(self.interval):
-                    self._draw()
+                    self._poll()
             self._thread = threading.Thread(target=loop, name="pploader-progress", daemon=True)
             self._thread.start()
         return self
@@ -173,6 +178,6 @@ class ProgressBar:
         if self._thread is not None:
             self._thread.join()
             if exc_type is None:
-                self._draw(final=True)
-            else:
-                self.stream.write("\n")
+                self._poll(final=True)
+            self._bar.close()
+            self.stream.flush()

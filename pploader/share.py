@@ -116,10 +116,11 @@ def share_reads(stage_plans: Sequence[RankPlan]) -> dict[int, SharedPlan]:
         load[reader] += groups[gk].read_bytes
     out = {}
     for r, p in plans.items():
-        own, shared = [], []
+        own: list = []
+        shared: list = []
         for item in p.items:
             key = (item.name, item.target)
-            g = choice.get((r, key))
+            g = choice.get((r, key))  # type: ignore[assignment]
             if g is None:
                 own.append(item)
                 continue

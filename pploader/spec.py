@@ -1,12 +1,12 @@
 """ModelSpec: what the model is, read from config.json through its family's data."""
 from __future__ import annotations
 
+import builtins
 import json
 import os
 from dataclasses import dataclass, replace
-from pathlib import Path
 from types import MappingProxyType
-from typing import Iterable, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional, Sequence
 
 import torch
 
@@ -29,11 +29,11 @@ class ModelSpec:
     architecture: str
     config: Mapping[str, object]         # the language-model config (text_config for VL)
     full_config: Mapping[str, object]    # config.json as written
-    num_layers: int
+    num_layers: builtins.int
     layer_kinds: tuple[str, ...]
-    moe_layers: frozenset[int]
-    num_experts: int
-    num_mtp_layers: int
+    moe_layers: frozenset[builtins.int]
+    num_experts: builtins.int
+    num_mtp_layers: builtins.int
     dtype: torch.dtype
     tie_word_embeddings: bool
 
@@ -41,34 +41,34 @@ class ModelSpec:
         """A config value by the first present key (clear error otherwise)."""
         return cfg(self.config, *keys)
 
-    def int(self, *keys: str) -> int:
-        return int(cfg(self.config, *keys))  # type: ignore[arg-type]
+    def int(self, *keys: str) -> builtins.int:
+        return builtins.int(cfg(self.config, *keys))
 
     @property
-    def hidden_size(self) -> int:
+    def hidden_size(self) -> builtins.int:
         return self.int("hidden_size", "d_model")
 
     @property
-    def vocab_size(self) -> int:
+    def vocab_size(self) -> builtins.int:
         return self.int("vocab_size")
 
     @property
-    def num_heads(self) -> int:
+    def num_heads(self) -> builtins.int:
         return self.int("num_attention_heads")
 
     @property
-    def num_kv_heads(self) -> int:
+    def num_kv_heads(self) -> builtins.int:
         if self.config.get("num_key_value_heads") is None:
             return self.num_heads
         return self.int("num_key_value_heads")
 
     @property
-    def head_dim(self) -> int:
+    def head_dim(self) -> builtins.int:
         if self.config.get("head_dim") is not None:
             return self.int("head_dim")
         return self.hidden_size // self.num_heads
 
-    def layers_of_kind(self, *kinds: str) -> tuple[int, ...]:
+    def layers_of_kind(self, *kinds: str) -> tuple[builtins.int, ...]:
         return tuple(i for i, k in enumerate(self.layer_kinds) if k in kinds)
 
     def for_checkpoint(self, names: Iterable[str]) -> "ModelSpec":
@@ -96,7 +96,8 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
     """Build a ModelSpec from a parsed config.json (pure; used by tests and `plan`)."""
     if not isinstance(config, Mapping):
         raise ConfigError("config.json is not a JSON object", file="config.json")
-    fam, arch = (family, (config.get("architectures") or [family.name])[0]) if family \
+    archs: Any = config.get("architectures")
+    fam, arch = (family, (archs or [family.name])[0]) if family \
         else find_family(config)
     text = config
     if fam.text_config_key and isinstance(config.get(fam.text_config_key), Mapping):
@@ -114,17 +115,30 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
         dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
 
 
-def read_config(model_dir: os.PathLike | str) -> object:
-    """The parsed ``config.json`` of a model directory (clear errors when missing or bad)."""
-    path = Path(model_dir) / "config.json"
+def read_config(model_dir: os.PathLike | str, *,
+                allowed_roots: Sequence[os.PathLike | str] = ()) -> object:
+    """The parsed ``config.json`` of a model directory (clear errors when missing or bad).
+
+    Like the shards, config.json may be a symlink only into the allowed roots (the model
+    directory, its Hugging Face cache repo, ``allowed_roots``)."""
+    from .checkpoint import check_model_dir, inside_roots
+    root = check_model_dir(model_dir)
+    path = root / "config.json"
+    if not path.is_file():
+        what = "is not a regular file" if os.path.lexists(path) else "is missing"
+        raise ConfigError(f"config.json {what} in the model directory: --model must be the "
+                          "directory holding config.json and the *.safetensors shards",
+                          file=str(path))
+    inside_roots(root, path, allowed_roots, "config.json")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise ConfigError("missing config.json", file=str(path)) from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
 
 
-def load_spec(model_dir: os.PathLike | str) -> ModelSpec:
+def load_spec(model_dir: os.PathLike | str, *,
+              allowed_roots: Sequence[os.PathLike | str] = ()) -> ModelSpec:
     """Read ``config.json`` of a model directory into a ModelSpec."""
-    return spec_from_config(read_config(model_dir))  # type: ignore[arg-type]
+    return spec_from_config(read_config(model_dir, allowed_roots=allowed_roots))  # type: ignore[arg-type]

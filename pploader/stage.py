@@ -5,11 +5,12 @@ These functions take an explicit Topology and never touch process groups themsel
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -27,6 +28,8 @@ from .topology import Topology
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
     from .device import DeviceLoader, PinnedRing
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["StagePlan", "plan_stage", "iter_stage_weights", "load_stage", "StageResult",
            "iter_mtp_weights", "ReadOnceReader"]
@@ -53,13 +56,19 @@ def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
     bytes of transfer; strided (dim-1) TP slices are read row by row when that is cheaper
     than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes)."""
     try:
-        spec = load_spec(model_dir)
+        spec = load_spec(model_dir, allowed_roots=allowed_roots)
         index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
         spec = spec.for_checkpoint(index.weight_map)  # the naming on disk (e.g. fused experts)
         windows = make_windows(spec, index, topology.pp_size, partition)
         plan = plan_rank(spec, index, topology, windows[topology.pp_rank], strict=strict,
                          range_cost_bytes=range_cost_bytes)
-        return StagePlan(spec, index, plan, dtype_casts(spec, plan))
+        staged = StagePlan(spec, index, plan, dtype_casts(spec, plan))
+        logger.info("%s: planned layers %d-%d%s%s: %d tensors, %d bytes to read (ideal %d) "
+                    "from %d file(s)", topology.describe(), plan.window.start_layer,
+                    plan.window.end_layer - 1, " + embedding" if plan.window.has_embed else "",
+                    " + head" if plan.window.has_head else "", len(plan.items), plan.read_bytes,
+                    plan.ideal_bytes, len(plan.files))
+        return staged
     except PPLoaderError as exc:
         raise exc.on_rank(topology.rank)
 
@@ -142,8 +151,8 @@ class ReadOnceReader:
                  for r in topo.stage_group()]
         self.shared = share_reads(plans)[topo.rank]
         self.comm, self.stats = comm, ReadStats()
-        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
+        kw: dict[str, Any] = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
         self._readers = (Reader(self.shared.reads, **kw), Reader(self.shared.own, **kw))
         self.received_bytes, self._on_progress = 0, on_progress
 
@@ -249,4 +258,7 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
         header_bytes=plan.header_bytes, seconds=reader.stats.seconds,
         peak_rss_bytes=peak_rss_bytes(), rss_growth_bytes=peak_rss_bytes() - rss_before,
         files=len(plan.files))
+    logger.info("%s: loaded %d tensors, %d bytes read in %.3f s (%.2f GB/s) to %s",
+                t.describe(), len(state), reader.stats.read_bytes, reader.stats.seconds,
+                report.gbps, device)
     return StageResult(state, plan, reader.stats, report)

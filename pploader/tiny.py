@@ -19,7 +19,31 @@ from safetensors.torch import save_file
 from .errors import ConfigError
 from .spec import ModelSpec, spec_from_config
 
-__all__ = ["make_tiny", "write_checkpoint", "model_order"]
+__all__ = ["make_tiny", "write_checkpoint", "model_order", "TINY_CONFIGS", "tiny_families",
+           "resolve_tiny_config"]
+
+#: the bundled tiny configs (package data; ``configs/models`` in the repository)
+TINY_CONFIGS = Path(__file__).resolve().parent / "tiny_configs"
+
+
+def tiny_families() -> list[str]:
+    """Names ``make-tiny`` accepts in place of a path (``tiny-<name>.json`` bundled)."""
+    return sorted(p.name[len("tiny-"):-len(".json")] for p in TINY_CONFIGS.glob("tiny-*.json"))
+
+
+def resolve_tiny_config(name_or_path: os.PathLike | str) -> Path:
+    """A bundled tiny config by family name (``llama``, ``tiny-llama``), else a file path."""
+    text = str(name_or_path)
+    bundled = TINY_CONFIGS / f"tiny-{text.removeprefix('tiny-').removesuffix('.json')}.json"
+    if os.sep not in text and not text.endswith(".json") and bundled.is_file():
+        return bundled
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    if os.sep not in text and bundled.is_file():
+        return bundled
+    raise ConfigError(f"no such config file and no bundled tiny config of that name; give a "
+                      f"config.json path or one of: {', '.join(tiny_families())}", file=text)
 
 
 def write_checkpoint(out_dir: os.PathLike | str, tensors: Mapping[str, torch.Tensor],
@@ -74,7 +98,14 @@ def model_order(spec: "ModelSpec", name: str) -> tuple[int, int]:
 def make_tiny(config_path: os.PathLike | str, out_dir: os.PathLike | str, *,
               shard_bytes: Optional[int] = None, seed: Optional[int] = None) -> list[str]:
     """Write the checkpoint described by ``config_path`` into ``out_dir``; returns shard names."""
-    raw = json.loads(Path(config_path).read_text())
+    try:
+        raw = json.loads(Path(config_path).read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=str(config_path)) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"not valid JSON: {exc}", file=str(config_path)) from None
+    if not isinstance(raw, dict):
+        raise ConfigError("not a JSON object", file=str(config_path))
     opts = raw.pop("pploader_tiny", {}) or {}
     spec = spec_from_config(raw)
     if spec.family.template is None:

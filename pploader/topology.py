@@ -39,11 +39,13 @@ class Topology:
         """Topology of a launched job; ``pp`` defaults to world / (tp * ep)."""
         if pp is None:
             if world_size % (tp * ep):
-                raise TopologyError(f"world size {world_size} is not divisible by tp {tp} x ep {ep}")
+                raise TopologyError(f"world size {world_size} is not divisible by tp {tp} x ep {ep}: "
+                                    f"launch a multiple of {tp * ep} ranks or change --tp/--ep")
             pp = world_size // (tp * ep)
         if pp * tp * ep != world_size:
             raise TopologyError(f"pp {pp} x ep {ep} x tp {tp} = {pp * tp * ep} != world size "
-                                f"{world_size}: launch as many ranks as the layout has")
+                                f"{world_size}: launch {pp * tp * ep} ranks, or choose --pp/--ep/"
+                                f"--tp whose product is {world_size}")
         return cls(pp, tp, ep, rank)
 
     @property

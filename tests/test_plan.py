@@ -102,9 +102,14 @@ def test_topology_rank_order_tp_innermost() -> None:
         Topology.for_world(6, 0, pp=4)
 
 
-def test_tied_single_stage_holds_embed_and_head(tmp_path: Path) -> None:
+def test_tied_single_stage_reads_the_embedding_once(tmp_path: Path) -> None:
+    """PP=1: the stage holds the embedding and ties the head to it; one read, counted once."""
     model = make_model(tmp_path / "tied1", tiny_config(tie_word_embeddings=True))
-    plan = plan_all(load_spec(model), open_checkpoint(model), 1)[0]
+    index = open_checkpoint(model)
+    plan = plan_all(load_spec(model), index, 1)[0]
     targets = {i.target: i.name for i in plan.items}
     assert targets["model.embed_tokens.weight"] == "model.embed_tokens.weight"
-    assert targets["lm_head.weight"] == "model.embed_tokens.weight"
+    assert "lm_head.weight" not in targets
+    assert [i.name for i in plan.items].count("model.embed_tokens.weight") == 1
+    assert plan.ideal_bytes == plan.read_bytes == sum(
+        index.entry(n).nbytes for n in index.weight_map)

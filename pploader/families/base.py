@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Callable, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
 
 from ..errors import ConfigError
 
@@ -129,7 +129,7 @@ class Family:
             rx = re.compile(fmt.marker)
             if any(rx.search(n) for n in names):
                 return replace(self, formats=(), format=fmt.name, _compiled={},
-                               **dict(fmt.changes))
+                               **dict(fmt.changes))  # type: ignore[arg-type]
         return replace(self, formats=())
 
     def _re(self, pattern: str) -> "re.Pattern[str]":
@@ -191,7 +191,7 @@ class Family:
         return prefix + component
 
 
-def cfg(config: Mapping, *keys: str) -> object:
+def cfg(config: Mapping, *keys: str) -> Any:  # JSON: the caller converts
     """The first present key of ``config``; a clear error naming all keys when none is."""
     for key in keys:
         if key in config and config[key] is not None:
@@ -199,6 +199,6 @@ def cfg(config: Mapping, *keys: str) -> object:
     raise ConfigError(f"config.json lacks {' / '.join(keys)}")
 
 
-def cfg_opt(config: Mapping, key: str, default: object) -> object:
+def cfg_opt(config: Mapping, key: str, default: Any) -> Any:
     value = config.get(key)
     return default if value is None else value

@@ -199,7 +199,7 @@ class Mamba1Dims:
 def mamba1_dims(spec: "ModelSpec") -> Mamba1Dims:
     hidden = spec.hidden_size
     rank = spec.config.get("mamba_dt_rank", "auto")
-    dt_rank = -(-hidden // 16) if rank in (None, "auto") else int(rank)  # type: ignore[arg-type]
+    dt_rank = -(-hidden // 16) if rank in (None, "auto") else int(rank)  # type: ignore[call-overload]
     return Mamba1Dims(int_opt(spec.config, "mamba_expand", 2) * hidden,
                       spec.int("mamba_d_state"), dt_rank, spec.int("mamba_d_conv"))
 

@@ -9,7 +9,7 @@ MTP layers; official checkpoints do. Main-model stages never read them (placemen
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from .base import CheckpointFormat, Family, Layout, ShardRule, cfg, cfg_opt
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
@@ -37,7 +37,7 @@ def mla_tensors(spec: "ModelSpec", prefix: str = "self_attn.") -> Shapes:
     h, nh = spec.hidden_size, spec.num_heads
     nope, rope = spec.int("qk_nope_head_dim"), spec.int("qk_rope_head_dim")
     v, kv_rank = spec.int("v_head_dim"), spec.int("kv_lora_rank")
-    q_rank = spec.config.get("q_lora_rank")
+    q_rank: Any = spec.config.get("q_lora_rank")
     bias = bool(spec.config.get("attention_bias", False))
     out: Shapes = {}
     if q_rank:

@@ -77,7 +77,7 @@ def _template(spec: "ModelSpec", prefix: str = "backbone.", fused: bool = False)
                                   names=("up_proj", "down_proj")))
         else:
             latent = c.get("moe_latent_size")
-            width = int(latent) if latent else h  # type: ignore[arg-type]
+            width = int(latent) if latent else h  # type: ignore[call-overload]
             out.update({"mixer.gate.weight": (spec.num_experts, h),
                         "mixer.gate.e_score_correction_bias": (spec.num_experts,),
                         **expert_tensors("mixer.experts.", spec.num_experts, width,

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Static checks over pploader/: ruff (ruff.toml: a mild rule set, no reformatting) and mypy
+# (setup.cfg [mypy]). Installs both into the active environment when missing.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+"$PY" -m ruff --version >/dev/null 2>&1 && "$PY" -m mypy --version >/dev/null 2>&1 || \
+  "$PY" -m pip install -q mypy ruff
+echo "[lint] ruff"
+"$PY" -m ruff check pploader
+echo "[lint] mypy"
+"$PY" -m mypy

@@ -1,0 +1,41 @@
+"""Whether attention heads split over a TP size the way serving engines require.
+
+Query heads must divide by TP (each rank owns whole heads, none replicated); KV heads either
+divide by TP or, when fewer than TP, TP divides by them (each KV head replicated on
+``tp / kv_heads`` ranks). The shard rules alone would replicate query heads when there are
+fewer than TP ranks, which no engine runs; this check refuses it with a message about heads.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ..errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["check_tp_heads", "ATTENTION_KINDS"]
+
+#: layer kinds with query / key-value heads split over TP (MLA: query heads only)
+ATTENTION_KINDS = ("full_attention", "hybrid_attention_mamba2", "mla")
+
+
+def check_tp_heads(spec: "ModelSpec", tp_size: int) -> None:
+    """Raise PlanError when ``tp_size`` cannot split the model's attention heads."""
+    if tp_size <= 1:
+        return
+    kinds = set(spec.layer_kinds)
+    if not kinds & set(ATTENTION_KINDS) or spec.config.get("num_attention_heads") is None:
+        return
+    q = spec.num_heads
+    if q % tp_size:
+        divisors = [d for d in range(1, q + 1) if q % d == 0]
+        raise PlanError(f"--tp {tp_size} does not divide the {q} query heads "
+                        f"(num_attention_heads): engines give every TP rank whole heads; "
+                        f"use --tp in {divisors}")
+    if kinds & {"full_attention", "hybrid_attention_mamba2"}:
+        kv = spec.num_kv_heads
+        if kv % tp_size and tp_size % kv:
+            raise PlanError(f"--tp {tp_size} and the {kv} KV heads (num_key_value_heads): KV heads "
+                            "must divide by TP, or TP by them (each then replicated); use a TP "
+                            f"that divides {q} and is a divisor or multiple of {kv}")
