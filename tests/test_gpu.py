@@ -10,7 +10,7 @@ from bind_models import MOE_CONFIG, MoEStage, TinyLM, make_moe, param_ptrs, plan
 from helpers import make_model, run_ranks, tiny_config
 from pploader import (RankFailure, Reader, Topology, load_stage, load_stage_into, plan_stage,
                       reload_from_disk)
-from pploader import place
+from pploader import write
 from pploader.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
@@ -161,14 +161,14 @@ def test_nccl_pipeline_forward_matches_single_process(tmp_path: Path) -> None:
 
 @pytest.fixture
 def device_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Items written by place's DeviceLoader (pinned ring + async H2D), per load() call."""
+    """Items written by write.py's DeviceLoader (pinned ring + async H2D), per load() call."""
     calls: list[int] = []
 
-    class Spy(place.DeviceLoader):
+    class Spy(write.DeviceLoader):
         def load(self, destinations=None):  # type: ignore[no-untyped-def]
             calls.append(len(destinations or {}))
             return super().load(destinations)
-    monkeypatch.setattr(place, "DeviceLoader", Spy)
+    monkeypatch.setattr(write, "DeviceLoader", Spy)
     return calls
 
 
