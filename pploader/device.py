@@ -9,9 +9,11 @@ ring (threads x slots x slot_bytes), allocated once and reusable across loads.
 """
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -28,43 +30,112 @@ __all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_T
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_DEVICE_THREADS = 16
 DIRECT_ALIGN = 4096          # O_DIRECT offset/length/address alignment
+_PAGE = 4096
+logger = logging.getLogger(__name__)
 
 
 class PinnedRing:
-    """``threads x slots_per_thread`` pinned host buffers of ``slot_bytes``; allocate once and
+    """``threads x slots_per_thread`` page-locked host buffers of ``slot_bytes``; make once and
     pass the ring to every later load.
 
-    ``lazy=True`` pins each thread's slots on that thread's first use, so pinning (slow,
-    ~0.4 s per GiB) overlaps with the reads of threads that already have their slots.
+    The ring is one pageable allocation whose slots are page-locked (``cudaHostRegister``)
+    one by one, on first use, after the first read into them has faulted their pages in:
+    measured on an H100 host (docs/benchmarks-gpu.md) ``cudaHostAlloc`` of 512 MiB costs
+    0.19-0.21 s and serialises across threads, while first touch + registering the touched
+    pages costs 0.07 s, and a slot registered on first use costs its thread under 1 ms. So a
+    process's first load starts reading at once and pays for staging only as it goes.
+    ``lazy=False`` touches and registers every slot now (for a ring made ahead of the load).
+    Where registering is unavailable or fails, the slot stays pageable: copies from it are
+    then synchronous (correct, slower) and ``pageable_slots`` counts them.
     """
 
     def __init__(self, threads: int = DEFAULT_DEVICE_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 slots_per_thread: int = 2, *, lazy: bool = False) -> None:
-        self.threads, self.slot_bytes, self.per_thread = threads, slot_bytes, slots_per_thread
-        self._slots: list[Optional[list[tuple[torch.Tensor, memoryview]]]] = [None] * threads
-        self.alloc_seconds = 0.0
+                 slots_per_thread: int = 2, *, lazy: bool = True) -> None:
+        self.threads, self.per_thread = threads, slots_per_thread
+        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
+        total = threads * slots_per_thread * self.slot_bytes
+        self._raw = torch.empty(total + _PAGE, dtype=torch.uint8)  # pageable, untouched
+        skip = -self._raw.data_ptr() % _PAGE                       # page-aligned slots
+        self._buf = self._raw[skip:skip + total]
+        flat = self._buf.numpy()
+        n = self.slot_bytes
+        self._slots = [[(self._buf[o:o + n], memoryview(flat[o:o + n]))
+                        for o in range((i * slots_per_thread) * n,
+                                       (i + 1) * slots_per_thread * n, n)]
+                       for i in range(threads)]
+        self._pinned = [[False] * slots_per_thread for _ in range(threads)]
+        self._registered: list[int] = []
+        self.alloc_seconds = 0.0      # first touch + registration, summed over threads
+        self.pageable_slots = 0
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self._raw)
+        self._finalizer.atexit = False  # the process's exit releases everything anyway
         if not lazy:
+            start = time.perf_counter()
+            self._buf.fill_(0)  # first touch (torch's CPU threads), then page-lock per slot
+            self.alloc_seconds += time.perf_counter() - start
             for i in range(threads):
-                self.slots(i)
+                for b in range(slots_per_thread):
+                    self.pin(i, b)
 
     def slots(self, index: int) -> list[tuple[torch.Tensor, memoryview]]:
-        """Thread ``index``'s pinned slots as (tensor, writable memoryview) pairs."""
-        mine = self._slots[index]
-        if mine is None:
-            start = time.perf_counter()
-            buf = torch.empty(self.per_thread * self.slot_bytes, dtype=torch.uint8,
-                              pin_memory=True)
-            flat = buf.numpy()
-            n = self.slot_bytes
-            mine = [(buf[o:o + n], memoryview(flat[o:o + n]))
-                    for o in range(0, self.per_thread * n, n)]
-            self._slots[index] = mine
+        """Thread ``index``'s slots as (tensor, writable memoryview) pairs (call ``pin`` on a
+        slot before an asynchronous copy from it)."""
+        return self._slots[index]
+
+    def pin(self, index: int, slot: int) -> None:
+        """Page-lock thread ``index``'s ``slot`` unless done (cheap after a read touched it)."""
+        if self._pinned[index][slot]:
+            return
+        start = time.perf_counter()
+        tensor = self._slots[index][slot][0]
+        ptr = tensor.data_ptr()
+        ok = _host_register(ptr, tensor.numel())
+        with self._lock:
+            self._pinned[index][slot] = True
+            if ok:
+                self._registered.append(ptr)
+            else:
+                self.pageable_slots += 1
             self.alloc_seconds += time.perf_counter() - start
-        return mine
+
+    def close(self) -> None:
+        """Unregister the slots now (also done when the ring is garbage-collected)."""
+        self._finalizer()
 
     @property
     def nbytes(self) -> int:
-        return sum(self.per_thread * self.slot_bytes for s in self._slots if s is not None)
+        """Host bytes page-locked so far."""
+        return len(self._registered) * self.slot_bytes
+
+
+def _host_register(ptr: int, nbytes: int) -> bool:
+    """cudaHostRegister(ptr, nbytes); False (logged once) where it is unavailable or fails."""
+    global _REGISTER_WARNED
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) == 0:
+            return True
+        reason = str(err)
+    except (AttributeError, RuntimeError) as exc:
+        reason = str(exc)
+    if not _REGISTER_WARNED:
+        _REGISTER_WARNED = True
+        logger.warning("cudaHostRegister failed (%s): staging slots stay pageable, H2D copies "
+                       "from them are synchronous", reason)
+    return False
+
+
+def _unregister(registered: list[int], raw: torch.Tensor) -> None:
+    """Unregister every registered slot before ``raw`` (kept alive until here) is freed."""
+    if registered and torch.cuda.is_initialized():
+        for ptr in registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+    registered.clear()
+    del raw
+
+
+_REGISTER_WARNED = False
 
 
 @dataclass(frozen=True)
@@ -127,6 +198,8 @@ class DeviceLoader:
         self.cancel, self.on_progress = cancel, on_progress
         self.stats = ReadStats()
         self.staging_device_bytes = 0
+        self.timings: dict[str, float] = {}  # seconds per phase of the last load (profiling)
+        self._first_h2d = 0.0
         self._lock = threading.Lock()
 
     def _err(self, msg: str, file: Optional[str] = None) -> ReadError:
@@ -160,9 +233,13 @@ class DeviceLoader:
                 self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
                 pieces += _pieces(item, tmp, self.ring.slot_bytes)
                 post.append((item, tmp, dst))
+        t_dest = time.perf_counter()
         self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        t_resid = time.perf_counter()
         limit = self.ring.slot_bytes - (2 * DIRECT_ALIGN if self.direct else 0)
+        pin_before = self.ring.alloc_seconds
         self._run(_chunks([q for p in pieces for q in _split(p, limit)], limit))
+        t_io = time.perf_counter()
         for item, tmp, dst in post:
             t = tmp.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
             for dim, intervals in item.gather:
@@ -175,6 +252,10 @@ class DeviceLoader:
         torch.cuda.synchronize(self.device)
         self.stats.items = len(out)
         self.stats.seconds = time.perf_counter() - start
+        self.timings = {"destinations_s": t_dest - start, "residency_s": t_resid - t_dest,
+                        "io_s": t_io - t_resid, "gather_sync_s": start + self.stats.seconds - t_io,
+                        "pin_s_summed_over_threads": self.ring.alloc_seconds - pin_before,
+                        "first_h2d_s": self._first_h2d - t_resid if self._first_h2d else 0.0}
         return out
 
     def _use_direct(self) -> bool:
@@ -204,6 +285,7 @@ class DeviceLoader:
                         self.plan.identities[f].size, self.plan.identities[f].inode):
                     raise self._err("file changed since planning", f)
             queue = iter(chunks)
+            self._first_h2d = 0.0
             errors: list[BaseException] = []
             threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
                                         name=f"pploader-h2d-{i}")
@@ -238,6 +320,7 @@ class DeviceLoader:
                 pinned, view = slots[b]
                 total = sum(p.length for p in chunk)
                 head, nread = self._read_chunk(fds[chunk[0].file], view, chunk[0], total)
+                self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
                 with torch.cuda.stream(stream):
                     pos = head
                     for p in chunk:
@@ -246,6 +329,8 @@ class DeviceLoader:
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events[b] = ev
+                if not self._first_h2d:
+                    self._first_h2d = time.perf_counter()
                 with self._lock:
                     self.stats.read_bytes += nread
                     self.stats.syscalls += 1
