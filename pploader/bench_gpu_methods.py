@@ -241,9 +241,18 @@ def m_pploader_first(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     return _pploader(ctx, None)
 
 
-def m_pploader_first_8mib(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    from pploader.device import PinnedRing
-    return _pploader(ctx, PinnedRing(16, 8 * MIB))
+def _first_with_slots(mib: int) -> Callable[[Ctx, dict], tuple[dict, dict]]:
+    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+        from pploader.device import PinnedRing
+        return _pploader(ctx, PinnedRing(16, mib * MIB))
+    return run
+
+
+def _reused_with_slots(mib: int) -> Callable[[Ctx], dict]:
+    def prep(ctx: Ctx) -> dict:
+        from pploader.device import PinnedRing
+        return {"ring": PinnedRing(16, mib * MIB, lazy=False)}
+    return prep
 
 
 def m_pploader_hostalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
@@ -276,7 +285,10 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "raw_preadv16_first": (m_raw, None),
     "pploader_first": (m_pploader_first, None),
     "pploader_api": (m_pploader_api, None),
-    "pploader_first_8mib": (m_pploader_first_8mib, None),
+    "pploader_first_8mib": (_first_with_slots(8), None),
+    "pploader_first_4mib": (_first_with_slots(4), None),
+    "pploader_first_16mib": (_first_with_slots(16), None),
+    "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
     "pploader_reused": (m_pploader_reused, prep_reused),
     "instanttensor_buf": (m_instanttensor_buf, None),

@@ -209,6 +209,14 @@ class DeviceLoader:
              ) -> dict[str, torch.Tensor]:
         """Fill ``destinations`` (allocated on the device when None) and return them."""
         start = time.perf_counter()
+        # the page-cache residency check (mincore, GIL released in its syscalls) runs while
+        # this thread allocates the destinations (torch releases the GIL in cudaMalloc)
+        decided: list[bool] = []
+        check = None
+        if self.direct_io is None:
+            check = threading.Thread(target=lambda: decided.append(self._use_direct()),
+                                     name="pploader-residency")
+            check.start()
         out: dict[str, torch.Tensor] = {}
         pieces: list[_Piece] = []
         post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
@@ -234,7 +242,9 @@ class DeviceLoader:
                 pieces += _pieces(item, tmp, self.ring.slot_bytes)
                 post.append((item, tmp, dst))
         t_dest = time.perf_counter()
-        self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        if check is not None:
+            check.join()
+        self.direct = decided[0] if check is not None and decided else bool(self.direct_io)
         t_resid = time.perf_counter()
         limit = self.ring.slot_bytes - (2 * DIRECT_ALIGN if self.direct else 0)
         pin_before = self.ring.alloc_seconds
@@ -265,7 +275,7 @@ class DeviceLoader:
         resident = total = 0
         for file, path in self.plan.paths.items():
             ranges = [r for i in self.plan.items if i.file == file for r in i.ranges]
-            r, t = resident_bytes_of_ranges(path, ranges)
+            r, t = resident_bytes_of_ranges(path, ranges, sample_bytes=1 << 20)
             resident, total = resident + r, total + t
         return total > 0 and resident < total / 2
 
