@@ -143,25 +143,17 @@ class _Piece:
     file: str
     offset: int
     length: int
-    dst: torch.Tensor        # uint8 view on the device
+    target: int              # index of the item whose byte buffer receives it
+    pos: int                 # byte offset in that buffer
 
 
-def _pieces(item: ReadItem, dst_bytes: torch.Tensor, slot_bytes: int) -> list[_Piece]:
+def _pieces(item: ReadItem, target: int, slot_bytes: int) -> list[_Piece]:
     out, pos = [], 0
     for off, n in item.ranges:
-        done = 0
-        while done < n:
-            k = min(slot_bytes, n - done)
-            out.append(_Piece(item.file, off + done, k, dst_bytes[pos + done:pos + done + k]))
-            done += k
+        out += [_Piece(item.file, off + a, min(slot_bytes, n - a), target, pos + a)
+                for a in range(0, n, slot_bytes)]
         pos += n
     return out
-
-
-def _split(p: _Piece, limit: int) -> list[_Piece]:
-    """``p`` cut into pieces of at most ``limit`` bytes."""
-    return [_Piece(p.file, p.offset + a, min(limit, p.length - a), p.dst[a:a + limit])
-            for a in range(0, p.length, limit)] if p.length > limit else [p]
 
 
 def _chunks(pieces: list[_Piece], slot_bytes: int) -> list[list[_Piece]]:
@@ -201,54 +193,58 @@ class DeviceLoader:
         self.timings: dict[str, float] = {}  # seconds per phase of the last load (profiling)
         self._first_h2d = 0.0
         self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._buffers: list[Optional[torch.Tensor]] = []
 
     def _err(self, msg: str, file: Optional[str] = None) -> ReadError:
         return ReadError(msg, file=file, rank=self.plan.topology.rank)
 
     def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
              ) -> dict[str, torch.Tensor]:
-        """Fill ``destinations`` (allocated on the device when None) and return them."""
+        """Fill ``destinations`` (allocated on the device when None) and return them.
+
+        The reader threads start before the destinations exist: their first reads (and the
+        page-locking of their slots) overlap the allocation, and each waits for it only
+        before its first device copy."""
         start = time.perf_counter()
-        # the page-cache residency check (mincore, GIL released in its syscalls) runs while
-        # this thread allocates the destinations (torch releases the GIL in cudaMalloc)
-        decided: list[bool] = []
-        check = None
-        if self.direct_io is None:
-            check = threading.Thread(target=lambda: decided.append(self._use_direct()),
-                                     name="pploader-residency")
-            check.start()
-        out: dict[str, torch.Tensor] = {}
-        pieces: list[_Piece] = []
-        post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
-        for item in self.plan.items:
-            dtype = DTYPES[item.dtype][0]
-            dst = None if destinations is None else destinations.get(item.target)
-            if dst is None:
-                if destinations is not None:
-                    raise self._err(f"no destination for {item.target}", item.file)
-                dst = torch.empty(item.shape, dtype=dtype, device=self.device)
-            elif tuple(dst.shape) != item.shape or dst.dtype != dtype or not dst.is_contiguous():
-                raise self._err(f"destination {item.target} is {tuple(dst.shape)} {dst.dtype}, "
-                                f"expected {item.shape} {dtype} contiguous", item.file)
-            out[item.target] = dst
-            if item.direct:
-                dst_bytes = dst.reshape(-1).view(torch.uint8)
-                pieces += _pieces(item, dst_bytes, self.ring.slot_bytes)
-                if item.pad_rows:
-                    dst_bytes[item.read_bytes:].zero_()
-            else:  # coalesced strided read: stage the box on the device, gather after
-                tmp = torch.empty(item.read_bytes, dtype=torch.uint8, device=self.device)
-                self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
-                pieces += _pieces(item, tmp, self.ring.slot_bytes)
-                post.append((item, tmp, dst))
-        t_dest = time.perf_counter()
-        if check is not None:
-            check.join()
-        self.direct = decided[0] if check is not None and decided else bool(self.direct_io)
+        self.direct = self._use_direct() if self.direct_io is None else self.direct_io
         t_resid = time.perf_counter()
         limit = self.ring.slot_bytes - (2 * DIRECT_ALIGN if self.direct else 0)
+        pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx, limit)]
+        out: dict[str, torch.Tensor] = {}
+        post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        self._buffers = [None] * len(self.plan.items)
+        times: dict[str, float] = {}
+
+        def allocate() -> None:  # on this thread, while the readers' first reads run
+            t0 = time.perf_counter()
+            for idx, item in enumerate(self.plan.items):
+                dtype = DTYPES[item.dtype][0]
+                dst = None if destinations is None else destinations.get(item.target)
+                if dst is None:
+                    if destinations is not None:
+                        raise self._err(f"no destination for {item.target}", item.file)
+                    dst = torch.empty(item.shape, dtype=dtype, device=self.device)
+                elif (tuple(dst.shape) != item.shape or dst.dtype != dtype
+                      or not dst.is_contiguous()):
+                    raise self._err(f"destination {item.target} is {tuple(dst.shape)} "
+                                    f"{dst.dtype}, expected {item.shape} {dtype} contiguous",
+                                    item.file)
+                out[item.target] = dst
+                if item.direct:
+                    dst_bytes = dst.reshape(-1).view(torch.uint8)
+                    self._buffers[idx] = dst_bytes
+                    if item.pad_rows:
+                        dst_bytes[item.read_bytes:].zero_()
+                else:  # coalesced strided read: stage the box on the device, gather after
+                    tmp = torch.empty(item.read_bytes, dtype=torch.uint8, device=self.device)
+                    self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
+                    self._buffers[idx] = tmp
+                    post.append((item, tmp, dst))
+            times["destinations_s"] = time.perf_counter() - t0
+
         pin_before = self.ring.alloc_seconds
-        self._run(_chunks([q for p in pieces for q in _split(p, limit)], limit))
+        self._run(_chunks(pieces, limit), allocate)
         t_io = time.perf_counter()
         for item, tmp, dst in post:
             t = tmp.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
@@ -260,10 +256,11 @@ class DeviceLoader:
             if item.pad_rows:
                 dst[rows:].zero_()
         torch.cuda.synchronize(self.device)
+        self._buffers = []
         self.stats.items = len(out)
         self.stats.seconds = time.perf_counter() - start
-        self.timings = {"destinations_s": t_dest - start, "residency_s": t_resid - t_dest,
-                        "io_s": t_io - t_resid, "gather_sync_s": start + self.stats.seconds - t_io,
+        self.timings = {"residency_s": t_resid - start, **times, "io_s": t_io - t_resid,
+                        "gather_sync_s": start + self.stats.seconds - t_io,
                         "pin_s_summed_over_threads": self.ring.alloc_seconds - pin_before,
                         "first_h2d_s": self._first_h2d - t_resid if self._first_h2d else 0.0}
         return out
@@ -287,7 +284,8 @@ class DeviceLoader:
                 pass
         return os.open(path, os.O_RDONLY)
 
-    def _run(self, chunks: list[list[_Piece]]) -> None:
+    def _run(self, chunks: list[list[_Piece]], prepare: Callable[[], None]) -> None:
+        """Start the readers, run ``prepare`` (the destinations) here meanwhile, join."""
         fds = {f: self._open(p) for f, p in self.plan.paths.items()}
         try:
             for f, fd in fds.items():
@@ -300,10 +298,17 @@ class DeviceLoader:
             threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
                                         name=f"pploader-h2d-{i}")
                        for i in range(min(self.ring.threads, max(1, len(chunks))))]
+            self._ready = threading.Event()
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            try:
+                prepare()
+            except BaseException as exc:  # noqa: BLE001 - stop the readers, then re-raise
+                errors.insert(0, exc)
+            finally:
+                self._ready.set()
+                for t in threads:
+                    t.join()
             if errors:
                 raise errors[0]
         finally:
@@ -331,10 +336,17 @@ class DeviceLoader:
                 total = sum(p.length for p in chunk)
                 head, nread = self._read_chunk(fds[chunk[0].file], view, chunk[0], total)
                 self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
+                if not self._ready.is_set():
+                    self._ready.wait()  # the destinations are being allocated
+                if errors:
+                    break
                 with torch.cuda.stream(stream):
                     pos = head
                     for p in chunk:
-                        p.dst.copy_(pinned[pos:pos + p.length], non_blocking=True)
+                        dst = self._buffers[p.target]
+                        assert dst is not None
+                        dst[p.pos:p.pos + p.length].copy_(pinned[pos:pos + p.length],
+                                                          non_blocking=True)
                         pos += p.length
                     ev = torch.cuda.Event()
                     ev.record(stream)
