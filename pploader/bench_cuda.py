@@ -34,13 +34,12 @@ __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 
 GB = 1e9
 MIB = 1 << 20
-WARM = ["raw_preadv16", "pploader_first", "pploader_api", "pploader_reused",
-        "pploader_first_8mib", "pploader_first_4mib", "pploader_reused_8mib",
-        "pploader_hostalloc", "raw_preadv16_first", "instanttensor_buf", "fastsafetensors_buf",
-        "st_readall", "raw_preadv16", "pploader_first", "pploader_first_8mib", "pploader_api",
-        "instanttensor_buf", "raw_preadv16", "pploader_first", "pploader_first_8mib"]
-COLD = ["raw_preadv16", "pploader_first", "pploader_first_8mib", "fastsafetensors_odirect",
-        "instanttensor_buf", "instanttensor", "st_readall", "pploader_first", "raw_preadv16"]
+_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_nothp", "pploader_first_seqalloc",
+             "pploader_reused", "instanttensor_buf", "pploader_api", "pploader_first_8mib"]
+WARM = _WARM_SET + ["pploader_hostalloc", "raw_preadv16_first", "fastsafetensors_buf",
+                    "st_readall"] + _WARM_SET + _WARM_SET
+COLD = ["raw_preadv16", "pploader_first", "fastsafetensors_odirect", "instanttensor_buf",
+        "instanttensor", "st_readall", "pploader_first", "raw_preadv16"]
 
 
 def _shapes(scale: str) -> tuple[Any, int]:

@@ -219,7 +219,7 @@ class HostAllocRing:
         return None
 
 
-def _pploader(ctx: Ctx, ring: Any) -> tuple[dict, dict]:
+def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = True) -> tuple[dict, dict]:
     from pploader import Topology, plan_stage
     from pploader.device import DeviceLoader, PinnedRing
     t0 = time.perf_counter()
@@ -227,6 +227,7 @@ def _pploader(ctx: Ctx, ring: Any) -> tuple[dict, dict]:
     staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
     t_plan = time.perf_counter() - t0
     loader = DeviceLoader(staged.plan, ctx.device, ring=ring)
+    loader.overlap_alloc = overlap_alloc
     out = loader.load()
     return ({i.name: out[i.target] for i in staged.plan.items},
             {"logical_bytes": staged.plan.read_bytes, "plan_s": t_plan,
@@ -246,6 +247,17 @@ def _first_with_slots(mib: int) -> Callable[[Ctx, dict], tuple[dict, dict]]:
         from pploader.device import PinnedRing
         return _pploader(ctx, PinnedRing(16, mib * MIB))
     return run
+
+
+def m_pploader_first_nothp(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """The first load with a ring of 4 KiB pages (no transparent huge pages)."""
+    from pploader.device import PinnedRing
+    return _pploader(ctx, PinnedRing(huge_pages=False))
+
+
+def m_pploader_first_seqalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """The first load with the destinations allocated before the reads start."""
+    return _pploader(ctx, None, overlap_alloc=False)
 
 
 def _reused_with_slots(mib: int) -> Callable[[Ctx], dict]:
@@ -287,7 +299,8 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_api": (m_pploader_api, None),
     "pploader_first_8mib": (_first_with_slots(8), None),
     "pploader_first_4mib": (_first_with_slots(4), None),
-    "pploader_first_16mib": (_first_with_slots(16), None),
+    "pploader_first_nothp": (m_pploader_first_nothp, None),
+    "pploader_first_seqalloc": (m_pploader_first_seqalloc, None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
     "pploader_reused": (m_pploader_reused, prep_reused),

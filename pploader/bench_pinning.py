@@ -104,6 +104,35 @@ def case_register() -> dict:
             "h2d_ok": ok, "is_pinned": bool(again.is_pinned())}
 
 
+def case_register_thp() -> dict:
+    """As ``register`` on an anonymous mapping advised MADV_HUGEPAGE (2 MiB pages)."""
+    import mmap
+    import torch
+    n = 512 * MIB
+    out = {}
+    for name, huge in (("thp", True), ("4k", False)):
+        mm = mmap.mmap(-1, n + 2 * MIB)
+        if huge:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        raw = torch.frombuffer(mm, dtype=torch.uint8)
+        skip = -raw.data_ptr() % (2 * MIB)
+        buf = raw[skip:skip + n]
+        out[f"{name}_touch_512MiB_s"] = _timed(lambda: buf.fill_(0))
+        out[f"{name}_register_512MiB_s"] = _register(buf.data_ptr(), n)
+        mm2 = mmap.mmap(-1, n + 2 * MIB)
+        if huge:
+            mm2.madvise(mmap.MADV_HUGEPAGE)
+        fresh = torch.frombuffer(mm2, dtype=torch.uint8)
+        per = [_register(fresh.data_ptr() + o, 16 * MIB) for o in range(0, n, 16 * MIB)]
+        out[f"{name}_register_untouched_32x16MiB_sum_s"] = sum(per)
+    try:
+        out["thp_enabled"] = open("/sys/kernel/mm/transparent_hugepage/enabled").read().strip()
+        out["AnonHugePages"] = [x for x in open("/proc/meminfo") if "AnonHugePages" in x][0].strip()
+    except OSError:
+        pass
+    return out
+
+
 def case_register16() -> dict:
     import torch
     bufs = [torch.empty(32 * MIB, dtype=torch.uint8) for _ in range(16)]
@@ -128,7 +157,8 @@ def case_dest() -> dict:
 
 
 CASES = {"hostalloc": case_hostalloc, "hostalloc16": case_hostalloc16,
-         "register": case_register, "register16": case_register16, "dest": case_dest}
+         "register": case_register, "register_thp": case_register_thp,
+         "register16": case_register16, "dest": case_dest}
 
 
 def _child(name: str) -> None:
