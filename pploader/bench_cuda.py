@@ -35,7 +35,8 @@ __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 GB = 1e9
 MIB = 1 << 20
 _WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_nothp", "pploader_first_seqalloc",
-             "pploader_reused", "instanttensor_buf", "pploader_api", "pploader_first_8mib"]
+             "pploader_first_seqalloc_nothp", "pploader_reused", "instanttensor_buf",
+             "pploader_api"]
 WARM = _WARM_SET + ["pploader_hostalloc", "raw_preadv16_first", "fastsafetensors_buf",
                     "st_readall"] + _WARM_SET + _WARM_SET
 COLD = ["raw_preadv16", "pploader_first", "fastsafetensors_odirect", "instanttensor_buf",

@@ -260,6 +260,12 @@ def m_pploader_first_seqalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     return _pploader(ctx, None, overlap_alloc=False)
 
 
+def m_pploader_first_seqalloc_nothp(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """4 KiB pages and the destinations allocated before the reads start."""
+    from pploader.device import PinnedRing
+    return _pploader(ctx, PinnedRing(huge_pages=False), overlap_alloc=False)
+
+
 def _reused_with_slots(mib: int) -> Callable[[Ctx], dict]:
     def prep(ctx: Ctx) -> dict:
         from pploader.device import PinnedRing
@@ -285,10 +291,15 @@ def m_pploader_reused(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
 def m_pploader_api(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """The public API a server calls: plan_stage + load_stage(device=cuda), all timed."""
     from pploader import Topology, load_stage, plan_stage
+    t0 = time.perf_counter()
     staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
+    t1 = time.perf_counter()
     res = load_stage(staged, device=ctx.device)
+    t2 = time.perf_counter()
     return ({i.name: res.state_dict[i.target] for i in staged.plan.items},
-            {"logical_bytes": staged.plan.read_bytes, "api": "plan_stage + load_stage(cuda)"})
+            {"logical_bytes": staged.plan.read_bytes, "api": "plan_stage + load_stage(cuda)",
+             "plan_s": t1 - t0, "profile": {"load_stage_s": t2 - t1,
+                                            "loader_s": res.report.seconds}})
 
 
 Method = Callable[[Ctx, dict], tuple[dict, dict]]
@@ -301,6 +312,7 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_first_4mib": (_first_with_slots(4), None),
     "pploader_first_nothp": (m_pploader_first_nothp, None),
     "pploader_first_seqalloc": (m_pploader_first_seqalloc, None),
+    "pploader_first_seqalloc_nothp": (m_pploader_first_seqalloc_nothp, None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
     "pploader_reused": (m_pploader_reused, prep_reused),

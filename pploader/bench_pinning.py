@@ -111,7 +111,7 @@ def case_register_thp() -> dict:
     n = 512 * MIB
     out = {}
     for name, huge in (("thp", True), ("4k", False)):
-        mm = mmap.mmap(-1, n + 2 * MIB)
+        mm = mmap.mmap(-1, n + 2 * MIB, flags=mmap.MAP_PRIVATE)
         if huge:
             mm.madvise(mmap.MADV_HUGEPAGE)
         raw = torch.frombuffer(mm, dtype=torch.uint8)
@@ -119,7 +119,7 @@ def case_register_thp() -> dict:
         buf = raw[skip:skip + n]
         out[f"{name}_touch_512MiB_s"] = _timed(lambda: buf.fill_(0))
         out[f"{name}_register_512MiB_s"] = _register(buf.data_ptr(), n)
-        mm2 = mmap.mmap(-1, n + 2 * MIB)
+        mm2 = mmap.mmap(-1, n + 2 * MIB, flags=mmap.MAP_PRIVATE)
         if huge:
             mm2.madvise(mmap.MADV_HUGEPAGE)
         fresh = torch.frombuffer(mm2, dtype=torch.uint8)
@@ -179,13 +179,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--child", default=None)
     ap.add_argument("--out", default=os.environ.get("OUT") or ".")
     ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma list of " + ",".join(CASES))
     args = ap.parse_args(argv)
     if args.child:
         _child(args.child)
         return []
     rows = []
     for _ in range(args.repeat):
-        for name in CASES:
+        for name in args.cases.split(","):
             p = subprocess.run([sys.executable, "-m", "pploader.bench_pinning", "--child", name],
                                capture_output=True, text=True, timeout=120)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]

@@ -9,6 +9,8 @@ ring (threads x slots x slot_bytes), allocated once and reusable across loads.
 """
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import mmap
 import os
@@ -58,15 +60,11 @@ class PinnedRing:
         self.threads, self.per_thread = threads, slots_per_thread
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
         total = threads * slots_per_thread * self.slot_bytes
-        self._map = mmap.mmap(-1, total + _HUGE)  # anonymous, pageable, untouched
-        if huge_pages and hasattr(mmap, "MADV_HUGEPAGE"):
-            try:
-                self._map.madvise(mmap.MADV_HUGEPAGE)
-            except OSError:  # THP off in this kernel: 4 KiB pages
-                pass
-        self._raw = torch.frombuffer(self._map, dtype=torch.uint8)
+        self._raw = torch.empty(total + _HUGE, dtype=torch.uint8)  # pageable, untouched
         skip = -self._raw.data_ptr() % _HUGE                       # 2 MiB-aligned slots
         self._buf = self._raw[skip:skip + total]
+        if huge_pages:
+            _advise_huge_pages(self._buf.data_ptr(), total)
         flat = self._buf.numpy()
         n = self.slot_bytes
         self._slots = [[(self._buf[o:o + n], memoryview(flat[o:o + n]))
@@ -78,8 +76,7 @@ class PinnedRing:
         self.alloc_seconds = 0.0      # first touch + registration, summed over threads
         self.pageable_slots = 0
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _unregister, self._registered,
-                                           (self._raw, self._map))
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self._raw)
         self._finalizer.atexit = False  # the process's exit releases everything anyway
         if not lazy:
             start = time.perf_counter()
@@ -118,6 +115,19 @@ class PinnedRing:
     def nbytes(self) -> int:
         """Host bytes page-locked so far."""
         return len(self._registered) * self.slot_bytes
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """madvise(MADV_HUGEPAGE) on a 2 MiB-aligned private anonymous range (best effort: where
+    transparent huge pages are off or libc is not found, 4 KiB pages stay)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(advice))
+    except OSError:
+        pass
 
 
 def _host_register(ptr: int, nbytes: int) -> bool:
