@@ -34,8 +34,8 @@ __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 
 GB = 1e9
 MIB = 1 << 20
-_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_nothp", "pploader_first_seqalloc",
-             "pploader_first_seqalloc_nothp", "pploader_reused", "instanttensor_buf",
+_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_thp", "pploader_first_overlap",
+             "pploader_first_thp_overlap", "pploader_reused", "instanttensor_buf",
              "pploader_api"]
 WARM = _WARM_SET + ["pploader_hostalloc", "raw_preadv16_first", "fastsafetensors_buf",
                     "st_readall"] + _WARM_SET + _WARM_SET

@@ -219,7 +219,7 @@ class HostAllocRing:
         return None
 
 
-def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = True) -> tuple[dict, dict]:
+def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False) -> tuple[dict, dict]:
     from pploader import Topology, plan_stage
     from pploader.device import DeviceLoader, PinnedRing
     t0 = time.perf_counter()
@@ -249,21 +249,14 @@ def _first_with_slots(mib: int) -> Callable[[Ctx, dict], tuple[dict, dict]]:
     return run
 
 
-def m_pploader_first_nothp(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    """The first load with a ring of 4 KiB pages (no transparent huge pages)."""
-    from pploader.device import PinnedRing
-    return _pploader(ctx, PinnedRing(huge_pages=False))
-
-
-def m_pploader_first_seqalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    """The first load with the destinations allocated before the reads start."""
-    return _pploader(ctx, None, overlap_alloc=False)
-
-
-def m_pploader_first_seqalloc_nothp(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    """4 KiB pages and the destinations allocated before the reads start."""
-    from pploader.device import PinnedRing
-    return _pploader(ctx, PinnedRing(huge_pages=False), overlap_alloc=False)
+def _first_variant(huge_pages: bool, overlap_alloc: bool) -> Callable[[Ctx, dict],
+                                                                    tuple[dict, dict]]:
+    """The first load with transparent huge pages for the ring and/or the destinations
+    allocated while the first reads run (the library's defaults: neither)."""
+    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+        from pploader.device import PinnedRing
+        return _pploader(ctx, PinnedRing(huge_pages=huge_pages), overlap_alloc=overlap_alloc)
+    return run
 
 
 def _reused_with_slots(mib: int) -> Callable[[Ctx], dict]:
@@ -310,9 +303,9 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_api": (m_pploader_api, None),
     "pploader_first_8mib": (_first_with_slots(8), None),
     "pploader_first_4mib": (_first_with_slots(4), None),
-    "pploader_first_nothp": (m_pploader_first_nothp, None),
-    "pploader_first_seqalloc": (m_pploader_first_seqalloc, None),
-    "pploader_first_seqalloc_nothp": (m_pploader_first_seqalloc_nothp, None),
+    "pploader_first_thp": (_first_variant(True, False), None),
+    "pploader_first_overlap": (_first_variant(False, True), None),
+    "pploader_first_thp_overlap": (_first_variant(True, True), None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
     "pploader_reused": (m_pploader_reused, prep_reused),

@@ -54,9 +54,10 @@ class PinnedRing:
     """
 
     def __init__(self, threads: int = DEFAULT_DEVICE_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 slots_per_thread: int = 2, *, lazy: bool = True, huge_pages: bool = True) -> None:
-        """``huge_pages``: ask for transparent huge pages (madvise), so first touch and
-        page-locking handle 2 MiB pages instead of 4 KiB ones."""
+                 slots_per_thread: int = 2, *, lazy: bool = True, huge_pages: bool = False) -> None:
+        """``huge_pages``: ask for transparent huge pages (madvise) so first touch and
+        page-locking handle 2 MiB pages; off by default: on the H100 host it made the first
+        load no faster (docs/benchmarks-gpu.md)."""
         self.threads, self.per_thread = threads, slots_per_thread
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
         total = threads * slots_per_thread * self.slot_bytes
@@ -216,8 +217,10 @@ class DeviceLoader:
         self._lock = threading.Lock()
         self._ready = threading.Event()
         self._buffers: list[Optional[torch.Tensor]] = []
-        # allocate the destinations while the readers' first reads run (False: before them)
-        self.overlap_alloc = True
+        # True: allocate the destinations while the readers' first reads run. Off by default:
+        # cudaMalloc and the readers' cudaHostRegister serialise in the driver, and measured
+        # on an H100 host it was slower than allocating first (docs/benchmarks-gpu.md)
+        self.overlap_alloc = False
 
     def _err(self, msg: str, file: Optional[str] = None) -> ReadError:
         return ReadError(msg, file=file, rank=self.plan.topology.rank)
@@ -226,9 +229,9 @@ class DeviceLoader:
              ) -> dict[str, torch.Tensor]:
         """Fill ``destinations`` (allocated on the device when None) and return them.
 
-        The reader threads start before the destinations exist: their first reads (and the
-        page-locking of their slots) overlap the allocation, and each waits for it only
-        before its first device copy."""
+        With ``overlap_alloc`` the reader threads start before the destinations exist (their
+        first reads and slot page-locking overlap the allocation; each waits for it only
+        before its first device copy)."""
         start = time.perf_counter()
         self.direct = self._use_direct() if self.direct_io is None else self.direct_io
         t_resid = time.perf_counter()
