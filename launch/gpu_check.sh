@@ -12,13 +12,14 @@
 # 3. With --bench, then the GPU benchmark (python -m pploader.bench_cuda, docs/benchmarks-gpu.md)
 #    into $OUT/bench. Competitors' wheels are optional: installed from .whl/ when present.
 #
-# The commit is `git rev-parse HEAD` when .git is there, else --commit, else $GPU_CHECK_COMMIT.
+# The commit recorded is --commit, else $GPU_CHECK_COMMIT, else `git rev-parse HEAD` (+dirty).
+# On the lent device machine pass --commit "$(git rev-parse HEAD)" from the calling side.
 # Exit status: pytest's (0 only when the GPU tests are green and LAST_RUN was written).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-out/gpu}"; mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-COMMIT="${GPU_CHECK_COMMIT:-unknown}"; BENCH=""; BUDGET=420
+COMMIT="${GPU_CHECK_COMMIT:-}"; BENCH=""; BUDGET=420
 while [ $# -gt 0 ]; do
   case "$1" in
     --commit) COMMIT="$2"; shift 2 ;;
@@ -26,9 +27,10 @@ while [ $# -gt 0 ]; do
     *) echo "usage: $0 [--commit SHA] [--bench [BUDGET_S]]" >&2; exit 2 ;;
   esac
 done
-if git rev-parse HEAD >/dev/null 2>&1; then
+if [ -z "$COMMIT" ] && git rev-parse HEAD >/dev/null 2>&1; then
   COMMIT="$(git rev-parse HEAD)$(git diff --quiet HEAD -- 2>/dev/null || echo '+dirty')"
 fi
+COMMIT="${COMMIT:-unknown}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 if ls .whl/*.whl >/dev/null 2>&1; then  # optional competitors for the benchmark
