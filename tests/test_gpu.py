@@ -1,6 +1,7 @@
 """GPU path (``pytest -m gpu`` on a CUDA machine; skipped cleanly without CUDA)."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from bind_models import MOE_CONFIG, MoEStage, TinyLM, make_moe, param_ptrs, plan
 from helpers import make_model, run_ranks, tiny_config
 from pploader import (RankFailure, Reader, Topology, load_stage, load_stage_into, plan_stage,
                       reload_from_disk)
-from pploader import place
+from pploader import write
 from pploader.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
@@ -46,6 +47,51 @@ def test_device_loader_into_given_destinations_keeps_pointers(tiny_llama: Path) 
     DeviceLoader(plan, "cuda:0").load(dest)
     for k, v in dest.items():
         assert v.data_ptr() == ptrs[k] and torch.equal(v.cpu(), ref[k])
+
+
+@pytest.mark.parametrize("overlap_alloc,huge_pages,lazy", [(True, False, True),
+                                                        (False, True, True),
+                                                        (False, False, False)])
+def test_device_loader_ring_and_allocation_modes_equal_cpu(tiny_llama: Path, overlap_alloc: bool,
+                                                           huge_pages: bool, lazy: bool) -> None:
+    """Destinations allocated while the first reads run (or before), a THP or 4 KiB ring,
+    slots page-locked on first use (or up front): the same bytes; every slot used is
+    page-locked (registered), none left pageable; the ring unregisters on close()."""
+    from pploader.device import DeviceLoader, PinnedRing
+    plan = plan_stage(tiny_llama, Topology(2, 2, rank=1)).plan
+    ring = PinnedRing(threads=3, slot_bytes=1 << 16, lazy=lazy, huge_pages=huge_pages)
+    loader = DeviceLoader(plan, "cuda:0", ring=ring)
+    loader.overlap_alloc = overlap_alloc
+    out = loader.load()
+    ref = _cpu(plan)
+    assert set(out) == set(ref)
+    for k, v in out.items():
+        assert torch.equal(v.cpu().view(torch.uint8), ref[k].view(torch.uint8)), k
+    assert ring.pageable_slots == 0 and ring.nbytes > 0
+    assert set(loader.timings) >= {"residency_s", "destinations_s", "io_s"}
+    again = DeviceLoader(plan, "cuda:0", ring=ring).load()  # the ring reused: same bytes
+    assert all(torch.equal(again[k], v) for k, v in out.items())
+    ring.close()
+    assert ring.nbytes == 0
+
+
+@pytest.mark.parametrize("overlap_alloc", [False, True])
+def test_device_loader_bad_destination_names_tensor_and_stops_readers(
+        tiny_llama: Path, overlap_alloc: bool) -> None:
+    from pploader.device import DeviceLoader
+    from pploader.errors import ReadError
+    plan = plan_stage(tiny_llama, Topology(1)).plan
+    ref = _cpu(plan)
+    dest = {k: torch.zeros_like(v, device="cuda:0") for k, v in ref.items()}
+    victim = plan.items[len(plan.items) // 2].target
+    dest[victim] = torch.zeros(3, device="cuda:0", dtype=ref[victim].dtype)
+    loader = DeviceLoader(plan, "cuda:0")
+    loader.overlap_alloc = overlap_alloc
+    with pytest.raises(ReadError, match=victim.replace(".", r"\.")):
+        loader.load(dest)
+    good = {k: v for k, v in dest.items() if k != victim}
+    assert all(not v.any() for k, v in good.items()
+               if plan.items[0].target != k) or overlap_alloc  # nothing copied before the check
 
 
 def _nccl_load(rank: int, world: int, model: str) -> dict:
@@ -161,14 +207,14 @@ def test_nccl_pipeline_forward_matches_single_process(tmp_path: Path) -> None:
 
 @pytest.fixture
 def device_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Items written by place's DeviceLoader (pinned ring + async H2D), per load() call."""
+    """Items written by write.py's DeviceLoader (pinned ring + async H2D), per load() call."""
     calls: list[int] = []
 
-    class Spy(place.DeviceLoader):
+    class Spy(write.DeviceLoader):
         def load(self, destinations=None):  # type: ignore[no-untyped-def]
             calls.append(len(destinations or {}))
             return super().load(destinations)
-    monkeypatch.setattr(place, "DeviceLoader", Spy)
+    monkeypatch.setattr(write, "DeviceLoader", Spy)
     return calls
 
 
