@@ -247,11 +247,12 @@ def test_row02_lfs_pointer_under_torchrun_every_rank_exits_nonzero(model: Path) 
               timeout=120)
     assert out.returncode != 0
     assert time.monotonic() - start < 60  # process start-up included; the error itself is fast
-    lines = [ln for ln in out.stderr.splitlines() if "pploader: load failed on the job" in ln]
+    # a bad input found while planning: every rank prints the same one line and exits 2
+    lines = [ln for ln in out.stderr.splitlines() if "pploader: error:" in ln]
     assert {ln.split("]")[0] for ln in lines} == {"[rank 0", "[rank 1"}, out.stderr[-3000:]
-    culprit = (f"  rank 1: CheckpointError: rank 1, file {shard.name}: not a safetensors file: "
-               "header length")
-    assert out.stderr.count(culprit) == 2, out.stderr[-3000:]  # the same error on both ranks
+    culprit = f"rank 1, file {shard.name}: not a safetensors file: header length"
+    assert all(culprit in ln for ln in lines), out.stderr[-3000:]  # the same error on both
+    assert "exitcode  : 2" in out.stderr
     assert _digest(model) == before
 
 
@@ -493,7 +494,7 @@ def test_row13_hf_cache_symlinks_load_and_escapes_are_rejected(tiny_llama: Path,
 
 @pytest.mark.parametrize("change,topo,needles", [
     ({"intermediate_size": 96}, Topology(2, rank=1), ["[64, 128]", "[64, 96]", "shape"]),
-    ({}, Topology(1, 3, rank=2), ["tp=3", "shape ["]),
+    ({}, Topology(1, 3, rank=2), ["--tp 3", "4 query heads"]),  # heads, checked first
     ({"num_hidden_layers": 6}, Topology(2, rank=1), ["num_hidden_layers=6", "model.layers.6."]),
     ({"num_hidden_layers": 10}, Topology(2, rank=1), ["missing", "model.layers.8."]),
 ])
@@ -509,7 +510,7 @@ def test_row14_config_mismatch_rejected_before_allocating(
         plan_stage(model, topo)
     msg = str(err.value)
     assert all(n in msg for n in needles), msg
-    assert f"rank {topo.rank}" in msg and err.value.tensor
+    assert f"rank {topo.rank}" in msg and (err.value.tensor or err.value.file == "config.json")
     assert reads == [] and allocs == []
 
 

@@ -32,10 +32,11 @@ def check_tp_heads(spec: "ModelSpec", tp_size: int) -> None:
         divisors = [d for d in range(1, q + 1) if q % d == 0]
         raise PlanError(f"--tp {tp_size} does not divide the {q} query heads "
                         f"(num_attention_heads): engines give every TP rank whole heads; "
-                        f"use --tp in {divisors}")
+                        f"use --tp in {divisors}", file="config.json")
     if kinds & {"full_attention", "hybrid_attention_mamba2"}:
         kv = spec.num_kv_heads
         if kv % tp_size and tp_size % kv:
             raise PlanError(f"--tp {tp_size} and the {kv} KV heads (num_key_value_heads): KV heads "
                             "must divide by TP, or TP by them (each then replicated); use a TP "
-                            f"that divides {q} and is a divisor or multiple of {kv}")
+                            f"that divides {q} and is a divisor or multiple of {kv}",
+                            file="config.json")
