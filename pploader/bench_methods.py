@@ -8,8 +8,8 @@ ranks that run together, releases them at once), runs the method, prints ``RESUL
 
 Methods are registered by name for one device (``cpu`` here): another method or device
 is one :func:`register` call, the parent needs no change. ``pploader bench --device cuda``
-runs pploader/bench_cuda.py instead, which registers pploader's GPU methods in the shared
-anchor script so they share its files, cache states and competitors.
+runs pploader/bench_cuda.py instead: its own GPU methods (raw ceiling, read-all, optional
+competitors, pploader) on one checkpoint, cache state and process protocol.
 """
 from __future__ import annotations
 

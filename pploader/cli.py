@@ -59,7 +59,7 @@ examples:
   torchrun --nproc_per_node=2 -m pploader load --model DIR --pp 2 --device cuda
   sbatch --nodes=2 launch/slurm.sbatch --model DIR --pp 2 --tp 8   # also launch/mpirun.sh
   pploader bench --size-gb 1 --layers 16                 # ours vs read-all vs raw preadv
-  pploader bench --device cuda -- --anchors PATH/bench_anchors.py   # vs GPU loaders
+  pploader bench --device cuda -- --ckdir /tmp/ck --out OUT         # vs GPU loaders
 
 Every rank reads only its stage: layers [start_layer, end_layer), the embedding on the
 first stage, the final norm and head on the last, its experts and its TP slice.
