@@ -16,7 +16,8 @@ import torch
 from .checkpoint import DTYPES, CheckpointIndex, open_checkpoint
 from .dtypes import cast_stream, dtype_casts
 from .errors import PPLoaderError
-from .plan import Partition, RankPlan, make_windows, plan_mtp, plan_rank
+from .plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_mtp,
+                   plan_rank)
 from .read import Reader, ReadStats
 from .share import share_reads
 from .shard import DEFAULT_RANGE_COST_BYTES
@@ -27,6 +28,7 @@ from .topology import Topology
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
     from .device import DeviceLoader, PinnedRing
+    from .exchange import ExchangeReader
 
 __all__ = ["StagePlan", "plan_stage", "iter_stage_weights", "load_stage", "StageResult",
            "iter_mtp_weights", "ReadOnceReader"]
@@ -45,20 +47,25 @@ class StagePlan:
 def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
                partition: Partition = "even", strict: bool = True,
                allowed_roots: Sequence[str] = (),
-               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> StagePlan:
+               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+               exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
+               exchange_batch_bytes: Optional[int] = None) -> StagePlan:
     """Plan this rank's stage from config.json and the needed shards' headers.
 
     Every check (headers, shapes, dtype policy) happens here, before anything is allocated;
     errors name this rank. ``range_cost_bytes``: what one extra positional read costs in
     bytes of transfer; strided (dim-1) TP slices are read row by row when that is cheaper
-    than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes)."""
+    than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes).
+    ``exchange_cost`` (None = off): per tensor, strided slices may instead be read as row
+    shares and redistributed over the TP group when loaded with a Comm (redistribute.py)."""
     try:
         spec = load_spec(model_dir)
         index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
         spec = spec.for_checkpoint(index.weight_map)  # the naming on disk (e.g. fused experts)
         windows = make_windows(spec, index, topology.pp_size, partition)
         plan = plan_rank(spec, index, topology, windows[topology.pp_rank], strict=strict,
-                         range_cost_bytes=range_cost_bytes)
+                         range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+                         exchange_batch_bytes=exchange_batch_bytes)
         return StagePlan(spec, index, plan, dtype_casts(spec, plan))
     except PPLoaderError as exc:
         raise exc.on_rank(topology.rank)
@@ -69,21 +76,31 @@ def iter_stage_weights(model_dir: os.PathLike | str, topology: Topology, *,
                        threads: int = 1, mode: str = "owned",
                        cancel: Optional[threading.Event] = None,
                        on_progress: Optional[Callable[[int], None]] = None,
-                       comm: Optional["Comm"] = None, read_once: bool = False
+                       comm: Optional["Comm"] = None, read_once: bool = False,
+                       range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+                       exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of this rank's stage, lazily, with bounded host memory.
 
     Feed it to a serving stack's ``load_weights(weights)`` unchanged. ``read_once`` (needs
     ``comm``; every rank of the stage must iterate) reads replicated tensors once per group
-    and broadcasts them, see :class:`ReadOnceReader`.
+    and broadcasts them, see :class:`ReadOnceReader`. With ``comm`` (every rank of each TP
+    group must iterate), strided TP slices planned for redistribution are read as row shares
+    and exchanged (exchange.py); without one they are read directly.
     """
-    staged = plan_stage(model_dir, topology, partition=partition)
-    if read_once:
+    staged = plan_stage(model_dir, topology, partition=partition,
+                        range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost)
+    if comm is not None and not read_once and staged.plan.redistribute is not None:
+        from .exchange import ExchangeReader
+        stream: Iterator = iter(ExchangeReader(staged.plan, comm, window_bytes=window_bytes,
+                                               threads=threads, mode=mode, cancel=cancel,
+                                               on_progress=on_progress))
+    elif read_once:
         if comm is None:
             raise ValueError("read_once needs a Comm (the broadcasts go through it)")
         if mode != "owned":
             raise ValueError("read_once yields owned tensors only")
-        stream: Iterator = iter(ReadOnceReader(staged, comm, window_bytes=window_bytes,
+        stream = iter(ReadOnceReader(staged, comm, window_bytes=window_bytes,
                                                threads=threads, cancel=cancel,
                                                on_progress=on_progress))
     else:
@@ -125,7 +142,8 @@ class ReadOnceReader:
         plans = [plan if r == topo.rank else plan_rank(staged.spec, staged.index,
                                                        topo.with_rank(r), plan.window,
                                                        strict=False,
-                                                       range_cost_bytes=plan.range_cost_bytes)
+                                                       range_cost_bytes=plan.range_cost_bytes,
+                                                       exchange_cost=None)
                  for r in topo.stage_group()]
         self.shared = share_reads(plans)[topo.rank]
         self.comm, self.stats = comm, ReadStats()
@@ -192,12 +210,17 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                ring: Optional["PinnedRing"] = None, cancel: Optional[threading.Event] = None,
                on_progress: Optional[Callable[[int], None]] = None,
                memory_budget_bytes: Optional[int] = None, comm: Optional["Comm"] = None,
-               read_once: bool = False) -> StageResult:
+               read_once: bool = False, redistribute: Optional[bool] = None) -> StageResult:
     """Read a planned stage into owned tensors on ``device`` and measure it.
 
     ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
     read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off), on
     CPU (gloo) or on CUDA (DeviceLoader + NCCL broadcasts).
+
+    ``redistribute`` (default: whenever ``comm`` is given and the plan chose it for some
+    tensor; every rank of each TP group must call it): strided TP slices are read as row
+    shares and exchanged with all-to-alls over the TP group (exchange.py): gloo on CPU,
+    NCCL on CUDA. Without a Comm, or with ``redistribute=False``, they are read directly.
 
     ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
@@ -208,10 +231,20 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()
-    reader: "Reader | DeviceLoader | ReadOnceReader"
-    if read_once and comm is None:
-        raise ValueError("read_once needs a Comm (the broadcasts go through it)")
-    if read_once:
+    reader: "Reader | DeviceLoader | ReadOnceReader | ExchangeReader"
+    if (read_once or redistribute) and comm is None:
+        raise ValueError("read_once / redistribute need a Comm (the collectives go through it)")
+    exchange = (redistribute is not False and comm is not None and not read_once
+                and plan.redistribute is not None)
+    if exchange:
+        from .exchange import ExchangeReader
+        cuda = torch.device(device).type == "cuda"
+        reader = ExchangeReader(plan, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
+                                threads=threads or (16 if cuda else 1), cancel=cancel,
+                                on_progress=on_progress, device=device, ring=ring,
+                                memory_budget_bytes=memory_budget_bytes)
+        state = dict(reader)
+    elif read_once:
         cuda = torch.device(device).type == "cuda"
         reader = ReadOnceReader(staged, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
                                 threads=threads or (16 if cuda else 1), cancel=cancel,
@@ -236,4 +269,9 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
         header_bytes=plan.header_bytes, seconds=reader.stats.seconds,
         peak_rss_bytes=peak_rss_bytes(), rss_growth_bytes=peak_rss_bytes() - rss_before,
         files=len(plan.files))
+    if exchange:
+        report.extra["redistribute"] = {
+            "tensors": len(plan.redistribute.targets),  # type: ignore[union-attr]
+            "sent_bytes": reader.sent_bytes, "received_bytes": reader.received_bytes,  # type: ignore[union-attr]
+            "exchange_seconds": round(reader.exchange_seconds, 4)}  # type: ignore[union-attr]
     return StageResult(state, plan, reader.stats, report)
