@@ -69,6 +69,42 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
 
 
+def _exchange_cost(text: str) -> Optional[float]:
+    if text == "off":
+        return None
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--exchange-cost must be >= 0 or off, got {text}")
+    return value
+
+
+def _tp_read_args(p: argparse.ArgumentParser) -> None:
+    """Options that change how TP slices are read (so `plan` shows what `load` does)."""
+    from .plan import DEFAULT_EXCHANGE_COST
+    g = p.add_argument_group("TP slice reads (docs/tensor-parallel.md)")
+    g.add_argument("--range-cost", type=_size, default=None, metavar="BYTES",
+                   help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
+                   "are read row by row when cheaper than the covering box; 0 = always row by "
+                   "row (default 64K)")
+    g.add_argument("--exchange-cost", type=_exchange_cost, default=DEFAULT_EXCHANGE_COST,
+                   metavar="COST|off", help="cost of one byte exchanged over the TP group in "
+                   "bytes read: strided slices are read as row shares + an all-to-all when "
+                   f"that is cheaper (default {DEFAULT_EXCHANGE_COST}; off = never)")
+    g.add_argument("--no-redistribute", dest="exchange_cost", action="store_const", const=None,
+                   help="same as --exchange-cost off: read strided slices directly")
+    g.add_argument("--exchange-batch", type=_size, default=None, metavar="BYTES",
+                   help="tensor bytes per all-to-all (default 64M; larger tensors are cut "
+                   "into row chunks)")
+
+
+def _tp_read_kwargs(args: argparse.Namespace) -> dict:
+    kw: dict = {"exchange_cost": args.exchange_cost,
+                "exchange_batch_bytes": args.exchange_batch}
+    if args.range_cost is not None:
+        kw["range_cost_bytes"] = args.range_cost
+    return kw
+
+
 def _pool_args(p: argparse.ArgumentParser) -> None:
     """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
     g = p.add_argument_group("cache pools (docs/pools.md)")
@@ -151,12 +187,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plan every rank of a PP x EP x TP layout from config.json and "
                        "the safetensors headers. Reads no tensor data; no torch.distributed.")
     _layout_args(p, pp_required=True)
+    _tp_read_args(p)
     _pool_args(p)
 
     p = sub.add_parser("load", help="load this rank's stage (run under torchrun/srun/mpiexec)",
                        description="Each rank plans, all ranks agree, then each reads exactly its "
                        "bytes. Rank 0 prints one table (or --json) for the whole job.")
     _layout_args(p)
+    _tp_read_args(p)
     _pool_args(p)
     p.add_argument("--no-pools", action="store_true", help="do not allocate cache pools")
     p.add_argument("--pool-device", default=None,
@@ -186,10 +224,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-once", action="store_true",
                    help="read tensors that several ranks of a stage need (replicated ones) on one "
                    "rank and broadcast them; pays on network storage (default off)")
-    p.add_argument("--range-cost", type=_size, default=None, metavar="BYTES",
-                   help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
-                   "are read row by row when cheaper than the covering box; 0 = always row by "
-                   "row (default 64K)")
 
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
@@ -232,7 +266,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     index = open_checkpoint(args.model)
     opts = _pool_options(args)
     plans = plan_all(spec, index, args.pp, args.tp, args.ep, partition=args.partition,
-                     cache_bytes=cache_costs(spec, args.tp, opts))  # type: ignore[arg-type]
+                     cache_bytes=cache_costs(spec, args.tp, opts),  # type: ignore[arg-type]
+                     **_tp_read_kwargs(args))
     summaries = [p.summary() for p in plans]
     pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
     for summary, pool in zip(summaries, pools):
@@ -246,6 +281,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
               f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
         print(plan_table(summaries))
+        if args.tp > 1:
+            from .redistribute import methods_table
+            print("\nTP slice reads per rank (tensors / bytes read; redistribute: row shares "
+                  "+ all-to-all when loaded with a Comm):")
+            print(methods_table(summaries))
         print("\ncache pools (per rank; its own layers only):")
         print(format_pools(summaries))
         bal = pipeline["balance"]
@@ -310,11 +350,11 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     try:
         from .pools import pool_device
         staged = plan_stage(args.model, topo, partition=_load_partition(
-            args, topo.pp_size, pool_device(args.pool_device)),
-            **({} if args.range_cost is None else {"range_cost_bytes": args.range_cost}))
+            args, topo.pp_size, pool_device(args.pool_device)), **_tp_read_kwargs(args))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
-    planned = comm.agree(error, staged.plan.read_bytes if staged else None)
+    planned = comm.agree(error, None if staged is None else staged.plan.read_bytes
+                         if args.read_once else staged.plan.planned_read_bytes)
     show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:

@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .topology import Topology
 
 __all__ = ["ExchangeItem", "Redistribute", "Exchanger", "DEFAULT_EXCHANGE_COST",
-           "DEFAULT_EXCHANGE_BATCH_BYTES", "read_methods", "rows_in", "piece_selection"]
+           "DEFAULT_EXCHANGE_BATCH_BYTES", "read_methods", "methods_table", "rows_in", "piece_selection"]
 
 #: Box bytes of the tensors (or row chunks of one large tensor) exchanged in one all-to-all.
 #: Host memory per batch is about 3 x this / TP (row share, send and receive buffers).
@@ -306,3 +306,22 @@ def read_methods(plan: RankPlan) -> dict[str, dict[str, int]]:
                            "received_bytes": ex.received_bytes if ex else 0,
                            "batches": ex.num_batches if ex else 0}
     return out
+
+
+def methods_table(summaries: Sequence[dict]) -> str:
+    """Per rank, tensors and bytes read by each method (``RankPlan.summary()["methods"]``)."""
+    from .report import format_bytes
+    names = ("whole", "rows", "box", "redistribute")
+    head = ["rank", *names, "exchanged (sent/recv)", "batches"]
+    rows = []
+    for s in summaries:
+        m = s["methods"]
+        ex = m["redistribute"]
+        rows.append([str(s["rank"]), *(f"{m[k]['tensors']} / {format_bytes(m[k]['read_bytes'])}"
+                                       for k in names),
+                     f"{format_bytes(ex['sent_bytes'])} / {format_bytes(ex['received_bytes'])}",
+                     str(ex["batches"])])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    line = "  ".join(h.rjust(w) for h, w in zip(head, widths))
+    return "\n".join([line, "-" * len(line),
+                      *("  ".join(c.rjust(w) for c, w in zip(r, widths)) for r in rows)])
