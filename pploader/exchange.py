@@ -157,6 +157,8 @@ class ExchangeReader:
                     flat = _bytes_view(outputs[item.target]).reshape(-1)
                     flat[at:at + n].copy_(recv[pos:pos + n])
                 pos += n
+        if self.device.type == "cuda":  # outputs complete before they are handed out
+            torch.cuda.synchronize(self.device)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()

@@ -168,3 +168,43 @@ def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int
               f"received {received}) for {res['ideal']} ideal; direct {res['direct_read']}")
     assert {k for r in results for k in r["direct"]} >= {
         k for k in ref if "o_proj" in k or "down_proj" in k}
+
+
+def _failing_rank(rank: int, world: int, model: str) -> dict:
+    import time
+    from pploader import RankFailure, ReadError, load_stage, plan_stage
+    from pploader.comm import Comm
+    from pploader.read import Reader
+    topo = Topology.for_world(world, rank, tp=world)
+    comm = Comm(topo, timeout_s=30)
+    staged = plan_stage(model, topo, exchange_cost=0.5, exchange_batch_bytes=4096)
+    assert staged.plan.redistribute is not None and staged.plan.redistribute.num_batches > 2
+    if rank == 1:
+        def boom(self: Reader, *_: object) -> None:
+            raise ReadError("injected read failure", rank=self.plan.topology.rank)
+        Reader._pread_into = boom  # type: ignore[assignment]
+    error, start = None, time.monotonic()
+    try:
+        load_stage(staged, comm=comm, cancel=comm.watch_failures())
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    try:
+        comm.agree(error)
+        outcome = "no failure"
+    except RankFailure as exc:
+        outcome = str(exc)
+    comm.close()
+    return {"outcome": outcome, "own_error": repr(error), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.slow
+def test_failing_reads_mid_exchange_fail_every_rank_together(llama: Path) -> None:
+    """Rank 1's reads fail in the first batch: it keeps taking part in the remaining
+    all-to-alls (no peer waits in a collective), then every rank raises the same failure."""
+    results = run_ranks(_failing_rank, 2, str(llama), timeout_s=60)
+    for res in results:
+        assert "rank 1" in res["outcome"] and "injected read failure" in res["outcome"], res
+        assert res["seconds"] < 20
+    assert "injected read failure" in results[1]["own_error"]
+    assert results[0]["own_error"] in ("None", repr(None)) or "cancelled" in \
+        results[0]["own_error"]
