@@ -133,8 +133,8 @@ class ExchangeReader:
         for q in range(tp):
             for item, share in zip(batch, shares):
                 a, n = item.rows[me]
-                piece = _gather_rows(share, item, a, n, q)
-                send[pos:pos + piece.numel()].copy_(piece)
+                piece = _gather_rows(share, item, a, n, q)  # a strided view: one copy
+                send[pos:pos + piece.numel()].view(piece.shape).copy_(piece)
                 pos += piece.numel()
         recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
         start = time.perf_counter()
@@ -194,7 +194,8 @@ class ExchangeReader:
 
 def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
                  dst: int) -> torch.Tensor:
-    """The bytes of rank ``dst``'s slice inside rows ``[first, first + rows)`` (this share)."""
+    """Rank ``dst``'s slice inside rows ``[first, first + rows)`` (this share), as uint8 with
+    the last dim in bytes; a view when the slice is one interval per dim."""
     sel = piece_selection(item.selections[dst], first, first + rows)
     if not rows:
         return torch.empty(0, dtype=torch.uint8, device=share.device)
@@ -206,4 +207,4 @@ def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
         if not parts:
             return torch.empty(0, dtype=torch.uint8, device=share.device)
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-    return t.reshape(-1)
+    return t
