@@ -136,20 +136,25 @@ class ExchangeReader:
                 piece = _gather_rows(share, item, a, n, q)  # a strided view: one copy
                 send[pos:pos + piece.numel()].view(piece.shape).copy_(piece)
                 pos += piece.numel()
-        recv = torch.empty(sum(recv_splits), dtype=torch.uint8, device=self.device)
+        for item in batch:
+            if item.first:
+                outputs[item.target] = torch.empty(item.out_shape(me),
+                                                   dtype=DTYPES[item.dtype][0],
+                                                   device=self.device)
+        total = sum(recv_splits)
+        if len(batch) == 1:  # one chunk: its pieces arrive in order, straight into the output
+            at = batch[0].out_offset(me)
+            recv = _bytes_view(outputs[batch[0].target]).reshape(-1)[at:at + total]
+        else:
+            recv = torch.empty(total, dtype=torch.uint8, device=self.device)
         start = time.perf_counter()
         self.comm.all_to_all_bytes(recv, recv_splits, send, send_splits)
         self.exchange_seconds += time.perf_counter() - start
         del send
         self.sent_bytes += sum(send_splits) - send_splits[me]
         self.received_bytes += sum(recv_splits) - recv_splits[me]
-        for item in batch:
-            if item.first:
-                outputs[item.target] = torch.empty(item.out_shape(me),
-                                                   dtype=DTYPES[item.dtype][0],
-                                                   device=self.device)
         pos = 0
-        for p in range(tp):
+        for p in range(tp) if len(batch) > 1 else ():  # several: scatter into the outputs
             for item in batch:
                 n = item.piece_bytes(p, me)
                 if n:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
@@ -124,14 +125,15 @@ def c_rows(item) -> int:
 
 
 # ---- real gloo jobs ------------------------------------------------------------------------
-def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int) -> dict:
+def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int,
+                       batch_bytes: Optional[int]) -> dict:
     import pploader.exchange  # noqa: F401 - imported before /proc/self/io is sampled
     from pploader import load_stage, plan_stage
     from pploader.comm import Comm
     from pploader.report import proc_io
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=60)
-    staged = plan_stage(model, topo, exchange_cost=0.5)
+    staged = plan_stage(model, topo, exchange_cost=0.5, exchange_batch_bytes=batch_bytes)
     direct = load_stage(staged)
     comm.agree(None)
     before = proc_io()
@@ -144,16 +146,21 @@ def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int) -> d
             "direct_read": direct.stats.read_bytes, "ex_read": ex.stats.read_bytes,
             "rchar": after["rchar"] - before["rchar"], "ideal": staged.plan.ideal_bytes,
             "planned": staged.plan.planned_read_bytes, "extra": ex.report.extra,
-            "exchanged": sorted(staged.plan.redistribute.targets)}
+            "exchanged": sorted(staged.plan.redistribute.targets),
+            "batches": staged.plan.redistribute.num_batches}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp, tp", [(2, 2), (1, 4)])
-def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int) -> None:
+@pytest.mark.parametrize("pp, tp, batch_bytes", [(2, 2, None), (1, 4, 4096)])
+def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int,
+                                                   batch_bytes: Optional[int]) -> None:
+    """Default batches (many tensors per all-to-all) at PP=2 x TP=2; tiny batches (tensors
+    cut into row chunks, one chunk per all-to-all, received in place) at TP=4."""
     ref = reference_tensors(llama)
-    results = run_ranks(_redistribute_rank, pp * tp, str(llama), pp, tp)
+    results = run_ranks(_redistribute_rank, pp * tp, str(llama), pp, tp, batch_bytes)
     for rank, res in enumerate(results):
         assert res["exchanged"], rank
+        assert (res["batches"] == 1) == (batch_bytes is None)
         assert res["ex"].keys() == res["direct"].keys()
         for k in res["direct"]:
             assert res["ex"][k] == res["direct"][k], (rank, k)
