@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import TYPE_CHECKING, Callable, TypeVar, Mapping, Optional, Sequence, Union
 
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
@@ -347,8 +348,8 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
                 link = scheme.weight_of(name) if scheme is not None else None
                 exchanger.consider(entry, target, sel, (role.component, role.fused_experts, (
                     index.entry(link[0]).shape if link and link[0] in index.weight_map
-                    else None)), lambda peer, role=role, entry=entry: _selection(
-                        spec, role, entry, peer, experts, index, scheme))
+                    else None)), partial(_peer_selection, spec, role, entry, experts, index,
+                                         scheme))
         except PlanError as exc:  # name the file and rank of the tensor being planned
             raise PlanError(exc.detail, file=exc.file or entry.file, tensor=exc.tensor or name,
                             rank=topology.rank) from None
@@ -357,6 +358,13 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
     return replace(plan, range_cost_bytes=range_cost_bytes, redistribute=redistribute)
+
+
+def _peer_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry,
+                    experts: Optional[tuple[int, int]], index: CheckpointIndex,
+                    scheme: Optional[QuantScheme], peer: Topology) -> Selection:
+    """A TP peer's selection of ``entry`` (the exchange planner needs the whole group's)."""
+    return _selection(spec, role, entry, peer, experts, index, scheme)
 
 
 def _exchanger(topology: Topology, range_cost_bytes: int, exchange_cost: Optional[float],

@@ -219,9 +219,14 @@ class Exchanger:
         if not shape or any(s.pad_rows or not _ascending(s) for s in sels):
             return None
         starts = [dict(s.dims).get(0) for s in sels]
-        lo = 0 if any(iv is None for iv in starts) else min(a for iv in starts for a, _ in iv)
-        hi = shape[0] if any(iv is None for iv in starts) else max(a + n for iv in starts
-                                                                    for a, n in iv)
+        picked = [iv for iv in starts if iv is not None]
+        if len(picked) < len(starts):  # some rank takes every row
+            lo, hi = 0, shape[0]
+        elif any(picked):
+            lo = min(a for iv in picked for a, _ in iv)
+            hi = max(a + n for iv in picked for a, n in iv)
+        else:
+            return None
         rows = _shares(lo, hi, tp)
         row_bytes = math.prod(shape[1:]) * itemsize
         direct = redist = 0.0

@@ -128,7 +128,7 @@ def c_rows(item) -> int:
 def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int,
                        batch_bytes: Optional[int]) -> dict:
     import pploader.exchange  # noqa: F401 - imported before /proc/self/io is sampled
-    from pploader import load_stage, plan_stage
+    from pploader import iter_stage_weights, load_stage, plan_stage
     from pploader.comm import Comm
     from pploader.report import proc_io
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
@@ -140,9 +140,12 @@ def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int,
     ex = load_stage(staged, comm=comm, cancel=comm.watch_failures())
     after = proc_io()
     comm.agree(None)
+    streamed = {k: _bytes(v) for k, v in iter_stage_weights(
+        model, topo, comm=comm, exchange_cost=0.5, cancel=comm.watch_failures())}
+    comm.agree(None)
     comm.close()
     return {"direct": {k: _bytes(v) for k, v in direct.state_dict.items()},
-            "ex": {k: _bytes(v) for k, v in ex.state_dict.items()},
+            "ex": {k: _bytes(v) for k, v in ex.state_dict.items()}, "streamed": streamed,
             "direct_read": direct.stats.read_bytes, "ex_read": ex.stats.read_bytes,
             "rchar": after["rchar"] - before["rchar"], "ideal": staged.plan.ideal_bytes,
             "planned": staged.plan.planned_read_bytes, "extra": ex.report.extra,
@@ -162,6 +165,7 @@ def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int
         assert res["exchanged"], rank
         assert (res["batches"] == 1) == (batch_bytes is None)
         assert res["ex"].keys() == res["direct"].keys()
+        assert res["streamed"] == res["direct"], rank  # iter_stage_weights with a Comm
         for k in res["direct"]:
             assert res["ex"][k] == res["direct"][k], (rank, k)
         assert res["ex_read"] == res["planned"] <= 1.02 * res["ideal"]
