@@ -224,6 +224,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-once", action="store_true",
                    help="read tensors that several ranks of a stage need (replicated ones) on one "
                    "rank and broadcast them; pays on network storage (default off)")
+    p.add_argument("--read-once-node", action="store_true",
+                   help="read bytes that several ranks of one node need (replicated tensors, "
+                   "the tied head) once per node and send them to the others; a node = "
+                   "$LOCAL_WORLD_SIZE consecutive ranks (CPU loads; default off)")
 
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
@@ -346,22 +350,25 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
 
     topo = comm.topology
     cancel = comm.watch_failures(abort_after_s=min(10.0, args.timeout))
-    staged, error, report = None, None, None
+    staged, error, report, partition = None, None, None, args.partition
     try:
         from .pools import pool_device
-        staged = plan_stage(args.model, topo, partition=_load_partition(
-            args, topo.pp_size, pool_device(args.pool_device)), **_tp_read_kwargs(args))
+        partition = _load_partition(args, topo.pp_size, pool_device(args.pool_device))
+        staged = plan_stage(args.model, topo, partition=partition,  # type: ignore[arg-type]
+                            **_tp_read_kwargs(args))
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
     planned = comm.agree(error, None if staged is None else staged.plan.read_bytes
-                         if args.read_once else staged.plan.planned_read_bytes)
+                         if args.read_once or args.read_once_node
+                         else staged.plan.planned_read_bytes)
     show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
                                 device=pool_device(args.device), cancel=cancel, on_progress=add,
                                 memory_budget_bytes=args.memory_budget,
-                                comm=comm, read_once=args.read_once)
+                                comm=comm, read_once=args.read_once,
+                                **_node_kwargs(args, topo.rank, topo.world_size, partition))
             add.flush()  # type: ignore[attr-defined]
             if args.save_loaded:
                 from safetensors.torch import save_file
@@ -378,6 +385,22 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
         except Exception as exc:  # noqa: BLE001 - agreed on below
             error = exc
         return comm.agree(error, report)
+
+
+def _node_kwargs(args: argparse.Namespace, rank: int, world_size: int,
+                 partition: object) -> dict:
+    """``--read-once-node``: this rank's node = $LOCAL_WORLD_SIZE consecutive ranks (how
+    torchrun, srun and mpiexec number ranks per node)."""
+    if not args.read_once_node:
+        return {}
+    from .errors import PlanError
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") \
+        or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if not local or not local.isdigit() or world_size % int(local):
+        raise PlanError(f"--read-once-node needs the ranks per node ($LOCAL_WORLD_SIZE, got "
+                        f"{local!r}) dividing the world of {world_size}", rank=rank)
+    first = rank - rank % int(local)
+    return {"node_ranks": range(first, first + int(local)), "partition": partition}
 
 
 def _env_rank() -> Optional[str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Iterator, Optional
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -28,8 +28,10 @@ from .redistribute import ExchangeItem, Redistribute, piece_selection
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
     from .device import PinnedRing
+    from .plan import Partition
+    from .stage import StagePlan
 
-__all__ = ["ExchangeReader", "split_plan"]
+__all__ = ["ExchangeReader", "NodeReadOnceReader", "split_plan"]
 
 
 def split_plan(plan: RankPlan) -> tuple[RankPlan, RankPlan, Redistribute]:
@@ -213,3 +215,99 @@ def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
             return torch.empty(0, dtype=torch.uint8, device=share.device)
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     return t
+
+
+class NodeReadOnceReader:
+    """Read once per node: bytes that several ranks of ``node_ranks`` (this rank's node) need
+    (replicated tensors, the tied head = the embedding, identical vocab slices of different
+    stages) are read by one of them and sent point to point to the others (share.py plans
+    it, ``Comm.send`` / ``Comm.recv`` move it). Every rank of the node must iterate it to the
+    end; bytes read per node = the union of its ranks' plans.
+
+    ``partition`` must be the one the stage windows were planned with (checked). Yields
+    ``(target, tensor)``: the transfers in the node's order, then this rank's own items. A
+    rank whose read fails sends zeros for the rest (no receiver waits forever) and raises.
+    """
+
+    def __init__(self, staged: "StagePlan", comm: "Comm", node_ranks: Sequence[int], *,
+                 partition: "Partition" = "even", window_bytes: Optional[int] = None,
+                 threads: int = 1, cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+        from .errors import PlanError
+        from .plan import make_windows, plan_rank
+        from .share import share_node_reads
+        plan, topo = staged.plan, staged.plan.topology
+        ranks = sorted(set(node_ranks))
+        if topo.rank not in ranks or not all(0 <= r < topo.world_size for r in ranks):
+            raise PlanError(f"node ranks {ranks} must include this rank and lie in the world "
+                            f"of {topo.world_size}", rank=topo.rank)
+        windows = make_windows(staged.spec, staged.index, topo.pp_size, partition)
+        if windows[topo.pp_rank] != plan.window:
+            raise PlanError(f"partition {partition!r} gives stage {topo.pp_rank} layers "
+                            f"{windows[topo.pp_rank].start_layer}-"
+                            f"{windows[topo.pp_rank].end_layer - 1}, but this rank's plan has "
+                            f"{plan.window.start_layer}-{plan.window.end_layer - 1}: pass the "
+                            "partition the plan was made with", rank=topo.rank)
+        plans = [plan if r == topo.rank else plan_rank(
+            staged.spec, staged.index, topo.with_rank(r), windows[topo.with_rank(r).pp_rank],
+            strict=False, range_cost_bytes=plan.range_cost_bytes, exchange_cost=None)
+            for r in ranks]
+        self.node = share_node_reads(plans)[topo.rank]
+        me = topo.rank
+        first: dict[int, object] = {}
+        for i, item in self.node.mine:
+            if self.node.transfers[i].reader == me:
+                first.setdefault(i, item)
+        self._reads = replace(self.node.own, items=tuple(first.values()))  # type: ignore
+        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                  on_progress=on_progress)
+        self._readers = (Reader(self._reads, **kw), Reader(self.node.own, **kw))  # type: ignore
+        # strided TP slices are never node-shared (each rank's differ): when the plan chose
+        # read-and-redistribute for them, this rank's own items go through the exchange
+        ex = plan.redistribute
+        own_targets = {i.target for i in self.node.own.items}
+        self._exchange = ExchangeReader(replace(self.node.own, redistribute=ex), comm, **kw) \
+            if ex is not None and ex.targets <= own_targets else None  # type: ignore[arg-type]
+        self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
+        self.stats, self.received_bytes = ReadStats(), 0
+        self.error: Optional[BaseException] = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        me, start = self.node.rank, time.perf_counter()
+        reads = iter(self._readers[0])
+        try:
+            for index, transfer in enumerate(self.node.transfers):
+                items = [item for i, item in self.node.mine if i == index]
+                if not items:
+                    continue
+                dtype = DTYPES[items[0].dtype][0]
+                if transfer.reader == me:
+                    tensor = None
+                    if self.error is None:
+                        try:
+                            tensor = next(reads)[1]
+                        except Exception as exc:  # noqa: BLE001 - raised after the sends
+                            self.error = exc
+                    if tensor is None:
+                        tensor = torch.zeros(items[0].shape, dtype=dtype)
+                    for dst in transfer.receivers:
+                        self.comm.send(_bytes_view(tensor).reshape(-1), dst)
+                else:
+                    tensor = torch.empty(items[0].shape, dtype=dtype)
+                    self.comm.recv(_bytes_view(tensor).reshape(-1), transfer.reader)
+                    self.received_bytes += tensor.numel() * tensor.element_size()
+                    if self.on_progress is not None:
+                        self.on_progress(transfer.nbytes)
+                if self.error is None:
+                    for k, item in enumerate(items):
+                        yield item.target, tensor if k == 0 else tensor.clone()
+            if self.error is not None:
+                raise self.error
+            next(reads, None)  # the reader's end (identity checks, close)
+            yield from self._exchange if self._exchange is not None else self._readers[1]
+        finally:
+            stats = [r.stats for r in self._readers] + (
+                [self._exchange.stats] if self._exchange is not None else [])
+            for name in ("read_bytes", "items", "syscalls"):
+                setattr(self.stats, name, sum(getattr(s, name) for s in stats))
+            self.stats.seconds = time.perf_counter() - start

@@ -28,7 +28,7 @@ from .topology import Topology
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
     from .device import DeviceLoader, PinnedRing
-    from .exchange import ExchangeReader
+    from .exchange import ExchangeReader, NodeReadOnceReader
 
 __all__ = ["StagePlan", "plan_stage", "iter_stage_weights", "load_stage", "StageResult",
            "iter_mtp_weights", "ReadOnceReader"]
@@ -210,7 +210,9 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                ring: Optional["PinnedRing"] = None, cancel: Optional[threading.Event] = None,
                on_progress: Optional[Callable[[int], None]] = None,
                memory_budget_bytes: Optional[int] = None, comm: Optional["Comm"] = None,
-               read_once: bool = False, redistribute: Optional[bool] = None) -> StageResult:
+               read_once: bool = False, redistribute: Optional[bool] = None,
+               node_ranks: Optional[Sequence[int]] = None,
+               partition: Partition = "even") -> StageResult:
     """Read a planned stage into owned tensors on ``device`` and measure it.
 
     ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
@@ -222,6 +224,10 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     shares and exchanged with all-to-alls over the TP group (exchange.py): gloo on CPU,
     NCCL on CUDA. Without a Comm, or with ``redistribute=False``, they are read directly.
 
+    ``node_ranks`` (needs ``comm``; CPU; every rank of the node calls it): read once per node:
+    bytes several ranks of this node need (replicated tensors, the tied head) are read by one
+    and sent to the others (exchange.NodeReadOnceReader; ``partition`` = the plan's).
+
     ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
 
@@ -231,12 +237,22 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()
-    reader: "Reader | DeviceLoader | ReadOnceReader | ExchangeReader"
-    if (read_once or redistribute) and comm is None:
-        raise ValueError("read_once / redistribute need a Comm (the collectives go through it)")
+    reader: "Reader | DeviceLoader | ReadOnceReader | ExchangeReader | NodeReadOnceReader"
+    if (read_once or redistribute or node_ranks is not None) and comm is None:
+        raise ValueError("read_once / redistribute / node_ranks need a Comm (the collectives "
+                         "go through it)")
+    if node_ranks is not None and (read_once or torch.device(device).type != "cpu"):
+        raise ValueError("node_ranks (read once per node) is a CPU load of its own: not with "
+                         "read_once, not on a device")
     exchange = (redistribute is not False and comm is not None and not read_once
-                and plan.redistribute is not None)
-    if exchange:
+                and node_ranks is None and plan.redistribute is not None)
+    if node_ranks is not None:
+        from .exchange import NodeReadOnceReader
+        reader = NodeReadOnceReader(staged, comm, node_ranks,  # type: ignore[arg-type]
+                                    partition=partition, window_bytes=window_bytes,
+                                    threads=threads or 1, cancel=cancel, on_progress=on_progress)
+        state = dict(reader)
+    elif exchange:
         from .exchange import ExchangeReader
         cuda = torch.device(device).type == "cuda"
         reader = ExchangeReader(plan, comm, window_bytes=window_bytes,  # type: ignore[arg-type]

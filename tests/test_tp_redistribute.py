@@ -318,3 +318,78 @@ def test_cli_plan_shows_the_load_options(llama: Path, capsys: pytest.CaptureFixt
     text = capsys.readouterr().out
     assert "TP slice reads per rank" in text and "redistribute" in text
     assert any(line.split()[:1] == ["0"] and "16 / " in line for line in text.splitlines())
+
+
+# ---- read once per node (issue 16 part 4) ----------------------------------------------------
+@pytest.fixture(scope="module")
+def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny llama with tied embeddings: the last stage reads the embedding as its head."""
+    return make_model(tmp_path_factory.mktemp("tied"), tiny_config(tie_word_embeddings=True))
+
+
+def test_share_node_reads_reads_the_union_once(tied: Path) -> None:
+    from pploader.share import share_node_reads
+    plans = plan_all(load_spec(tied), open_checkpoint(tied), pp=2, tp=2, exchange_cost=None)
+    node = share_node_reads(plans)  # one node of 4 ranks: both stages
+    keys = {}
+    for p in plans:
+        for i in p.items:
+            keys[(i.file, i.ranges, i.gather)] = i.read_bytes
+    assert sum(n.read_bytes for n in node.values()) == sum(keys.values())  # the union
+    assert sum(p.read_bytes for p in plans) > sum(keys.values())
+    embed = [t for t in node[0].transfers if t.reader in (0, 2) and 2 in (t.reader,
+                                                                          *t.receivers)]
+    assert embed, "the tied head (rank 2) and the embedding slice (rank 0) are one read"
+    for r, n in node.items():
+        assert [t.key for t in n.transfers] == [t.key for t in node[0].transfers]
+        got = {i.target for i in n.own.items} | {i.target for _, i in n.mine}
+        assert got == {i.target for i in plans[r].items}
+
+
+def _node_rank(rank: int, world: int, model: str, pp: int, tp: int, per_node: int,
+               exchange_cost: Optional[float]) -> dict:
+    from pploader import load_stage, plan_stage
+    from pploader.comm import Comm
+    from pploader.exchange import NodeReadOnceReader
+    topo = Topology.for_world(world, rank, pp=pp, tp=tp)
+    comm = Comm(topo, timeout_s=60)
+    staged = plan_stage(model, topo, exchange_cost=exchange_cost)
+    direct = load_stage(staged)
+    comm.agree(None)
+    first = rank - rank % per_node
+    reader = NodeReadOnceReader(staged, comm, range(first, first + per_node))
+    ex = staged.plan.redistribute
+    once = dict(reader)
+    comm.agree(None)
+    comm.close()
+    return {"same": sorted(k for k, v in once.items() if _bytes(v) == _bytes(
+                direct.state_dict[k])), "keys": sorted(direct.state_dict),
+            "read": reader.stats.read_bytes, "planned": reader.node.read_bytes,
+            "direct_read": direct.stats.read_bytes,
+            "items": [(i.file, i.ranges, i.gather) for i in staged.plan.items
+                      if ex is None or i.target not in ex.targets],
+            "shares": ex.read_bytes if ex is not None else 0}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp, tp, per_node, exchange_cost", [(2, 2, 4, 0.5), (2, 2, 4, None),
+                                                             (4, 1, 2, None)])
+def test_gloo_read_once_per_node(tied: Path, pp: int, tp: int, per_node: int,
+                                 exchange_cost: Optional[float]) -> None:
+    """Bitwise equal to the plain load; bytes read per node = the union of its ranks' items
+    (with redistribution: the union of the unstrided items + every rank's row shares)."""
+    results = run_ranks(_node_rank, pp * tp, str(tied), pp, tp, per_node, exchange_cost)
+    for first in range(0, pp * tp, per_node):
+        node = results[first:first + per_node]
+        for res in node:
+            assert res["same"] == res["keys"]
+            assert res["read"] == res["planned"]
+        union = {}
+        for res in node:
+            for f, ranges, gather in res["items"]:
+                union[(f, tuple(map(tuple, ranges)), str(gather))] = sum(n for _, n in ranges)
+        assert sum(r["read"] for r in node) == sum(union.values()) + sum(
+            r["shares"] for r in node)
+        assert all(r["shares"] for r in node) == (exchange_cost is not None)
+        if per_node == 4:
+            assert sum(r["read"] for r in node) < sum(r["direct_read"] for r in node)
