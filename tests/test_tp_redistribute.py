@@ -372,8 +372,7 @@ def _node_rank(rank: int, world: int, model: str, pp: int, tp: int, per_node: in
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pp, tp, per_node, exchange_cost", [(2, 2, 4, 0.5), (2, 2, 4, None),
-                                                             (4, 1, 2, None)])
+@pytest.mark.parametrize("pp, tp, per_node, exchange_cost", [(2, 2, 4, 0.5), (4, 1, 2, None)])
 def test_gloo_read_once_per_node(tied: Path, pp: int, tp: int, per_node: int,
                                  exchange_cost: Optional[float]) -> None:
     """Bitwise equal to the plain load; bytes read per node = the union of its ranks' items
