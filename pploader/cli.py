@@ -29,6 +29,8 @@ log = logging.getLogger("pploader")
 
 #: read.DEFAULT_WINDOW_BYTES in MiB (a literal: --help must not import torch; a test checks it)
 _DEFAULT_WINDOW_MIB = 256
+#: plan.DEFAULT_EXCHANGE_COST (a literal for the same reason; the same test checks it)
+_DEFAULT_EXCHANGE_COST = 0.5
 #: what PPLOADER_LOG accepts
 _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 #: torch.distributed backends pploader runs on
@@ -166,6 +168,41 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
                    "repo only)")
 
 
+def _exchange_cost(text: str) -> Optional[float]:
+    if text == "off":
+        return None
+    value = float(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"--exchange-cost must be >= 0 or off, got {text}")
+    return value
+
+
+def _tp_read_args(p: argparse.ArgumentParser) -> None:
+    """Options that change how TP slices are read (so `plan` shows what `load` does)."""
+    g = p.add_argument_group("TP slice reads (docs/tensor-parallel.md)")
+    g.add_argument("--range-cost", type=_size0, default=None, metavar="BYTES",
+                   help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
+                   "are read row by row when cheaper than the covering box; 0 = always row by "
+                   "row (default 64K)")
+    g.add_argument("--exchange-cost", type=_exchange_cost, default=_DEFAULT_EXCHANGE_COST,
+                   metavar="COST|off", help="cost of one byte exchanged over the TP group in "
+                   "bytes read: strided slices are read as row shares + an all-to-all when "
+                   f"that is cheaper (default {_DEFAULT_EXCHANGE_COST}; off = never)")
+    g.add_argument("--no-redistribute", dest="exchange_cost", action="store_const", const=None,
+                   help="same as --exchange-cost off: read strided slices directly")
+    g.add_argument("--exchange-batch", type=_size, default=None, metavar="BYTES",
+                   help="tensor bytes per all-to-all (default 64M; larger tensors are cut "
+                   "into row chunks)")
+
+
+def _tp_read_kwargs(args: argparse.Namespace) -> dict:
+    kw: dict = {"exchange_cost": args.exchange_cost,
+                "exchange_batch_bytes": args.exchange_batch}
+    if args.range_cost is not None:
+        kw["range_cost_bytes"] = args.range_cost
+    return kw
+
+
 def _pool_args(p: argparse.ArgumentParser) -> None:
     """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
     g = p.add_argument_group("cache pools (docs/pools.md)")
@@ -266,12 +303,14 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Plan every rank of a PP x EP x TP layout from config.json and "
                        "the safetensors headers. Reads no tensor data; no torch.distributed.")
     _layout_args(p, pp_required=True)
+    _tp_read_args(p)
     _pool_args(p)
 
     p = sub.add_parser("load", help="load this rank's stage (run under torchrun/srun/mpiexec)",
                        description="Each rank plans, all ranks agree, then each reads exactly its "
                        "bytes. Rank 0 prints one table (or --json) for the whole job.")
     _layout_args(p)
+    _tp_read_args(p)
     _pool_args(p)
     p.add_argument("--no-pools", action="store_true", help="do not allocate cache pools")
     p.add_argument("--pool-device", type=_device_name, default=None,
@@ -301,10 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--read-once", action="store_true",
                    help="read tensors that several ranks of a stage need (replicated ones) on one "
                    "rank and broadcast them; pays on network storage (default off)")
-    p.add_argument("--range-cost", type=_size0, default=None, metavar="BYTES",
-                   help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
-                   "are read row by row when cheaper than the covering box; 0 = always row by "
-                   "row (default 64K)")
+    p.add_argument("--read-once-node", action="store_true",
+                   help="read bytes that several ranks of one node need (replicated tensors, "
+                   "the tied head) once per node and send them to the others; a node = "
+                   "$LOCAL_WORLD_SIZE consecutive ranks (CPU loads; default off)")
 
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
@@ -368,7 +407,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     partition = _engine_partition(args.partition)
     plans = plan_all(spec, index, args.pp, args.tp, args.ep,
                      partition=partition,  # type: ignore[arg-type]
-                     cache_bytes=cache_costs(spec, args.tp, opts))  # type: ignore[arg-type]
+                     cache_bytes=cache_costs(spec, args.tp, opts),  # type: ignore[arg-type]
+                     **_tp_read_kwargs(args))
     for plan in plans:  # the dtype policy, as `load` applies it (rejections, warnings)
         dtype_casts(spec, plan)
     summaries = [p.summary() for p in plans]
@@ -385,6 +425,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
               f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
         print(plan_table(summaries))
+        if args.tp > 1:
+            from .redistribute import methods_table
+            print("\nTP slice reads per rank (tensors / bytes read; redistribute: row shares "
+                  "+ all-to-all when loaded with a Comm):")
+            print(methods_table(summaries))
         print("\ncache pools (per rank; its own layers only):")
         print(format_pools(summaries))
         bal = pipeline["balance"]
@@ -484,12 +529,13 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     error: Optional[BaseException] = None
     report: Optional[dict] = None
     device = pools_on = None
+    partition: object = args.partition
     try:
         device, pools_on = pool_device(args.device), pool_device(args.pool_device)
+        partition = _load_partition(args, topo.pp_size, pools_on)
         staged = plan_stage(args.model, topo, allowed_roots=args.allow_root,
-                            partition=_load_partition(args, topo.pp_size, pools_on),  # type: ignore[arg-type]
-                            **({} if args.range_cost is None else
-                               {"range_cost_bytes": args.range_cost}))
+                            partition=partition,  # type: ignore[arg-type]
+                            **_tp_read_kwargs(args))
         largest = staged.plan.largest_item_bytes
         if args.window_bytes is not None and args.window_bytes < largest:
             raise UsageError(f"--window-bytes {args.window_bytes} is smaller than this stage's "
@@ -501,7 +547,9 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
         error = exc.on_rank(topo.rank)
     except Exception as exc:  # noqa: BLE001 - agreed on below
         error = exc
-    planned = comm.agree(error, staged.plan.read_bytes if staged else None)
+    planned = comm.agree(error, None if staged is None else staged.plan.read_bytes
+                         if args.read_once or args.read_once_node
+                         else staged.plan.planned_read_bytes)
     show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
     with ProgressBar(sum(planned), comm.progress_total, enabled=show):
         try:
@@ -509,7 +557,8 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
             result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
                                 device=device, cancel=cancel, on_progress=add,
                                 memory_budget_bytes=args.memory_budget,
-                                comm=comm, read_once=args.read_once)
+                                comm=comm, read_once=args.read_once,
+                                **_node_kwargs(args, topo.rank, topo.world_size, partition))
             add.flush()  # type: ignore[attr-defined]
             if args.save_loaded:
                 from safetensors.torch import save_file
@@ -526,6 +575,22 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
             error = exc
         reports = comm.agree(error, report)
     return reports
+
+
+def _node_kwargs(args: argparse.Namespace, rank: int, world_size: int,
+                 partition: object) -> dict:
+    """``--read-once-node``: this rank's node = $LOCAL_WORLD_SIZE consecutive ranks (how
+    torchrun, srun and mpiexec number ranks per node)."""
+    if not args.read_once_node:
+        return {}
+    from .errors import PlanError
+    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") \
+        or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
+    if not local or not local.isdigit() or world_size % int(local):
+        raise PlanError(f"--read-once-node needs the ranks per node ($LOCAL_WORLD_SIZE, got "
+                        f"{local!r}) dividing the world of {world_size}", rank=rank)
+    first = rank - rank % int(local)
+    return {"node_ranks": range(first, first + int(local)), "partition": partition}
 
 
 def _env_rank() -> Optional[str]:

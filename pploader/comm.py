@@ -365,6 +365,24 @@ class Comm:
         if tensor.numel():
             dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=src, group=groups[group])
 
+    def all_to_all_bytes(self, recv: torch.Tensor, recv_splits: list[int], send: torch.Tensor,
+                         send_splits: list[int], group: str = "tp") -> None:
+        """One all-to-all over this rank's ``group``: ``send`` (1-d uint8, cut by
+        ``send_splits``, one part per member in group order, itself included) goes out and
+        ``recv`` (1-d uint8) is filled with every member's part for this rank, in member
+        order. CPU tensors over gloo, CUDA tensors over NCCL. Every member must call it with
+        matching splits. Read-and-redistribute (exchange.py) batches many tensors into one."""
+        groups = {"stage": self.stage_group, "tp": self.tp_group, "replica": self.replica_group}
+        if group not in groups:
+            raise ValueError(f"unknown group {group!r}; known: {', '.join(groups)}")
+        if recv.dtype != torch.uint8 or send.dtype != torch.uint8 or recv.dim() != 1 \
+                or send.dim() != 1:
+            raise ValueError("all_to_all_bytes moves 1-d uint8 tensors")
+        if sum(recv_splits) != recv.numel() or sum(send_splits) != send.numel():
+            raise ValueError(f"splits {send_splits} / {recv_splits} do not match the buffers "
+                             f"({send.numel()} / {recv.numel()} bytes)")
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=groups[group])
+
     def send(self, tensor: torch.Tensor, dst: int) -> None:
         dist.send(tensor, dst)
 

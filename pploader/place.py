@@ -47,6 +47,9 @@ __all__ = ["NameMap", "NameRule", "Slot", "Binding", "BindResult", "TensorSnapsh
            "module_tensors", "bind_stage", "write_binding", "load_stage_into", "load_record",
            "agree_or_raise", "commit_writes"]
 
+#: the default name mapping: module names are checkpoint names
+_SAME_NAMES = NameMap()
+
 
 @dataclass(frozen=True)
 class Slot:
@@ -203,7 +206,7 @@ def _in_stage(name: str, spec: ModelSpec, names: NameMap, plan: RankPlan) -> boo
     return role.expert is None or experts is None or experts[0] <= role.expert < experts[1]
 
 
-def bind_stage(module: nn.Module, staged: StagePlan, *, names: NameMap = NameMap(),
+def bind_stage(module: nn.Module, staged: StagePlan, *, names: NameMap = _SAME_NAMES,
                ignore: Sequence[str] = (), allow_cast: bool = False) -> Binding:
     """Map every item of the stage's plan to a slot of ``module`` (pure: reads shapes only).
 
@@ -410,7 +413,7 @@ def commit_writes(model: nn.Module, binding: Binding, plan: RankPlan, *, action:
 def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str],
                     topology: Optional[Topology] = None, *, partition: Partition = "even",
                     device: Union[str, torch.device] = "cpu", strict: bool = True,
-                    names: NameMap = NameMap(), ignore: Sequence[str] = (),
+                    names: NameMap = _SAME_NAMES, ignore: Sequence[str] = (),
                     allow_cast: bool = False, process: bool = True,
                     window_bytes: Optional[int] = None, threads: int = 1,
                     comm: Optional["Comm"] = None,

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable, TypeVar, Mapping, Optional, Sequence, Union
+from functools import partial
+from typing import TYPE_CHECKING, Callable, TypeVar, Mapping, Optional, Sequence, Union
 
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from .errors import PlanError
@@ -21,8 +22,16 @@ from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, lo
 from .spec import ModelSpec
 from .topology import Topology
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .redistribute import Exchanger, Redistribute
+
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+
+#: Cost of exchanging one byte over the TP group's link (the larger of sent and received per
+#: rank) in bytes of sequential storage read (redistribute.py; None = never exchange).
+#: Measured on the 2-core VM (docs/tensor-parallel.md); NVLink vs NVMe is far below it.
+DEFAULT_EXCHANGE_COST: Optional[float] = 0.5
 
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
            "plan_mtp", "layer_bytes", "read_item"]
@@ -84,6 +93,9 @@ class RankPlan:
     header_bytes: int
     tensors: tuple[str, ...] = field(default=())
     range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES   # the cost rule the items were made with
+    #: tensors read as TP row shares + all-to-all when loaded with a Comm (redistribute.py);
+    #: ``items`` still hold their direct reads (what a load without a Comm does)
+    redistribute: Optional["Redistribute"] = None
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -98,18 +110,30 @@ class RankPlan:
         return sum(i.read_bytes for i in self.items)
 
     @property
+    def planned_read_bytes(self) -> int:
+        """Bytes read when loaded with a Comm: direct items + row shares of exchanged ones."""
+        ex = self.redistribute
+        if ex is None:
+            return self.read_bytes
+        skip = ex.targets
+        return sum(i.read_bytes for i in self.items if i.target not in skip) + ex.read_bytes
+
+    @property
     def largest_item_bytes(self) -> int:
         return max((max(i.nbytes, i.read_bytes) for i in self.items), default=0)
 
     def summary(self) -> dict:
         """The stable JSON form documented in docs/usage.md."""
+        from .redistribute import read_methods
         t = self.topology
         return {"rank": t.rank, "pp_rank": t.pp_rank, "tp_rank": t.tp_rank, "ep_rank": t.ep_rank,
                 "start_layer": self.window.start_layer, "end_layer": self.window.end_layer,
                 "has_embed": self.window.has_embed, "has_head": self.window.has_head,
                 "experts": list(self.experts) if self.experts else None,
                 "num_tensors": len(self.items), "ideal_bytes": self.ideal_bytes,
-                "planned_read_bytes": self.read_bytes, "header_bytes": self.header_bytes,
+                "planned_read_bytes": self.planned_read_bytes,
+                "direct_read_bytes": self.read_bytes, "methods": read_methods(self),
+                "header_bytes": self.header_bytes,
                 "files": list(self.files), "tensors": list(self.tensors)}
 
 
@@ -302,8 +326,14 @@ def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topo
 
 def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               window: StageWindow, *, strict: bool = True,
-              range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> RankPlan:
-    """The plan of one rank: its window's layers, globals, local experts and TP slices."""
+              range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+              exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
+              exchange_batch_bytes: Optional[int] = None) -> RankPlan:
+    """The plan of one rank: its window's layers, globals, local experts and TP slices.
+
+    ``exchange_cost`` (None = off): strided TP slices may be planned as row shares + an
+    all-to-all of the TP group (``RankPlan.redistribute``, see redistribute.py), chosen per
+    tensor when cheaper than direct reads at ``range_cost_bytes``."""
     if window.pp_rank != topology.pp_rank:
         raise PlanError(f"window of stage {window.pp_rank} given to {topology.describe()}")
     spec = spec.for_checkpoint(index.weight_map)
@@ -328,19 +358,45 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         _check_expected(spec, index, chosen, window, experts, topology)
     items = []
     scheme = quant_scheme(spec)
+    exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
     for name, role, target in reads:
         entry = index.entry(name)
         try:
             sel = _selection(spec, role, entry, topology, experts, index, scheme)
+            if exchanger is not None:
+                link = scheme.weight_of(name) if scheme is not None else None
+                exchanger.consider(entry, target, sel, (role.component, role.fused_experts, (
+                    index.entry(link[0]).shape if link and link[0] in index.weight_map
+                    else None)), partial(_peer_selection, spec, role, entry, experts, index,
+                                         scheme))
         except PlanError as exc:  # name the file and rank of the tensor being planned
             raise PlanError(exc.detail, file=exc.file or entry.file, tensor=exc.tensor or name,
                             rank=topology.rank) from None
         items.append(read_item(entry, target, sel, range_cost_bytes))
-    plan = replace(_finish(spec, index, topology, window, experts, items, list(chosen)),
-                   range_cost_bytes=range_cost_bytes)
+    plan = _finish(spec, index, topology, window, experts, items, list(chosen))
+    redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
+        if exchanger is not None else None
+    plan = replace(plan, range_cost_bytes=range_cost_bytes, redistribute=redistribute)
     logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
                  len(plan.items), plan.read_bytes, ", ".join(plan.files))
     return plan
+
+
+def _peer_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry,
+                    experts: Optional[tuple[int, int]], index: CheckpointIndex,
+                    scheme: Optional[QuantScheme], peer: Topology) -> Selection:
+    """A TP peer's selection of ``entry`` (the exchange planner needs the whole group's)."""
+    return _selection(spec, role, entry, peer, experts, index, scheme)
+
+
+def _exchanger(topology: Topology, range_cost_bytes: int, exchange_cost: Optional[float],
+               batch_bytes: Optional[int]) -> "Optional[Exchanger]":
+    """The per-tensor direct-vs-exchange chooser, or None (TP 1 or exchange off)."""
+    if exchange_cost is None or topology.tp_size == 1:
+        return None
+    from .redistribute import DEFAULT_EXCHANGE_BATCH_BYTES, Exchanger
+    return Exchanger(topology, range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+                     batch_bytes=batch_bytes or DEFAULT_EXCHANGE_BATCH_BYTES)
 
 
 def _head_name(spec: ModelSpec) -> str:
@@ -408,16 +464,19 @@ def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str
 def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
              partition: Partition = "even", strict: bool = True,
              cache_bytes: Optional[Sequence[int]] = None,
-             range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> list[RankPlan]:
+             range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+             exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
+             exchange_batch_bytes: Optional[int] = None) -> list[RankPlan]:
     """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
     spec = spec.for_checkpoint(index.weight_map)
     windows = make_windows(spec, index, pp, partition, cache_bytes=cache_bytes)
     topo = Topology(pp, tp, ep)
     plans = [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict,
-                       range_cost_bytes=range_cost_bytes) for t in topo.all_ranks()]
+                       range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+                       exchange_batch_bytes=exchange_batch_bytes) for t in topo.all_ranks()]
     logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
-                "ideal %d", len(plans), pp, ep, tp, partition, sum(p.read_bytes for p in plans),
-                sum(p.ideal_bytes for p in plans))
+                "ideal %d", len(plans), pp, ep, tp, partition,
+                sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
     return plans
 
 

@@ -17,7 +17,8 @@ from .errors import PlanError
 from .plan import RankPlan, ReadItem
 from .topology import Topology
 
-__all__ = ["SHARE_GROUPS", "SharedItem", "SharedPlan", "share_reads"]
+__all__ = ["SHARE_GROUPS", "SharedItem", "SharedPlan", "share_reads", "NodeTransfer",
+           "NodePlan", "share_node_reads"]
 
 #: Topology groups (largest first) within which identical items are read once and broadcast.
 SHARE_GROUPS = ("stage", "tp", "replica")
@@ -128,4 +129,80 @@ def share_reads(stage_plans: Sequence[RankPlan]) -> dict[int, SharedPlan]:
             shared.append(SharedItem(item, g, ranks, readers[g, ranks, key]))
         shared.sort(key=lambda s: (s.item.name, s.item.target))
         out[r] = SharedPlan(replace(p, items=tuple(own)), tuple(shared))
+    return out
+
+
+# ---- read once per node ----------------------------------------------------------------------
+def _bytes_key(item: ReadItem) -> tuple:
+    """What makes two items the same bytes in memory, whatever their names and targets (the
+    tied head is the embedding read under the head's name)."""
+    return (item.file, item.ranges, item.dtype, item.shape, item.buffer_shape, item.gather,
+            item.pad_rows)
+
+
+@dataclass(frozen=True)
+class NodeTransfer:
+    """Bytes needed by several ranks of one node: ``reader`` reads them (as its ``item``) and
+    sends them to every rank of ``receivers``, point to point."""
+
+    key: tuple
+    reader: int
+    receivers: tuple[int, ...]
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class NodePlan:
+    """One rank's part of a read-once-per-node load: ``own`` items (read as usual; a plan),
+    ``transfers`` every transfer of the node in the one order all its ranks follow, and
+    ``mine`` the rank's own item (its target) for each transfer it takes part in."""
+
+    own: RankPlan
+    transfers: tuple[NodeTransfer, ...]
+    mine: tuple[tuple[int, ReadItem], ...]   # (transfer index, this rank's item)
+
+    @property
+    def rank(self) -> int:
+        return self.own.topology.rank
+
+    @property
+    def read_bytes(self) -> int:
+        """Bytes this rank reads from storage: own items (with their redistribution, when
+        planned and loaded so) + transfers it is the reader of."""
+        return self.own.planned_read_bytes + sum(self.transfers[i].nbytes for i in
+                                         {i for i, _ in self.mine}
+                                         if self.transfers[i].reader == self.rank)
+
+
+def share_node_reads(node_plans: Sequence[RankPlan]) -> dict[int, NodePlan]:
+    """Split the plans of every rank of one node into own reads and node transfers.
+
+    An item whose bytes several ranks of the node plan (replicated tensors of a stage, and
+    across stages the tied head = the embedding, or an identical vocab slice) is read by one of
+    them, balanced by bytes (largest first to the least-loaded), and sent to the others: bytes
+    read per node = the union of its ranks' items. Pure and deterministic: every rank of the
+    node computes the same answer from the same plans.
+    """
+    plans = {p.topology.rank: p for p in node_plans}
+    owners: dict[tuple, list[tuple[int, ReadItem]]] = {}
+    for r in sorted(plans):
+        for item in plans[r].items:
+            if item.ranges:
+                owners.setdefault(_bytes_key(item), []).append((r, item))
+    shared = {k: v for k, v in owners.items() if len({r for r, _ in v}) > 1}
+    load = dict.fromkeys(plans, 0)
+    readers: dict[tuple, int] = {}
+    for key in sorted(shared, key=lambda k: (-shared[k][0][1].read_bytes, k)):
+        ranks = sorted({r for r, _ in shared[key]})
+        readers[key] = min(ranks, key=lambda m: (load[m], m))
+        load[readers[key]] += shared[key][0][1].read_bytes
+    order = sorted(shared)  # (file, ranges, ...): one global order, storage order too
+    transfers = tuple(NodeTransfer(k, readers[k], tuple(sorted({r for r, _ in shared[k]}
+                                                               - {readers[k]})),
+                                   shared[k][0][1].read_bytes) for k in order)
+    out = {}
+    for r, plan in plans.items():
+        mine = tuple((i, item) for i, k in enumerate(order) for m, item in shared[k] if m == r)
+        own = tuple(item for item in plan.items if _bytes_key(item) not in shared)
+        out[r] = NodePlan(replace(plan, items=own), transfers, mine)
     return out

@@ -17,7 +17,8 @@ import torch
 from .checkpoint import DTYPES, CheckpointIndex, open_checkpoint
 from .dtypes import cast_stream, dtype_casts
 from .errors import PPLoaderError
-from .plan import Partition, RankPlan, make_windows, plan_mtp, plan_rank
+from .plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_mtp,
+                   plan_rank)
 from .read import Reader, ReadStats
 from .share import share_reads
 from .shard import DEFAULT_RANGE_COST_BYTES
@@ -28,6 +29,7 @@ from .topology import Topology
 if TYPE_CHECKING:  # pragma: no cover
     from .comm import Comm
     from .device import DeviceLoader, PinnedRing
+    from .exchange import ExchangeReader, NodeReadOnceReader
 
 logger = logging.getLogger(__name__)
 
@@ -48,25 +50,30 @@ class StagePlan:
 def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
                partition: Partition = "even", strict: bool = True,
                allowed_roots: Sequence[str] = (),
-               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES) -> StagePlan:
+               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+               exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
+               exchange_batch_bytes: Optional[int] = None) -> StagePlan:
     """Plan this rank's stage from config.json and the needed shards' headers.
 
     Every check (headers, shapes, dtype policy) happens here, before anything is allocated;
     errors name this rank. ``range_cost_bytes``: what one extra positional read costs in
     bytes of transfer; strided (dim-1) TP slices are read row by row when that is cheaper
-    than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes)."""
+    than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes).
+    ``exchange_cost`` (None = off): per tensor, strided slices may instead be read as row
+    shares and redistributed over the TP group when loaded with a Comm (redistribute.py)."""
     try:
         spec = load_spec(model_dir, allowed_roots=allowed_roots)
         index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
         spec = spec.for_checkpoint(index.weight_map)  # the naming on disk (e.g. fused experts)
         windows = make_windows(spec, index, topology.pp_size, partition)
         plan = plan_rank(spec, index, topology, windows[topology.pp_rank], strict=strict,
-                         range_cost_bytes=range_cost_bytes)
+                         range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+                         exchange_batch_bytes=exchange_batch_bytes)
         staged = StagePlan(spec, index, plan, dtype_casts(spec, plan))
         logger.info("%s: planned layers %d-%d%s%s: %d tensors, %d bytes to read (ideal %d) "
                     "from %d file(s)", topology.describe(), plan.window.start_layer,
                     plan.window.end_layer - 1, " + embedding" if plan.window.has_embed else "",
-                    " + head" if plan.window.has_head else "", len(plan.items), plan.read_bytes,
+                    " + head" if plan.window.has_head else "", len(plan.items), plan.planned_read_bytes,
                     plan.ideal_bytes, len(plan.files))
         return staged
     except PPLoaderError as exc:
@@ -79,7 +86,9 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
                        threads: int = 1, mode: str = "owned",
                        cancel: Optional[threading.Event] = None,
                        on_progress: Optional[Callable[[int], None]] = None,
-                       comm: Optional["Comm"] = None, read_once: bool = False
+                       comm: Optional["Comm"] = None, read_once: bool = False,
+                       range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+                       exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of this rank's stage, lazily, with bounded host memory.
 
@@ -88,7 +97,9 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
     directory with ``topology`` (and ``partition``). Feed it to a serving stack's
     ``load_weights(weights)`` unchanged. ``read_once`` (needs ``comm``; every rank of the stage
     must iterate) reads replicated tensors once per group and broadcasts them, see
-    :class:`ReadOnceReader`.
+    :class:`ReadOnceReader`. With ``comm`` (every rank of each TP group must iterate), strided
+    TP slices planned for redistribution are read as row shares and exchanged (exchange.py);
+    without one they are read directly.
     """
     if isinstance(model, StagePlan):
         if topology is not None and topology != model.plan.topology:
@@ -99,13 +110,19 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
         raise ValueError("iter_stage_weights(model_dir, topology): topology missing "
                          "(or pass a StagePlan from plan_stage)")
     else:
-        staged = plan_stage(model, topology, partition=partition)
-    if read_once:
+        staged = plan_stage(model, topology, partition=partition,
+                            range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost)
+    if comm is not None and not read_once and staged.plan.redistribute is not None:
+        from .exchange import ExchangeReader
+        stream: Iterator = iter(ExchangeReader(staged.plan, comm, window_bytes=window_bytes,
+                                               threads=threads, mode=mode, cancel=cancel,
+                                               on_progress=on_progress))
+    elif read_once:
         if comm is None:
             raise ValueError("read_once needs a Comm (the broadcasts go through it)")
         if mode != "owned":
             raise ValueError("read_once yields owned tensors only")
-        stream: Iterator = iter(ReadOnceReader(staged, comm, window_bytes=window_bytes,
+        stream = iter(ReadOnceReader(staged, comm, window_bytes=window_bytes,
                                                threads=threads, cancel=cancel,
                                                on_progress=on_progress))
     else:
@@ -147,7 +164,8 @@ class ReadOnceReader:
         plans = [plan if r == topo.rank else plan_rank(staged.spec, staged.index,
                                                        topo.with_rank(r), plan.window,
                                                        strict=False,
-                                                       range_cost_bytes=plan.range_cost_bytes)
+                                                       range_cost_bytes=plan.range_cost_bytes,
+                                                       exchange_cost=None)
                  for r in topo.stage_group()]
         self.shared = share_reads(plans)[topo.rank]
         self.comm, self.stats = comm, ReadStats()
@@ -214,12 +232,23 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                ring: Optional["PinnedRing"] = None, cancel: Optional[threading.Event] = None,
                on_progress: Optional[Callable[[int], None]] = None,
                memory_budget_bytes: Optional[int] = None, comm: Optional["Comm"] = None,
-               read_once: bool = False) -> StageResult:
+               read_once: bool = False, redistribute: Optional[bool] = None,
+               node_ranks: Optional[Sequence[int]] = None,
+               partition: Partition = "even") -> StageResult:
     """Read a planned stage into owned tensors on ``device`` and measure it.
 
     ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
     read by one rank of their group and broadcast (:class:`ReadOnceReader`; default off), on
     CPU (gloo) or on CUDA (DeviceLoader + NCCL broadcasts).
+
+    ``redistribute`` (default: whenever ``comm`` is given and the plan chose it for some
+    tensor; every rank of each TP group must call it): strided TP slices are read as row
+    shares and exchanged with all-to-alls over the TP group (exchange.py): gloo on CPU,
+    NCCL on CUDA. Without a Comm, or with ``redistribute=False``, they are read directly.
+
+    ``node_ranks`` (needs ``comm``; CPU; every rank of the node calls it): read once per node:
+    bytes several ranks of this node need (replicated tensors, the tied head) are read by one
+    and sent to the others (exchange.NodeReadOnceReader; ``partition`` = the plan's).
 
     ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
@@ -230,10 +259,30 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()
-    reader: "Reader | DeviceLoader | ReadOnceReader"
-    if read_once and comm is None:
-        raise ValueError("read_once needs a Comm (the broadcasts go through it)")
-    if read_once:
+    reader: "Reader | DeviceLoader | ReadOnceReader | ExchangeReader | NodeReadOnceReader"
+    if (read_once or redistribute or node_ranks is not None) and comm is None:
+        raise ValueError("read_once / redistribute / node_ranks need a Comm (the collectives "
+                         "go through it)")
+    if node_ranks is not None and (read_once or torch.device(device).type != "cpu"):
+        raise ValueError("node_ranks (read once per node) is a CPU load of its own: not with "
+                         "read_once, not on a device")
+    exchange = (redistribute is not False and comm is not None and not read_once
+                and node_ranks is None and plan.redistribute is not None)
+    if node_ranks is not None:
+        from .exchange import NodeReadOnceReader
+        reader = NodeReadOnceReader(staged, comm, node_ranks,  # type: ignore[arg-type]
+                                    partition=partition, window_bytes=window_bytes,
+                                    threads=threads or 1, cancel=cancel, on_progress=on_progress)
+        state = dict(reader)
+    elif exchange:
+        from .exchange import ExchangeReader
+        cuda = torch.device(device).type == "cuda"
+        reader = ExchangeReader(plan, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
+                                threads=threads or (16 if cuda else 1), cancel=cancel,
+                                on_progress=on_progress, device=device, ring=ring,
+                                memory_budget_bytes=memory_budget_bytes)
+        state = dict(reader)
+    elif read_once:
         cuda = torch.device(device).type == "cuda"
         reader = ReadOnceReader(staged, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
                                 threads=threads or (16 if cuda else 1), cancel=cancel,
@@ -261,4 +310,9 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     logger.info("%s: loaded %d tensors, %d bytes read in %.3f s (%.2f GB/s) to %s",
                 t.describe(), len(state), reader.stats.read_bytes, reader.stats.seconds,
                 report.gbps, device)
+    if exchange:
+        report.extra["redistribute"] = {
+            "tensors": len(plan.redistribute.targets),  # type: ignore[union-attr]
+            "sent_bytes": reader.sent_bytes, "received_bytes": reader.received_bytes,  # type: ignore[union-attr]
+            "exchange_seconds": round(reader.exchange_seconds, 4)}  # type: ignore[union-attr]
     return StageResult(state, plan, reader.stats, report)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from .checkpoint import open_checkpoint
 from .plan import plan_all
@@ -24,7 +24,10 @@ from .read import Reader
 from .shard import DEFAULT_RANGE_COST_BYTES
 from .spec import load_spec
 
-__all__ = ["compare_tp_reads"]
+if TYPE_CHECKING:  # pragma: no cover
+    from .comm import Comm
+
+__all__ = ["compare_tp_reads", "redistribute_bench"]
 
 
 def _read_all(paths: list[str], wanted: set[str]) -> int:
@@ -103,3 +106,79 @@ def compare_tp_reads(model_dir: os.PathLike | str, *, pp: int = 2, tp: int = 2,
     return {"layout": {"pp": pp, "tp": tp}, "cold": cold, "threads": threads,
             "range_cost_bytes": range_cost_bytes, "ranks": rows,
             "total": total}
+
+
+def _timed_load(comm: "Comm", staged: object, paths: list[str], cold: bool,
+                exchange: bool) -> dict:
+    """One measured load on every rank at once (rank 0 evicts, all start together)."""
+    from .report import proc_io
+    from .stage import load_stage
+    if cold and comm.rank == 0:
+        _evict(paths)
+    comm.agree(None)
+    before = proc_io().get("rchar", 0)
+    start = time.perf_counter()
+    result = load_stage(staged, comm=comm if exchange else None)  # type: ignore[arg-type]
+    seconds = time.perf_counter() - start
+    rchar = proc_io().get("rchar", 0) - before
+    rows = comm.agree(None, {"seconds": seconds, "read_bytes": result.stats.read_bytes,
+                             "rchar": rchar, "ideal_bytes": result.plan.ideal_bytes,
+                             "extra": result.report.extra})
+    del result
+    return {"wall_s": max(r["seconds"] for r in rows), "ranks": rows}
+
+
+def redistribute_bench(comm: "Comm", model_dir: os.PathLike | str, *, cold: bool,
+                       exchange_cost: float = 0.0, repeat: int = 1) -> dict:
+    """Direct (covering box), direct (row by row) and read-and-redistribute loads of the
+    rank's stage, all TP ranks at once; per method the best wall of ``repeat`` runs."""
+    from .stage import plan_stage
+    topo = comm.topology
+    plans = {"direct_box": plan_stage(model_dir, topo, exchange_cost=None),
+             "direct_rows": plan_stage(model_dir, topo, exchange_cost=None, range_cost_bytes=0),
+             "redistribute": plan_stage(model_dir, topo, exchange_cost=exchange_cost)}
+    paths = [str(p) for p in plans["direct_box"].index.paths.values()]
+    out = {}
+    for name, staged in plans.items():
+        runs = [_timed_load(comm, staged, paths, cold, name == "redistribute")
+                for _ in range(repeat)]
+        best = min(runs, key=lambda r: r["wall_s"])
+        ideal = sum(r["ideal_bytes"] for r in best["ranks"])
+        best["gbps_per_rank"] = round(ideal / len(best["ranks"]) / best["wall_s"] / 1e9, 3)
+        best["read_over_ideal"] = [round(r["read_bytes"] / r["ideal_bytes"], 4)
+                                   for r in best["ranks"]]
+        out[name] = best
+    return {"tp": topo.tp_size, "pp": topo.pp_size, "cold": cold, "methods": out}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """``torchrun --nproc_per_node TP -m pploader.tp_bench --model DIR [--cold]``: rank 0
+    prints one JSON line per cache state (docs/benchmarks.md, TP rows)."""
+    import argparse
+    import json
+    from .bootstrap import init_distributed
+    from .comm import Comm
+    from .topology import Topology
+    p = argparse.ArgumentParser(prog="python -m pploader.tp_bench")
+    p.add_argument("--model", required=True)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cold", action="store_true")
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--exchange-cost", type=float, default=0.0)
+    args = p.parse_args(argv)
+    launch = init_distributed(backend="gloo", timeout_s=600)
+    topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp,
+                              tp=launch.world_size // args.pp)
+    comm = Comm(topo, timeout_s=600)
+    try:
+        out = redistribute_bench(comm, args.model, cold=args.cold, repeat=args.repeat,
+                                 exchange_cost=args.exchange_cost)
+        if comm.rank == 0:
+            print(json.dumps(out))
+    finally:
+        comm.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -366,6 +366,8 @@ def test_window_default_literal_matches_the_reader() -> None:
     from pploader import cli
     from pploader.read import DEFAULT_WINDOW_BYTES
     assert cli._DEFAULT_WINDOW_MIB << 20 == DEFAULT_WINDOW_BYTES
+    from pploader.plan import DEFAULT_EXCHANGE_COST
+    assert cli._DEFAULT_EXCHANGE_COST == DEFAULT_EXCHANGE_COST
 
 
 def test_make_tiny_by_family_name(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
