@@ -10,6 +10,7 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
@@ -225,18 +226,18 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(msg, file=file, tensor=tname)
 
-    if not tname or not _is_text(tname):
+    if not tname or not (tname.isascii() or _is_text(tname)):
         raise CheckpointError("tensor name is empty or not valid Unicode", file=file,
                               tensor=ascii(tname))
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    if type(info) is not dict or len(info) != 3 or not _ENTRY_KEYS.issuperset(info):
         raise bad("entry must be an object with exactly dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if type(shape) is not list or not _nonnegative_ints(shape):
         raise bad(f"shape must be a list of non-negative integers, got {_short(shape)}")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+    if (type(offsets) is not list or len(offsets) != 2 or not _nonnegative_ints(offsets)
+            or offsets[0] > offsets[1]):
         raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {_short(offsets)}")
     begin, end = offsets
     span = _span_bytes(shape, DTYPES[dtype][1])
@@ -250,6 +251,14 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
         raise bad(f"data_offsets end {end} is past the end of the data region ({data_len} bytes): "
                   "file truncated?")
     return TensorEntry(tname, file, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _nonnegative_ints(values: list) -> bool:
+    """Every value an int (not a bool) >= 0 (a plain loop: shapes are short)."""
+    for v in values:
+        if type(v) is not int or v < 0:
+            return False
+    return True
 
 
 def _short(value: object, limit: int = 120) -> str:
@@ -334,6 +343,7 @@ class CheckpointIndex:
     paths: Mapping[str, Path]
     source: str
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
+    _counts: Optional[Counter] = field(default=None, repr=False)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -358,11 +368,18 @@ class CheckpointIndex:
                 raise CheckpointError(f"tensor appears in both {hdr.file} and {mapped} "
                                       f"({self.source} maps it to {mapped})",
                                       file=hdr.file, tensor=tname)
+        if self._names_per_file().get(hdr.file, 0) == len(hdr.tensors):
+            return  # every header tensor maps here and the counts agree: the same names
         for tname, mapped in self.weight_map.items():
             if mapped == hdr.file and tname not in hdr.tensors:
                 raise CheckpointError(f"{self.source} maps this tensor to {hdr.file} but the "
                                       "shard's header does not contain it",
                                       file=hdr.file, tensor=tname)
+
+    def _names_per_file(self) -> Mapping[str, int]:
+        if self._counts is None:
+            self._counts = Counter(self.weight_map.values())
+        return self._counts
 
     def entry(self, name: str) -> TensorEntry:
         """The entry of one tensor (parses its shard's header if needed)."""
