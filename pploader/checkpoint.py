@@ -344,15 +344,32 @@ class CheckpointIndex:
     source: str
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
     _counts: Optional[Counter] = field(default=None, repr=False)
+    #: shards the index names that are absent from the directory (stage-only copies): fine
+    #: until a plan needs one (``require``)
+    missing: tuple[str, ...] = ()
 
     @property
     def files(self) -> tuple[str, ...]:
+        """The shards present in the directory (``missing`` lists the absent ones)."""
         return tuple(self.paths)
+
+    def require(self, files: Iterable[str]) -> None:
+        """Refuse, listing every one at once, the absent shards among ``files`` (the shards a
+        plan reads); absent shards nobody here needs are fine (a node holding its stages)."""
+        if not self.missing:
+            return
+        gone = sorted(set(files).intersection(self.missing))
+        if gone:
+            raise CheckpointError(f"{len(gone)} file(s) named in {self.source} are missing: "
+                                  + ", ".join(gone) + f" (needed by this plan; {len(self.paths)} "
+                                  f"of {len(self.paths) + len(self.missing)} shards are present "
+                                  f"in {self.root})", file=self.source)
 
     def header(self, file: str) -> ShardHeader:
         """The validated header of ``file``, cross-checked against the weight_map."""
         hdr = self._headers.get(file)
         if hdr is None:
+            self.require((file,))
             hdr = parse_header(self.paths[file], file=file)
             self._cross_check(hdr)
             self._headers[file] = hdr
@@ -395,6 +412,7 @@ class CheckpointIndex:
 
     def validate_all(self) -> None:
         """Parse every shard's header (used by balanced partitioning and `validate`)."""
+        self.require(self.missing)
         for file in self.paths:
             self.header(file)
 
@@ -407,8 +425,10 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
                     allowed_roots: Sequence[os.PathLike | str] = ()) -> CheckpointIndex:
     """Index a model directory without reading tensor data.
 
-    With ``model.safetensors.index.json`` the weight_map is validated (safe relative names,
-    every shard present, all missing shards listed at once) before any shard is opened.
+    With ``model.safetensors.index.json`` the weight_map is validated (safe relative names)
+    before any shard is opened. Absent shards are recorded in ``missing`` and refused only when
+    a plan needs them (``CheckpointIndex.require``: every missing one a plan reads, listed at
+    once), so a node may hold just the shards of its own stages.
     Without it, every ``*.safetensors`` file's header is read.
     """
     root = Path(model_dir)
@@ -419,8 +439,10 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     if os.path.lexists(index_path):
         weight_map = _read_index(_resolve(root, [INDEX_NAME], roots, str(root))[INDEX_NAME])
         files = list(dict.fromkeys(weight_map.values()))
-        paths = _resolve(root, files, roots, INDEX_NAME)
-        return CheckpointIndex(root, weight_map, paths, INDEX_NAME)
+        present = [f for f in files if (root / f).is_file()]
+        paths = _resolve(root, present, roots, INDEX_NAME)
+        return CheckpointIndex(root, weight_map, paths, INDEX_NAME,
+                               missing=tuple(f for f in files if f not in paths))
     shards = sorted(p.name for p in root.glob("*.safetensors"))
     if not shards:
         pickled = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))

@@ -422,6 +422,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             if role.role == "embed":  # the declared replica: the embedding read as the head
                 reads.append((name, role, _head_name(spec)))
                 chosen.setdefault(name, role)
+    index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
     if strict:
         _check_expected(roles, index, chosen, window, experts, topology)
     items = []
@@ -530,6 +531,7 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
                if spec.num_experts and topo.ep_size > 1 else None)
     items, names = [], []
     scheme = quant_scheme(spec)
+    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())})
     for name, role in roles.layer_roles(layer).items():
         if role.placement == "mtp" and role.layer == layer and (
                 role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
