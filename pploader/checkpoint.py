@@ -272,6 +272,9 @@ def _short(value: object, limit: int = 120) -> str:
 def _span_bytes(shape: list, itemsize: int) -> Optional[int]:
     """numel x itemsize, or None when a dim or the product overflows 64 bits. Multiplied
     step by step so a huge shape list cannot make a huge integer."""
+    if len(shape) <= 8:  # real shapes: one C product, exact (Python ints do not overflow)
+        total = math.prod(shape) * itemsize
+        return total if max(shape, default=0) < _MAX_SIZE and total < _MAX_SIZE else None
     if any(d >= _MAX_SIZE for d in shape):
         return None
     if 0 in shape:
