@@ -428,6 +428,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     items = []
     scheme = quant_scheme(spec)
     selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
+    relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
     for name, role, target in reads:
         entry = index.entry(name)
         weight = roles.links.get(name)
@@ -442,9 +443,24 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             except PlanError as exc:  # name the file and rank of the tensor being planned
                 raise PlanError(exc.detail, file=exc.file or entry.file,
                                 tensor=exc.tensor or name, rank=topology.rank) from None
-        items.append(read_item(entry, target, sel, range_cost_bytes))
+        shape_key = (entry.shape, entry.dtype, sel)
+        made = relative.get(shape_key)
+        if made is None:  # byte runs relative to the tensor's start, shared by equal tensors
+            made = relative[shape_key] = read_item(
+                TensorEntry("", "", entry.dtype, entry.shape, 0, entry.nbytes), "", sel,
+                range_cost_bytes)
+        items.append(_rebased(made, entry, target))
     return replace(_finish(spec, index, topology, window, experts, items, list(chosen)),
                    range_cost_bytes=range_cost_bytes)
+
+
+def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
+    """``made`` (planned for a tensor at offset 0) moved to ``entry``'s file and offset; every
+    other field is kept (a frozen copy without re-running the dataclass __init__)."""
+    item = object.__new__(ReadItem)
+    item.__dict__.update(made.__dict__, name=entry.name, target=target, file=entry.file,
+                         ranges=tuple((entry.start + a, n) for a, n in made.ranges))
+    return item
 
 
 def _head_name(spec: ModelSpec) -> str:
