@@ -10,6 +10,7 @@ import json
 import math
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
@@ -227,18 +228,18 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
     def bad(msg: str) -> CheckpointError:
         return CheckpointError(msg, file=file, tensor=tname)
 
-    if not tname or not _is_text(tname):
+    if not tname or not (tname.isascii() or _is_text(tname)):
         raise CheckpointError("tensor name is empty or not valid Unicode", file=file,
                               tensor=ascii(tname))
-    if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
+    if type(info) is not dict or len(info) != 3 or not _ENTRY_KEYS.issuperset(info):
         raise bad("entry must be an object with exactly dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if not isinstance(dtype, str) or dtype not in DTYPES:
+    if type(dtype) is not str or dtype not in DTYPES:
         raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
-    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+    if type(shape) is not list or not _nonnegative_ints(shape):
         raise bad(f"shape must be a list of non-negative integers, got {_short(shape)}")
-    if (not isinstance(offsets, list) or len(offsets) != 2
-            or not all(_is_int(o) and o >= 0 for o in offsets) or offsets[0] > offsets[1]):
+    if (type(offsets) is not list or len(offsets) != 2 or not _nonnegative_ints(offsets)
+            or offsets[0] > offsets[1]):
         raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {_short(offsets)}")
     begin, end = offsets
     span = _span_bytes(shape, DTYPES[dtype][1])
@@ -254,6 +255,14 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
     return TensorEntry(tname, file, dtype, tuple(shape), data_start + begin, data_start + end)
 
 
+def _nonnegative_ints(values: list) -> bool:
+    """Every value an int (not a bool) >= 0 (a plain loop: shapes are short)."""
+    for v in values:
+        if type(v) is not int or v < 0:
+            return False
+    return True
+
+
 def _short(value: object, limit: int = 120) -> str:
     """repr for messages, cut short (a hostile header can hold million-element lists)."""
     if isinstance(value, list) and len(value) > 8:
@@ -265,6 +274,9 @@ def _short(value: object, limit: int = 120) -> str:
 def _span_bytes(shape: list, itemsize: int) -> Optional[int]:
     """numel x itemsize, or None when a dim or the product overflows 64 bits. Multiplied
     step by step so a huge shape list cannot make a huge integer."""
+    if len(shape) <= 8:  # real shapes: one C product, exact (Python ints do not overflow)
+        total = math.prod(shape) * itemsize
+        return total if max(shape, default=0) < _MAX_SIZE and total < _MAX_SIZE else None
     if any(d >= _MAX_SIZE for d in shape):
         return None
     if 0 in shape:
@@ -363,15 +375,34 @@ class CheckpointIndex:
     paths: Mapping[str, Path]
     source: str
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
+    _counts: Optional[Counter] = field(default=None, repr=False)
+    #: shards the index names that are absent from the directory (stage-only copies): fine
+    #: until a plan needs one (``require``)
+    missing: tuple[str, ...] = ()
 
     @property
     def files(self) -> tuple[str, ...]:
+        """The shards present in the directory (``missing`` lists the absent ones)."""
         return tuple(self.paths)
+
+    def require(self, files: Iterable[str]) -> None:
+        """Refuse, listing every one at once, the absent shards among ``files`` (the shards a
+        plan reads); absent shards nobody here needs are fine (a node holding its stages)."""
+        if not self.missing:
+            return
+        gone = sorted(set(files).intersection(self.missing))
+        if gone:
+            raise CheckpointError(f"{len(gone)} file(s) named in {self.source} are missing: "
+                                  + ", ".join(gone) + f" (needed by this plan; {len(self.paths)} "
+                                  f"of {len(self.paths) + len(self.missing)} shards are present "
+                                  f"in {self.root}): copy or download them (`pploader files` "
+                                  "lists the shards each node needs)", file=self.source)
 
     def header(self, file: str) -> ShardHeader:
         """The validated header of ``file``, cross-checked against the weight_map."""
         hdr = self._headers.get(file)
         if hdr is None:
+            self.require((file,))
             hdr = parse_header(self.paths[file], file=file)
             self._cross_check(hdr)
             self._headers[file] = hdr
@@ -387,11 +418,18 @@ class CheckpointIndex:
                 raise CheckpointError(f"tensor appears in both {hdr.file} and {mapped} "
                                       f"({self.source} maps it to {mapped})",
                                       file=hdr.file, tensor=tname)
+        if self._names_per_file().get(hdr.file, 0) == len(hdr.tensors):
+            return  # every header tensor maps here and the counts agree: the same names
         for tname, mapped in self.weight_map.items():
             if mapped == hdr.file and tname not in hdr.tensors:
                 raise CheckpointError(f"{self.source} maps this tensor to {hdr.file} but the "
                                       "shard's header does not contain it",
                                       file=hdr.file, tensor=tname)
+
+    def _names_per_file(self) -> Mapping[str, int]:
+        if self._counts is None:
+            self._counts = Counter(self.weight_map.values())
+        return self._counts
 
     def entry(self, name: str) -> TensorEntry:
         """The entry of one tensor (parses its shard's header if needed)."""
@@ -407,6 +445,7 @@ class CheckpointIndex:
 
     def validate_all(self) -> None:
         """Parse every shard's header (used by balanced partitioning and `validate`)."""
+        self.require(self.missing)
         for file in self.paths:
             self.header(file)
 
@@ -419,8 +458,10 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
                     allowed_roots: Sequence[os.PathLike | str] = ()) -> CheckpointIndex:
     """Index a model directory without reading tensor data.
 
-    With ``model.safetensors.index.json`` the weight_map is validated (safe relative names,
-    every shard present, all missing shards listed at once) before any shard is opened.
+    With ``model.safetensors.index.json`` the weight_map is validated (safe relative names)
+    before any shard is opened. Absent shards are recorded in ``missing`` and refused only when
+    a plan needs them (``CheckpointIndex.require``: every missing one a plan reads, listed at
+    once), so a node may hold just the shards of its own stages.
     Without it, every ``*.safetensors`` file's header is read.
     """
     root = check_model_dir(model_dir)
@@ -429,8 +470,10 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     if os.path.lexists(index_path):
         weight_map = _read_index(_resolve(root, [INDEX_NAME], roots, str(root))[INDEX_NAME])
         files = list(dict.fromkeys(weight_map.values()))
-        paths = _resolve(root, files, roots, INDEX_NAME)
-        return CheckpointIndex(root, weight_map, paths, INDEX_NAME)
+        present = [f for f in files if (root / f).is_file()]
+        paths = _resolve(root, present, roots, INDEX_NAME)
+        return CheckpointIndex(root, weight_map, paths, INDEX_NAME,
+                               missing=tuple(f for f in files if f not in paths))
     shards = sorted(p.name for p in root.glob("*.safetensors"))
     if not shards:
         pickled = sorted(p.name for p in root.iterdir() if p.suffix in (".bin", ".pt", ".pth"))

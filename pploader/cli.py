@@ -1,4 +1,4 @@
-"""pploader's command line: plan | load | make-tiny | convert | bench.
+"""pploader's command line: plan | load | files | make-tiny | convert | bench.
 
 Exit codes: 0 success; 1 a load failed (every rank prints the combined error); 2 bad
 arguments or input (config, checkpoint, layout) found before any rank started loading, on
@@ -56,6 +56,7 @@ examples:
   pploader make-tiny llama /tmp/tiny                     # or a config.json path
   pploader plan --model /tmp/tiny --pp 4                 # who reads what; no data read
   pploader plan --model /tmp/tiny --pp 2 --tp 2 --json   # machine-readable
+  pploader files --model DIR --pp 2 --tp 8 --nodes 2     # which shards each node needs
   torchrun --standalone --nproc_per_node=4 -m pploader load --model /tmp/tiny --pp 4
   torchrun --nproc_per_node=8 -m pploader load --model DIR --pp 2 --ep 2 --tp 2 --json
   torchrun --nproc_per_node=2 -m pploader load --model DIR --pp 2 --device cuda
@@ -345,6 +346,23 @@ def build_parser() -> argparse.ArgumentParser:
                    "the tied head) once per node and send them to the others; a node = "
                    "$LOCAL_WORLD_SIZE consecutive ranks (CPU loads; default off)")
 
+    p = sub.add_parser("files", help="the shards (and bytes) each node or rank needs",
+                       description="Per node (ranks placed in blocks of --ranks-per-node, as "
+                       "torchrun and Slurm do) the shards its ranks read, plus config.json, the "
+                       "index and tokenizer files: copy only these to node-local disk "
+                       "(launch/slurm-stage-files.sbatch). Headers only; no data read.")
+    _layout_args(p, pp_required=True)
+    _tp_read_args(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--nodes", type=int, default=None, help="number of nodes (ranks split evenly)")
+    g.add_argument("--ranks-per-node", type=int, default=None,
+                   help="ranks per node (default 1: one entry per rank)")
+    p.add_argument("--node", type=int, default=None,
+                   help="print only this node's files, without comments (e.g. $SLURM_NODEID)")
+    p.add_argument("--format", choices=("list", "rsync", "include", "sbcast", "json"),
+                   default="list", help="list / rsync (a --files-from list), include (download "
+                   "tool patterns), sbcast (copy commands, $DEST), json")
+
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
                        "config's family, split into several shards with an index. The tiny "
@@ -457,6 +475,20 @@ def _check_backend(backend: Optional[str]) -> None:
     if backend == "nccl" and not torch.cuda.is_available():
         raise UsageError("--backend nccl needs a GPU on every rank and this one sees none; use "
                          "--backend gloo or leave --backend out")
+
+
+def cmd_files(args: argparse.Namespace) -> int:
+    """``pploader files``: which shards each node needs (docs/launch.md, stage-only files)."""
+    from .files import format_node_files, node_files
+    found, layers = node_files(args.model, args.pp, args.tp, args.ep,
+                               partition=_engine_partition(args.partition),  # type: ignore[arg-type]
+                               ranks_per_node=args.ranks_per_node, nodes=args.nodes,
+                               **_tp_read_kwargs(args))
+    fmt = "json" if args.json else args.format
+    print(format_node_files(found, fmt, model=str(args.model), layers=layers, node=args.node))
+    if args.node is None and fmt != "json" and args.partition != "even":
+        print(f"# load these nodes with --partition {','.join(map(str, layers))}")
+    return 0
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -624,6 +656,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return cmd_plan(args)
         if args.command == "load":
             return cmd_load(args)
+        if args.command == "files":
+            return cmd_files(args)
         if args.command == "make-tiny":
             return _make_tiny(args)
         if args.command == "convert":

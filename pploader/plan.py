@@ -4,11 +4,13 @@ Called on any process (no torch.distributed); ``pploader plan`` prints it for ev
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import math
+import re
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Callable, TypeVar, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from .errors import PlanError
@@ -25,7 +27,6 @@ from .topology import Topology
 if TYPE_CHECKING:  # pragma: no cover
     from .redistribute import Exchanger, Redistribute
 
-T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 #: Cost of exchanging one byte over the TP group's link (the larger of sent and received per
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_EXCHANGE_COST: Optional[float] = 0.5
 
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
-           "plan_mtp", "layer_bytes", "read_item"]
+           "plan_mtp", "layer_bytes", "read_item", "CheckpointRoles", "checkpoint_roles"]
 
 #: "even", "balanced", "vllm", "sglang", explicit layer counts per stage, or an EngineSplit.
 Partition = Union[str, Sequence[int], EngineSplit]
@@ -137,61 +138,174 @@ class RankPlan:
                 "files": list(self.files), "tensors": list(self.tensors)}
 
 
-def _memo(index: CheckpointIndex, key: str, spec: ModelSpec, build: Callable[[], T]) -> T:
-    """``build()`` once per index and spec: every rank planned in one process (``plan_all``,
-    read-once) shares the classification of the checkpoint's names and the template."""
-    memo = index.__dict__.setdefault("_plan_memo", {})
-    hit = memo.get(key)
-    if hit is not None and (hit[0] is spec or hit[0] == spec):
-        return hit[1]
-    value = build()
-    memo[key] = (spec, value)
-    return value
+@dataclass(frozen=True)
+class CheckpointRoles:
+    """Every checkpoint name's role, worked out once per (spec, index) and passed explicitly
+    (``plan_all`` and read-once planning share one): names bucketed by layer with one regex
+    match each, roles derived per distinct layer component (a MoE model repeats ~1.5 k
+    components over 60 layers), and the family template with the names only it has."""
+
+    spec: ModelSpec                                  # resolved to the checkpoint's naming
+    layers: Mapping[int, tuple[str, ...]]            # global layer id (MTP ids after) -> names
+    components: Mapping[str, Optional[TensorRole]]   # component -> role (layer None); None:
+    others: Mapping[str, TensorRole]                 #   classify per name; names off the layers
+    links: Mapping[str, str]                         # quant companion name -> its weight's name
+    template: Optional[Mapping[str, tuple[int, ...]]]
+    template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+
+    def role(self, name: str, layer: int, component: str) -> TensorRole:
+        """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
+        weight = self.links.get(name)
+        if weight is not None:
+            wcomp = component[:len(component) - len(name) + len(weight)]
+            base = self._plain(weight, layer, wcomp)
+            return TensorRole(base.placement, base.component[:-len("weight")]
+                              + component[len(wcomp) - len("weight"):], base.layer,
+                              base.expert, base.fused_experts, base.role)
+        return self._plain(name, layer, component)
+
+    def _plain(self, name: str, layer: int, component: str) -> TensorRole:
+        known = self.components.get(component)
+        if known is None:  # a component some global pattern also matches: per name
+            role = self.spec.family.classify(name, self.spec.num_layers, self.spec.num_mtp_layers)
+            assert role is not None
+            return role
+        return TensorRole("layer" if layer < self.spec.num_layers else "mtp", component, layer,
+                          known.expert, known.fused_experts)
+
+    def layer_roles(self, layer: int) -> dict[str, TensorRole]:
+        prefix_len = self._prefix_len(layer)
+        return {n: self.role(n, layer, n[prefix_len:]) for n in self.layers.get(layer, ())}
+
+    def _prefix_len(self, layer: int) -> int:
+        return len(self.spec.family.layer_name(layer, ""))
+
+    def items(self) -> list[tuple[str, TensorRole]]:
+        """(name, role) of every checkpoint tensor."""
+        out = list(self.others.items())
+        for layer in self.layers:
+            out.extend(self.layer_roles(layer).items())
+        return out
+
+    def stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                    ) -> dict[str, TensorRole]:
+        """The roles of the names ``window`` (and ``experts``) reads."""
+        chosen = {n: r for n, r in self.others.items() if _wanted(r, window, experts)}
+        for layer in range(window.start_layer, window.end_layer):
+            for name, role in self.layer_roles(layer).items():
+                if role.expert is None or experts is None or experts[0] <= role.expert < experts[1]:
+                    chosen[name] = role
+        return chosen
+
+    @property
+    def stores_head(self) -> bool:
+        return any(r.role == "head" for r in self.others.values())
 
 
-def _roles(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
-    """Every checkpoint tensor's role; quantization companions take their weight's role (so
-    a scale follows its weight's layer, expert and stage)."""
-    return _memo(index, "roles", spec, lambda: _classify_all(spec, index))
-
-
-def _classify_plain(spec: ModelSpec, index: CheckpointIndex) -> dict[str, Optional[TensorRole]]:
-    """The family's own role of every checkpoint name (no quantization linking), once."""
-    classify, n, m = spec.family.classify, spec.num_layers, spec.num_mtp_layers
-    return _memo(index, "plain", spec, lambda: {name: classify(name, n, m)
-                                                for name in index.weight_map})
-
-
-def _classify_all(spec: ModelSpec, index: CheckpointIndex) -> dict[str, TensorRole]:
-    roles, unknown = {}, []
-    plain = _classify_plain(spec, index)
+def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles:
+    """Classify every name of ``index`` for ``spec`` (pure; PlanError on unknown names)."""
+    spec = spec.for_checkpoint(index.weight_map)
+    fam, n, m = spec.family, spec.num_layers, spec.num_mtp_layers
     scheme = quant_scheme(spec)
-    for name in index.weight_map:
-        link = scheme.weight_of(name) if scheme is not None else None
-        if link is not None and link[0] in index.weight_map:
-            role = plain[link[0]]
-            if role is not None:
-                role = replace(role, component=role.component[:-len("weight")] + link[1].suffix)
-        else:
-            role = plain[name]
+    match = re.compile(fam.layer_prefix).match
+    layers: dict[int, list[str]] = {}
+    components: dict[str, Optional[TensorRole]] = {}
+    others: dict[str, TensorRole] = {}
+    unknown: list[str] = []
+    off_layer: list[str] = []
+    weight_of: dict[str, Optional[str]] = {}  # component -> its weight's component (companions)
+    links: dict[str, str] = {}
+    wmap = index.weight_map
+    by_prefix = _bucket_by_prefix(list(wmap), fam.layer_prefix, off_layer)
+    companions: set[str] = set()   # components naming a quantization companion
+    per_name: set[str] = set()     # components that a global pattern also matches
+    for prefix, names in by_prefix.items():
+        layer, cut = int(match(prefix).group(1)), len(prefix)  # type: ignore[union-attr]
+        if layer >= n + m:
+            unknown.extend(names)
+            continue
+        comps = [name[cut:] for name in names]
+        for component in set(comps) - components.keys():
+            role = fam.classify(prefix + component, n, m)
+            components[component] = (replace(role, layer=None) if role is not None
+                                     and role.placement in ("layer", "mtp") else None)
+            link = scheme.weight_of(component) if scheme is not None else None
+            weight_of[component] = link[0] if link is not None else None
+            if link is not None:
+                companions.add(component)
+            if components[component] is None:
+                per_name.add(component)
+        if companions:
+            for name, c in zip(names, comps):
+                if c in companions:
+                    weight = prefix + weight_of[c]  # type: ignore[operator]
+                    if weight in wmap:
+                        links[name] = weight
+        if per_name and not per_name.isdisjoint(comps):  # a global pattern matched too:
+            off_layer.extend(x for x, c in zip(names, comps) if components[c] is None)
+            names = [x for x, c in zip(names, comps) if components[c] is not None]
+        layers[layer] = names
+    if scheme is not None:
+        for name in off_layer:
+            link = scheme.weight_of(name)
+            if link is not None and link[0] in wmap:
+                links[name] = link[0]
+    for name in off_layer:
+        weight = links.get(name, name)
+        role = fam.classify(weight, n, m)
+        if role is not None and weight != name:
+            role = replace(role, component=role.component[:-len("weight")]
+                           + name[len(weight) - len("weight"):])
         if role is None:
             unknown.append(name)
+        elif role.placement in ("layer", "mtp") and role.layer is not None and name in links:
+            layers[role.layer] = layers.get(role.layer, []) + [name]
         else:
-            roles[name] = role
+            others[name] = role
     if unknown:
-        raise PlanError(f"{len(unknown)} checkpoint tensor(s) the {spec.family.name} family does "
-                        f"not know (num_hidden_layers={spec.num_layers}, mtp layers="
-                        f"{spec.num_mtp_layers}): {', '.join(unknown[:8])}"
-                        + (" ..." if len(unknown) > 8 else ""), tensor=unknown[0])
-    return roles
+        raise PlanError(f"{len(unknown)} checkpoint tensor(s) the {fam.name} family does "
+                        f"not know (num_hidden_layers={n}, mtp layers={m}): "
+                        f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
+                        tensor=unknown[0])
+    template = fam.template(spec) if fam.template is not None else None
+    only = {} if template is None else {
+        t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
+    return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
+                           links, template, only)
 
 
-def layer_bytes(spec: ModelSpec, index: CheckpointIndex) -> tuple[list[int], int, int]:
+def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]
+                      ) -> dict[str, list[str]]:
+    """Names grouped by the layer prefix they start with (``model.layers.7.``); the others
+    are appended to ``off_layer``. In sorted order the names starting with one prefix are one
+    contiguous range, so the regex runs once per range (bisect finds its end), not per name."""
+    match = re.compile(pattern).match
+    ordered = names if names == sorted(names) else sorted(names)
+    by_prefix: dict[str, list[str]] = {}
+    cursor, end = 0, len(ordered)
+    while cursor < end:
+        found = match(ordered[cursor])
+        if found is None:
+            off_layer.append(ordered[cursor])
+            cursor += 1
+            continue
+        prefix = found.group(0)
+        # every name in [cursor, hi) starts with prefix (sorted, below prefix's successor)
+        hi = bisect.bisect_left(ordered, prefix[:-1] + chr(ord(prefix[-1]) + 1), cursor)
+        by_prefix.setdefault(prefix, []).extend(ordered[cursor:hi])
+        cursor = hi
+    return by_prefix
+
+
+def layer_bytes(spec: ModelSpec, index: CheckpointIndex,
+                roles: Optional[CheckpointRoles] = None) -> tuple[list[int], int, int]:
     """Bytes per decoder layer, of first-stage globals and of last-stage globals (headers)."""
     index.validate_all()
-    spec = spec.for_checkpoint(index.weight_map)
+    roles = roles or checkpoint_roles(spec, index)
+    spec = roles.spec
     per_layer, first, last = [0] * spec.num_layers, 0, 0
-    for name, role in _roles(spec, index).items():
+    everything = roles.items()
+    for name, role in everything:
         nbytes = index.entry(name).nbytes
         if role.placement == "layer":
             per_layer[role.layer] += nbytes  # type: ignore[index]
@@ -200,13 +314,14 @@ def layer_bytes(spec: ModelSpec, index: CheckpointIndex) -> tuple[list[int], int
         elif role.placement == "last":
             last += nbytes
     if spec.tie_word_embeddings:
-        last += sum(index.entry(n).nbytes for n, r in _roles(spec, index).items() if r.role == "embed")
+        last += sum(index.entry(n).nbytes for n, r in everything if r.role == "embed")
     return per_layer, first, last
 
 
 def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
                  partition: Partition = "even", *,
-                 cache_bytes: Optional[Sequence[int]] = None) -> tuple[StageWindow, ...]:
+                 cache_bytes: Optional[Sequence[int]] = None,
+                 roles: Optional[CheckpointRoles] = None) -> tuple[StageWindow, ...]:
     """Stage windows for all PP ranks (balanced reads every header; even/explicit none).
 
     ``cache_bytes`` (per layer, e.g. ``pools.layer_cache_bytes`` at a target load) is added to
@@ -226,7 +341,7 @@ def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
         if partition == "even":
             return even_windows(spec.num_layers, pp)
         if partition == "balanced":
-            per_layer, first, last = layer_bytes(spec, index)
+            per_layer, first, last = layer_bytes(spec, index, roles)
             if cache_bytes is not None:
                 per_layer = [w + c for w, c in zip(per_layer, cache_bytes, strict=True)]
             return balanced_windows(per_layer, pp, first_extra=first, last_extra=last)
@@ -328,51 +443,68 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               window: StageWindow, *, strict: bool = True,
               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
               exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
-              exchange_batch_bytes: Optional[int] = None) -> RankPlan:
+              exchange_batch_bytes: Optional[int] = None,
+              roles: Optional[CheckpointRoles] = None) -> RankPlan:
     """The plan of one rank: its window's layers, globals, local experts and TP slices.
 
     ``exchange_cost`` (None = off): strided TP slices may be planned as row shares + an
     all-to-all of the TP group (``RankPlan.redistribute``, see redistribute.py), chosen per
-    tensor when cheaper than direct reads at ``range_cost_bytes``."""
+    tensor when cheaper than direct reads at ``range_cost_bytes``. ``roles``
+    (``checkpoint_roles(spec, index)``) lets several plans of one checkpoint share the
+    classification of its names; computed here when not given."""
     if window.pp_rank != topology.pp_rank:
         raise PlanError(f"window of stage {window.pp_rank} given to {topology.describe()}")
-    spec = spec.for_checkpoint(index.weight_map)
+    roles = roles or checkpoint_roles(spec, index)
+    spec = roles.spec
     check_tp_heads(spec, topology.tp_size)
     experts = (local_experts(spec.num_experts, topology.ep_size, topology.ep_rank)
                if spec.num_experts and topology.ep_size > 1 else None)
     if topology.ep_size > 1 and not spec.num_experts:
         raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts: leave "
                         "--ep at 1 (use --tp to split the stage)")
-    roles = _roles(spec, index)
-    chosen = {n: r for n, r in roles.items() if _wanted(r, window, experts)}
+    chosen = roles.stage_roles(window, experts)
     reads = [(n, r, n) for n, r in chosen.items()]   # (checkpoint name, role, target)
-    if window.has_head and not window.has_embed and spec.tie_word_embeddings and not any(
-            r.role == "head" for r in roles.values()):
+    if window.has_head and not window.has_embed and spec.tie_word_embeddings \
+            and not roles.stores_head:
         # the declared replica: the last stage reads the embedding as its head (a stage
         # holding both reads it once; the model ties the head to it)
-        for name, role in roles.items():
+        for name, role in roles.others.items():
             if role.role == "embed":
                 reads.append((name, role, _head_name(spec)))
                 chosen.setdefault(name, role)
+    index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
     if strict:
-        _check_expected(spec, index, chosen, window, experts, topology)
+        _check_expected(roles, index, chosen, window, experts, topology)
     items = []
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
+    selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
+    relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
     for name, role, target in reads:
         entry = index.entry(name)
+        weight = roles.links.get(name)
+        wentry = index.entry(weight) if weight is not None else None
+        key = (role.component, role.fused_experts, entry.shape, entry.dtype,
+               wentry.shape if wentry else None, wentry.dtype if wentry else None)
+        sel = selections.get(key)
         try:
-            sel = _selection(spec, role, entry, topology, experts, index, scheme)
+            if sel is None:
+                sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
+                                                   scheme)
             if exchanger is not None:
-                link = scheme.weight_of(name) if scheme is not None else None
-                exchanger.consider(entry, target, sel, (role.component, role.fused_experts, (
-                    index.entry(link[0]).shape if link and link[0] in index.weight_map
-                    else None)), partial(_peer_selection, spec, role, entry, experts, index,
-                                         scheme))
+                exchanger.consider(entry, target, sel, (
+                    role.component, role.fused_experts, wentry.shape if wentry else None),
+                    partial(_peer_selection, spec, role, entry, experts, index, scheme))
         except PlanError as exc:  # name the file and rank of the tensor being planned
-            raise PlanError(exc.detail, file=exc.file or entry.file, tensor=exc.tensor or name,
-                            rank=topology.rank) from None
-        items.append(read_item(entry, target, sel, range_cost_bytes))
+            raise PlanError(exc.detail, file=exc.file or entry.file,
+                            tensor=exc.tensor or name, rank=topology.rank) from None
+        shape_key = (entry.shape, entry.dtype, sel)
+        made = relative.get(shape_key)
+        if made is None:  # byte runs relative to the tensor's start, shared by equal tensors
+            made = relative[shape_key] = read_item(
+                TensorEntry("", "", entry.dtype, entry.shape, 0, entry.nbytes), "", sel,
+                range_cost_bytes)
+        items.append(_rebased(made, entry, target))
     plan = _finish(spec, index, topology, window, experts, items, list(chosen))
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
@@ -399,6 +531,15 @@ def _exchanger(topology: Topology, range_cost_bytes: int, exchange_cost: Optiona
                      batch_bytes=batch_bytes or DEFAULT_EXCHANGE_BATCH_BYTES)
 
 
+def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
+    """``made`` (planned for a tensor at offset 0) moved to ``entry``'s file and offset; every
+    other field is kept (a frozen copy without re-running the dataclass __init__)."""
+    item = object.__new__(ReadItem)
+    item.__dict__.update(made.__dict__, name=entry.name, target=target, file=entry.file,
+                         ranges=tuple((entry.start + a, n) for a, n in made.ranges))
+    return item
+
+
 def _head_name(spec: ModelSpec) -> str:
     for rule in spec.family.globals:
         if rule.role == "head":
@@ -421,28 +562,23 @@ def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window:
         tensors=tuple(sorted(dict.fromkeys(names))))
 
 
-def _check_expected(spec: ModelSpec, index: CheckpointIndex, chosen: Mapping[str, TensorRole],
-                    window: StageWindow, experts: Optional[tuple[int, int]],
-                    topology: Topology) -> None:
+def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
+                    chosen: Mapping[str, TensorRole], window: StageWindow,
+                    experts: Optional[tuple[int, int]], topology: Topology) -> None:
     """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
-    if spec.family.template is None:
+    spec, template = roles.spec, roles.template
+    if template is None:
         return
-    def build() -> tuple[Mapping[str, tuple[int, ...]], dict[str, Optional[TensorRole]]]:
-        names = spec.family.template(spec)  # type: ignore[misc]
-        known = _classify_plain(spec, index)
-        return names, {n: known[n] if n in known else
-                       spec.family.classify(n, spec.num_layers, spec.num_mtp_layers)
-                       for n in names}
-    template, roles = _memo(index, "template", spec, build)
-    expected = {n: tuple(template[n]) for n, r in roles.items()
-                if r is not None and _wanted(r, window, experts)}
+    expected = {n: tuple(template[n]) for n in chosen if n in template}
+    expected.update({n: tuple(template[n]) for n, r in roles.template_only.items()
+                     if r is not None and _wanted(r, window, experts)})
     scheme = quant_scheme(spec)
     if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
         expected = expand_template(  # an error like any missing tensor)
             scheme, expected,
             dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
     have = {n for n in chosen if _wanted(chosen[n], window, experts)}
-    missing = sorted(set(expected) - set(index.weight_map))
+    missing = sorted(set(expected) - index.weight_map.keys())
     unexpected = sorted(have - set(expected))
     where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
     if missing:
@@ -468,12 +604,13 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
              exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
              exchange_batch_bytes: Optional[int] = None) -> list[RankPlan]:
     """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
-    spec = spec.for_checkpoint(index.weight_map)
-    windows = make_windows(spec, index, pp, partition, cache_bytes=cache_bytes)
+    roles = checkpoint_roles(spec, index)
+    windows = make_windows(roles.spec, index, pp, partition, cache_bytes=cache_bytes, roles=roles)
     topo = Topology(pp, tp, ep)
-    plans = [plan_rank(spec, index, t, windows[t.pp_rank], strict=strict,
+    plans = [plan_rank(roles.spec, index, t, windows[t.pp_rank], strict=strict,
                        range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
-                       exchange_batch_bytes=exchange_batch_bytes) for t in topo.all_ranks()]
+                       exchange_batch_bytes=exchange_batch_bytes, roles=roles)
+             for t in topo.all_ranks()]
     logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
                 "ideal %d", len(plans), pp, ep, tp, partition,
                 sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
@@ -487,14 +624,16 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
         raise PlanError(f"MTP layer {mtp_layer} requested; the checkpoint config has "
                         f"{spec.num_mtp_layers} (num_nextn_predict_layers)")
     topo = topology or Topology(1)
-    spec = spec.for_checkpoint(index.weight_map)
+    roles = checkpoint_roles(spec, index)
+    spec = roles.spec
     layer = spec.num_layers + mtp_layer
     window = StageWindow(topo.pp_rank, layer, layer + 1, False, False)
     experts = (local_experts(spec.num_experts, topo.ep_size, topo.ep_rank)
                if spec.num_experts and topo.ep_size > 1 else None)
     items, names = [], []
     scheme = quant_scheme(spec)
-    for name, role in _roles(spec, index).items():
+    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())})
+    for name, role in roles.layer_roles(layer).items():
         if role.placement == "mtp" and role.layer == layer and (
                 role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
             entry = index.entry(name)

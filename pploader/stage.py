@@ -17,7 +17,8 @@ import torch
 from .checkpoint import DTYPES, CheckpointIndex, open_checkpoint
 from .dtypes import cast_stream, dtype_casts
 from .errors import PPLoaderError
-from .plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_mtp,
+from .plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, checkpoint_roles,
+                   make_windows, plan_mtp,
                    plan_rank)
 from .read import Reader, ReadStats
 from .share import share_reads
@@ -161,11 +162,12 @@ class ReadOnceReader:
                  device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None) -> None:
         plan, topo = staged.plan, staged.plan.topology
         self.device, self.ring, self.cancel = torch.device(device), ring, cancel
+        roles = checkpoint_roles(staged.spec, staged.index)  # classified once for the group
         plans = [plan if r == topo.rank else plan_rank(staged.spec, staged.index,
                                                        topo.with_rank(r), plan.window,
                                                        strict=False,
                                                        range_cost_bytes=plan.range_cost_bytes,
-                                                       exchange_cost=None)
+                                                       exchange_cost=None, roles=roles)
                  for r in topo.stage_group()]
         self.shared = share_reads(plans)[topo.rank]
         self.comm, self.stats = comm, ReadStats()

@@ -374,10 +374,11 @@ def test_row09_every_missing_shard_listed_before_any_is_opened(
     for f in gone:
         (model / f).unlink()
     opens = _Opens(monkeypatch)
-    with pytest.raises(CheckpointError) as err:
-        open_checkpoint(model)
+    assert sorted(open_checkpoint(model).missing) == sorted(gone)  # recorded...
+    with pytest.raises(CheckpointError) as err:  # ...and refused when a plan needs them
+        plan_stage(model, Topology(1))
     assert f"{len(gone)} file(s) named in {INDEX_NAME} are missing" in str(err.value)
-    assert all(f in str(err.value) for f in gone)
+    assert all(f in str(err.value) for f in gone) and "rank 0" in str(err.value)
     assert opens.shards() == []
 
 
