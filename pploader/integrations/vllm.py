@@ -19,9 +19,9 @@ TP modes (``model_loader_extra_config={"tp_mode": ...}``), see docs/integration.
   parameters; only vLLM's v1 linear loaders honour that flag (not ``ModelWeightParameter``,
   which unquantized linears use, nor the vocab embedding or fused MoE), so TP>1 fails there.
 
-Reload inside a running engine: ``llm.collective_rpc(reload_stage, args=(NEW_DIR,))`` or, with
-``worker_extension_cls="pploader.integrations.vllm.WorkerExtension"``,
-``llm.collective_rpc("pploader_reload", args=(NEW_DIR,))``.
+Reload inside a running engine built with ``worker_extension_cls=WORKER_EXTENSION``:
+``reload(llm, NEW_DIR)`` (driver side; it calls ``llm.collective_rpc("pploader_reload", ...)``
+and raises RankFailure if any worker refused the new checkpoint).
 """
 from __future__ import annotations
 
@@ -29,19 +29,22 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator, Optional, Sequence
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
 
+# vllm is not installed where mypy runs: its names are Any there
 from vllm.config import ModelConfig  # type: ignore[import-not-found, unused-ignore]
 from vllm.model_executor.model_loader import (  # type: ignore[import-not-found, unused-ignore]
     register_model_loader)
-from vllm.model_executor.model_loader.base_loader import (  # type: ignore[import-not-found, unused-ignore]
-    BaseModelLoader)
+from vllm.model_executor.model_loader import (  # type: ignore[import-not-found, unused-ignore]
+    base_loader as _base_loader)
+
+BaseModelLoader = _base_loader.BaseModelLoader
 
 from ..checkpoint import DTYPES
-from ..errors import PlanError, PPLoaderError
+from ..errors import PlanError, PPLoaderError, RankFailure
 from ..plan import ReadItem
 from ..read import Reader
 from ..stage import StagePlan, plan_stage
@@ -49,11 +52,13 @@ from ..topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["LOAD_FORMAT", "TP_MODES", "PPLoaderModelLoader", "register", "engine_topology",
-           "engine_partition", "load_report", "reload_stage", "WorkerExtension"]
+__all__ = ["LOAD_FORMAT", "TP_MODES", "WORKER_EXTENSION", "PPLoaderModelLoader", "register",
+           "engine_topology", "engine_partition", "load_report", "reload_stage", "reload",
+           "WorkerExtension"]
 
 LOAD_FORMAT = "pploader"
 TP_MODES = ("placed", "full", "sliced")
+WORKER_EXTENSION = "pploader.integrations.vllm.WorkerExtension"
 _NAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -66,6 +71,7 @@ class LoadState:
     partition: tuple[int, ...]  # layers per stage, as the engine split them
     tp_mode: str
     staged: StagePlan
+    range_cost_bytes: int = 0
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -82,7 +88,8 @@ def engine_topology() -> Topology:
 def engine_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
     """Layers per stage exactly as vLLM splits them (``get_pp_indices``, which reads
     ``VLLM_PP_LAYER_PARTITION`` itself)."""
-    from vllm.distributed.utils import get_pp_indices  # type: ignore[import-not-found, unused-ignore]
+    from vllm.distributed import utils  # type: ignore[import-not-found, unused-ignore]
+    get_pp_indices = utils.get_pp_indices
     bounds = [get_pp_indices(num_layers, r, pp_size) for r in range(pp_size)]
     return tuple(end - start for start, end in bounds)
 
@@ -101,9 +108,11 @@ def _read_topology(topology: Topology, tp_mode: str) -> Topology:
 
 
 def plan_engine_stage(model_dir: str, topology: Topology, partition: Sequence[int],
-                      tp_mode: str, model: Optional[nn.Module] = None) -> StagePlan:
+                      tp_mode: str, model: Optional[nn.Module] = None, *,
+                      range_cost_bytes: int = 0) -> StagePlan:
     """Plan this worker's stage with the engine's partition; the window must be the model's."""
-    staged = plan_stage(model_dir, _read_topology(topology, tp_mode), partition=list(partition))
+    staged = plan_stage(model_dir, _read_topology(topology, tp_mode), partition=list(partition),
+                        range_cost_bytes=range_cost_bytes)
     window = staged.plan.window
     start = sum(partition[:topology.pp_rank])
     expected = (start, start + partition[topology.pp_rank])
@@ -134,60 +143,120 @@ def _rchar() -> Optional[int]:
     return None
 
 
-def _placed_item(reader: Reader, staged: StagePlan, item: ReadItem) -> torch.Tensor:
-    """A full-shaped tensor holding exactly the bytes of ``item``'s ranges at their offsets
-    (NaN elsewhere): vLLM's loaders narrow it to this rank's part."""
+def _placed_ranges(staged: StagePlan, item: ReadItem) -> tuple[tuple[int, int], ...]:
+    """The byte ranges to read for ``item``: its plan ranges, or the whole tensor for dtypes
+    without a NaN to poison the unread part with (integers, fp8)."""
     entry = staged.index.entry(item.name)
-    dtype = DTYPES[item.dtype][0]
-    whole = dtype not in _NAN_DTYPES and item.read_bytes != entry.nbytes
-    ranges = ((entry.start, entry.nbytes),) if whole else item.ranges  # ints: no poison value
-    out = torch.empty(item.source_shape, dtype=dtype)
-    if len(ranges) != 1 or ranges[0] != (entry.start, entry.nbytes):
-        out.fill_(float("nan"))
-    raw = out.reshape(-1).view(torch.uint8).numpy()
-    fd = reader._fd(item.file)
+    if DTYPES[item.dtype][0] not in _NAN_DTYPES:
+        return ((entry.start, entry.nbytes),)
+    return item.ranges
+
+
+def _read_compact(reader: Reader, staged: StagePlan, item: ReadItem) -> torch.Tensor:
+    """The bytes of ``item``'s ranges, back to back (this rank's part only)."""
+    ranges = _placed_ranges(staged, item)
+    out = torch.empty(sum(n for _, n in ranges), dtype=torch.uint8)
+    raw = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+    pos, fd = 0, reader._fd(item.file)
     for offset, nbytes in ranges:
-        view = memoryview(raw)[offset - entry.start: offset - entry.start + nbytes]
-        reader._pread_into(fd, [view], offset, item)
+        reader._pread_into(fd, [raw[pos:pos + nbytes]], offset, item)
+        pos += nbytes
     return out
 
 
-def _placed_stream(staged: StagePlan) -> tuple[Reader, Iterator[tuple[str, torch.Tensor]]]:
-    reader = Reader(staged.plan)
+def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Tensor:
+    """A full-shaped tensor with ``compact``'s bytes at their offsets and NaN elsewhere:
+    vLLM's loaders narrow it to this rank's part."""
+    entry = staged.index.entry(item.name)
+    ranges = _placed_ranges(staged, item)
+    out = torch.empty(item.source_shape, dtype=DTYPES[item.dtype][0])
+    if ranges != ((entry.start, entry.nbytes),):
+        out.fill_(float("nan"))
+    raw, pos = out.reshape(-1).view(torch.uint8), 0
+    for offset, nbytes in ranges:
+        raw[offset - entry.start: offset - entry.start + nbytes] = compact[pos:pos + nbytes]
+        pos += nbytes
+    return out
 
-    def stream() -> Iterator[tuple[str, torch.Tensor]]:
-        start = time.perf_counter()
-        try:
-            for item in staged.plan.items:
-                yield item.target, _placed_item(reader, staged, item)
-            for file, fd in list(reader._fds.items()):
-                reader._check_identity(file, fd)
-        finally:
-            reader.close()
-            reader.stats.seconds = time.perf_counter() - start
-    return reader, stream()
+
+def _placed_reads(staged: StagePlan, reader: Reader) -> Iterator[tuple[ReadItem, torch.Tensor]]:
+    start = time.perf_counter()
+    try:
+        for item in staged.plan.items:
+            yield item, _read_compact(reader, staged, item)
+        for file, fd in list(reader._fds.items()):
+            reader._check_identity(file, fd)
+    finally:
+        reader.close()
+        reader.stats.seconds = time.perf_counter() - start
+
+
+def _placed(staged: StagePlan, tp_mode: str) -> bool:
+    return tp_mode == "placed" and staged.plan.topology.tp_size > 1
 
 
 def stage_weights(staged: StagePlan, tp_mode: str
                   ) -> tuple[Reader, Iterator[tuple[str, torch.Tensor]]]:
     """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over."""
-    if tp_mode == "placed" and staged.plan.topology.tp_size > 1:
-        return _placed_stream(staged)
     reader = Reader(staged.plan)
+    if _placed(staged, tp_mode):
+        return reader, ((item.target, _place(staged, item, compact))
+                        for item, compact in _placed_reads(staged, reader))
     return reader, iter(reader)
 
 
+def read_stage(staged: StagePlan, tp_mode: str
+               ) -> tuple[Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Read the whole stage now (this rank's bytes, held compactly); the returned function
+    streams it in the form ``tp_mode`` hands over (reload: read and agree before writing)."""
+    reader = Reader(staged.plan)
+    if _placed(staged, tp_mode):
+        held = list(_placed_reads(staged, reader))
+        return reader, lambda: ((item.target, _place(staged, item, compact))
+                                for item, compact in held)
+    tensors = list(reader)
+    return reader, lambda: iter(tensors)
+
+
 # ---- checks after load_weights ----------------------------------------------------------
-def check_all_loaded(model: nn.Module, loaded: Optional[Iterable[str]], rank: int) -> None:
-    """Strict: every parameter the stage holds was written by ``load_weights``."""
+def _other_stage(name: str, staged: StagePlan) -> bool:
+    """A parameter named like a checkpoint tensor this stage does not own (vLLM's Mixtral,
+    for one, builds the embedding, final norm and head on every PP rank)."""
+    spec, window = staged.spec, staged.plan.window
+    role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+    if role is None:
+        return False
+    if role.placement == "first":
+        return not window.has_embed
+    if role.placement == "last":
+        return not window.has_head
+    return role.placement == "layer" and not window.owns(role.layer)  # type: ignore[arg-type]
+
+
+def check_all_loaded(model: nn.Module, loaded: Optional[Iterable[str]], staged: StagePlan
+                     ) -> tuple[str, ...]:
+    """Strict: every parameter of the stage was written by ``load_weights``. Parameters the
+    engine builds for tensors another stage owns are zeroed (never read on this rank) and
+    returned; anything else missing is an error listing it."""
+    rank = staged.plan.topology.rank
     if loaded is None:
         raise PlanError(f"{type(model).__name__}.load_weights returned no set of loaded "
                         "parameters: cannot check that the stage is complete", rank=rank)
-    missing = sorted({name for name, _ in model.named_parameters()} - set(loaded))
+    params = dict(model.named_parameters())
+    unloaded = sorted(set(params) - set(loaded))
+    elsewhere = tuple(n for n in unloaded if _other_stage(n, staged))
+    missing = [n for n in unloaded if n not in elsewhere]
     if missing:
         raise PlanError(f"{len(missing)} parameter(s) of this stage were not loaded from the "
                         f"checkpoint: {', '.join(missing[:12])}" + (" ..." if len(missing) > 12
                                                                     else ""), rank=rank)
+    with torch.no_grad():
+        for name in elsewhere:
+            params[name].data.zero_()
+    if elsewhere:
+        logger.info("pploader rank %d: zeroed %s (the engine builds them here, another stage "
+                    "owns them)", rank, ", ".join(elsewhere))
+    return elsewhere
 
 
 def check_no_unread(model: nn.Module, rank: int) -> None:
@@ -215,6 +284,8 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         super().__init__(load_config)
         extra = dict(getattr(load_config, "model_loader_extra_config", None) or {})
         self.tp_mode = str(extra.pop("tp_mode", "placed"))
+        # exact byte ranges by default: strided TP slices row by row, never a covering box
+        self.range_cost_bytes = int(extra.pop("range_cost_bytes", 0))
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"pploader tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
         if extra:
@@ -234,16 +305,26 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         from ..spec import load_spec
         num_layers = load_spec(model_dir).num_layers
         partition = engine_partition(num_layers, topology.pp_size)
-        staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model)
+        staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model,
+                                   range_cost_bytes=self.range_cost_bytes)
+        reader, weights = stage_weights(staged, self.tp_mode)
         if self.tp_mode == "sliced" and topology.tp_size > 1:
             _mark_sharded(model)
-        reader, weights = stage_weights(staged, self.tp_mode)
-        loaded = model.load_weights(weights)
+            try:
+                loaded = model.load_weights(weights)  # type: ignore[operator]
+            except (AssertionError, RuntimeError, ValueError) as exc:
+                raise PlanError(f"vLLM's weight loader refused a pre-sliced tensor "
+                                f"({type(exc).__name__}: {exc}); its embedding and "
+                                "ModelWeightParameter loaders ignore is_sharded_weight: use "
+                                "tp_mode 'placed' (the default)", rank=topology.rank) from exc
+        else:
+            loaded = model.load_weights(weights)  # type: ignore[operator]
         rchar1, seconds = _rchar(), time.perf_counter() - start
-        check_all_loaded(model, loaded, topology.rank)
+        check_all_loaded(model, loaded, staged)
         if self.tp_mode == "placed" and topology.tp_size > 1:
             check_no_unread(model, topology.rank)
-        state = LoadState(model_dir, topology, partition, self.tp_mode, staged)
+        state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
+                          range_cost_bytes=self.range_cost_bytes)
         state.report = _report(state, reader, seconds, rchar0, rchar1)
         model._pploader_state = state  # type: ignore[assignment]
         _LAST["load"] = state.report
@@ -309,59 +390,93 @@ def _same_layout(old: StagePlan, new: StagePlan, rank: int) -> None:
 
 def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
                  ) -> dict[str, Any]:
-    """Reload this worker's stage from ``checkpoint_dir`` in place (run on every worker:
-    ``llm.collective_rpc(reload_stage, args=(DIR,))``).
+    """Reload this worker's stage from ``checkpoint_dir`` in place; run on every worker
+    (``llm.collective_rpc("pploader_reload", args=(DIR,))``, or :func:`reload` which raises).
 
     Plans (headers, sizes, same family/window/shapes) and reads the whole stage into host
     memory first, then all workers agree; only if every worker succeeded are the bytes written
-    through the engine's loaders (vLLM's layerwise in-place reload, data_ptrs kept). On any
-    failure every worker raises the same RankFailure and the served weights are untouched.
+    through the engine's loaders (vLLM's layerwise in-place reload, data_ptrs kept). On a
+    failure every worker returns ``ok: False`` with the same agreed error and the served
+    weights are untouched. It returns rather than raises: vLLM's multiprocess executor raises
+    on the first failed worker and leaves the others' replies queued, which desynchronises the
+    next collective_rpc.
     """
     from ..comm import Comm
     model = _model_of(worker)
     state: Optional[LoadState] = getattr(model, "_pploader_state", None)
     if state is None:
-        raise PlanError("this engine was not loaded with load_format='pploader'")
+        return {"ok": False, "rank": None, "error": "this engine was not loaded with "
+                "load_format='pploader'", "written": False}
     topology = state.topology
     comm = Comm(topology, timeout_s=timeout_s)
     try:
-        error: Optional[BaseException] = None
-        pieces: list[tuple[str, torch.Tensor]] = []
-        reader: Optional[Reader] = None
-        rchar0, start = _rchar(), time.perf_counter()
-        try:
-            staged = plan_engine_stage(str(checkpoint_dir), topology, state.partition,
-                                       state.tp_mode, model)
-            _same_layout(state.staged, staged, topology.rank)
-            reader, stream = stage_weights(staged, state.tp_mode)
-            pieces = list(stream)
-        except (PPLoaderError, OSError) as exc:
-            error = exc
-            logger.error("pploader reload on %s failed: %s", topology.describe(), exc)
-        try:
-            comm.agree(error)  # every worker raises the same RankFailure if any failed
-        except PPLoaderError as exc:
-            _LAST["reload_error"] = {"rank": topology.rank, "error": str(exc),
-                                     "own_error": None if error is None else str(error)}
-            raise
-        _LAST.pop("reload_error", None)
-        assert reader is not None
-        rchar1, read_seconds = _rchar(), time.perf_counter() - start
-        worker.model_runner.reload_weights(weights_iterator=iter(pieces),
-                                           is_checkpoint_format=True)
-        pieces.clear()
-        if state.tp_mode == "placed" and topology.tp_size > 1:
-            check_no_unread(model, topology.rank)
-        new = LoadState(str(checkpoint_dir), topology, state.partition, state.tp_mode, staged)
-        new.report = _report(new, reader, read_seconds, rchar0, rchar1)
-        new.report["total_seconds"] = time.perf_counter() - start
-        model._pploader_state = new  # type: ignore[assignment]
-        _LAST["reload"] = new.report
-        logger.info("pploader reload %s: read %d bytes (ideal %d) from %s", topology.describe(),
-                    reader.stats.read_bytes, new.report["ideal_bytes"], checkpoint_dir)
-        return new.report
+        return _reload_agreed(worker, model, state, str(checkpoint_dir), comm)
     finally:
         comm.close()
+
+
+def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_dir: str,
+                   comm: Any) -> dict[str, Any]:
+    topology = state.topology
+    error: Optional[BaseException] = None
+    weights: Optional[Callable[[], Iterator[tuple[str, torch.Tensor]]]] = None
+    reader: Optional[Reader] = None
+    rchar0, start = _rchar(), time.perf_counter()
+    try:  # phase 1: plan, validate and read everything; nothing written yet
+        staged = plan_engine_stage(checkpoint_dir, topology, state.partition, state.tp_mode,
+                                   model, range_cost_bytes=state.range_cost_bytes)
+        _same_layout(state.staged, staged, topology.rank)
+        reader, weights = read_stage(staged, state.tp_mode)
+    except Exception as exc:  # noqa: BLE001 - any failure here must be agreed, not raised
+        error = exc
+        weights = None
+    try:
+        comm.agree(error)  # every worker gets the same RankFailure if any failed
+    except PPLoaderError as exc:
+        failed = {"ok": False, "rank": topology.rank, "error": str(exc), "written": False,
+                  "own_error": None if error is None else f"{type(error).__name__}: {error}"}
+        _LAST["reload_error"] = failed
+        logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
+                     topology.describe(), exc)
+        return failed
+    assert reader is not None and weights is not None
+    rchar1, read_seconds = _rchar(), time.perf_counter() - start
+    try:  # phase 2: every worker validated and read its stage; write in place
+        worker.model_runner.reload_weights(weights_iterator=weights(),
+                                           is_checkpoint_format=True)
+        weights = None
+        if state.tp_mode == "placed" and topology.tp_size > 1:
+            check_no_unread(model, topology.rank)
+    except Exception as exc:  # noqa: BLE001
+        failed = {"ok": False, "rank": topology.rank, "written": True,
+                  "error": f"writing failed after agreement, weights may be partly updated: "
+                           f"{type(exc).__name__}: {exc}"}
+        _LAST["reload_error"] = failed
+        logger.exception("pploader reload write failed on %s", topology.describe())
+        return failed
+    new = LoadState(checkpoint_dir, topology, state.partition, state.tp_mode, staged,
+                    range_cost_bytes=state.range_cost_bytes)
+    new.report = _report(new, reader, read_seconds, rchar0, rchar1)
+    new.report.update(ok=True, total_seconds=time.perf_counter() - start)
+    model._pploader_state = new  # type: ignore[assignment]
+    _LAST["reload"] = new.report
+    _LAST.pop("reload_error", None)
+    logger.info("pploader reload %s: read %d bytes (ideal %d) from %s", topology.describe(),
+                reader.stats.read_bytes, new.report["ideal_bytes"], checkpoint_dir)
+    return new.report
+
+
+def reload(llm: Any, checkpoint_dir: str, *, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Driver side: reload every worker of ``llm`` (built with
+    ``worker_extension_cls=WORKER_EXTENSION``) from ``checkpoint_dir``; raises RankFailure
+    naming each worker's error if the new checkpoint was refused (old weights keep serving)."""
+    results = llm.collective_rpc("pploader_reload", args=(str(checkpoint_dir),),
+                                 kwargs={"timeout_s": timeout_s})
+    failures = {int(r["rank"]) if r.get("rank") is not None else i: r["error"]
+                for i, r in enumerate(results) if not r.get("ok")}
+    if failures:
+        raise RankFailure(failures)
+    return list(results)
 
 
 class WorkerExtension:

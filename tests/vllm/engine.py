@@ -18,7 +18,6 @@ from typing import Any
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
        "TOKENIZERS_PARALLELISM": "false"}
-EXTENSION = "pploader.integrations.vllm.WorkerExtension"
 
 
 def engine(run: dict[str, Any]) -> Any:
@@ -30,7 +29,7 @@ def engine(run: dict[str, Any]) -> Any:
         max_num_batched_tokens=128, compilation_config={"mode": 2, "backend": "eager"},
         dtype=run.get("dtype", "bfloat16"), seed=0)
     if run["load_format"] == "pploader":
-        kwargs["worker_extension_cls"] = EXTENSION
+        kwargs["worker_extension_cls"] = "pploader.integrations.vllm.WorkerExtension"
         if run.get("extra"):
             kwargs["model_loader_extra_config"] = run["extra"]
     return LLM(**kwargs)
@@ -45,6 +44,8 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[i
 
 
 def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    from pploader.errors import RankFailure
+    from pploader.integrations.vllm import reload
     start = time.perf_counter()
     llm = engine(run)
     out: dict[str, Any] = {"name": run["name"], "start_seconds": time.perf_counter() - start}
@@ -57,10 +58,10 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
             before = llm.collective_rpc("pploader_data_ptrs")
             step: dict[str, Any] = {"dir": new_dir}
             try:
-                step["results"] = llm.collective_rpc("pploader_reload", args=(new_dir,))
+                step["results"] = reload(llm, new_dir)
                 step["raised"] = None
-            except Exception as exc:  # the engine reports the workers' failure
-                step["raised"] = f"{type(exc).__name__}: {exc}"
+            except RankFailure as exc:  # every worker refused the new checkpoint
+                step["raised"] = str(exc)
             step["tokens"] = generate(llm, prompts, max_tokens)
             step["reports"] = llm.collective_rpc("pploader_report")
             step["data_ptrs_kept"] = before == llm.collective_rpc("pploader_data_ptrs")
