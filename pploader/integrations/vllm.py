@@ -353,11 +353,19 @@ _LAST: dict[str, dict[str, Any]] = {}  # this process's last load / reload / err
 
 
 def register() -> None:
-    """Entry point (``vllm.general_plugins``): register load format ``pploader`` here."""
+    """Entry point (``vllm.general_plugins``): register load format ``pploader`` in this
+    process, and let pploader's log records out through vLLM's handlers (vLLM configures only
+    its own logger, so pploader's per-worker byte counts would otherwise be dropped)."""
     from vllm.model_executor.model_loader import (  # type: ignore[import-not-found, unused-ignore]
         _LOAD_FORMAT_TO_MODEL_LOADER)
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not PPLoaderModelLoader:
         register_model_loader(LOAD_FORMAT)(PPLoaderModelLoader)
+    ours, theirs = logging.getLogger("pploader"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
 
 
 # ---- worker-side functions (collective_rpc) ----------------------------------------------
@@ -433,7 +441,9 @@ def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_d
     try:
         comm.agree(error)  # every worker gets the same RankFailure if any failed
     except PPLoaderError as exc:
+        failures = getattr(exc, "failures", None) or {topology.rank: str(exc)}
         failed = {"ok": False, "rank": topology.rank, "error": str(exc), "written": False,
+                  "failures": {str(r): m for r, m in failures.items()},
                   "own_error": None if error is None else f"{type(error).__name__}: {error}"}
         _LAST["reload_error"] = failed
         logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
@@ -472,8 +482,12 @@ def reload(llm: Any, checkpoint_dir: str, *, timeout_s: float = 300.0) -> list[d
     naming each worker's error if the new checkpoint was refused (old weights keep serving)."""
     results = llm.collective_rpc("pploader_reload", args=(str(checkpoint_dir),),
                                  kwargs={"timeout_s": timeout_s})
-    failures = {int(r["rank"]) if r.get("rank") is not None else i: r["error"]
-                for i, r in enumerate(results) if not r.get("ok")}
+    failures: dict[int, str] = {}
+    for i, result in enumerate(results):
+        if not result.get("ok"):   # the agreed failures, the same on every worker
+            rank = result.get("rank")
+            own = {str(i if rank is None else rank): result["error"]}
+            failures.update({int(r): m for r, m in (result.get("failures") or own).items()})
     if failures:
         raise RankFailure(failures)
     return list(results)

@@ -30,8 +30,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
          "bos_token_id": 1, "eos_token_id": 2}
 MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dtype": "bfloat16",
-           "vocab_size": 1024, "hidden_size": 128, "intermediate_size": 128,
-           "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 256,
+           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
            "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256,
            "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
            "num_experts_per_tok": 2, "num_local_experts": 8, "router_jitter_noise": 0.0,
@@ -63,7 +63,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm-ckpts")
     d = {"llama1": make_model(root / "llama1", LLAMA, shard_bytes=1_500_000, seed=1),
          "llama2": make_model(root / "llama2", LLAMA, shard_bytes=1_500_000, seed=2),
-         "mixtral": make_model(root / "mixtral", MIXTRAL, shard_bytes=400_000, seed=3)}
+         "mixtral": make_model(root / "mixtral", MIXTRAL, shard_bytes=3_000_000, seed=3)}
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
     last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
