@@ -17,8 +17,13 @@ from typing import Any
 
 import pytest
 
+# tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
+# a real installed vllm (a regular package, with an __init__ file) counts
+_SPEC = importlib.util.find_spec("vllm")
+HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
+
 pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+              pytest.mark.skipif(not HAVE_VLLM,
                                  reason="vllm is not installed here: run .ci/vllm-suite.sh")]
 
 HERE = Path(__file__).resolve().parent

@@ -10,8 +10,13 @@ import pytest
 import torch
 from torch import nn
 
+# tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
+# a real installed vllm (a regular package, with an __init__ file) counts
+_SPEC = importlib.util.find_spec("vllm")
+HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
+
 pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+              pytest.mark.skipif(not HAVE_VLLM,
                                  reason="vllm is not installed here: run .ci/vllm-suite.sh")]
 
 
