@@ -48,6 +48,11 @@ def _register_measured_loaders() -> None:
 
     def measured(base: type, name: str) -> type:
         class Measured(base):  # type: ignore[misc, valid-type]
+            def __init__(self, load_config: Any) -> None:
+                if base is DefaultModelLoader:   # it picks files by the format's name
+                    load_config.load_format = "auto"
+                super().__init__(load_config)
+
             def get_all_weights(self, *args: Any, **kwargs: Any) -> Iterator:
                 for tname, tensor in super().get_all_weights(*args, **kwargs):
                     self.handed_bytes += tensor.numel() * tensor.element_size()
@@ -127,7 +132,7 @@ def _evict(model: Path) -> int:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
-        left += resident_bytes_of_ranges(str(path), [(0, path.stat().st_size)])
+        left += resident_bytes_of_ranges(str(path), [(0, path.stat().st_size)], strict=True)[0]
     return left
 
 
