@@ -1,0 +1,508 @@
+"""vLLM load format ``pploader``: each worker reads only its pipeline stage's bytes.
+
+Registered in every vLLM process through the ``vllm.general_plugins`` entry point
+(:func:`register`), so ``LLM(model=DIR, load_format="pploader", pipeline_parallel_size=2)`` and
+``vllm serve DIR --load-format pploader -pp 2`` work. The worker's topology and layer window
+come from the engine (its parallel state, ``get_pp_indices`` and ``VLLM_PP_LAYER_PARTITION`` as
+vLLM parses it); pploader is given that partition explicitly and its plan is checked against
+the model's ``start_layer/end_layer``. The tensors go through the model's own ``load_weights``
+(vLLM's weight loaders, q/k/v and gate/up stacking, quantization hooks).
+
+TP modes (``model_loader_extra_config={"tp_mode": ...}``), see docs/integration.md:
+
+* ``placed`` (default): read only this TP rank's byte ranges, placed at their offsets inside a
+  full-shaped buffer whose other elements are NaN; vLLM's loaders narrow to the rank's part
+  as they always do. Bytes read = the rank's ideal bytes. A NaN in any floating parameter after
+  ``load_weights`` means the engine narrowed elsewhere than pploader read: a clear error.
+* ``full``: hand the stage's whole tensors (TP x the ideal bytes); loaders narrow.
+* ``sliced``: hand pploader's slices and set ``param.is_sharded_weight`` on the stage's
+  parameters; only vLLM's v1 linear loaders honour that flag (not ``ModelWeightParameter``,
+  which unquantized linears use, nor the vocab embedding or fused MoE), so TP>1 fails there.
+
+Reload inside a running engine built with ``worker_extension_cls=WORKER_EXTENSION``:
+``reload(llm, NEW_DIR)`` (driver side; it calls ``llm.collective_rpc("pploader_reload", ...)``
+and raises RankFailure if any worker refused the new checkpoint).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+
+import torch
+from torch import nn
+
+# vllm is not installed where mypy runs: its names are Any there
+from vllm.config import ModelConfig  # type: ignore[import-not-found, unused-ignore]
+from vllm.model_executor.model_loader import (  # type: ignore[import-not-found, unused-ignore]
+    register_model_loader)
+from vllm.model_executor.model_loader import (  # type: ignore[import-not-found, unused-ignore]
+    base_loader as _base_loader)
+
+BaseModelLoader = _base_loader.BaseModelLoader
+
+from ..checkpoint import DTYPES
+from ..errors import PlanError, PPLoaderError, RankFailure
+from ..plan import ReadItem
+from ..read import Reader
+from ..stage import StagePlan, plan_stage
+from ..topology import Topology
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["LOAD_FORMAT", "TP_MODES", "WORKER_EXTENSION", "PPLoaderModelLoader", "register",
+           "engine_topology", "engine_partition", "load_report", "reload_stage", "reload",
+           "WorkerExtension"]
+
+LOAD_FORMAT = "pploader"
+TP_MODES = ("placed", "full", "sliced")
+WORKER_EXTENSION = "pploader.integrations.vllm.WorkerExtension"
+_NAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+@dataclass
+class LoadState:
+    """What one worker loaded (kept on the model for reloads and reports)."""
+
+    model_dir: str
+    topology: Topology          # the engine's (pp, tp) grid and this worker's place in it
+    partition: tuple[int, ...]  # layers per stage, as the engine split them
+    tp_mode: str
+    staged: StagePlan
+    range_cost_bytes: int = 0
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+# ---- the engine's view ----------------------------------------------------------------
+def engine_topology() -> Topology:
+    """This worker's (pp, tp) place from vLLM's parallel state (TP innermost, as pploader)."""
+    from vllm.distributed.parallel_state import (  # type: ignore[import-not-found, unused-ignore]
+        get_pp_group, get_tp_group)
+    pp, tp = get_pp_group(), get_tp_group()
+    return Topology(pp.world_size, tp.world_size, 1,
+                    pp.rank_in_group * tp.world_size + tp.rank_in_group)
+
+
+def engine_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
+    """Layers per stage exactly as vLLM splits them (``get_pp_indices``, which reads
+    ``VLLM_PP_LAYER_PARTITION`` itself)."""
+    from vllm.distributed import utils  # type: ignore[import-not-found, unused-ignore]
+    get_pp_indices = utils.get_pp_indices
+    bounds = [get_pp_indices(num_layers, r, pp_size) for r in range(pp_size)]
+    return tuple(end - start for start, end in bounds)
+
+
+def _model_window(model: nn.Module) -> Optional[tuple[int, int]]:
+    inner = getattr(model, "model", None)
+    start, end = getattr(inner, "start_layer", None), getattr(inner, "end_layer", None)
+    return (int(start), int(end)) if isinstance(start, int) and isinstance(end, int) else None
+
+
+def _read_topology(topology: Topology, tp_mode: str) -> Topology:
+    """The topology pploader plans with: ``full`` reads whole tensors (tp 1)."""
+    if tp_mode == "full":
+        return Topology(topology.pp_size, 1, 1, topology.pp_rank)
+    return topology
+
+
+def plan_engine_stage(model_dir: str, topology: Topology, partition: Sequence[int],
+                      tp_mode: str, model: Optional[nn.Module] = None, *,
+                      range_cost_bytes: int = 0) -> StagePlan:
+    """Plan this worker's stage with the engine's partition; the window must be the model's."""
+    staged = plan_stage(model_dir, _read_topology(topology, tp_mode), partition=list(partition),
+                        range_cost_bytes=range_cost_bytes)
+    window = staged.plan.window
+    start = sum(partition[:topology.pp_rank])
+    expected = (start, start + partition[topology.pp_rank])
+    engine = _model_window(model) if model is not None else None
+    if engine is not None and engine != expected:
+        raise PlanError(f"vLLM's model holds layers {engine} but get_pp_indices gives {expected}: "
+                        "cannot tell which window to load", rank=topology.rank)
+    if (window.start_layer, window.end_layer) != expected or \
+            window.has_embed != (topology.pp_rank == 0) or \
+            window.has_head != (topology.pp_rank == topology.pp_size - 1):
+        raise PlanError(f"pploader planned layers [{window.start_layer}, {window.end_layer}) "
+                        f"(embed {window.has_embed}, head {window.has_head}) but vLLM's stage "
+                        f"{topology.pp_rank}/{topology.pp_size} holds [{expected[0]}, "
+                        f"{expected[1]})", rank=topology.rank)
+    return staged
+
+
+# ---- reading --------------------------------------------------------------------------
+def _rchar() -> Optional[int]:
+    """Bytes this process read through read syscalls so far (/proc/self/io), if available."""
+    try:
+        with open("/proc/self/io", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"rchar:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def _placed_ranges(staged: StagePlan, item: ReadItem) -> tuple[tuple[int, int], ...]:
+    """The byte ranges to read for ``item``: its plan ranges, or the whole tensor for dtypes
+    without a NaN to poison the unread part with (integers, fp8)."""
+    entry = staged.index.entry(item.name)
+    if DTYPES[item.dtype][0] not in _NAN_DTYPES:
+        return ((entry.start, entry.nbytes),)
+    return item.ranges
+
+
+def _read_compact(reader: Reader, staged: StagePlan, item: ReadItem) -> torch.Tensor:
+    """The bytes of ``item``'s ranges, back to back (this rank's part only)."""
+    ranges = _placed_ranges(staged, item)
+    out = torch.empty(sum(n for _, n in ranges), dtype=torch.uint8)
+    raw = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
+    pos, fd = 0, reader._fd(item.file)
+    for offset, nbytes in ranges:
+        reader._pread_into(fd, [raw[pos:pos + nbytes]], offset, item)
+        pos += nbytes
+    return out
+
+
+def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Tensor:
+    """A full-shaped tensor with ``compact``'s bytes at their offsets and NaN elsewhere:
+    vLLM's loaders narrow it to this rank's part."""
+    entry = staged.index.entry(item.name)
+    ranges = _placed_ranges(staged, item)
+    out = torch.empty(item.source_shape, dtype=DTYPES[item.dtype][0])
+    if ranges != ((entry.start, entry.nbytes),):
+        out.fill_(float("nan"))
+    raw, pos = out.reshape(-1).view(torch.uint8), 0
+    for offset, nbytes in ranges:
+        raw[offset - entry.start: offset - entry.start + nbytes] = compact[pos:pos + nbytes]
+        pos += nbytes
+    return out
+
+
+def _placed_reads(staged: StagePlan, reader: Reader) -> Iterator[tuple[ReadItem, torch.Tensor]]:
+    start = time.perf_counter()
+    try:
+        for item in staged.plan.items:
+            yield item, _read_compact(reader, staged, item)
+        for file, fd in list(reader._fds.items()):
+            reader._check_identity(file, fd)
+    finally:
+        reader.close()
+        reader.stats.seconds = time.perf_counter() - start
+
+
+def _placed(staged: StagePlan, tp_mode: str) -> bool:
+    return tp_mode == "placed" and staged.plan.topology.tp_size > 1
+
+
+def stage_weights(staged: StagePlan, tp_mode: str
+                  ) -> tuple[Reader, Iterator[tuple[str, torch.Tensor]]]:
+    """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over."""
+    reader = Reader(staged.plan)
+    if _placed(staged, tp_mode):
+        return reader, ((item.target, _place(staged, item, compact))
+                        for item, compact in _placed_reads(staged, reader))
+    return reader, iter(reader)
+
+
+def read_stage(staged: StagePlan, tp_mode: str
+               ) -> tuple[Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    """Read the whole stage now (this rank's bytes, held compactly); the returned function
+    streams it in the form ``tp_mode`` hands over (reload: read and agree before writing)."""
+    reader = Reader(staged.plan)
+    if _placed(staged, tp_mode):
+        held = list(_placed_reads(staged, reader))
+        return reader, lambda: ((item.target, _place(staged, item, compact))
+                                for item, compact in held)
+    tensors = list(reader)
+    return reader, lambda: iter(tensors)
+
+
+# ---- checks after load_weights ----------------------------------------------------------
+def _other_stage(name: str, staged: StagePlan) -> bool:
+    """A parameter named like a checkpoint tensor this stage does not own (vLLM's Mixtral,
+    for one, builds the embedding, final norm and head on every PP rank)."""
+    spec, window = staged.spec, staged.plan.window
+    role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+    if role is None:
+        return False
+    if role.placement == "first":
+        return not window.has_embed
+    if role.placement == "last":
+        return not window.has_head
+    return role.placement == "layer" and not window.owns(role.layer)  # type: ignore[arg-type]
+
+
+def check_all_loaded(model: nn.Module, loaded: Optional[Iterable[str]], staged: StagePlan
+                     ) -> tuple[str, ...]:
+    """Strict: every parameter of the stage was written by ``load_weights``. Parameters the
+    engine builds for tensors another stage owns are zeroed (never read on this rank) and
+    returned; anything else missing is an error listing it."""
+    rank = staged.plan.topology.rank
+    if loaded is None:
+        raise PlanError(f"{type(model).__name__}.load_weights returned no set of loaded "
+                        "parameters: cannot check that the stage is complete", rank=rank)
+    params = dict(model.named_parameters())
+    unloaded = sorted(set(params) - set(loaded))
+    elsewhere = tuple(n for n in unloaded if _other_stage(n, staged))
+    missing = [n for n in unloaded if n not in elsewhere]
+    if missing:
+        raise PlanError(f"{len(missing)} parameter(s) of this stage were not loaded from the "
+                        f"checkpoint: {', '.join(missing[:12])}" + (" ..." if len(missing) > 12
+                                                                    else ""), rank=rank)
+    with torch.no_grad():
+        for name in elsewhere:
+            params[name].data.zero_()
+    if elsewhere:
+        logger.info("pploader rank %d: zeroed %s (the engine builds them here, another stage "
+                    "owns them)", rank, ", ".join(elsewhere))
+    return elsewhere
+
+
+def check_no_unread(model: nn.Module, rank: int) -> None:
+    """``placed``: a NaN in a parameter means the engine narrowed bytes pploader did not
+    read (its TP split differs from pploader's), or the checkpoint itself holds NaN."""
+    bad = [name for name, p in model.named_parameters()
+           if p.dtype in _NAN_DTYPES and p.numel() and bool(torch.isnan(p.data).any())]
+    if bad:
+        raise PlanError(f"parameter(s) {', '.join(bad[:8])} hold NaN after loading with "
+                        "tp_mode='placed': vLLM's loader took elements outside this rank's "
+                        "pploader slice (or the checkpoint holds NaN); use "
+                        "model_loader_extra_config={'tp_mode': 'full'}", rank=rank)
+
+
+def _mark_sharded(model: nn.Module) -> None:
+    for param in model.parameters():
+        param.is_sharded_weight = True  # type: ignore[attr-defined]
+
+
+# ---- the loader -------------------------------------------------------------------------
+class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
+    """vLLM model loader that reads only this worker's stage (and TP part) of the checkpoint."""
+
+    def __init__(self, load_config: Any) -> None:
+        super().__init__(load_config)
+        extra = dict(getattr(load_config, "model_loader_extra_config", None) or {})
+        self.tp_mode = str(extra.pop("tp_mode", "placed"))
+        # exact byte ranges by default: strided TP slices row by row, never a covering box
+        self.range_cost_bytes = int(extra.pop("range_cost_bytes", 0))
+        if self.tp_mode not in TP_MODES:
+            raise ValueError(f"pploader tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
+        if extra:
+            raise ValueError(f"unknown pploader model_loader_extra_config keys: {sorted(extra)}")
+
+    def download_model(self, model_config: ModelConfig) -> None:
+        """pploader reads a local directory only (no hub downloads)."""
+        if not os.path.isdir(model_config.model):
+            raise ValueError(f"load_format 'pploader' needs a local checkpoint directory, got "
+                             f"{model_config.model!r}")
+
+    def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
+        model_dir = model_config.model
+        self.download_model(model_config)
+        topology = engine_topology()
+        rchar0, start = _rchar(), time.perf_counter()
+        from ..spec import load_spec
+        num_layers = load_spec(model_dir).num_layers
+        partition = engine_partition(num_layers, topology.pp_size)
+        staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model,
+                                   range_cost_bytes=self.range_cost_bytes)
+        reader, weights = stage_weights(staged, self.tp_mode)
+        if self.tp_mode == "sliced" and topology.tp_size > 1:
+            _mark_sharded(model)
+            try:
+                loaded = model.load_weights(weights)  # type: ignore[operator]
+            except (AssertionError, RuntimeError, ValueError) as exc:
+                raise PlanError(f"vLLM's weight loader refused a pre-sliced tensor "
+                                f"({type(exc).__name__}: {exc}); its embedding and "
+                                "ModelWeightParameter loaders ignore is_sharded_weight: use "
+                                "tp_mode 'placed' (the default)", rank=topology.rank) from exc
+        else:
+            loaded = model.load_weights(weights)  # type: ignore[operator]
+        rchar1, seconds = _rchar(), time.perf_counter() - start
+        check_all_loaded(model, loaded, staged)
+        if self.tp_mode == "placed" and topology.tp_size > 1:
+            check_no_unread(model, topology.rank)
+        state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
+                          range_cost_bytes=self.range_cost_bytes)
+        state.report = _report(state, reader, seconds, rchar0, rchar1)
+        model._pploader_state = state  # type: ignore[assignment]
+        _LAST["load"] = state.report
+        logger.info("pploader %s: layers [%d, %d) read %d bytes (ideal %d, headers %d) in "
+                    "%.2f s, tp_mode=%s", topology.describe(), staged.plan.window.start_layer,
+                    staged.plan.window.end_layer, reader.stats.read_bytes,
+                    staged.plan.ideal_bytes, staged.plan.header_bytes, seconds, self.tp_mode)
+
+
+def _report(state: LoadState, reader: Reader, seconds: float, rchar0: Optional[int],
+            rchar1: Optional[int]) -> dict[str, Any]:
+    """What one worker read; ``ideal_bytes`` is its TP part of the stage (tp_mode aside)."""
+    ideal = plan_stage(state.model_dir, state.topology, partition=list(state.partition)) \
+        .plan.ideal_bytes if state.tp_mode == "full" and state.topology.tp_size > 1 \
+        else state.staged.plan.ideal_bytes
+    t, w = state.topology, state.staged.plan.window
+    return {"rank": t.rank, "pp_rank": t.pp_rank, "tp_rank": t.tp_rank, "tp_mode": state.tp_mode,
+            "start_layer": w.start_layer, "end_layer": w.end_layer,
+            "read_bytes": reader.stats.read_bytes, "ideal_bytes": ideal,
+            "header_bytes": state.staged.plan.header_bytes, "seconds": seconds,
+            "rchar_bytes": None if rchar0 is None or rchar1 is None else rchar1 - rchar0,
+            "model_dir": state.model_dir}
+
+
+_LAST: dict[str, dict[str, Any]] = {}  # this process's last load / reload / error
+
+
+def register() -> None:
+    """Entry point (``vllm.general_plugins``): register load format ``pploader`` in this
+    process, and let pploader's log records out through vLLM's handlers (vLLM configures only
+    its own logger, so pploader's per-worker byte counts would otherwise be dropped)."""
+    from vllm.model_executor.model_loader import (  # type: ignore[import-not-found, unused-ignore]
+        _LOAD_FORMAT_TO_MODEL_LOADER)
+    if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not PPLoaderModelLoader:
+        register_model_loader(LOAD_FORMAT)(PPLoaderModelLoader)
+    ours, theirs = logging.getLogger("pploader"), logging.getLogger("vllm")
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
+
+
+# ---- worker-side functions (collective_rpc) ----------------------------------------------
+def _model_of(worker: Any) -> nn.Module:
+    runner = getattr(worker, "model_runner", None)
+    return runner.get_model() if runner is not None else worker.get_model()
+
+
+def load_report(worker: Any) -> dict[str, Any]:
+    """The last load's and reload's byte accounting on this worker (``collective_rpc``)."""
+    return dict(_LAST)
+
+
+def _same_layout(old: StagePlan, new: StagePlan, rank: int) -> None:
+    """A reload must fill exactly the tensors the engine holds: same family, window, items."""
+    if old.spec.family.name != new.spec.family.name:
+        raise PlanError(f"new checkpoint is family {new.spec.family.name}, the engine serves "
+                        f"{old.spec.family.name}", rank=rank)
+    if old.plan.window != new.plan.window:
+        raise PlanError(f"new checkpoint gives window {new.plan.window}, the engine serves "
+                        f"{old.plan.window}", rank=rank)
+    before = {i.target: (i.source_shape, i.shape) for i in old.plan.items}
+    after = {i.target: (i.source_shape, i.shape) for i in new.plan.items}
+    if before != after:
+        diff = sorted(set(before.items()) ^ set(after.items()))
+        name = diff[0][0] if diff else None
+        raise PlanError(f"new checkpoint's stage tensors differ from the served ones "
+                        f"({len(diff)} differences, e.g. {diff[:3]})", tensor=name, rank=rank)
+
+
+def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
+                 ) -> dict[str, Any]:
+    """Reload this worker's stage from ``checkpoint_dir`` in place; run on every worker
+    (``llm.collective_rpc("pploader_reload", args=(DIR,))``, or :func:`reload` which raises).
+
+    Plans (headers, sizes, same family/window/shapes) and reads the whole stage into host
+    memory first, then all workers agree; only if every worker succeeded are the bytes written
+    through the engine's loaders (vLLM's layerwise in-place reload, data_ptrs kept). On a
+    failure every worker returns ``ok: False`` with the same agreed error and the served
+    weights are untouched. It returns rather than raises: vLLM's multiprocess executor raises
+    on the first failed worker and leaves the others' replies queued, which desynchronises the
+    next collective_rpc.
+    """
+    from ..comm import Comm
+    model = _model_of(worker)
+    state: Optional[LoadState] = getattr(model, "_pploader_state", None)
+    if state is None:
+        return {"ok": False, "rank": None, "error": "this engine was not loaded with "
+                "load_format='pploader'", "written": False}
+    topology = state.topology
+    comm = Comm(topology, timeout_s=timeout_s)
+    try:
+        return _reload_agreed(worker, model, state, str(checkpoint_dir), comm)
+    finally:
+        comm.close()
+
+
+def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_dir: str,
+                   comm: Any) -> dict[str, Any]:
+    topology = state.topology
+    error: Optional[BaseException] = None
+    weights: Optional[Callable[[], Iterator[tuple[str, torch.Tensor]]]] = None
+    reader: Optional[Reader] = None
+    rchar0, start = _rchar(), time.perf_counter()
+    try:  # phase 1: plan, validate and read everything; nothing written yet
+        staged = plan_engine_stage(checkpoint_dir, topology, state.partition, state.tp_mode,
+                                   model, range_cost_bytes=state.range_cost_bytes)
+        _same_layout(state.staged, staged, topology.rank)
+        reader, weights = read_stage(staged, state.tp_mode)
+    except Exception as exc:  # noqa: BLE001 - any failure here must be agreed, not raised
+        error = exc
+        weights = None
+    try:
+        comm.agree(error)  # every worker gets the same RankFailure if any failed
+    except PPLoaderError as exc:
+        failures = getattr(exc, "failures", None) or {topology.rank: str(exc)}
+        failed = {"ok": False, "rank": topology.rank, "error": str(exc), "written": False,
+                  "failures": {str(r): m for r, m in failures.items()},
+                  "own_error": None if error is None else f"{type(error).__name__}: {error}"}
+        _LAST["reload_error"] = failed
+        logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
+                     topology.describe(), exc)
+        return failed
+    assert reader is not None and weights is not None
+    rchar1, read_seconds = _rchar(), time.perf_counter() - start
+    try:  # phase 2: every worker validated and read its stage; write in place
+        worker.model_runner.reload_weights(weights_iterator=weights(),
+                                           is_checkpoint_format=True)
+        weights = None
+        if state.tp_mode == "placed" and topology.tp_size > 1:
+            check_no_unread(model, topology.rank)
+    except Exception as exc:  # noqa: BLE001
+        failed = {"ok": False, "rank": topology.rank, "written": True,
+                  "error": f"writing failed after agreement, weights may be partly updated: "
+                           f"{type(exc).__name__}: {exc}"}
+        _LAST["reload_error"] = failed
+        logger.exception("pploader reload write failed on %s", topology.describe())
+        return failed
+    new = LoadState(checkpoint_dir, topology, state.partition, state.tp_mode, staged,
+                    range_cost_bytes=state.range_cost_bytes)
+    new.report = _report(new, reader, read_seconds, rchar0, rchar1)
+    new.report.update(ok=True, total_seconds=time.perf_counter() - start)
+    model._pploader_state = new  # type: ignore[assignment]
+    _LAST["reload"] = new.report
+    _LAST.pop("reload_error", None)
+    logger.info("pploader reload %s: read %d bytes (ideal %d) from %s", topology.describe(),
+                reader.stats.read_bytes, new.report["ideal_bytes"], checkpoint_dir)
+    return new.report
+
+
+def reload(llm: Any, checkpoint_dir: str, *, timeout_s: float = 300.0) -> list[dict[str, Any]]:
+    """Driver side: reload every worker of ``llm`` (built with
+    ``worker_extension_cls=WORKER_EXTENSION``) from ``checkpoint_dir``; raises RankFailure
+    naming each worker's error if the new checkpoint was refused (old weights keep serving)."""
+    results = llm.collective_rpc("pploader_reload", args=(str(checkpoint_dir),),
+                                 kwargs={"timeout_s": timeout_s})
+    failures: dict[int, str] = {}
+    for i, result in enumerate(results):
+        if not result.get("ok"):   # the agreed failures, the same on every worker
+            rank = result.get("rank")
+            own = {str(i if rank is None else rank): result["error"]}
+            failures.update({int(r): m for r, m in (result.get("failures") or own).items()})
+    if failures:
+        raise RankFailure(failures)
+    return list(results)
+
+
+class WorkerExtension:
+    """``worker_extension_cls="pploader.integrations.vllm.WorkerExtension"``: call by name,
+    ``llm.collective_rpc("pploader_reload", args=(DIR,))`` (no pickled callables needed)."""
+
+    def pploader_reload(self, checkpoint_dir: str, timeout_s: float = 300.0) -> dict[str, Any]:
+        return reload_stage(self, checkpoint_dir, timeout_s=timeout_s)
+
+    def pploader_report(self) -> dict[str, Any]:
+        return load_report(self)
+
+    def pploader_data_ptrs(self) -> dict[str, int]:
+        """Parameter name -> data_ptr (to check that a reload wrote in place)."""
+        return {n: p.data_ptr() for n, p in _model_of(self).named_parameters()}

@@ -1,0 +1,87 @@
+"""Start vLLM engines one after another in this process and record what they did.
+
+Run as a subprocess (vLLM's workers re-import ``__main__``; hence the guard):
+``python tests/vllm/engine.py SPEC.json OUT.json``. SPEC: ``{"prompts": [[ids]], "max_tokens": n,
+"runs": [{"name", "model", "load_format", "pp", "tp", "extra"?, "reloads"?: [dir, ...]}]}``.
+OUT: per run the greedy tokens, each worker's pploader report, startup seconds and, per
+reload, whether it raised, the error, the tokens after it and whether data_ptrs were kept.
+"""
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+from typing import Any
+
+ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+       "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+       "TOKENIZERS_PARALLELISM": "false"}
+
+
+def engine(run: dict[str, Any]) -> Any:
+    from vllm import LLM
+    kwargs: dict[str, Any] = dict(
+        model=run["model"], load_format=run["load_format"], skip_tokenizer_init=True,
+        pipeline_parallel_size=run.get("pp", 1), tensor_parallel_size=run.get("tp", 1),
+        distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
+        max_num_batched_tokens=128, compilation_config={"mode": 2, "backend": "eager"},
+        dtype=run.get("dtype", "bfloat16"), seed=0)
+    if run["load_format"] == "pploader":
+        kwargs["worker_extension_cls"] = "pploader.integrations.vllm.WorkerExtension"
+        if run.get("extra"):
+            kwargs["model_loader_extra_config"] = run["extra"]
+    return LLM(**kwargs)
+
+
+def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    from vllm import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True,
+                            detokenize=False)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
+    from pploader.errors import RankFailure
+    from pploader.integrations.vllm import reload
+    start = time.perf_counter()
+    llm = engine(run)
+    out: dict[str, Any] = {"name": run["name"], "start_seconds": time.perf_counter() - start}
+    try:
+        out["tokens"] = generate(llm, prompts, max_tokens)
+        if run["load_format"] == "pploader":
+            out["reports"] = llm.collective_rpc("pploader_report")
+        out["reloads"] = []
+        for new_dir in run.get("reloads", []):
+            before = llm.collective_rpc("pploader_data_ptrs")
+            step: dict[str, Any] = {"dir": new_dir}
+            try:
+                step["results"] = reload(llm, new_dir)
+                step["raised"] = None
+            except RankFailure as exc:  # every worker refused the new checkpoint
+                step["raised"] = str(exc)
+            step["tokens"] = generate(llm, prompts, max_tokens)
+            step["reports"] = llm.collective_rpc("pploader_report")
+            step["data_ptrs_kept"] = before == llm.collective_rpc("pploader_data_ptrs")
+            out["reloads"].append(step)
+    finally:
+        del llm
+        gc.collect()
+    return out
+
+
+def main(spec_path: str, out_path: str) -> None:
+    spec = json.loads(open(spec_path).read())
+    results = []
+    for run in spec["runs"]:
+        results.append(one_run(run, spec["prompts"], spec.get("max_tokens", 8)))
+        with open(out_path, "w") as fh:  # partial results survive a later crash
+            json.dump(results, fh, indent=1)
+
+
+if __name__ == "__main__":
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    main(sys.argv[1], sys.argv[2])

