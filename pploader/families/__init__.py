@@ -25,7 +25,8 @@ def supported_architectures() -> list[str]:
 
 
 def find_family(config: Mapping) -> tuple[Family, str]:
-    """The family of a config.json, by its ``architectures`` list."""
+    """The family of a config.json, by its ``architectures`` list: a hand-written family
+    when one names it, else the generic family built from transformers' meta model."""
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise ConfigError("config.json has no `architectures` list; supported: "
@@ -34,6 +35,18 @@ def find_family(config: Mapping) -> tuple[Family, str]:
         for fam in FAMILIES:
             if arch in fam.architectures:
                 return fam, arch
-    raise ConfigError(f"unsupported architecture {archs[0]!r}; supported: "
+    return _generic(config, archs[0])
+
+
+def _generic(config: Mapping, arch: object) -> tuple[Family, str]:
+    """The generic family (transformers' meta model), or a ConfigError saying why not."""
+    try:
+        from . import generic  # imports transformers lazily, only for unknown architectures
+        return generic.family_for(config), str(arch)
+    except ImportError as exc:
+        reason = f"the generic family needs transformers ({exc})"
+    except ConfigError as exc:
+        reason = f"the generic family cannot derive it: {exc.detail}"
+    raise ConfigError(f"unsupported architecture {arch!r}: {reason}; hand-written families: "
                       + ", ".join(supported_architectures())
                       + " (docs/families.md explains how to add a family)", file="config.json")
