@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 from . import __version__
-from .errors import PPLoaderError, RankFailure
+from .errors import ConfigError, PlanError, PPLoaderError, RankFailure
 from .partition import parse_partition
 from .read import DEFAULT_WINDOW_BYTES
 
@@ -234,7 +234,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     plans = plan_all(spec, index, args.pp, args.tp, args.ep, partition=args.partition,
                      cache_bytes=cache_costs(spec, args.tp, opts))  # type: ignore[arg-type]
     summaries = [p.summary() for p in plans]
-    pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
+    try:
+        pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
+    except (ConfigError, PlanError) as exc:  # e.g. a generic model's unknown layer kind
+        pools, pipeline = [None] * len(plans), {"unavailable": exc.detail}
     for summary, pool in zip(summaries, pools):
         summary["pools"] = pool
     if args.json:
@@ -246,6 +249,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
               f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
         print(plan_table(summaries))
+        if "unavailable" in pipeline:
+            print(f"\ncache pools: not derivable for this model: {pipeline['unavailable']}")
+            return 0
         print("\ncache pools (per rank; its own layers only):")
         print(format_pools(summaries))
         bal = pipeline["balance"]

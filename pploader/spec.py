@@ -117,6 +117,8 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
     text = config
     if fam.text_config_key and isinstance(config.get(fam.text_config_key), Mapping):
         text = config[fam.text_config_key]  # type: ignore[assignment]
+    if fam.config_defaults:  # standard names of keys the config spells its own way
+        text = {**fam.config_defaults, **text}
     try:
         layout = fam.layout(text)
     except ConfigError as exc:

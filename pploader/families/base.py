@@ -125,6 +125,8 @@ class Family:
     mtp_pattern: Optional[str] = None            # MTP tensors outside the layer numbering
     format: str = "original"                     # which naming this Family value describes
     ignore_pattern: Optional[str] = STRAY_BUFFERS  # known non-parameters, never read (logged)
+    config_defaults: Mapping[str, object] = field(default_factory=dict)  # for keys config.json
+    #   lacks under the standard name (generic: transformers' aliases, e.g. n_head)
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def for_checkpoint(self, names: Iterable[str]) -> "Family":

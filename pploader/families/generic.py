@@ -61,8 +61,12 @@ def _family(meta: MetaModel) -> Family:
         if marker is not None:
             changes = {k: v for k, v in _naming_fields(naming, meta).items() if k != "format"}
             formats.append(CheckpointFormat(naming.name, marker, tuple(changes.items())))
+    aliases = {k: v for k, v in text.items()
+               if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                        "vocab_size", "num_hidden_layers")}
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
                   layout=lambda _config: layout, mtp_pattern=mtp_pattern,
+                  config_defaults=aliases,
                   formats=tuple(formats), **fields)
 
 
@@ -148,7 +152,7 @@ def _refuse(component: str, reason: str) -> Callable[["ModelSpec"], tuple[int, .
     def refuse(spec: "ModelSpec") -> tuple[int, ...]:
         raise PlanError(f"tensor parallelism refused for {spec.architecture} (generic family): "
                         f"no unambiguous split for {component}: {reason}; run with tp=1 or add "
-                        "a hand-written family (docs/families.md)", tensor=component)
+                        "a hand-written family (docs/families.md)")  # plan_rank names the tensor
     return refuse
 
 

@@ -237,7 +237,23 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
                                if j == i) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
                      num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
-                     text.to_dict())
+                     _text_values(text))
+
+
+#: Standard config names, read through transformers' aliases (``attribute_map``: n_head...).
+_STANDARD = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "num_hidden_layers", "intermediate_size", "tie_word_embeddings")
+
+
+def _text_values(text: Any) -> dict[str, Any]:
+    """The text config as a dict, plus the standard names it spells differently."""
+    out = dict(text.to_dict())
+    for key in _STANDARD:
+        if key not in out or out[key] is None:
+            value = getattr(text, key, None)
+            if isinstance(value, (int, bool)):
+                out[key] = value
+    return out
 
 
 def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],
