@@ -159,21 +159,28 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
     return total
 
 
-def _forward(model: torch.nn.Module, path: Path) -> str:
+def _forward(arch: str, path: Path) -> str:
+    """PP=2 logits from pploader-loaded stages vs transformers' ``from_pretrained`` of the
+    same checkpoint (the reference: the same load path, incl. its buffer initialisation)."""
+    import transformers
     from pploader.integrations.hf import build_stage
     from pploader.topology import Topology
-    stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    try:
+        ref = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = ref(input_ids=ids, use_cache=False).logits
+    except Exception as exc:  # noqa: BLE001 - transformers itself cannot run it
+        return f"no reference: transformers' from_pretrained + forward fails ({type(exc).__name__})"
+    stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
     with torch.no_grad():
-        want = model(input_ids=ids, use_cache=False).logits
-        hidden = stages[0].forward(ids)
-        got = stages[1].forward(ids, hidden)
+        got = stages[1].forward(ids, stages[0].forward(ids))
     if torch.equal(got, want):
         return "bit-identical"
     diff = (got - want).abs().max().item()
     if math.isfinite(diff) and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
-        return f"close (max |diff| {diff:.1e})"
-    raise AssertionError(f"PP=2 logits differ from transformers' (max |diff| {diff:.3g})")
+        return f"close (max diff {diff:.1e})"
+    raise AssertionError(f"PP=2 logits differ from transformers' (max diff {diff:.3g})")
 
 
 def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) -> dict[str, Any]:
@@ -184,7 +191,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
     row: dict[str, Any] = {"model_type": model_type, "architecture": arch}
     out = workdir / model_type
     try:
-        model = _checkpoint(model_type, arch, out)
+        _checkpoint(model_type, arch, out)
     except Timeout:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers cannot build/save it tiny on CPU
@@ -221,7 +228,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
     row["result"] = "exact"
     if forward:
         try:
-            row["forward"] = _forward(model, out)
+            row["forward"] = _forward(arch, out)
         except Timeout:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, the load itself was exact

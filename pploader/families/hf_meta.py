@@ -126,6 +126,10 @@ def _layers_path(model: "nn.Module", num_hidden: Optional[int]) -> str:
         if len(lists) == 1:
             return f"{path}.{lists[0]}" if path else lists[0]
         break
+    found = [path for path, module in model.named_modules()  # e.g. BERT-style encoder.layer
+             if isinstance(module, nn.ModuleList) and num_hidden and len(module) == num_hidden]
+    if len(found) == 1:
+        return found[0]
     raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
                       "embedding (not a decoder-only layout the generic family understands)")
 
@@ -151,6 +155,36 @@ def _experts_of(layer: "nn.Module") -> tuple[int, dict[str, int]]:
                 if p.dim() >= 2 and p.shape[0] == big[0]:
                     keys[f"{path}.{name}"] = -1
     return count, keys
+
+
+def forward_order(model: "nn.Module", layers_path: str) -> dict[str, str]:
+    """``{module path: "first" | "last"}`` for the children of the module holding the decoder
+    layers, by where its ``forward`` first uses them: before the layer loop = first stage,
+    after = last stage. Registration order is not enough (BART-style decoders register
+    ``layernorm_embedding`` after the layers and run it before them). Read from the source
+    (static: a forward on ``meta`` stops at data-dependent mask code). Children the forward
+    does not name directly are left out: callers fall back to registration order."""
+    import ast
+    import inspect
+    import textwrap
+    parent_path, _, layers_name = layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(parent).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    first_use: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            pos = (node.lineno, node.col_offset)
+            first_use[node.attr] = min(first_use.get(node.attr, pos), pos)
+    if layers_name not in first_use:
+        return {}
+    boundary = first_use[layers_name]
+    prefix = parent_path + "." if parent_path else ""
+    return {prefix + name: "first" if first_use[name] < boundary else "last"
+            for name, _ in parent.named_children() if name in first_use and name != layers_name}
 
 
 def _saved_state(model: "nn.Module") -> tuple[dict, list[tuple[str, str]]]:
@@ -187,6 +221,10 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     keys = list(state)
     lp = layers_path + "."
     first_layer_pos = next((i for i, k in enumerate(keys) if k.startswith(lp)), len(keys))
+    order = forward_order(model, layers_path)
+    stage_of = {k: next((v for m, v in order.items() if k.startswith(m + ".")),
+                        "first" if pos < first_layer_pos else "last")
+                for pos, k in enumerate(keys) if not k.startswith(lp)}
 
     per_layer_experts = [_experts_of(layer) for layer in layers]
     counts = {c for c, _ in per_layer_experts if c}
@@ -223,7 +261,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     namings = []
     for fmt in ("original", "transformers"):
         namings.append(_naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                               first_layer_pos, per_layer_experts, num_experts, embed_key,
+                               stage_of, per_layer_experts, num_experts, embed_key,
                                head_key))
     full = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(state)).items()}
     if dict(namings[0].template) != full:
@@ -256,11 +294,12 @@ def _text_values(text: Any) -> dict[str, Any]:
     return out
 
 
-def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],
+def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],  # noqa: C901
             layer_of: dict[str, tuple[int, str]], reps: dict, signature: dict, lp: str,
-            first_layer_pos: int, per_layer_experts: list, num_experts: int,
+            stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
             embed_key: Optional[str], head_key: Optional[str]) -> Naming:
     """The names one on-disk naming gives every state-dict key (see module docstring)."""
+    from transformers.core_model_loading import revert_weight_conversion
     def saved(key: str) -> dict[str, tuple[int, ...]]:
         if fmt == "transformers":
             return {key: tuple(state[key].shape)}
@@ -277,7 +316,7 @@ def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],
             continue
         out = saved(key)
         template.update(out)
-        (first if pos < first_layer_pos else last).extend(out)
+        (first if stage_of[key] == "first" else last).extend(out)
     embed = next(iter(saved(embed_key))) if embed_key and embed_key in state else None
     head = next(iter(saved(head_key))) if head_key and head_key in state else None
     if head_key and head is None:  # tied: the head's name as the checkpoint would spell it
@@ -285,19 +324,27 @@ def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],
     for rep in sorted(set(reps.values())):
         comps: dict[str, tuple[int, ...]] = {}
         _, expert_keys = per_layer_experts[rep]
-        for key, (i, rel) in layer_of.items():
-            if i != rep:
+        layer_keys = {k: rel for k, (i, rel) in layer_of.items() if i == rep}
+        # the whole layer at once: conversions may merge several tensors into one
+        whole = ({k: tuple(state[k].shape) for k in layer_keys} if fmt == "transformers" else
+                 {n: tuple(t.shape) for n, t in revert_weight_conversion(
+                     model, {k: state[k] for k in layer_keys}).items()})
+        for name, shape in whole.items():
+            prefix, comp = _split_layer(name, rep)
+            prefixes.add(prefix)
+            comps[comp] = shape
+        for key, rel in layer_keys.items():  # experts: where each expert tensor went
+            if rel not in expert_keys:
                 continue
             out = saved(key)
             for name, shape in out.items():
-                prefix, comp = _split_layer(name, rep)
-                prefixes.add(prefix)
-                comps[comp] = shape
-                if rel in expert_keys:
-                    if expert_keys[rel] == -1 and len(out) == 1 and shape == tuple(state[key].shape):
-                        fused.add(comp)
-                    else:
-                        expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
+                comp = _split_layer(name, rep)[1]
+                if comps.get(comp) != shape:
+                    raise ConfigError(f"expert tensor {key} is merged with others on save")
+                if expert_keys[rel] == -1 and len(out) == 1 and shape == tuple(state[key].shape):
+                    fused.add(comp)
+                else:
+                    expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
         components_of[rep] = comps
     if len(prefixes) != 1:
         raise ConfigError(f"decoder layers saved under several prefixes {sorted(prefixes)}")

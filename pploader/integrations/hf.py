@@ -44,6 +44,7 @@ from torch import nn
 
 from ..checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
+from ..families.hf_meta import forward_order
 from ..partition import StageWindow
 from ..plan import Partition, RankPlan, make_windows, plan_rank
 from ..read import Reader, ReadStats
@@ -190,8 +191,12 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
         at = order.index(lists[0])
         others = [n for n in order if children[n] is not embed and n != lists[0]
                   and _has_params(children[n])]
-        last = tuple(prefix + n for n in others if order.index(n) > at)
-        pre = tuple(prefix + n for n in others if order.index(n) < at)
+        called = forward_order(model, prefix + lists[0])  # run before / after the layers
+
+        def stage(n: str) -> str:
+            return called.get(prefix + n, "first" if order.index(n) < at else "last")
+        last = tuple(prefix + n for n in others if stage(n) == "last")
+        pre = tuple(prefix + n for n in others if stage(n) == "first")
         head_path = names.get(id(head)) if head is not None else None
         return _Anatomy(path, names[id(embed)], prefix + lists[0], head_path, last,
                         _beside(model, path, head_path), pre)
@@ -247,14 +252,18 @@ def _model_class(config: Any, model_class: Optional[type]) -> type:
 
 
 def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
-                   model_class: Optional[type] = None) -> tuple[nn.Module, _Anatomy]:
-    """The model on ``meta`` with everything outside ``window`` replaced (nothing allocated)."""
+                   model_class: Optional[type] = None, num_layers: Optional[int] = None
+                   ) -> tuple[nn.Module, _Anatomy]:
+    """The model on ``meta`` with everything outside ``window`` replaced (nothing allocated).
+
+    ``num_layers``: the decoder layers (default: the config's ``num_hidden_layers``; the spec's
+    count where they differ, e.g. a decoder of an encoder-decoder config)."""
     cls = _model_class(config, model_class)
     text = config.get_text_config()
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)
     model.eval()
-    anatomy = _anatomy(model, text.num_hidden_layers)
+    anatomy = _anatomy(model, num_layers or text.num_hidden_layers)
     layers = model.get_submodule(anatomy.layers)
     for i in range(len(layers)):
         if not window.owns(i):
@@ -392,7 +401,8 @@ def build_stage(model_dir: os.PathLike | str, topology: Topology, *,
     if spec.tie_word_embeddings and not spec.for_checkpoint(index.weight_map).tie_word_embeddings:
         for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
             cfg.tie_word_embeddings = False  # the checkpoint stores its own head: read, not tied
-    model, anatomy = stage_skeleton(config, window, dtype=spec.dtype, model_class=model_class)
+    model, anatomy = stage_skeleton(config, window, dtype=spec.dtype, model_class=model_class,
+                                    num_layers=spec.num_layers)
     reader = Reader(plan, window_bytes=window_bytes, threads=threads, cancel=cancel)
     tensors = dict(reader)
     if window.has_embed:  # a tied head aliased to the embedding: the embedding is needed too
