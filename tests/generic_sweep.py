@@ -217,7 +217,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
             plan_all(spec, index, 2, 2, 1)
             row["tp2"] = "ok"
         except PPLoaderError as exc:
-            row["tp2"] = "refused: " + exc.detail.split(":")[0][:60]
+            row["tp2"] = f"refused: {exc.tensor or exc.detail[:60]}"
     except Timeout:
         raise
     except PPLoaderError as exc:
@@ -241,7 +241,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|"]
     for r in rows:
         result = r["result"] if r["result"] == "exact" else f"{r['result']}: {r.get('reason', '')}"
-        result = result.replace("|", "/").replace("\n", " ")
+        result = result.replace("|", "/").replace("\n", " ").split(" (not a decoder")[0]
+        result = result.split("; hand-written families:")[0][:160]
         lines.append(f"| {r['model_type']} | {r['architecture']} | {result} | "
                      f"{', '.join(r.get('kinds', []))} | {', '.join(r.get('loads', []))} | "
                      f"{r.get('tp2', '')} | {r.get('forward', '')} |".replace("\n", " "))
