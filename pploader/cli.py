@@ -237,7 +237,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     try:
         pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
     except (ConfigError, PlanError) as exc:  # e.g. a generic model's unknown layer kind
-        pools, pipeline = [None] * len(plans), {"unavailable": exc.detail}
+        pools, pipeline = [{} for _ in plans], {"unavailable": exc.detail}
     for summary, pool in zip(summaries, pools):
         summary["pools"] = pool
     if args.json:

@@ -192,7 +192,7 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     """The TP rule of one component (see the module docstring)."""
     hidden = _int(text, "hidden_size")
     heads = _int(text, "num_attention_heads")
-    kv = _int(text, "num_key_value_heads") or heads
+    kv = _int(text, "num_key_value_heads") or heads or 0
     head_dim = _int(text, "head_dim") or (hidden // heads if hidden and heads else None)
     vocab = _int(text, "vocab_size")
     tokens = comp.split(".")

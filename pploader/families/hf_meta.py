@@ -17,12 +17,9 @@ import logging
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Mapping, Optional
+from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
-
-if TYPE_CHECKING:  # pragma: no cover
-    from torch import nn
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +77,7 @@ def hf_config(config: Mapping[str, Any]) -> Any:
                           f"{type(exc).__name__}: {exc}", file="config.json") from None
 
 
-def build_meta_model(config: Mapping[str, Any]) -> "nn.Module":
+def build_meta_model(config: Mapping[str, Any]) -> Any:
     """The architecture named in ``config.json``, instantiated on ``meta`` (no memory)."""
     import torch
     import transformers
@@ -112,7 +109,7 @@ def derive(config: Mapping[str, Any]) -> MetaModel:
     return _derive_cached(json.dumps(config, sort_keys=True, default=str))
 
 
-def _layers_path(model: "nn.Module", num_hidden: Optional[int]) -> str:
+def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
     """Path of the decoder-layer ModuleList: a ModuleList beside the input embedding."""
     from torch import nn
     embed = model.get_input_embeddings()  # type: ignore[operator]
@@ -134,7 +131,7 @@ def _layers_path(model: "nn.Module", num_hidden: Optional[int]) -> str:
                       "embedding (not a decoder-only layout the generic family understands)")
 
 
-def _experts_of(layer: "nn.Module") -> tuple[int, dict[str, int]]:
+def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
     """(experts, {relative key: expert id or -1 for stacked}) of one decoder layer."""
     from torch import nn
     count, keys = 0, {}
@@ -157,7 +154,7 @@ def _experts_of(layer: "nn.Module") -> tuple[int, dict[str, int]]:
     return count, keys
 
 
-def forward_order(model: "nn.Module", layers_path: str) -> dict[str, str]:
+def forward_order(model: Any, layers_path: str) -> dict[str, str]:
     """``{module path: "first" | "last"}`` for the children of the module holding the decoder
     layers, by where its ``forward`` first uses them: before the layer loop = first stage,
     after = last stage. Registration order is not enough (BART-style decoders register
@@ -187,7 +184,7 @@ def forward_order(model: "nn.Module", layers_path: str) -> dict[str, str]:
             for name, _ in parent.named_children() if name in first_use and name != layers_name}
 
 
-def _saved_state(model: "nn.Module") -> tuple[dict, list[tuple[str, str]]]:
+def _saved_state(model: Any) -> tuple[dict, list[tuple[str, str]]]:
     """The state dict ``save_pretrained`` starts from: ignored keys and tied copies removed."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
     state = model.state_dict()
@@ -200,7 +197,7 @@ def _saved_state(model: "nn.Module") -> tuple[dict, list[tuple[str, str]]]:
     return state, tied
 
 
-def _revert_one(model: "nn.Module", key: str, tensor: Any) -> dict:
+def _revert_one(model: Any, key: str, tensor: Any) -> dict:
     from transformers.core_model_loading import revert_weight_conversion
     try:
         return dict(revert_weight_conversion(model, {key: tensor}))
@@ -294,7 +291,7 @@ def _text_values(text: Any) -> dict[str, Any]:
     return out
 
 
-def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],  # noqa: C901
+def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
             layer_of: dict[str, tuple[int, str]], reps: dict, signature: dict, lp: str,
             stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
             embed_key: Optional[str], head_key: Optional[str]) -> Naming:
@@ -306,7 +303,8 @@ def _naming(fmt: str, model: "nn.Module", state: dict, keys: list[str],  # noqa:
         return {n: tuple(t.shape) for n, t in _revert_one(model, key, state[key]).items()}
 
     template: Shapes = {}
-    first, last = [], []
+    first: list[str] = []
+    last: list[str] = []
     prefixes: set[str] = set()
     components_of: dict[int, dict[str, tuple[int, ...]]] = {}
     expert_names: dict[str, Optional[int]] = {}   # component -> expert id (None: unknown yet)
