@@ -237,13 +237,15 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model type | architecture | result | layer kinds | loads | TP=2 | PP=2 forward |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| model type | architecture | family | result | layer kinds | loads | TP=2 | "
+             "PP=2 forward |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         result = r["result"] if r["result"] == "exact" else f"{r['result']}: {r.get('reason', '')}"
         result = result.replace("|", "/").replace("\n", " ").split(" (not a decoder")[0]
         result = result.split("; hand-written families:")[0][:160]
-        lines.append(f"| {r['model_type']} | {r['architecture']} | {result} | "
+        family = r.get("family", "")
+        family = "generic" if family.startswith("generic") else family
+        lines.append(f"| {r['model_type']} | {r['architecture']} | {family} | {result} | "
                      f"{', '.join(r.get('kinds', []))} | {', '.join(r.get('loads', []))} | "
                      f"{r.get('tp2', '')} | {r.get('forward', '')} |".replace("\n", " "))
     return "\n".join(lines) + "\n"
