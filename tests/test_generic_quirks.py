@@ -190,3 +190,15 @@ def test_transformers_imported_only_for_the_generic_family() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_hand_written_family_only_for_its_model_type() -> None:
+    """transformers reuses classes: exaone saves through LlamaForCausalLM under its own names
+    (transformer.h.*), so the llama family must not claim it."""
+    import generic_sweep
+    config = json.loads(generic_sweep.tiny_config("exaone").to_json_string())
+    config.update(architectures=["LlamaForCausalLM"], dtype="float32")
+    spec = spec_from_config(config)
+    assert spec.family.name == "generic:exaone"
+    assert spec.family.layer_prefix == r"transformer\.h\.(\d+)\."
+    assert spec_from_config(dict(config, model_type="llama")).family.name == "llama"

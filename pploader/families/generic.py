@@ -17,7 +17,9 @@ parameters, sliding vs full from ``layer_types``; anything else is ``unknown`` (
 """
 from __future__ import annotations
 
+import json
 import re
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
@@ -36,9 +38,14 @@ _FULL = {"full_attention", "attention", "global", "global_attention", "full"}
 
 
 def family_for(config: Mapping[str, Any]) -> Family:
-    """The generic Family of ``config`` (built from the meta model; cached per config)."""
-    meta = derive(config)
-    return _family(meta)
+    """The generic Family of ``config`` (built from the meta model; cached per config, so
+    equal configs give the same Family value and plans share their memoised work)."""
+    return _family_cached(json.dumps(config, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=64)
+def _family_cached(key: str) -> Family:
+    return _family(derive(json.loads(key)))
 
 
 def _mtp_layers(text: Mapping[str, Any]) -> int:
