@@ -16,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence
 
-from .errors import PPLoaderError, RankFailure, UsageError
+from .errors import ConfigError, PlanError, PPLoaderError, RankFailure, UsageError
 from .partition import ENGINE_PARTITION_ENV, ENGINES, EngineSplit, parse_partition
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -430,7 +430,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for plan in plans:  # the dtype policy, as `load` applies it (rejections, warnings)
         dtype_casts(spec, plan)
     summaries = [p.summary() for p in plans]
-    pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
+    try:
+        pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
+    except (ConfigError, PlanError) as exc:  # e.g. a generic model's unknown layer kind
+        pools, pipeline = [{} for _ in plans], {"unavailable": exc.detail}
     for summary, pool in zip(summaries, pools):
         summary["pools"] = pool
     if args.json:
@@ -448,6 +451,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             print("\nTP slice reads per rank (tensors / bytes read; redistribute: row shares "
                   "+ all-to-all when loaded with a Comm):")
             print(methods_table(summaries))
+        if "unavailable" in pipeline:
+            print(f"\ncache pools: not derivable for this model: {pipeline['unavailable']}")
+            return 0
         print("\ncache pools (per rank; its own layers only):")
         print(format_pools(summaries))
         bal = pipeline["balance"]

@@ -70,6 +70,7 @@ CONFIG_KEYS: Mapping[str, tuple[str, ...]] = {
 KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "full_attention": ("gqa",), "mla": ("mla",), "mamba1": ("mamba1",), "mamba2": ("mamba2",),
     "gdn": ("gdn",), "hybrid_attention_mamba2": ("gqa", "mamba2"), "mlp": (),
+    "sliding_attention": ("gqa",),  # full-length pages: a safe bound (no window-sized pool yet)
 }
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import logging
 import os
 from dataclasses import dataclass, replace
 from types import MappingProxyType
@@ -15,6 +16,8 @@ from .families import Family, find_family
 from .families.base import cfg
 
 __all__ = ["ModelSpec", "load_spec", "read_config", "spec_from_config"]
+
+logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
                 "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
@@ -73,10 +76,23 @@ class ModelSpec:
 
     def for_checkpoint(self, names: Iterable[str]) -> "ModelSpec":
         """This spec with its family resolved to the naming the checkpoint uses (e.g. fused
-        3-D experts written by transformers); the planner calls it with the index's names."""
-        if not self.family.formats:
-            return self
-        return replace(self, family=self.family.for_checkpoint(names))
+        3-D experts written by transformers); the planner calls it with the index's names.
+
+        A tied config whose checkpoint also stores the head is read untied: the stored head
+        is the head, as transformers does (it ties only when both copies are equal, and then
+        either is right)."""
+        if not isinstance(names, (Mapping, set, frozenset)):
+            names = set(names)
+        spec = self if not self.family.formats else replace(
+            self, family=self.family.for_checkpoint(names))
+        if spec.tie_word_embeddings:
+            head = next((r.pattern.replace("\\", "") for r in spec.family.globals
+                         if r.role == "head"), None)
+            if head is not None and head in names:
+                logger.info("%s: tie_word_embeddings is set but the checkpoint stores %s; it is "
+                            "read as the head (as transformers does)", spec.architecture, head)
+                spec = replace(spec, tie_word_embeddings=False)
+        return spec
 
 
 def _dtype(config: Mapping, outer: Mapping) -> torch.dtype:
@@ -102,6 +118,8 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
     text = config
     if fam.text_config_key and isinstance(config.get(fam.text_config_key), Mapping):
         text = config[fam.text_config_key]  # type: ignore[assignment]
+    if fam.config_defaults:  # standard names of keys the config spells its own way
+        text = {**fam.config_defaults, **text}
     try:
         layout = fam.layout(text)
     except ConfigError as exc:

@@ -6,6 +6,7 @@ registering it in ``families/__init__.py`` (see docs/families.md, "Adding a fami
 """
 from __future__ import annotations
 
+import logging
 import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
@@ -15,13 +16,20 @@ from ..errors import ConfigError
 if TYPE_CHECKING:  # pragma: no cover
     from ..spec import ModelSpec
 
+logger = logging.getLogger(__name__)
+
 __all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Template",
            "CheckpointFormat", "LAYER_KINDS", "cfg", "cfg_opt"]
 
 #: The layer kinds pploader knows (cache geometry and shard rules key on these). ``mlp`` is a
-#: block with no sequence mixer (NemotronH's MLP / MoE layers): no cache.
+#: block with no sequence mixer (NemotronH's MLP / MoE layers): no cache. ``sliding_attention``
+#: is GQA attention over a window (``layer_types``); ``unknown`` is a layer the generic family
+#: could not classify (its cache geometry is refused, naming the layer).
 LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_attention_mamba2",
-               "mlp")
+               "mlp", "sliding_attention", "unknown")
+
+#: Non-parameter buffers some old exporters saved (rotary tables): known, never read (logged).
+STRAY_BUFFERS = r"(.+\.)?rotary_emb\.inv_freq"
 
 #: name -> shape of every tensor a checkpoint of this config holds (the strict expected set).
 Template = Callable[["ModelSpec"], Mapping[str, tuple[int, ...]]]
@@ -78,7 +86,7 @@ class ShardRule:
 class TensorRole:
     """What a checkpoint tensor is, as far as placement is concerned."""
 
-    placement: str               # "layer" | "first" | "last" | "mtp"
+    placement: str               # "layer" | "first" | "last" | "mtp" | "ignored" (never read)
     component: str               # name inside the layer (or the full name for globals)
     layer: Optional[int] = None  # global layer id (MTP ids count on from num_layers)
     expert: Optional[int] = None  # expert id of a per-expert tensor
@@ -116,6 +124,9 @@ class Family:
     formats: tuple[CheckpointFormat, ...] = ()   # other namings, detected from the checkpoint
     mtp_pattern: Optional[str] = None            # MTP tensors outside the layer numbering
     format: str = "original"                     # which naming this Family value describes
+    ignore_pattern: Optional[str] = STRAY_BUFFERS  # known non-parameters, never read (logged)
+    config_defaults: Mapping[str, object] = field(default_factory=dict)  # for keys config.json
+    #   lacks under the standard name (generic: transformers' aliases, e.g. n_head)
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def for_checkpoint(self, names: Iterable[str]) -> "Family":
@@ -162,6 +173,10 @@ class Family:
             return TensorRole(rule.placement, name, role=rule.role)
         if mtp is not None and mtp.fullmatch(name):
             return TensorRole("mtp", name, role="mtp")  # known, never read by a stage
+        if self.ignore_pattern is not None and self._re(self.ignore_pattern).fullmatch(name):
+            logger.info("%s: skipping %s, a buffer old exporters saved (not a parameter; the "
+                        "model recomputes it)", self.name, name)
+            return TensorRole("ignored", name, role="ignored")
         m = prefix.match(name)
         if m is None:
             return None

@@ -74,7 +74,10 @@ def attention_rules(prefix: str = r"self_attn\.") -> tuple[ShardRule, ...]:
 
 def mlp_rules(prefix: str = r"mlp\.", col: str = "gate_proj|up_proj",
               row: str = "down_proj") -> tuple[ShardRule, ...]:
-    return (ShardRule(prefix + rf"({col})\.weight", 0), ShardRule(prefix + rf"({row})\.weight", 1))
+    """Column-parallel gate/up (weights and optional biases), row-parallel down (its bias,
+    added after the reduction, replicated)."""
+    return (ShardRule(prefix + rf"({col})\.(weight|bias)", 0),
+            ShardRule(prefix + rf"({row})\.weight", 1))
 
 
 def vocab_rules(prefix: str = r"model\.", head: str = r"lm_head\.weight") -> tuple[ShardRule, ...]:

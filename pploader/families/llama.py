@@ -1,11 +1,15 @@
-"""Dense llama-style families: Llama/Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+"""Dense llama-style families: Llama/Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+
+Llama and Qwen3 read the optional biases of their configs: ``attention_bias`` (q, k, v and o
+projections) and ``mlp_bias`` (gate, up, down; Llama only), as transformers builds them."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from .base import Family
+from .blocks import mlp_biased
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
-                     mlp_rules, mlp_tensors, uniform_layout, vocab_rules)
+                     mlp_rules, uniform_layout, vocab_rules)
 from .fused import GATE_UP, QKV
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -14,12 +18,16 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["FAMILY", "QWEN2", "QWEN3", "dense_template"]
 
 
-def dense_template(spec: "ModelSpec", *, bias: bool = False, qk_norm: bool = False) -> dict:
+def dense_template(spec: "ModelSpec", *, bias: bool = False, qk_norm: bool = False,
+                   optional_bias: bool = False) -> dict:
+    """``optional_bias``: biases as the config's ``attention_bias`` / ``mlp_bias`` say."""
     h = spec.hidden_size
     out = globals_tensors(spec)
+    attn_bias = optional_bias and bool(spec.config.get("attention_bias", False))
+    mlp_bias = optional_bias and bool(spec.config.get("mlp_bias", False))
     layer = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
-             **attention_tensors(spec, bias=bias, qk_norm=qk_norm),
-             **mlp_tensors(h, spec.int("intermediate_size"))}  # every layer has the same
+             **attention_tensors(spec, bias=bias or attn_bias, o_bias=attn_bias, qk_norm=qk_norm),
+             **mlp_biased(h, spec.int("intermediate_size"), "mlp.", bias=mlp_bias)}
     for i in range(spec.num_layers):
         out.update({f"model.layers.{i}.{k}": v for k, v in layer.items()})
     return out
@@ -31,7 +39,7 @@ _FUSED = (QKV, GATE_UP)  # used when the module has qkv_proj / gate_up_proj
 FAMILY = Family(
     name="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
-    template=lambda spec: dense_template(spec))
+    template=lambda spec: dense_template(spec, optional_bias=True))
 
 QWEN2 = Family(
     name="qwen2", architectures=("Qwen2ForCausalLM",),
@@ -41,4 +49,4 @@ QWEN2 = Family(
 QWEN3 = Family(
     name="qwen3", architectures=("Qwen3ForCausalLM",),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
-    template=lambda spec: dense_template(spec, qk_norm=True))
+    template=lambda spec: dense_template(spec, qk_norm=True, optional_bias=True))

@@ -13,9 +13,11 @@ How a stage is built (all model knowledge comes from transformers itself):
   model's own code reads ``layer.attention_type`` and the like);
 - off the first stage the input embedding becomes a zero source (the received hidden states are
   injected at the first owned layer, so whatever the model does between embedding and layers —
-  Falcon-H1's ``embedding_multiplier`` for one — happens on the first stage only); off the last
-  stage the head and the text model's other parameter-holding children (final norm) become
-  ``nn.Identity``;
+  Falcon-H1's ``embedding_multiplier`` for one — happens on the first stage only); the text
+  model's other parameter-holding children registered before the layers (position embeddings,
+  embedding norms: first-stage tensors) become zero-filled placeholders there, whose output is
+  likewise replaced; off the last stage the head and the text model's parameter-holding
+  children registered after the layers (final norm) become ``nn.Identity``;
 - pploader plans and reads only this stage's tensors; transformers' own checkpoint conversion
   (renames, per-expert tensors stacked into fused 3-D params) places them, exactly as
   ``from_pretrained`` would; non-persistent buffers (``rotary_emb.inv_freq``, Falcon-H1's
@@ -42,6 +44,7 @@ from torch import nn
 
 from ..checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
+from ..families.hf_meta import forward_order
 from ..partition import StageWindow
 from ..plan import Partition, RankPlan, make_windows, plan_rank
 from ..read import Reader, ReadStats
@@ -165,8 +168,10 @@ class _Anatomy:
     embed: str
     layers: str
     head: Optional[str]
-    last_globals: tuple[str, ...]   # other parameter-holding children of the text model
+    last_globals: tuple[str, ...]   # parameter-holding children of the text model after the layers
     first_globals: tuple[str, ...]  # parameter-holding modules beside the text model (vision)
+    pre_layers: tuple[str, ...] = ()  # children of the text model between embedding and layers
+                                      # (position embeddings, embedding norms): first stage
 
 
 def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
@@ -182,11 +187,19 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
         if len(lists) != 1:
             break
         prefix = path + "." if path else ""
-        last = tuple(prefix + n for n, c in children.items()
-                     if c is not embed and n != lists[0] and _has_params(c))
+        order = list(children)
+        at = order.index(lists[0])
+        others = [n for n in order if children[n] is not embed and n != lists[0]
+                  and _has_params(children[n])]
+        called = forward_order(model, prefix + lists[0])  # run before / after the layers
+
+        def stage(n: str) -> str:
+            return called.get(prefix + n, "first" if order.index(n) < at else "last")
+        last = tuple(prefix + n for n in others if stage(n) == "last")
+        pre = tuple(prefix + n for n in others if stage(n) == "first")
         head_path = names.get(id(head)) if head is not None else None
         return _Anatomy(path, names[id(embed)], prefix + lists[0], head_path, last,
-                        _beside(model, path, head_path))
+                        _beside(model, path, head_path), pre)
     raise ConfigError(f"{type(model).__name__}: cannot find a module holding both the input "
                       f"embedding and a list of {num_layers} decoder layers")
 
@@ -239,14 +252,18 @@ def _model_class(config: Any, model_class: Optional[type]) -> type:
 
 
 def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
-                   model_class: Optional[type] = None) -> tuple[nn.Module, _Anatomy]:
-    """The model on ``meta`` with everything outside ``window`` replaced (nothing allocated)."""
+                   model_class: Optional[type] = None, num_layers: Optional[int] = None
+                   ) -> tuple[nn.Module, _Anatomy]:
+    """The model on ``meta`` with everything outside ``window`` replaced (nothing allocated).
+
+    ``num_layers``: the decoder layers (default: the config's ``num_hidden_layers``; the spec's
+    count where they differ, e.g. a decoder of an encoder-decoder config)."""
     cls = _model_class(config, model_class)
     text = config.get_text_config()
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)
     model.eval()
-    anatomy = _anatomy(model, text.num_hidden_layers)
+    anatomy = _anatomy(model, num_layers or text.num_hidden_layers)
     layers = model.get_submodule(anatomy.layers)
     for i in range(len(layers)):
         if not window.owns(i):
@@ -255,6 +272,10 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         _set(model, anatomy.embed, _ZeroEmbedding(text.hidden_size, dtype))
         for path in anatomy.first_globals:
             _set(model, path, _Absent(path))
+        for path in anatomy.pre_layers:  # run, but their output is replaced at the first layer
+            model.get_submodule(path).to_empty(device="cpu").requires_grad_(False)
+            for tensor in model.get_submodule(path).state_dict().values():
+                tensor.zero_()
     if not window.has_head:
         for path in anatomy.last_globals + ((anatomy.head,) if anatomy.head else ()):
             _set(model, path, nn.Identity())
@@ -377,7 +398,11 @@ def build_stage(model_dir: os.PathLike | str, topology: Topology, *,
         window = make_windows(spec, index, topology.pp_size, partition)[topology.pp_rank]
     plan = plan_rank(spec, index, topology, window, strict=strict)
     config = AutoConfig.from_pretrained(str(model_dir))
-    model, anatomy = stage_skeleton(config, window, dtype=spec.dtype, model_class=model_class)
+    if spec.tie_word_embeddings and not spec.for_checkpoint(index.weight_map).tie_word_embeddings:
+        for cfg in {id(c): c for c in (config, config.get_text_config())}.values():
+            cfg.tie_word_embeddings = False  # the checkpoint stores its own head: read, not tied
+    model, anatomy = stage_skeleton(config, window, dtype=spec.dtype, model_class=model_class,
+                                    num_layers=spec.num_layers)
     reader = Reader(plan, window_bytes=window_bytes, threads=threads, cancel=cancel)
     tensors = dict(reader)
     if window.has_embed:  # a tied head aliased to the embedding: the embedding is needed too

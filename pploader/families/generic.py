@@ -1,0 +1,248 @@
+"""The generic family: any decoder-only model the installed transformers can build.
+
+``find_family`` falls back to it when no hand-written family names the architecture (those
+stay first: they add fused targets, TP rules for packed tensors and cache-pool knowledge).
+Everything comes from the model built on the ``meta`` device (``hf_meta.derive``): the layer
+prefix, the first-/last-stage tensors (registered before / after the decoder layers), experts
+(per-expert names or stacked 3-D parameters, expert dim 0), tied weights, and the strict
+template (what ``save_pretrained`` writes, in both namings). MTP layers numbered after the
+decoder layers (``num_nextn_predict_layers``) and a separate ``mtp.*`` module are known and never
+read by a stage (no template for them: ``plan_mtp`` is not available generically).
+
+TP rules are derived only where a tensor's role is unambiguous (q/k/v/o, gate/up/down by name,
+head counts from the config dividing the shape, norms of width hidden or head_dim, routers,
+vocab); any other tensor gets a rule that refuses TP > 1 naming the tensor, never a guess.
+Layer kinds: attention / MLA / Mamba1 / Mamba2 / gated delta net from the layer's own
+parameters, sliding vs full from ``layer_types``; anything else is ``unknown`` (no cache pool).
+"""
+from __future__ import annotations
+
+import json
+import re
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+
+from ..errors import PlanError
+from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule
+from .hf_meta import MetaModel, Naming, derive
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..spec import ModelSpec
+
+__all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
+
+GENERIC_NAME = "generic"
+
+_SLIDING = {"sliding_attention", "sliding", "local", "local_attention", "chunked_attention"}
+_FULL = {"full_attention", "attention", "global", "global_attention", "full"}
+
+
+def family_for(config: Mapping[str, Any]) -> Family:
+    """The generic Family of ``config`` (built from the meta model; cached per config, so
+    equal configs give the same Family value and plans share their memoised work)."""
+    return _family_cached(json.dumps(config, sort_keys=True, default=str))
+
+
+@lru_cache(maxsize=64)
+def _family_cached(key: str) -> Family:
+    return _family(derive(json.loads(key)))
+
+
+def _mtp_layers(text: Mapping[str, Any]) -> int:
+    value = text.get("num_nextn_predict_layers")
+    return int(value) if isinstance(value, int) and value > 0 else 0
+
+
+def _family(meta: MetaModel) -> Family:
+    num_mtp = _mtp_layers(meta.text_config)
+    kinds = layer_kinds(meta)
+    layout = Layout(meta.num_layers, kinds, meta.moe_layers if meta.num_experts else frozenset(),
+                    meta.num_experts, num_mtp)
+    text = meta.text_config
+    mtp_pattern = r"mtp\..+" if int(text.get("mtp_num_hidden_layers") or 0) > 0 else None
+    original = meta.namings[0]
+    fields = _naming_fields(original, meta)
+    formats = []
+    for naming in meta.namings[1:]:
+        marker = _marker(naming, original)
+        if marker is not None:
+            changes = {k: v for k, v in _naming_fields(naming, meta).items() if k != "format"}
+            formats.append(CheckpointFormat(naming.name, marker, tuple(changes.items())))
+    aliases = {k: v for k, v in text.items()
+               if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                        "vocab_size", "num_hidden_layers")}
+    return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
+                  layout=lambda _config: layout, mtp_pattern=mtp_pattern,
+                  config_defaults=aliases,
+                  formats=tuple(formats), **fields)
+
+
+def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
+    """The Family fields that change with the naming: prefix, globals, experts, rules."""
+    globals_: list[GlobalRule] = []
+    for name in naming.first:
+        globals_.append(GlobalRule(re.escape(name), "first",
+                                   "embed" if name == naming.embed else "other"))
+    for name in naming.last:
+        globals_.append(GlobalRule(re.escape(name), "last",
+                                   "head" if name == naming.head else "other"))
+    if naming.head and naming.head not in naming.template:  # tied: the head's name, never read
+        globals_.append(GlobalRule(re.escape(naming.head), "last", "head"))
+    template = dict(naming.template)
+    head, head_shape = naming.head, naming.head_shape
+
+    def template_of(spec: "ModelSpec") -> Mapping[str, tuple[int, ...]]:
+        if head and head not in template and not spec.tie_word_embeddings:
+            return {**template, head: head_shape}  # tied config, head stored: read as head
+        return template
+    fused = "|".join(re.escape(c) for c in naming.fused_components) or None
+    return dict(layer_prefix=naming.layer_prefix, globals=tuple(globals_),
+                expert_pattern=naming.expert_pattern, fused_expert_pattern=fused,
+                template=template_of, format=naming.name,
+                shard_rules=shard_rules(naming, meta))
+
+
+def _marker(naming: Naming, original: Naming) -> Optional[str]:
+    """A regex that hits only names of ``naming`` (a few, enough to recognise it)."""
+    only = sorted(set(naming.template) - set(original.template))
+    if not only:
+        return None
+    return "|".join(f"^{re.escape(n)}$" for n in only[:16])
+
+
+# ---- layer kinds ------------------------------------------------------------------------------
+
+def layer_kinds(meta: MetaModel) -> tuple[str, ...]:
+    """Cache kind of every decoder layer, from its parameters and ``layer_types``."""
+    types = meta.text_config.get("layer_types")
+    if not isinstance(types, (list, tuple)) or len(types) != meta.num_layers:
+        types = None
+    out = []
+    for i, params in enumerate(meta.layer_params):
+        out.append(_kind(dict(params), str(types[i]) if types else None))
+    return tuple(out)
+
+
+def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str:
+    names = set(params)
+    leaf = {n.rsplit(".", 2)[-2] if n.count(".") else n for n in names}
+    a_log = [s for n, s in params.items() if n.endswith("A_log")]
+    mla = any("kv_a_proj_with_mqa" in n for n in names)
+    attention = mla or bool(leaf & {"q_proj", "k_proj", "qkv_proj", "query_key_value", "Wqkv",
+                                    "c_attn", "qkv"})
+    gdn = bool(a_log) and any(re.search(r"in_proj_(qkvz|qkv)\b", n) for n in names)
+    mamba = bool(a_log) and not gdn and any("conv1d" in n for n in names)
+    if gdn and not attention:
+        return "gdn"
+    if mamba and not attention:
+        return "mamba1" if len(a_log[0]) == 2 else "mamba2"
+    if mamba and attention and len(a_log[0]) == 1:
+        return "hybrid_attention_mamba2"
+    if mla and not a_log:
+        return "mla"
+    if attention and not a_log:
+        if declared in _SLIDING:
+            return "sliding_attention"
+        if declared is None or declared in _FULL:
+            return "full_attention"
+        return "unknown"
+    if not a_log and (declared is None or declared not in _FULL | _SLIDING) and all(
+            re.search(r"(^|\.)(mlp|experts|shared_experts?|norm|\w*layernorm|\w*_norm)\b", n)
+            for n in names):
+        return "mlp"
+    return "unknown"
+
+
+# ---- TP rules ---------------------------------------------------------------------------------
+
+def _refuse(component: str, reason: str) -> Callable[["ModelSpec"], tuple[int, ...]]:
+    def refuse(spec: "ModelSpec") -> tuple[int, ...]:
+        raise PlanError(f"tensor parallelism refused for {spec.architecture} (generic family): "
+                        f"no unambiguous split for {component}: {reason}; run with tp=1 or add "
+                        "a hand-written family (docs/families.md)")  # plan_rank names the tensor
+    return refuse
+
+
+def _heads(spec: "ModelSpec") -> int:
+    return spec.num_heads
+
+
+def _kv_heads(spec: "ModelSpec") -> int:
+    return spec.num_kv_heads
+
+
+def shard_rules(naming: Naming, meta: MetaModel) -> tuple[ShardRule, ...]:
+    """One rule per distinct layer component (expert ids generalised) and per global."""
+    text = meta.text_config
+    comps: dict[str, tuple[int, ...]] = {}
+    rx = re.compile(naming.layer_prefix)
+    expert_rx = re.compile(naming.expert_pattern) if naming.expert_pattern else None
+    for name, shape in naming.template.items():
+        m = rx.match(name)
+        if m is None:
+            comps[name] = shape
+            continue
+        comp = name[m.end():]
+        em = expert_rx.fullmatch(comp) if expert_rx is not None else None
+        if em is not None:
+            comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
+        comps.setdefault(comp, shape)
+    rules = []
+    for comp, shape in comps.items():
+        pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
+        rules.append(_rule(pattern, comp, shape, naming, text, meta.num_experts))
+    return tuple(rules)
+
+
+def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
+          text: Mapping[str, Any], num_experts: int) -> ShardRule:
+    """The TP rule of one component (see the module docstring)."""
+    hidden = _int(text, "hidden_size")
+    heads = _int(text, "num_attention_heads")
+    kv = _int(text, "num_key_value_heads") or heads or 0
+    head_dim = _int(text, "head_dim") or (hidden // heads if hidden and heads else None)
+    vocab = _int(text, "vocab_size")
+    tokens = comp.split(".")
+    kind = tokens[-1]
+    role = tokens[-2] if len(tokens) >= 2 else ""
+    refuse = lambda why: ShardRule(pattern, 0, segments=_refuse(comp, why))  # noqa: E731
+    if comp in (naming.embed, naming.head):
+        return ShardRule(pattern, 0, pad=True) if shape and shape[0] == vocab else \
+            refuse(f"vocabulary dim {shape[:1]} != vocab_size {vocab}")
+    if kind not in ("weight", "bias"):
+        return refuse(f"{list(shape)} is not a weight or bias of a known projection")
+    if len(shape) == 1 and re.search(r"norm", role):
+        if role in ("q_norm", "k_norm", "query_layernorm", "key_layernorm"):
+            return ShardRule(pattern, None) if shape[0] == head_dim else \
+                refuse(f"per-projection norm of width {shape[0]} (head_dim {head_dim})")
+        return ShardRule(pattern, None) if shape[0] == hidden else \
+            refuse(f"norm of width {shape[0]} (hidden_size {hidden})")
+    if role in ("gate", "router", "layer") and shape and shape[0] == num_experts and num_experts:
+        return ShardRule(pattern, None)
+    if len(shape) > 2:
+        return refuse(f"{len(shape)}-d tensor {list(shape)}: the expert dim is known, the "
+                      "layout of the others (gate/up order, transposition) is not")
+    if not heads or not head_dim:
+        return refuse("the config has no attention head counts")
+    if role == "q_proj":
+        return ShardRule(pattern, 0, units=_heads) if shape[0] == heads * head_dim else \
+            refuse(f"rows {shape[0]} != heads {heads} x head_dim {head_dim}")
+    if role in ("k_proj", "v_proj"):
+        return ShardRule(pattern, 0, units=_kv_heads) if shape[0] == kv * head_dim else \
+            refuse(f"rows {shape[0]} != kv heads {kv} x head_dim {head_dim}")
+    if role == "o_proj":
+        if kind == "bias":
+            return ShardRule(pattern, None)
+        return ShardRule(pattern, 1, units=_heads) if shape[1] == heads * head_dim else \
+            refuse(f"columns {shape[1]} != heads {heads} x head_dim {head_dim}")
+    if role in ("gate_proj", "up_proj", "w1", "w3") and len(tokens) >= 3 and (
+            role.startswith(("gate", "up")) or "experts" in tokens):
+        return ShardRule(pattern, 0)
+    if role in ("down_proj", "w2") and (role == "down_proj" or "experts" in tokens):
+        return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
+    return refuse(f"role {role!r} {list(shape)} is not a known projection")
+
+
+def _int(text: Mapping[str, Any], key: str) -> Optional[int]:
+    value = text.get(key)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else None

@@ -1,0 +1,387 @@
+"""What a transformers model's checkpoint holds, derived from the model built on ``meta``.
+
+Used by the generic family (``generic.py``). Nothing here reads weights or allocates memory:
+the architecture class named in ``config.json`` is instantiated on the ``meta`` device, and its
+state dict goes through the same steps ``save_pretrained`` applies (keys ignored on save, tied
+weights removed, transformers 5's conversion mapping reverted to the original naming). Each
+state-dict key is also reverted on its own, which tells where every checkpoint name comes from:
+its decoder layer, its expert (stacked 3-D parameters or per-expert modules) and whether it is
+registered before the decoder layers (first stage) or after them (last stage).
+
+transformers is imported here only, and only when a generic family is built.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Any, Mapping, Optional
+
+from ..errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["Naming", "MetaModel", "derive", "build_meta_model", "hf_config"]
+
+Shapes = dict[str, tuple[int, ...]]
+_DIGIT = re.compile(r"\d+")
+
+
+@dataclass(frozen=True)
+class Naming:
+    """One on-disk naming of the checkpoint (original = ``save_pretrained`` default; the
+    transformers naming = ``save_original_format=False``)."""
+
+    name: str
+    template: Mapping[str, tuple[int, ...]]     # every tensor name -> shape
+    layer_prefix: str                           # regex, group 1 = layer id
+    first: tuple[str, ...]                      # non-layer names on the first stage
+    last: tuple[str, ...]                       # non-layer names on the last stage
+    expert_pattern: Optional[str]               # on the component; group 1 = expert id
+    fused_components: tuple[str, ...]           # components stacking experts on dim 0
+    embed: Optional[str]                        # the input embedding's name
+    head: Optional[str]                         # the output head's name (absent when tied)
+    head_shape: tuple[int, ...] = ()            # its shape (also when tied)
+
+
+@dataclass(frozen=True)
+class MetaModel:
+    """Everything the generic family needs from the meta model (plain data, picklable)."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_experts: int
+    moe_layers: frozenset[int]
+    layer_params: tuple[tuple[tuple[str, tuple[int, ...]], ...], ...]  # per layer, unconverted
+    namings: tuple[Naming, ...]                 # original first
+    dtypes: Mapping[str, str] = field(default_factory=dict)  # original name -> torch dtype
+    tied: tuple[tuple[str, str], ...] = ()      # (target, source) removed as tied
+    text_config: Mapping[str, Any] = field(default_factory=dict)
+
+
+def hf_config(config: Mapping[str, Any]) -> Any:
+    """The transformers config object of a parsed ``config.json`` (by ``model_type``)."""
+    from transformers import CONFIG_MAPPING
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        raise ConfigError(f"model_type {model_type!r} is not known to the installed transformers",
+                          file="config.json")
+    try:
+        cls = CONFIG_MAPPING[model_type]
+        return cls.from_dict(cls._decode_special_floats(dict(config)))  # {"__float__": "Infinity"}
+    except Exception as exc:  # noqa: BLE001 - any config validation error, reported as such
+        raise ConfigError(f"transformers cannot read this {model_type} config: "
+                          f"{type(exc).__name__}: {exc}", file="config.json") from None
+
+
+def build_meta_model(config: Mapping[str, Any]) -> Any:
+    """The architecture named in ``config.json``, instantiated on ``meta`` (no memory)."""
+    import torch
+    import transformers
+    archs = config.get("architectures") or []
+    arch = archs[0] if isinstance(archs, list) and archs else None
+    cls = getattr(transformers, arch, None) if isinstance(arch, str) else None
+    if cls is None or not isinstance(cls, type) or not issubclass(cls, transformers.PreTrainedModel):
+        raise ConfigError(f"architecture {arch!r} is not a model class of the installed "
+                          f"transformers {transformers.__version__}", file="config.json")
+    hf = hf_config(config)
+    raw = config.get("dtype") or config.get("torch_dtype") or "float32"
+    dtype = getattr(torch, str(raw).replace("torch.", ""), torch.float32)
+    try:
+        with torch.device("meta"):
+            model = cls._from_config(hf, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - the model's own constructor failed
+        raise ConfigError(f"transformers cannot build {arch} on the meta device: "
+                          f"{type(exc).__name__}: {exc}", file="config.json") from None
+    return model
+
+
+@lru_cache(maxsize=64)
+def _derive_cached(key: str) -> MetaModel:
+    return _derive(json.loads(key))
+
+
+def derive(config: Mapping[str, Any]) -> MetaModel:
+    """The checkpoint structure of ``config`` (cached per config; builds the model once)."""
+    return _derive_cached(json.dumps(config, sort_keys=True, default=str))
+
+
+def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
+    """Path of the decoder-layer ModuleList: a ModuleList beside the input embedding."""
+    from torch import nn
+    embed = model.get_input_embeddings()  # type: ignore[operator]
+    for path, module in model.named_modules():
+        children = dict(module.named_children())
+        if not any(c is embed for c in children.values()):
+            continue
+        lists = [n for n, c in children.items() if isinstance(c, nn.ModuleList) and len(c)]
+        if len(lists) > 1 and num_hidden is not None:
+            lists = [n for n in lists if len(children[n]) == num_hidden]
+        if len(lists) == 1:
+            return f"{path}.{lists[0]}" if path else lists[0]
+        break
+    found = [path for path, module in model.named_modules()  # e.g. BERT-style encoder.layer
+             if isinstance(module, nn.ModuleList) and num_hidden and len(module) == num_hidden]
+    if len(found) == 1:
+        return found[0]
+    raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
+                      "embedding (not a decoder-only layout the generic family understands)")
+
+
+def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
+    """(experts, {relative key: expert id or -1 for stacked}) of one decoder layer."""
+    from torch import nn
+    count, keys = 0, {}
+    for path, module in layer.named_modules():
+        if path.rpartition(".")[2] != "experts":
+            continue
+        own = dict(module.named_parameters(recurse=False))
+        if isinstance(module, nn.ModuleList):
+            count = max(count, len(module))
+            for key, _ in module.named_parameters():
+                keys[f"{path}.{key}"] = int(key.split(".")[0])
+        elif own:
+            big = [p.shape[0] for p in own.values() if p.dim() >= 3]
+            if not big or len(set(big)) != 1:
+                continue
+            count = max(count, big[0])
+            for name, p in own.items():
+                if p.dim() >= 2 and p.shape[0] == big[0]:
+                    keys[f"{path}.{name}"] = -1
+    return count, keys
+
+
+def forward_order(model: Any, layers_path: str) -> dict[str, str]:
+    """``{module path: "first" | "last"}`` for the children of the module holding the decoder
+    layers, by where its ``forward`` first uses them: before the layer loop = first stage,
+    after = last stage. Registration order is not enough (BART-style decoders register
+    ``layernorm_embedding`` after the layers and run it before them). Read from the source
+    (static: a forward on ``meta`` stops at data-dependent mask code). Children the forward
+    does not name directly are left out: callers fall back to registration order."""
+    import ast
+    import inspect
+    import textwrap
+    parent_path, _, layers_name = layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(type(parent).forward)))
+    except (OSError, TypeError, SyntaxError):
+        return {}
+    first_use: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            pos = (node.lineno, node.col_offset)
+            first_use[node.attr] = min(first_use.get(node.attr, pos), pos)
+    if layers_name not in first_use:
+        return {}
+    boundary = first_use[layers_name]
+    prefix = parent_path + "." if parent_path else ""
+    return {prefix + name: "first" if first_use[name] < boundary else "last"
+            for name, _ in parent.named_children() if name in first_use and name != layers_name}
+
+
+def _saved_state(model: Any) -> tuple[dict, list[tuple[str, str]]]:
+    """The state dict ``save_pretrained`` starts from: ignored keys and tied copies removed."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    state = model.state_dict()
+    for key in list(getattr(model, "_keys_to_ignore_on_save", None) or []):
+        state.pop(key, None)
+    before = set(state)
+    state = remove_tied_weights_from_state_dict(state, model)
+    tied_map = dict(getattr(model, "all_tied_weights_keys", {}) or {})
+    tied = [(t, tied_map.get(t, "")) for t in sorted(before - set(state))]
+    return state, tied
+
+
+def _revert_one(model: Any, key: str, tensor: Any) -> dict:
+    from transformers.core_model_loading import revert_weight_conversion
+    try:
+        return dict(revert_weight_conversion(model, {key: tensor}))
+    except Exception as exc:  # noqa: BLE001 - a many-to-one conversion: not derivable per key
+        raise ConfigError(f"cannot derive the saved name of {key}: transformers' checkpoint "
+                          f"conversion needs several tensors at once ({type(exc).__name__})",
+                          file="config.json") from None
+
+
+def _derive(config: Mapping[str, Any]) -> MetaModel:
+    from transformers.core_model_loading import revert_weight_conversion
+    model = build_meta_model(config)
+    text = model.config.get_text_config()
+    layers_path = _layers_path(model, getattr(text, "num_hidden_layers", None))
+    layers = model.get_submodule(layers_path)
+    num_layers = len(layers)
+    state, tied = _saved_state(model)
+    keys = list(state)
+    lp = layers_path + "."
+    first_layer_pos = next((i for i, k in enumerate(keys) if k.startswith(lp)), len(keys))
+    order = forward_order(model, layers_path)
+    stage_of = {k: next((v for m, v in order.items() if k.startswith(m + ".")),
+                        "first" if pos < first_layer_pos else "last")
+                for pos, k in enumerate(keys) if not k.startswith(lp)}
+
+    per_layer_experts = [_experts_of(layer) for layer in layers]
+    counts = {c for c, _ in per_layer_experts if c}
+    if len(counts) > 1:
+        raise ConfigError(f"layers have different expert counts {sorted(counts)}")
+    num_experts = counts.pop() if counts else 0
+    moe_layers = frozenset(i for i, (c, _) in enumerate(per_layer_experts) if c)
+
+    # provenance: per key of one representative layer per structure, plus every global
+    reps: dict[tuple, int] = {}
+    layer_of: dict[str, tuple[int, str]] = {}
+    for k in keys:
+        if k.startswith(lp):
+            idx, _, rel = k[len(lp):].partition(".")
+            layer_of[k] = (int(idx), rel)
+    signature = {}
+    for i in range(num_layers):
+        sig = tuple((rel, tuple(state[k].shape)) for k, (j, rel) in layer_of.items() if j == i)
+        signature[i] = sig
+        reps.setdefault(sig, i)
+
+    embed_param = model.get_input_embeddings().weight  # type: ignore[operator, union-attr]
+    head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    names: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), n)  # a tied parameter: its first (source) name
+    embed_key = names.get(id(embed_param))
+    head_key = None
+    if head_mod is not None and getattr(head_mod, "weight", None) is not None:
+        head_key = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                         if p is head_mod.weight and not n.startswith(layers_path)
+                         and n != embed_key), None)
+
+    namings = []
+    for fmt in ("original", "transformers"):
+        namings.append(_naming(fmt, model, state, keys, layer_of, reps, signature, lp,
+                               stage_of, per_layer_experts, num_experts, embed_key,
+                               head_key))
+    full = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(state)).items()}
+    if dict(namings[0].template) != full:
+        diff = sorted(set(full) ^ set(namings[0].template))[:4]
+        raise ConfigError(f"per-tensor derivation of the saved names disagrees with "
+                          f"save_pretrained's conversion (e.g. {diff})", file="config.json")
+    if dict(namings[1].template) == dict(namings[0].template):
+        namings = namings[:1]
+    dtypes = {k: str(v.dtype).replace("torch.", "") for k, v in state.items()}
+    layer_params = tuple(tuple((rel, tuple(state[k].shape)) for k, (j, rel) in layer_of.items()
+                               if j == i) for i in range(num_layers))
+    return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
+                     num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
+                     _text_values(text))
+
+
+#: Standard config names, read through transformers' aliases (``attribute_map``: n_head...).
+_STANDARD = ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+             "vocab_size", "num_hidden_layers", "intermediate_size", "tie_word_embeddings")
+
+
+def _text_values(text: Any) -> dict[str, Any]:
+    """The text config as a dict, plus the standard names it spells differently."""
+    out = dict(text.to_dict())
+    for key in _STANDARD:
+        if key not in out or out[key] is None:
+            value = getattr(text, key, None)
+            if isinstance(value, (int, bool)):
+                out[key] = value
+    return out
+
+
+def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
+            layer_of: dict[str, tuple[int, str]], reps: dict, signature: dict, lp: str,
+            stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
+            embed_key: Optional[str], head_key: Optional[str]) -> Naming:
+    """The names one on-disk naming gives every state-dict key (see module docstring)."""
+    from transformers.core_model_loading import revert_weight_conversion
+    def saved(key: str) -> dict[str, tuple[int, ...]]:
+        if fmt == "transformers":
+            return {key: tuple(state[key].shape)}
+        return {n: tuple(t.shape) for n, t in _revert_one(model, key, state[key]).items()}
+
+    template: Shapes = {}
+    first: list[str] = []
+    last: list[str] = []
+    prefixes: set[str] = set()
+    components_of: dict[int, dict[str, tuple[int, ...]]] = {}
+    expert_names: dict[str, Optional[int]] = {}   # component -> expert id (None: unknown yet)
+    fused: set[str] = set()
+    for pos, key in enumerate(keys):
+        if key in layer_of:
+            continue
+        out = saved(key)
+        template.update(out)
+        (first if stage_of[key] == "first" else last).extend(out)
+    embed = next(iter(saved(embed_key))) if embed_key and embed_key in state else None
+    head = next(iter(saved(head_key))) if head_key and head_key in state else None
+    if head_key and head is None:  # tied: the head's name as the checkpoint would spell it
+        head = head_key
+    for rep in sorted(set(reps.values())):
+        comps: dict[str, tuple[int, ...]] = {}
+        _, expert_keys = per_layer_experts[rep]
+        layer_keys = {k: rel for k, (i, rel) in layer_of.items() if i == rep}
+        # the whole layer at once: conversions may merge several tensors into one
+        whole = ({k: tuple(state[k].shape) for k in layer_keys} if fmt == "transformers" else
+                 {n: tuple(t.shape) for n, t in revert_weight_conversion(
+                     model, {k: state[k] for k in layer_keys}).items()})
+        for name, shape in whole.items():
+            prefix, comp = _split_layer(name, rep)
+            prefixes.add(prefix)
+            comps[comp] = shape
+        for key, rel in layer_keys.items():  # experts: where each expert tensor went
+            if rel not in expert_keys:
+                continue
+            out = saved(key)
+            for name, shape in out.items():
+                comp = _split_layer(name, rep)[1]
+                if comps.get(comp) != shape:
+                    raise ConfigError(f"expert tensor {key} is merged with others on save")
+                if expert_keys[rel] == -1 and len(out) == 1 and shape == tuple(state[key].shape):
+                    fused.add(comp)
+                else:
+                    expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
+        components_of[rep] = comps
+    if len(prefixes) != 1:
+        raise ConfigError(f"decoder layers saved under several prefixes {sorted(prefixes)}")
+    prefix = prefixes.pop()
+    for i, sig in signature.items():
+        for comp, shape in components_of[reps[sig]].items():
+            template[f"{prefix}{i}.{comp}"] = shape
+    head_shape = tuple(model.get_parameter(head_key).shape) if head_key else ()
+    return Naming(fmt, template, re.escape(prefix) + r"(\d+)\.", tuple(first), tuple(last),
+                  _expert_regex(expert_names, num_experts), tuple(sorted(fused)), embed, head,
+                  head_shape)
+
+
+def _split_layer(name: str, layer: int) -> tuple[str, str]:
+    """(prefix up to and including ``{layer}.``, component) of a saved layer tensor name."""
+    m = re.search(rf"(^|\.){layer}\.", name)
+    if m is None:
+        raise ConfigError(f"saved name {name!r} does not carry its layer id {layer}")
+    return name[:m.end() - len(f"{layer}.")], name[m.end():]
+
+
+def _expert_regex(comps: Mapping[str, Optional[int]], num_experts: int) -> Optional[str]:
+    """One regex (group 1 = expert id) over the per-expert components of a layer."""
+    if not comps:
+        return None
+    groups: dict[tuple, list[tuple[str, ...]]] = {}
+    for comp in comps:
+        tokens = tuple(comp.split("."))
+        skeleton = tuple("#" if _DIGIT.fullmatch(t) else t for t in tokens)
+        groups.setdefault(skeleton, []).append(tokens)
+    befores, afters = set(), set()
+    for skeleton, members in groups.items():
+        digit_pos = [i for i, t in enumerate(skeleton) if t == "#"]
+        pos = next((i for i in digit_pos
+                    if {int(m[i]) for m in members} == set(range(num_experts))), None)
+        if pos is None:
+            raise ConfigError(f"cannot tell the expert id in {'.'.join(members[0])}")
+        for m in members:
+            befores.add(re.escape(".".join(m[:pos]) + ".") if pos else "")
+            afters.add(re.escape("." + ".".join(m[pos + 1:])))
+    alt = lambda xs: "(?:" + "|".join(sorted(xs)) + ")"  # noqa: E731
+    return alt(befores) + r"(\d+)" + alt(afters)

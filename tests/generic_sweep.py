@@ -1,0 +1,295 @@
+"""Acceptance sweep of the generic family over every causal-LM architecture transformers has.
+
+For each model type in transformers' causal-LM mapping: build a tiny configuration (sizes
+shrunk: 4 layers, hidden 64, 4 heads, 4 experts, vocab 128, ...), instantiate it on the CPU and
+``save_pretrained`` it (sharded). Architectures where that fails are listed as not buildable.
+Then, through pploader's own entry points:
+
+- ``pploader plan <dir> --pp 2`` (the CLI, in-process) must succeed;
+- a 2-rank PP load (both ranks' ``plan_rank`` + ``Reader``) must cover every checkpoint tensor
+  exactly once (a tied embedding also as the last stage's head) and be bitwise equal to
+  ``safe_open``; MoE models also PP=2 x EP=2 (each rank only its experts' bytes);
+- TP=2 planning is tried and its outcome recorded (derived split, or the refusal message);
+- the PP=2 forward built from the loaded stages (``integrations.hf.build_stage``, both stages
+  in this process) is compared with transformers' own logits of the saved model.
+
+Run (the table in docs/families.md comes from this)::
+
+    PYTHONPATH=$PWD python tests/generic_sweep.py --json /tmp/sweep.json --markdown /tmp/sweep.md
+
+``--types a,b`` restricts the model types. tests/test_generic_sweep.py runs a subset.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import math
+import signal
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+LAYERS = 4
+MAX_PARAMS = 20_000_000
+#: config key -> tiny value (applied when the config class has the key)
+SIZES: dict[str, Any] = {
+    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
+    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
+    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128,
+    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
+    "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "head_dim": 16,
+    "vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128,
+    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
+    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
+    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
+    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+    "v_head_dim": 16, "qk_head_dim": 16,
+    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+    "linear_value_head_dim": 16,
+    "mamba_n_heads": 4, "mamba_num_heads": 4, "mamba_d_head": 32, "mamba_head_dim": 32,
+    "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_n_groups": 2,
+    "n_groups": 2, "mamba_expand": 2, "expand": 2, "mamba_d_conv": 4, "conv_kernel": 4,
+    "mamba_chunk_size": 8, "chunk_size": 8, "mamba_dt_rank": 4, "time_step_rank": 4,
+    "sliding_window": 16, "attention_chunk_size": 16,
+    "decoder_layers": LAYERS, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
+    "decoder_attention_heads": 4, "encoder_attention_heads": 4, "num_decoder_layers": LAYERS,
+}
+#: model type -> extra overrides for configs whose constraints the generic shrink breaks
+FIXUPS: dict[str, dict[str, Any]] = {
+    "mamba2": {"num_heads": 4, "head_dim": 32},
+}
+TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
+             "decoder_start_token_id", "mask_token_id", "unk_token_id")
+
+
+class Timeout(Exception):
+    pass
+
+
+def _alarm(_sig: int, _frame: Any) -> None:
+    raise Timeout("timed out")
+
+
+def causal_lm_types() -> dict[str, str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    out = {}
+    for model_type, arch in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items():
+        out[model_type] = arch if isinstance(arch, str) else arch[0]
+    return dict(sorted(out.items()))
+
+
+def _shrink(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
+    over = {k: v for k, v in SIZES.items() if k in defaults}
+    n_default = next((defaults[k] for k in ("num_hidden_layers", "n_layer", "num_layers")
+                      if isinstance(defaults.get(k), int)), None)
+    for key, value in defaults.items():  # per-layer lists: keep the pattern's first layers
+        if isinstance(value, list) and n_default and len(value) == n_default and key != "architectures":
+            over[key] = value[:LAYERS]
+        if key in TOKEN_IDS and isinstance(value, int) and value >= 128:
+            over[key] = 1
+        if key in TOKEN_IDS and isinstance(value, list):
+            over[key] = [v if v < 128 else 1 for v in value if isinstance(v, int)]
+        if key.endswith("_config") and isinstance(value, dict):  # nested text / vision configs
+            over[key] = {**value, **_shrink(value, value)}
+    over.update(values)
+    return over
+
+
+def tiny_config(model_type: str) -> Any:
+    from transformers import CONFIG_MAPPING
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls().to_dict()
+    return cls(**_shrink(FIXUPS.get(model_type, {}), defaults))
+
+
+def _checkpoint(model_type: str, arch: str, out: Path) -> torch.nn.Module:
+    import transformers
+    config = tiny_config(model_type)
+    config.architectures = [arch]
+    with torch.device("meta"):  # refuse what the shrink did not make tiny (sub-configs)
+        params = sum(p.numel() for p in getattr(transformers, arch)._from_config(
+            config, dtype=torch.float32).parameters())
+    if params > MAX_PARAMS:
+        raise ValueError(f"the shrunk config still has {params / 1e6:.0f}M parameters")
+    torch.manual_seed(0)
+    model = getattr(transformers, arch)._from_config(config, dtype=torch.float32)
+    model.eval()
+    model.save_pretrained(out, max_shard_size="40KB")
+    return model
+
+
+def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
+    """Plans of every rank, loads them, checks coverage and bytes; returns tensors read."""
+    from pploader import Reader, plan_all
+    plans = plan_all(spec, index, pp, 1, ep)
+    seen: dict[str, set[int]] = {}
+    total = 0
+    resolved = spec.for_checkpoint(index.weight_map)
+    for plan in plans:
+        got = dict(Reader(plan))
+        for item in plan.items:
+            want = ref[item.name]
+            if plan.experts is not None and item.shape != tuple(want.shape):
+                e0, e1 = plan.experts
+                want = want[e0:e1]
+            tensor = got[item.target]
+            if tensor.dtype != want.dtype or not torch.equal(
+                    tensor.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
+                raise AssertionError(f"rank {plan.topology.rank}: {item.name} differs from safe_open")
+            total += 1
+        for name in plan.tensors:
+            seen.setdefault(name, set()).add(plan.topology.pp_rank)
+    missing = sorted(set(index.weight_map) - set(seen))
+    if missing:
+        raise AssertionError(f"never planned: {missing[:4]}")
+    for name, stages in seen.items():
+        role = resolved.family.classify(name, resolved.num_layers, resolved.num_mtp_layers)
+        replica = resolved.tie_word_embeddings and role is not None and role.role == "embed"
+        if len(stages) != (1 + (pp > 1 and replica)):
+            raise AssertionError(f"{name} planned by stages {sorted(stages)}")
+    return total
+
+
+def _forward(arch: str, path: Path) -> str:
+    """PP=2 logits from pploader-loaded stages vs transformers' ``from_pretrained`` of the
+    same checkpoint (the reference: the same load path, incl. its buffer initialisation)."""
+    import transformers
+    from pploader.integrations.hf import build_stage
+    from pploader.topology import Topology
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
+    try:
+        ref = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()
+        with torch.no_grad():
+            want = ref(input_ids=ids, use_cache=False).logits
+    except Exception as exc:  # noqa: BLE001 - transformers itself cannot run it
+        return f"no reference: transformers' from_pretrained + forward fails ({type(exc).__name__})"
+    stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
+    with torch.no_grad():
+        got = stages[1].forward(ids, stages[0].forward(ids))
+    if torch.equal(got, want):
+        return "bit-identical"
+    diff = (got - want).abs().max().item()
+    if math.isfinite(diff) and torch.allclose(got, want, rtol=1e-4, atol=1e-5):
+        return f"close (max diff {diff:.1e})"
+    raise AssertionError(f"PP=2 logits differ from transformers' (max diff {diff:.3g})")
+
+
+def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) -> dict[str, Any]:
+    """One architecture end to end; a dict with result exact / refused / not built / error."""
+    from pploader import PPLoaderError, load_spec, open_checkpoint, plan_all
+    from pploader.cli import main as cli_main
+    from helpers import reference_tensors
+    row: dict[str, Any] = {"model_type": model_type, "architecture": arch}
+    out = workdir / model_type
+    try:
+        _checkpoint(model_type, arch, out)
+    except Timeout:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers cannot build/save it tiny on CPU
+        return {**row, "result": "not built", "reason": f"{type(exc).__name__}: {exc}"[:200]}
+    try:
+        spec, index = load_spec(out), open_checkpoint(out)
+        row["family"] = spec.family.name
+        row["kinds"] = sorted(set(spec.layer_kinds))
+        row["experts"] = spec.num_experts
+        with contextlib.redirect_stdout(io.StringIO()):
+            rc = cli_main(["plan", "--model", str(out), "--pp", "2"])
+        if rc != 0:
+            raise AssertionError(f"pploader plan --pp 2 exited {rc}")
+        ref = reference_tensors(out)
+        row["tensors"] = len(ref)
+        _load_check(spec, index, ref, 2, 1)
+        layouts = ["PP=2"]
+        if spec.num_experts:
+            _load_check(spec, index, ref, 2, 2)
+            layouts.append("PP=2xEP=2")
+        row["loads"] = layouts
+        try:
+            plan_all(spec, index, 2, 2, 1)
+            row["tp2"] = "ok"
+        except PPLoaderError as exc:
+            row["tp2"] = f"refused: {exc.tensor or exc.detail[:60]}"
+    except Timeout:
+        raise
+    except PPLoaderError as exc:
+        return {**row, "result": "refused", "reason": str(exc)[:300]}
+    except Exception as exc:  # noqa: BLE001 - a bug: reported as such
+        return {**row, "result": "error", "reason": f"{type(exc).__name__}: {exc}"[:300],
+                "trace": traceback.format_exc()[-1500:]}
+    row["result"] = "exact"
+    if forward:
+        try:
+            row["forward"] = _forward(arch, out)
+        except Timeout:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded, the load itself was exact
+            row["forward"] = f"not matched: {type(exc).__name__}: {exc}"[:200]
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = ["| model type | architecture | family | result | layer kinds | loads | TP=2 | "
+             "PP=2 forward |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        result = r["result"] if r["result"] == "exact" else f"{r['result']}: {r.get('reason', '')}"
+        result = result.replace("|", "/").replace("\n", " ").split(" (not a decoder")[0]
+        result = result.split("; hand-written families:")[0][:160]
+        family = r.get("family", "")
+        family = "generic" if family.startswith("generic") else family
+        lines.append(f"| {r['model_type']} | {r['architecture']} | {family} | {result} | "
+                     f"{', '.join(r.get('kinds', []))} | {', '.join(r.get('loads', []))} | "
+                     f"{r.get('tp2', '')} | {r.get('forward', '')} |".replace("\n", " "))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--types", default="")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--markdown", default="")
+    ap.add_argument("--timeout", type=int, default=180)
+    ap.add_argument("--no-forward", action="store_true")
+    args = ap.parse_args(argv)
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.disable(logging.WARNING)
+    torch.set_num_threads(1)
+    types = causal_lm_types()
+    if args.types:
+        types = {t: types[t] for t in args.types.split(",")}
+    rows = []
+    signal.signal(signal.SIGALRM, _alarm)
+    with tempfile.TemporaryDirectory() as tmp:
+        for model_type, arch in types.items():
+            start = time.perf_counter()
+            signal.alarm(args.timeout)
+            try:
+                row = check(model_type, arch, Path(tmp), forward=not args.no_forward)
+            except Timeout:
+                row = {"model_type": model_type, "architecture": arch, "result": "error",
+                       "reason": f"timed out after {args.timeout} s"}
+            finally:
+                signal.alarm(0)
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            print(f"{model_type:28s} {row['result']:9s} {row.get('forward', '')[:40]:40s} "
+                  f"{row.get('reason', '')[:110]}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1) + "\n")
+    if args.markdown:
+        Path(args.markdown).write_text(markdown(rows))
+    return 0 if all(r["result"] != "error" for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
