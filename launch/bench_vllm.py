@@ -124,7 +124,7 @@ def trial(model: str, loader: str, pp: int, tp: int, out_dir: str) -> None:
 def _evict(model: Path) -> int:
     """Drop the checkpoint's clean pages from the page cache; returns bytes still resident."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from pploader.pagecache import resident_bytes_of_ranges
+    from pploader.io.pagecache import resident_bytes_of_ranges
     left = 0
     for path in model.glob("*.safetensors"):
         fd = os.open(path, os.O_RDONLY)

@@ -9,7 +9,7 @@
 #    digest of the GPU-path sources, see tests/gpu/last_run.py), copies it to $OUT/LAST_RUN and
 #    prints it. Commit that file: the CPU test tests/test_gpu_stale.py fails in CI when the
 #    GPU-path sources differ from the recorded ones.
-# 3. With --bench, then the GPU benchmark (python -m pploader.bench_cuda, docs/benchmarks-gpu.md)
+# 3. With --bench, then the GPU benchmark (python -m pploader.bench.cuda, docs/benchmarks-gpu.md)
 #    into $OUT/bench. Competitors' wheels are optional: installed from .whl/ when present.
 #
 # The commit recorded is --commit, else $GPU_CHECK_COMMIT, else `git rev-parse HEAD` (+dirty).
@@ -53,6 +53,6 @@ else
 fi
 if [ -n "$BENCH" ]; then
   echo "== GPU benchmark (one GPU, warm and cold; budget ${BUDGET}s) =="
-  "$PY" -m pploader.bench_cuda --ckdir /tmp/ck --out "$OUT/bench" --budget "$BUDGET"
+  "$PY" -m pploader.bench.cuda --ckdir /tmp/ck --out "$OUT/bench" --budget "$BUDGET"
 fi
 exit "$RC"

@@ -12,31 +12,31 @@ __version__ = "0.1.0"
 
 #: public name -> the submodule defining it
 _EXPORTS: dict[str, str] = {
-    "CheckpointIndex": "checkpoint", "TensorEntry": "checkpoint",
-    "open_checkpoint": "checkpoint", "parse_header": "checkpoint",
+    "CheckpointIndex": "planning.checkpoint", "TensorEntry": "planning.checkpoint",
+    "open_checkpoint": "planning.checkpoint", "parse_header": "planning.checkpoint",
     "CheckpointError": "errors", "ConfigError": "errors", "NotReadyError": "errors",
     "PlanError": "errors", "PPLoaderError": "errors", "RankFailure": "errors",
     "ReadError": "errors", "TopologyError": "errors",
-    "StageWindow": "partition", "balanced_windows": "partition", "even_windows": "partition",
-    "explicit_windows": "partition",
-    "RankPlan": "plan", "ReadItem": "plan", "make_windows": "plan", "plan_all": "plan",
-    "plan_mtp": "plan", "plan_rank": "plan",
-    "Reader": "read", "ReadStats": "read", "is_borrowed": "read", "owned": "read",
-    "ModelSpec": "spec", "load_spec": "spec", "spec_from_config": "spec",
+    "StageWindow": "planning.partition", "balanced_windows": "planning.partition", "even_windows": "planning.partition",
+    "explicit_windows": "planning.partition",
+    "RankPlan": "planning.plan", "ReadItem": "planning.plan", "make_windows": "planning.plan", "plan_all": "planning.plan",
+    "plan_mtp": "planning.plan", "plan_rank": "planning.plan",
+    "Reader": "io.read", "ReadStats": "io.read", "is_borrowed": "io.read", "owned": "io.read",
+    "ModelSpec": "planning.spec", "load_spec": "planning.spec", "spec_from_config": "planning.spec",
     "StagePlan": "stage", "StageResult": "stage", "iter_mtp_weights": "stage",
     "iter_stage_weights": "stage", "load_stage": "stage", "plan_stage": "stage",
-    "Topology": "topology",
+    "Topology": "planning.topology",
     "FusedTarget": "families.fused",
-    "LayerOrderWarning": "layerwise", "LayerTracker": "layerwise",
-    "LayerwiseReport": "layerwise", "load_layerwise": "layerwise",
-    "BindResult": "place", "NameMap": "place", "load_stage_into": "place",
-    "bind_derived": "postprocess", "ensure_ready": "postprocess", "is_ready": "postprocess",
-    "run_post_processing": "postprocess",
-    "ReloadResult": "reload", "reload_from_disk": "reload",
-    "EngineSplit": "partition", "check_engine_window": "partition",
-    "engine_layer_counts": "partition", "engine_windows": "partition",
-    "get_pp_indices": "partition", "NameRule": "names", "MissingLayer": "stage_layers",
-    "is_placeholder": "stage_layers", "make_stage_layers": "stage_layers",
+    "LayerOrderWarning": "bind.layerwise", "LayerTracker": "bind.layerwise",
+    "LayerwiseReport": "bind.layerwise", "load_layerwise": "bind.layerwise",
+    "BindResult": "bind.place", "NameMap": "bind.place", "load_stage_into": "bind.place",
+    "bind_derived": "bind.postprocess", "ensure_ready": "bind.postprocess", "is_ready": "bind.postprocess",
+    "run_post_processing": "bind.postprocess",
+    "ReloadResult": "bind.reload", "reload_from_disk": "bind.reload",
+    "EngineSplit": "planning.partition", "check_engine_window": "planning.partition",
+    "engine_layer_counts": "planning.partition", "engine_windows": "planning.partition",
+    "get_pp_indices": "planning.partition", "NameRule": "bind.names", "MissingLayer": "bind.stage_layers",
+    "is_placeholder": "bind.stage_layers", "make_stage_layers": "bind.stage_layers",
 }
 
 __all__ = [
@@ -69,22 +69,22 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
-    from .checkpoint import CheckpointIndex, TensorEntry, open_checkpoint, parse_header
+    from .planning.checkpoint import CheckpointIndex, TensorEntry, open_checkpoint, parse_header
     from .errors import (CheckpointError, ConfigError, NotReadyError, PlanError,
                          PPLoaderError, RankFailure, ReadError, TopologyError)
     from .families.fused import FusedTarget
-    from .layerwise import LayerOrderWarning, LayerTracker, LayerwiseReport, load_layerwise
-    from .partition import StageWindow, balanced_windows, even_windows, explicit_windows
-    from .place import BindResult, NameMap, load_stage_into
-    from .plan import RankPlan, ReadItem, make_windows, plan_all, plan_mtp, plan_rank
-    from .postprocess import bind_derived, ensure_ready, is_ready, run_post_processing
-    from .read import Reader, ReadStats, is_borrowed, owned
-    from .reload import ReloadResult, reload_from_disk
-    from .spec import ModelSpec, load_spec, spec_from_config
+    from .bind.layerwise import LayerOrderWarning, LayerTracker, LayerwiseReport, load_layerwise
+    from .planning.partition import StageWindow, balanced_windows, even_windows, explicit_windows
+    from .bind.place import BindResult, NameMap, load_stage_into
+    from .planning.plan import RankPlan, ReadItem, make_windows, plan_all, plan_mtp, plan_rank
+    from .bind.postprocess import bind_derived, ensure_ready, is_ready, run_post_processing
+    from .io.read import Reader, ReadStats, is_borrowed, owned
+    from .bind.reload import ReloadResult, reload_from_disk
+    from .planning.spec import ModelSpec, load_spec, spec_from_config
     from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights,
                         load_stage, plan_stage)
-    from .topology import Topology
-    from .partition import (EngineSplit, check_engine_window, engine_layer_counts,
-                            engine_windows, get_pp_indices)
-    from .names import NameRule
-    from .stage_layers import MissingLayer, is_placeholder, make_stage_layers
+    from .planning.topology import Topology
+    from .planning.partition import (EngineSplit, check_engine_window, engine_layer_counts,
+                                     engine_windows, get_pp_indices)
+    from .bind.names import NameRule
+    from .bind.stage_layers import MissingLayer, is_placeholder, make_stage_layers

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, NoReturn, Optional, Sequence
 
 from .errors import ConfigError, PlanError, PPLoaderError, RankFailure, UsageError
-from .partition import ENGINE_PARTITION_ENV, ENGINES, EngineSplit, parse_partition
+from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, EngineSplit, parse_partition
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .comm import Comm
+    from .dist.comm import Comm
     from .stage import StagePlan
+    from .testing.faults import Fault
 
 __all__ = ["main", "build_parser"]
 
@@ -250,7 +251,7 @@ def _device_name(text: str) -> str:
 
 def _auto_memory(device: object) -> int:
     from .errors import PlanError
-    from .pools import device_memory
+    from .cache.pools import device_memory
     if device is None:
         raise PlanError("--device-memory auto applies to `pploader load` (pools on a GPU); "
                         "give bytes here, e.g. --device-memory 80G")
@@ -262,10 +263,10 @@ def _load_partition(args: argparse.Namespace, pp: int, device: object) -> object
     counts here so that load places exactly the windows `pploader plan` printed."""
     if args.partition != "balanced" or (args.tokens is None and args.requests is None):
         return _engine_partition(args.partition)
-    from .checkpoint import open_checkpoint
-    from .plan import make_windows
-    from .pools import cache_costs
-    from .spec import load_spec
+    from .planning.checkpoint import open_checkpoint
+    from .planning.plan import make_windows
+    from .cache.pools import cache_costs
+    from .planning.spec import load_spec
     roots = args.allow_root
     spec = load_spec(args.model, allowed_roots=roots)
     index = open_checkpoint(args.model, allowed_roots=roots)
@@ -274,8 +275,8 @@ def _load_partition(args: argparse.Namespace, pp: int, device: object) -> object
 
 
 def _pool_options(args: argparse.Namespace, device: object = None) -> object:
-    from .geometry import CacheDtypes, parse_dtype
-    from .pools import PoolOptions
+    from .cache.geometry import CacheDtypes, parse_dtype
+    from .cache.pools import PoolOptions
     mem = args.device_memory
     return PoolOptions(
         tokens=args.tokens, requests=args.requests, budget_bytes=args.cache_budget,
@@ -287,12 +288,14 @@ def _pool_options(args: argparse.Namespace, device: object = None) -> object:
 
 
 def _pipeline_pools(reports: Sequence[dict]) -> Optional[dict]:
-    from .pools import pipeline_capacity
+    from .cache.pools import pipeline_capacity
     caps = [r["pools"]["capacity"] for r in reports if r.get("pools")]
     return pipeline_capacity(caps) if caps else None
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(bench: bool = True) -> argparse.ArgumentParser:
+    """The parser; ``bench=False`` lists ``bench`` without importing the benchmark
+    package (main() passes it for every other command)."""
     parser = _Parser(
         prog="pploader", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Pipeline-parallel checkpoint loader: each rank reads only its stage.",
@@ -383,8 +386,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="required: you trust these pickle files")
     p.add_argument("--shard-bytes", type=_size, default=4 << 30, help="target shard size")
 
-    from .bench import add_bench_parser
-    add_bench_parser(sub)
+    if bench:  # the benchmark package, imported only for `pploader bench`
+        from .bench.command import add_bench_parser
+        add_bench_parser(sub)
+    else:  # the same entry in `pploader --help`
+        sub.add_parser("bench",
+                       help="benchmark pploader against read-all-then-filter and raw preadv")
     return parser
 
 
@@ -412,12 +419,12 @@ def _quiet_torch_logs() -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .checkpoint import open_checkpoint
-    from .dtypes import dtype_casts
-    from .plan import plan_all
-    from .pools import cache_costs, format_pools, plan_pools
+    from .planning.checkpoint import open_checkpoint
+    from .planning.dtypes import dtype_casts
+    from .planning.plan import plan_all
+    from .cache.pools import cache_costs, format_pools, plan_pools
     from .report import plan_table
-    from .spec import load_spec
+    from .planning.spec import load_spec
 
     spec = load_spec(args.model, allowed_roots=args.allow_root)
     index = open_checkpoint(args.model, allowed_roots=args.allow_root)
@@ -447,7 +454,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
               f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
         print(plan_table(summaries))
         if args.tp > 1:
-            from .redistribute import methods_table
+            from .planning.redistribute import methods_table
             print("\nTP slice reads per rank (tensors / bytes read; redistribute: row shares "
                   "+ all-to-all when loaded with a Comm):")
             print(methods_table(summaries))
@@ -485,7 +492,7 @@ def _check_backend(backend: Optional[str]) -> None:
 
 def cmd_files(args: argparse.Namespace) -> int:
     """``pploader files``: which shards each node needs (docs/launch.md, stage-only files)."""
-    from .files import format_node_files, node_files
+    from .planning.files import format_node_files, node_files
     found, layers = node_files(args.model, args.pp, args.tp, args.ep,
                                partition=_engine_partition(args.partition),  # type: ignore[arg-type]
                                ranks_per_node=args.ranks_per_node, nodes=args.nodes,
@@ -497,19 +504,36 @@ def cmd_files(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fault_from_env() -> Optional["Fault"]:
+    """The test-only fault (``PPLOADER_FAULT``, docs/launch.md); unset, ``pploader.testing``
+    is never imported."""
+    if not os.environ.get("PPLOADER_FAULT"):
+        return None
+    from .testing.faults import fault_from_env
+    return fault_from_env()
+
+
+def _with_fault(fault: Optional["Fault"], rank: int,
+                on_progress: Callable[[int], None]) -> Callable[[int], None]:
+    """``on_progress``, wrapped by the fault injector only when a test set a fault."""
+    if fault is None:
+        return on_progress
+    from .testing.faults import with_fault
+    return with_fault(fault, rank, on_progress)
+
+
 def cmd_load(args: argparse.Namespace) -> int:
     """``pploader load`` on every rank: plan, agree, load, agree, report (docs/launch.md).
 
     Any rank failing, hanging or dying makes every rank print the combined error and exit 1;
     when every failing rank found a mistake in the input while planning, each exits 2.
     """
-    from .bootstrap import init_distributed
-    from .comm import Comm
-    from .faults import fault_from_env, with_fault
-    from .topology import Topology
+    from .dist.bootstrap import init_distributed
+    from .dist.comm import Comm
+    from .planning.topology import Topology
     import torch.distributed as dist
 
-    fault = fault_from_env()  # test-only hook, None unless PPLOADER_FAULT is set
+    fault = _fault_from_env()  # test-only hook, None unless PPLOADER_FAULT is set
     _check_backend(args.backend)
     try:
         launch = init_distributed(backend=args.backend, timeout_s=args.timeout)
@@ -520,7 +544,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
     comm = Comm(topo, timeout_s=args.timeout)
     try:
-        reports = _load_agreed(args, comm, with_fault(fault, topo.rank, comm.progress_adder()))
+        reports = _load_agreed(args, comm, _with_fault(fault, topo.rank, comm.progress_adder()))
     except RankFailure as exc:
         if exc.input_only:  # every failing rank found a mistake in the input while planning
             first = exc.first().removeprefix(f"rank {topo.rank}: ")  # own rank: in the prefix
@@ -541,7 +565,7 @@ def cmd_load(args: argparse.Namespace) -> int:
             from .report import format_table
             print(format_table(reports))
             if not args.no_pools:
-                from .pools import format_pools
+                from .cache.pools import format_pools
                 print("\ncache pools (per rank; its own layers only):")
                 print(format_pools(reports))
         sys.stdout.flush()
@@ -557,7 +581,7 @@ class _StartFailure(Exception):
 def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], None]
                  ) -> list[dict]:
     """Plan, agree, load, agree (called on all ranks); every rank's report, in rank order."""
-    from .pools import pool_device
+    from .cache.pools import pool_device
     from .report import ProgressBar
     from .stage import load_stage, plan_stage
 
@@ -606,7 +630,7 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
                           str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
             report = result.report.to_json()
             if not args.no_pools:  # this stage's cache pools, after its weights (docs/pools.md)
-                from .pools import build_rank_pools
+                from .cache.pools import build_rank_pools
                 report["pools"] = build_rank_pools(staged.spec, staged.plan, _pool_options(
                     args, pools_on), device=pools_on).report()  # type: ignore[arg-type]
         except Exception as exc:  # noqa: BLE001 - agreed on below
@@ -650,12 +674,18 @@ def _make_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def _is_bench(argv: Optional[Sequence[str]]) -> bool:
+    """Whether the command is ``bench`` (global options only print and exit)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    return words[:1] == ["bench"]
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``pploader`` command; returns the exit code (see the module docstring)."""
     rank = _env_rank()
     prefix = f"[rank {rank}] " if rank else ""
     _quiet_torch_logs()
-    args = build_parser().parse_args(argv)
+    args = build_parser(bench=_is_bench(argv)).parse_args(argv)
     try:
         _setup_logging(int(rank) if rank and rank.isdigit() else None)
         if args.command == "plan":
@@ -673,7 +703,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             print(f"wrote {len(files)} safetensors shard(s) to {args.dst}")
             return 0
         if args.command == "bench":
-            from .bench import run_bench
+            from .bench.command import run_bench
             return run_bench(args)
     except RankFailure as exc:
         sys.stderr.write(f"{prefix}pploader: load failed on the job: {exc}\n")

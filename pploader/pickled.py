@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .checkpoint import _allowed_roots, _read_index, _resolve
+from .planning.checkpoint import _allowed_roots, _read_index, _resolve
 from .errors import CheckpointError
 
 __all__ = ["PICKLE_SUFFIXES", "PICKLE_INDEX", "pickled_files", "load_pickled",

@@ -14,23 +14,22 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Se
 
 import torch
 
-from .checkpoint import DTYPES, CheckpointIndex, open_checkpoint
-from .dtypes import cast_stream, dtype_casts
+from .planning.checkpoint import DTYPES, CheckpointIndex, open_checkpoint
+from .planning.dtypes import cast_stream, dtype_casts
 from .errors import PPLoaderError
-from .plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, checkpoint_roles,
-                   make_windows, plan_mtp,
-                   plan_rank)
-from .read import Reader, ReadStats
-from .share import share_reads
-from .shard import DEFAULT_RANGE_COST_BYTES
+from .planning.plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, checkpoint_roles,
+                            make_windows, plan_mtp, plan_rank)
+from .io.read import Reader, ReadStats
+from .planning.share import share_reads
+from .planning.shard import DEFAULT_RANGE_COST_BYTES
 from .report import RankReport, current_rss_bytes, peak_rss_bytes, reset_peak_rss
-from .spec import ModelSpec, load_spec
-from .topology import Topology
+from .planning.spec import ModelSpec, load_spec
+from .planning.topology import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .comm import Comm
-    from .device import DeviceLoader, PinnedRing
-    from .exchange import ExchangeReader, NodeReadOnceReader
+    from .dist.comm import Comm
+    from .io.device import DeviceLoader, PinnedRing
+    from .io.exchange import ExchangeReader, NodeReadOnceReader
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +44,7 @@ class StagePlan:
     spec: ModelSpec
     index: CheckpointIndex
     plan: RankPlan
-    casts: Mapping[str, torch.dtype] = field(default_factory=dict)  # see dtypes.py
+    casts: Mapping[str, torch.dtype] = field(default_factory=dict)  # see planning/dtypes.py
 
 
 def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
@@ -61,7 +60,7 @@ def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
     bytes of transfer; strided (dim-1) TP slices are read row by row when that is cheaper
     than reading the covering box (0 = always row by row, i.e. exactly the ideal bytes).
     ``exchange_cost`` (None = off): per tensor, strided slices may instead be read as row
-    shares and redistributed over the TP group when loaded with a Comm (redistribute.py)."""
+    shares and redistributed over the TP group when loaded with a Comm (planning/redistribute.py)."""
     try:
         spec = load_spec(model_dir, allowed_roots=allowed_roots)
         index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
@@ -99,7 +98,7 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
     ``load_weights(weights)`` unchanged. ``read_once`` (needs ``comm``; every rank of the stage
     must iterate) reads replicated tensors once per group and broadcasts them, see
     :class:`ReadOnceReader`. With ``comm`` (every rank of each TP group must iterate), strided
-    TP slices planned for redistribution are read as row shares and exchanged (exchange.py);
+    TP slices planned for redistribution are read as row shares and exchanged (io/exchange.py);
     without one they are read directly.
     """
     if isinstance(model, StagePlan):
@@ -114,7 +113,7 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
         staged = plan_stage(model, topology, partition=partition,
                             range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost)
     if comm is not None and not read_once and staged.plan.redistribute is not None:
-        from .exchange import ExchangeReader
+        from .io.exchange import ExchangeReader
         stream: Iterator = iter(ExchangeReader(staged.plan, comm, window_bytes=window_bytes,
                                                threads=threads, mode=mode, cancel=cancel,
                                                on_progress=on_progress))
@@ -144,7 +143,7 @@ def iter_mtp_weights(model_dir: os.PathLike | str, mtp_layer: int, *,
 class ReadOnceReader:
     """Read once for replicas: items that several ranks of the stage plan identically
     (replicated tensors; with EP > 1 every non-expert slice) are read from storage by one rank
-    of their group and broadcast through ``comm`` (share.py decides who reads what).
+    of their group and broadcast through ``comm`` (planning/share.py decides who reads what).
 
     Yields ``(target, tensor)`` like a Reader: the shared items first, in the global broadcast
     order, then this rank's own items. Every rank of the stage must iterate it to the end.
@@ -179,7 +178,7 @@ class ReadOnceReader:
     def _device_loads(self) -> tuple[Iterator[tuple[str, torch.Tensor]],
                                      Iterator[tuple[str, torch.Tensor]]]:
         """On CUDA: this rank's shared reads and own items, each loaded by a DeviceLoader."""
-        from .device import DeviceLoader, PinnedRing
+        from .io.device import DeviceLoader, PinnedRing
         ring = self.ring = self.ring or PinnedRing()
         loaders = [DeviceLoader(p, self.device, ring=ring, cancel=self.cancel,
                                 on_progress=self._on_progress)
@@ -245,7 +244,7 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
 
     ``redistribute`` (default: whenever ``comm`` is given and the plan chose it for some
     tensor; every rank of each TP group must call it): strided TP slices are read as row
-    shares and exchanged with all-to-alls over the TP group (exchange.py): gloo on CPU,
+    shares and exchanged with all-to-alls over the TP group (io/exchange.py): gloo on CPU,
     NCCL on CUDA. Without a Comm, or with ``redistribute=False``, they are read directly.
 
     ``node_ranks`` (needs ``comm``; CPU; every rank of the node calls it): read once per node:
@@ -271,13 +270,13 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     exchange = (redistribute is not False and comm is not None and not read_once
                 and node_ranks is None and plan.redistribute is not None)
     if node_ranks is not None:
-        from .exchange import NodeReadOnceReader
+        from .io.exchange import NodeReadOnceReader
         reader = NodeReadOnceReader(staged, comm, node_ranks,  # type: ignore[arg-type]
                                     partition=partition, window_bytes=window_bytes,
                                     threads=threads or 1, cancel=cancel, on_progress=on_progress)
         state = dict(reader)
     elif exchange:
-        from .exchange import ExchangeReader
+        from .io.exchange import ExchangeReader
         cuda = torch.device(device).type == "cuda"
         reader = ExchangeReader(plan, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
                                 threads=threads or (16 if cuda else 1), cancel=cancel,
@@ -292,7 +291,7 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                                 memory_budget_bytes=memory_budget_bytes)
         state = dict(reader)
     elif torch.device(device).type == "cuda":
-        from .device import DEFAULT_DEVICE_THREADS, DeviceLoader, PinnedRing
+        from .io.device import DEFAULT_DEVICE_THREADS, DeviceLoader, PinnedRing
         ring = ring or PinnedRing(threads or DEFAULT_DEVICE_THREADS)
         reader = DeviceLoader(plan, device, ring=ring, cancel=cancel, on_progress=on_progress)
         state = reader.load()
@@ -300,7 +299,7 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
         reader = Reader(plan, window_bytes=window_bytes, threads=threads or 1, cancel=cancel,
                         on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
         state = dict(reader)
-    state = dict(cast_stream(state.items(), staged.casts))  # dtype policy (dtypes.py)
+    state = dict(cast_stream(state.items(), staged.casts))  # dtype policy (planning/dtypes.py)
     t = plan.topology
     report = RankReport(
         rank=t.rank, pp_rank=t.pp_rank, tp_rank=t.tp_rank, ep_rank=t.ep_rank,

@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 from .errors import ConfigError
-from .spec import ModelSpec, spec_from_config
+from .planning.spec import ModelSpec, spec_from_config
 
 __all__ = ["make_tiny", "write_checkpoint", "model_order", "TINY_CONFIGS", "tiny_families",
            "resolve_tiny_config"]

@@ -8,10 +8,10 @@ import json, subprocess, sys, os
 CODE = r'''
 import time, sys, json
 w0 = time.perf_counter(); c0 = time.process_time()
-from pploader.checkpoint import open_checkpoint
-from pploader.plan import make_windows, plan_rank, plan_all
-from pploader.spec import load_spec
-from pploader.topology import Topology
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import make_windows, plan_rank, plan_all
+from pploader.planning.spec import load_spec
+from pploader.planning.topology import Topology
 P, layout, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 pp, tp, ep = (int(x) for x in layout.split("x"))
 w1 = time.perf_counter(); c1 = time.process_time()

@@ -16,8 +16,8 @@ from pploader.families.base import Family, Layout, ShardRule
 from pploader.families.common import (attention_rules, attention_tensors, globals_tensors,
                                       llama_globals, mlp_tensors, vocab_rules)
 from pploader.families.fused import QKV, expert_fusions
-from pploader.partition import StageWindow, even_windows
-from pploader.spec import spec_from_config
+from pploader.planning.partition import StageWindow, even_windows
+from pploader.planning.spec import spec_from_config
 from pploader.tiny import write_checkpoint
 
 

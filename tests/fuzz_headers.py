@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from pploader.checkpoint import DTYPES, ShardHeader, parse_header
+from pploader.planning.checkpoint import DTYPES, ShardHeader, parse_header
 from pploader.errors import CheckpointError
 
 __all__ = ["FuzzResult", "run_fuzz", "make_case", "check_accepted", "main"]

@@ -164,7 +164,7 @@ def _forward(arch: str, path: Path) -> str:
     same checkpoint (the reference: the same load path, incl. its buffer initialisation)."""
     import transformers
     from pploader.integrations.hf import build_stage
-    from pploader.topology import Topology
+    from pploader.planning.topology import Topology
     ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(0))
     try:
         ref = getattr(transformers, arch).from_pretrained(path, dtype=torch.float32).eval()

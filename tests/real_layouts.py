@@ -3,7 +3,7 @@
 ``build_layout("deepseek-v3", root)`` writes ``root/deepseek-v3/`` with the config.json of the
 real model (``tests/data/real_configs/*.json``), a ``model.safetensors.index.json`` and ~5 GB
 shards whose headers are real (names, shapes, dtypes and offsets of every tensor, from the
-family's hand-written ``template(spec)`` plus the quantization companions of quant.py) and
+family's hand-written ``template(spec)`` plus the quantization companions of planning/quant.py) and
 whose data regions are holes (``truncate``): a 671B checkpoint costs a few MB of disk.
 
 Quantized layouts (DeepSeek-V3 FP8 with 128x128 ``weight_scale_inv`` blocks) quantize what the
@@ -28,9 +28,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from pploader.checkpoint import DTYPES, dtype_code  # noqa: E402
-from pploader.quant import expand_template, quant_scheme  # noqa: E402
-from pploader.spec import ModelSpec, spec_from_config  # noqa: E402
+from pploader.planning.checkpoint import DTYPES, dtype_code  # noqa: E402
+from pploader.planning.quant import expand_template, quant_scheme  # noqa: E402
+from pploader.planning.spec import ModelSpec, spec_from_config  # noqa: E402
 from pploader.tiny import model_order  # noqa: E402
 
 CONFIGS = Path(__file__).resolve().parent / "data" / "real_configs"
@@ -129,10 +129,10 @@ def _main(argv: list[str]) -> int:
     import platform
     import time
 
-    from pploader.checkpoint import open_checkpoint
-    from pploader.plan import make_windows, plan_all, plan_rank
-    from pploader.spec import load_spec
-    from pploader.topology import Topology
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.plan import make_windows, plan_all, plan_rank
+    from pploader.planning.spec import load_spec
+    from pploader.planning.topology import Topology
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("models", nargs="*", default=["deepseek-v3"])

@@ -27,8 +27,8 @@ from helpers import make_model, pploader_cmd, reference_tensors, run, run_ranks,
     torchrun_cmd
 from pploader import (CheckpointError, ConfigError, PlanError, RankFailure, ReadError, Reader,
                       Topology, load_stage, open_checkpoint, parse_header, plan_stage)
-from pploader.checkpoint import INDEX_NAME
-from pploader.dtypes import DTYPE_POLICY, dtype_action
+from pploader.planning.checkpoint import INDEX_NAME
+from pploader.planning.dtypes import DTYPE_POLICY, dtype_action
 from pploader.errors import MemoryBudgetError
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ def _job(rank: int, world: int, scenarios: list[tuple[str, str, Optional[int]]])
     """Each scenario on every rank: plan, agree, load (budget on the last rank), agree.
 
     Returns per scenario (outcome, message, seconds from start to the raise)."""
-    from pploader.comm import Comm
+    from pploader.dist.comm import Comm
     out = []
     for key, model_dir, budget in scenarios:
         topo = Topology.for_world(world, rank, pp=world)
@@ -266,7 +266,7 @@ def test_row03_bytes_after_data_region(model: Path) -> None:
 
 def test_row04_huge_header_and_absurd_tensor_count(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import pploader.checkpoint as ckpt
+    import pploader.planning.checkpoint as ckpt
     parsed: list[int] = []
     real_loads = ckpt._loads
     monkeypatch.setattr(ckpt, "_loads", lambda raw: parsed.append(1) or real_loads(raw))
@@ -417,13 +417,13 @@ def test_row11_required_tensor_missing(model: Path) -> None:
 
 
 def test_row11_missing_quantization_scale_is_not_exempt(tmp_path: Path) -> None:
-    quant = pytest.importorskip("pploader.quant")
+    quant = pytest.importorskip("pploader.planning.quant")
     cfg = tiny_config(quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                                            "activation_scheme": "dynamic",
                                            "weight_block_size": [16, 16]})
-    spec = pytest.importorskip("pploader.spec").spec_from_config(cfg)
+    spec = pytest.importorskip("pploader.planning.spec").spec_from_config(cfg)
     if not hasattr(quant, "expected_tensors"):
-        pytest.skip("pploader.quant has no expected_tensors")
+        pytest.skip("pploader.planning.quant has no expected_tensors")
     expected = quant.expected_tensors(spec)
     scheme = quant.quant_scheme(spec)
     quantized = {n[:-len("_scale_inv")] for n in expected if n.endswith("weight_scale_inv")}
@@ -633,7 +633,7 @@ def test_row21_memory_budget_is_a_structured_oom(tiny_llama: Path,
     args = build_parser().parse_args(["load", "--model", "m", "--memory-budget", "512M"])
     assert args.memory_budget == 512 << 20
     # a real allocator failure becomes the same structured error
-    import pploader.read as read_mod
+    import pploader.io.read as read_mod
 
     def failing_empty(*a: Any, **k: Any) -> torch.Tensor:
         raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate "

@@ -10,11 +10,11 @@ import pytest
 import torch
 from helpers import pploader_cmd, reference_tensors, run
 
-from pploader.bench_data import llama_shape, write_synthetic, write_wide
-from pploader.bench_methods import evict, make_resident, resident_bytes
-from pploader.checkpoint import open_checkpoint
-from pploader.plan import plan_all
-from pploader.spec import load_spec
+from pploader.bench.data import llama_shape, write_synthetic, write_wide
+from pploader.bench.methods import evict, make_resident, resident_bytes
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec
 
 
 @pytest.mark.parametrize("size,layers", [(20e6, 4), (4.3e9, 32), (1e9, 16)])

@@ -10,8 +10,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pploader.bench_cuda import disk_patterns, stage_ctx, write_checkpoint
-from pploader.bench_gpu_methods import verify
+from pploader.bench.cuda import disk_patterns, stage_ctx, write_checkpoint
+from pploader.bench.gpu_methods import verify
 
 pytestmark = pytest.mark.slow  # writes a 60 MB checkpoint (and syncs it)
 

@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from pploader import CheckpointError, open_checkpoint, parse_header
-from pploader.checkpoint import DTYPES
+from pploader.planning.checkpoint import DTYPES
 
 DTYPE_LIST = [dt for dt, _ in DTYPES.values()]
 

@@ -328,9 +328,9 @@ def test_f32_tensor_in_bf16_checkpoint_is_named_in_a_warning(
     code, _, err = _run_main(["plan", "--model", str(model), "--pp", "2"], {}, monkeypatch,
                              capsys)
     assert code == 0, err
-    assert "WARNING pploader.dtypes: rank 1: 1 tensor(s) stored as F32 in a BF16 model" in err
+    assert "WARNING pploader.planning.dtypes: rank 1: 1 tensor(s) stored as F32 in a BF16 model" in err
     assert "model.norm.weight" in err
-    with caplog.at_level(logging.WARNING, logger="pploader.dtypes"):
+    with caplog.at_level(logging.WARNING, logger="pploader.planning.dtypes"):
         got = dict(iter_stage_weights(model, Topology(2, rank=1)))
     assert got["model.norm.weight"].dtype.is_floating_point
     assert got["model.norm.weight"].element_size() == 4
@@ -343,7 +343,7 @@ def test_pploader_log_info_logs_the_plan(variants: dict[str, Path],
     code, _, err = _run_main(["plan", "--model", str(variants["ok"]), "--pp", "2"],
                              {"PPLOADER_LOG": "info"}, monkeypatch, capsys)
     assert code == 0
-    assert "INFO pploader.plan: planned 2 rank(s) (pp 2 x ep 1 x tp 1, even)" in err
+    assert "INFO pploader.planning.plan: planned 2 rank(s) (pp 2 x ep 1 x tp 1, even)" in err
     code, _, err = _run_main(["plan", "--model", str(variants["ok"]), "--pp", "2"],
                              {"PPLOADER_LOG": "WARNING"}, monkeypatch, capsys)
     assert code == 0 and err == ""
@@ -364,9 +364,9 @@ def test_help_does_not_import_torch() -> None:
 
 def test_window_default_literal_matches_the_reader() -> None:
     from pploader import cli
-    from pploader.read import DEFAULT_WINDOW_BYTES
+    from pploader.io.read import DEFAULT_WINDOW_BYTES
     assert cli._DEFAULT_WINDOW_MIB << 20 == DEFAULT_WINDOW_BYTES
-    from pploader.plan import DEFAULT_EXCHANGE_COST
+    from pploader.planning.plan import DEFAULT_EXCHANGE_COST
     assert cli._DEFAULT_EXCHANGE_COST == DEFAULT_EXCHANGE_COST
 
 

@@ -15,8 +15,8 @@ from pploader import (EngineSplit, MissingLayer, NameMap, NameRule, PlanError, T
                       iter_stage_weights, load_stage_into, make_stage_layers, plan_stage,
                       reload_from_disk)
 from pploader.cli import main as cli_main
-from pploader.plan import make_windows
-from pploader.spec import spec_from_config
+from pploader.planning.plan import make_windows
+from pploader.planning.spec import spec_from_config
 
 from engine_models import (HAND_NAMES, HandStage, SGLangStyleLlama, run_pipeline)
 from helpers import make_model, reference_tensors, run, tiny_config, torchrun_cmd

@@ -1,7 +1,7 @@
 """Fail together (issue 8 rows 18-20): a rank that raises, hangs or is SIGKILLed mid-load makes
 every rank exit non-zero, in bounded time, naming the culprit, with no process left behind.
 
-Faults come from the test-only hook PPLOADER_FAULT (pploader/faults.py), which prints the
+Faults come from the test-only hook PPLOADER_FAULT (pploader/testing/faults.py), which prints the
 wall-clock time it fires; bounds are measured from there. Under torchrun the agent hosts the
 store and kills the remaining workers once one exits; under a per-rank launch (Slurm-style
 environment, rank 0 hosts the store, nobody kills anyone) pploader alone must get every
@@ -197,9 +197,9 @@ def test_rows19_20_per_rank_launch(tiny_llama: Path, tmp_path: Path, fault: str,
 def _late_and_slow(rank: int, world: int) -> dict:
     """Rank 0 agrees at once; rank 1 is slow but progressing; rank 2 is silent for longer than
     the timeout and only then agrees. All must reach the one verdict: rank 2 silent."""
-    from pploader.comm import Comm
+    from pploader.dist.comm import Comm
     from pploader.errors import RankFailure
-    from pploader.topology import Topology
+    from pploader.planning.topology import Topology
 
     began = time.monotonic()
     comm = Comm(Topology.for_world(world, rank), timeout_s=2.0)

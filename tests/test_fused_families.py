@@ -27,7 +27,7 @@ from bind_models import one_thread  # noqa: F401 - autouse fixture
 from bind_models import tp_cols, tp_rows
 from helpers import make_model, reference_tensors, tiny_config
 from pploader import Topology, load_stage_into, plan_stage
-from pploader.checkpoint import DTYPES
+from pploader.planning.checkpoint import DTYPES
 from pploader.families import find_family
 from pploader.families.fused import match_fused
 from pploader.tiny import write_checkpoint

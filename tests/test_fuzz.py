@@ -18,8 +18,8 @@ from safetensors import safe_open
 
 from fuzz_headers import check_accepted, run_fuzz
 from pploader import PPLoaderError, parse_header, plan_all, spec_from_config
-from pploader.checkpoint import (DTYPES, CheckpointIndex, FileIdentity, ShardHeader, TensorEntry,
-                                 _safe_relpath)
+from pploader.planning.checkpoint import (DTYPES, CheckpointIndex, FileIdentity, ShardHeader,
+                                          TensorEntry, _safe_relpath)
 from pploader.errors import CheckpointError
 
 _SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,

@@ -16,7 +16,7 @@ from test_families import CASES, VARIANTS, IDS, Checkpoints  # noqa: F401 - shar
 from test_families import checkpoints  # noqa: F401 - the session fixture
 from pploader import CheckpointIndex, load_spec, open_checkpoint, plan_all, spec_from_config
 from pploader.families import generic
-from pploader.spec import ModelSpec
+from pploader.planning.spec import ModelSpec
 
 
 def _generic_spec(path: Path) -> ModelSpec:

@@ -50,7 +50,7 @@ def _load_all(path: Path, pp: int, tp: int = 1) -> dict[int, dict[str, torch.Ten
 
 def _logits(path: Path, model: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     from pploader.integrations.hf import build_stage
-    from pploader.topology import Topology
+    from pploader.planning.topology import Topology
     stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
     ids = torch.arange(7).unsqueeze(0)
     with torch.no_grad():
@@ -157,7 +157,7 @@ def test_generic_refuses_ambiguous_tp_naming_the_tensor(tmp_path: Path) -> None:
 
 @pytest.mark.slow
 def test_generic_layer_kinds_and_pools(tmp_path: Path) -> None:
-    from pploader.geometry import layer_cache
+    from pploader.cache.geometry import layer_cache
     _save("gemma2", tmp_path, sliding_window=16)
     spec = load_spec(tmp_path)
     assert spec.family.name == "generic:gemma2"

@@ -11,8 +11,8 @@ from bind_models import MOE_CONFIG, MoEStage, TinyLM, make_moe, param_ptrs, plan
 from helpers import make_model, run_ranks, tiny_config
 from pploader import (RankFailure, Reader, Topology, load_stage, load_stage_into, plan_stage,
                       reload_from_disk)
-from pploader import write
-from pploader.comm import Comm
+from pploader.bind import write
+from pploader.dist.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -27,7 +27,7 @@ def _cpu(plan) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("pp,tp,rank", [(2, 1, 0), (2, 1, 1), (1, 2, 1), (2, 2, 2)])
 def test_device_loader_equals_cpu_reader(tiny_llama: Path, pp: int, tp: int, rank: int,
                                          direct_io) -> None:
-    from pploader.device import DeviceLoader, PinnedRing
+    from pploader.io.device import DeviceLoader, PinnedRing
     plan = plan_stage(tiny_llama, Topology(pp, tp, rank=rank)).plan
     ring = PinnedRing(threads=4, slot_bytes=1 << 16)  # small slots: many chunks per tensor
     out = DeviceLoader(plan, "cuda:0", ring=ring, direct_io=direct_io).load()
@@ -39,7 +39,7 @@ def test_device_loader_equals_cpu_reader(tiny_llama: Path, pp: int, tp: int, ran
 
 
 def test_device_loader_into_given_destinations_keeps_pointers(tiny_llama: Path) -> None:
-    from pploader.device import DeviceLoader
+    from pploader.io.device import DeviceLoader
     plan = plan_stage(tiny_llama, Topology(1)).plan
     ref = _cpu(plan)
     dest = {k: torch.zeros_like(v, device="cuda:0") for k, v in ref.items()}
@@ -57,7 +57,7 @@ def test_device_loader_ring_and_allocation_modes_equal_cpu(tiny_llama: Path, ove
     """Destinations allocated while the first reads run (or before), a THP or 4 KiB ring,
     slots page-locked on first use (or up front): the same bytes; every slot used is
     page-locked (registered), none left pageable; the ring unregisters on close()."""
-    from pploader.device import DeviceLoader, PinnedRing
+    from pploader.io.device import DeviceLoader, PinnedRing
     plan = plan_stage(tiny_llama, Topology(2, 2, rank=1)).plan
     ring = PinnedRing(threads=3, slot_bytes=1 << 16, lazy=lazy, huge_pages=huge_pages)
     loader = DeviceLoader(plan, "cuda:0", ring=ring)
@@ -78,7 +78,7 @@ def test_device_loader_ring_and_allocation_modes_equal_cpu(tiny_llama: Path, ove
 @pytest.mark.parametrize("overlap_alloc", [False, True])
 def test_device_loader_bad_destination_names_tensor_and_stops_readers(
         tiny_llama: Path, overlap_alloc: bool) -> None:
-    from pploader.device import DeviceLoader
+    from pploader.io.device import DeviceLoader
     from pploader.errors import ReadError
     plan = plan_stage(tiny_llama, Topology(1)).plan
     ref = _cpu(plan)
@@ -139,7 +139,7 @@ def tiny_hybrid_gpu(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_pools_allocated_on_device(tiny_hybrid_gpu: Path) -> None:
-    from pploader.pools import PoolOptions, build_rank_pools
+    from pploader.cache.pools import PoolOptions, build_rank_pools
     staged = plan_stage(tiny_hybrid_gpu, Topology(2, rank=1))
     pools = build_rank_pools(staged.spec, staged.plan, PoolOptions(budget_bytes=1 << 20),
                              device="cuda:0")
@@ -207,7 +207,7 @@ def test_nccl_pipeline_forward_matches_single_process(tmp_path: Path) -> None:
 
 @pytest.fixture
 def device_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Items written by write.py's DeviceLoader (pinned ring + async H2D), per load() call."""
+    """Items written by bind/write.py's DeviceLoader (pinned ring + async H2D), per load() call."""
     calls: list[int] = []
 
     class Spy(write.DeviceLoader):

@@ -36,7 +36,7 @@ def test_gpu_path_unchanged_since_last_gpu_run() -> None:
 
 def test_gpu_path_set_covers_the_device_code() -> None:
     files = last_run.gpu_path_sources()
-    for must in ("pploader/device.py", "pploader/write.py", "pploader/stage.py",
+    for must in ("pploader/io/device.py", "pploader/bind/write.py", "pploader/stage.py",
                  "tests/test_gpu.py"):
         assert must in files
     assert not any(Path(f).name.startswith("bench") for f in files)

@@ -24,7 +24,7 @@ import torch
 from safetensors import safe_open
 
 from helpers import free_port, torchrun_cmd
-from pploader.files import node_files
+from pploader.planning.files import node_files
 from test_launch import _job_json, assert_saved_equals_reference
 
 pytestmark = pytest.mark.slow

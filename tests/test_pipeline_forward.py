@@ -16,9 +16,9 @@ import torch
 
 from helpers import reference_tensors, run_ranks
 from pploader import Topology
-from pploader.comm import Comm
+from pploader.dist.comm import Comm
 from pploader.errors import PlanError
-from pploader.partition import even_windows
+from pploader.planning.partition import even_windows
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; installed in CI
 

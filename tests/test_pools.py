@@ -15,12 +15,12 @@ from helpers import CONFIGS, make_model, run, run_ranks, tiny_config, torchrun_c
 from pploader import ConfigError, PlanError, even_windows, spec_from_config
 from pploader.families import FAMILIES, Family
 from pploader.families.base import LAYER_KINDS, Layout
-from pploader.geometry import KIND_CACHES, CacheDtypes, layer_cache, model_cache
-from pploader.partition import StageWindow, balanced_windows
-from pploader.pools import (CachePools, PageAllocator, PoolError, SlotAllocator,
-                            layer_cache_bytes, pipeline_capacity, size_for_target, size_pools,
-                            stage_geometry, budget_from_memory)
-from pploader.spec import ModelSpec
+from pploader.cache.geometry import KIND_CACHES, CacheDtypes, layer_cache, model_cache
+from pploader.planning.partition import StageWindow, balanced_windows
+from pploader.cache.pools import (CachePools, PageAllocator, PoolError, SlotAllocator,
+                                  layer_cache_bytes, pipeline_capacity, size_for_target, size_pools,
+                                  stage_geometry, budget_from_memory)
+from pploader.planning.spec import ModelSpec
 
 BF16, F32 = 2, 4
 
@@ -407,7 +407,7 @@ def test_cache_aware_balanced_partition_beats_even(model: str, pp: int, tokens: 
     """Uneven layers: jamba (MoE every other layer with 4x the weights, attention every 8th
     layer: heavy KV at 16k tokens) and deepseek_v3 (3 dense layers, then MoE layers with 4x the
     weights). The cache at the target load (tokens, 64 requests) is added to the weights."""
-    from pploader.partition import stage_costs
+    from pploader.planning.partition import stage_costs
     spec = toy_spec(*(JAMBA32 if model == "jamba32" else MODELS[model]))
     n = spec.num_layers
     moe = [i % 2 == 1 for i in range(n)] if model == "jamba32" else [i >= 3 for i in range(n)]
@@ -445,7 +445,7 @@ def test_real_jamba_cache_aware_balance_beats_even_and_weights_only(pp: int) -> 
     """The real jamba family: 32 layers, MoE every other layer, attention at 4, 12, 20, 28.
     At 65536 tokens the attention layers' KV outweighs a MoE layer: only a partition that
     weighs cache bytes moves them apart."""
-    from pploader.partition import stage_costs
+    from pploader.planning.partition import stage_costs
     spec = spec_from_config({**JAMBA32[0], "architectures": ["JambaForCausalLM"],
                              "dtype": "bfloat16", "num_hidden_layers": 32, "num_experts": 16,
                              "intermediate_size": 224, "attn_layer_period": 8,
@@ -564,7 +564,7 @@ def test_plan_json_pools_cover_every_layer_once(tiny_hybrid: Path,
 def test_plan_balanced_with_cache_target_matches_make_windows(
         tiny_hybrid: Path, capsys: pytest.CaptureFixture) -> None:
     from pploader import load_spec, open_checkpoint
-    from pploader.plan import make_windows
+    from pploader.planning.plan import make_windows
     spec, index = load_spec(tiny_hybrid), open_checkpoint(tiny_hybrid)
     out = _plan_json(capsys, "--model", str(tiny_hybrid), "--pp", "3", "--partition",
                      "balanced", "--tokens", "100000", "--requests", "4")
@@ -582,8 +582,8 @@ def test_plan_balanced_with_cache_target_matches_make_windows(
 def _load_pools_rank(rank: int, world: int, model: str, pp: int, tp: int) -> dict:
     """One rank: load its stage, then build its pools and gather the pipeline-wide limits."""
     from pploader import Topology, load_stage, plan_stage
-    from pploader.comm import Comm
-    from pploader.pools import PoolOptions, build_rank_pools, gather_capacity
+    from pploader.dist.comm import Comm
+    from pploader.cache.pools import PoolOptions, build_rank_pools, gather_capacity
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=30)
     staged = plan_stage(model, topo)

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from helpers import reference_tensors, tiny_config
 from pploader import (ConfigError, PlanError, Reader, Topology, load_spec,
                       load_stage, open_checkpoint, plan_all, plan_stage, spec_from_config)
-from pploader.quant import expected_tensors, scheme_from_config
+from pploader.planning.quant import expected_tensors, scheme_from_config
 from pploader.tiny import write_checkpoint
 from test_tp import _bytes, llama_rule, ref_reassemble, ref_shard
 
@@ -306,8 +306,8 @@ def mapping_cases(draw: st.DrawFn) -> dict:
 @given(mapping_cases())
 def test_companion_slices_follow_the_weight(case: dict) -> None:
     from pploader.families.base import ShardRule
-    from pploader.quant import Companion, QuantScheme
-    from pploader.shard import Selection, tp_selection
+    from pploader.planning.quant import Companion, QuantScheme
+    from pploader.planning.shard import Selection, tp_selection
     logical, (bn, bk), tp = case["logical"], case["block"], case["tp"]
     comp = Companion("weight_scale", "F32", (bn, bk))
     scheme = QuantScheme("test", "F8_E4M3", (comp,))

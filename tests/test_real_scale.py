@@ -16,12 +16,12 @@ from typing import Iterator, Optional
 
 import pytest
 
-from pploader.checkpoint import CheckpointIndex, open_checkpoint
+from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
 from pploader.errors import CheckpointError
-from pploader.files import node_files
-from pploader.plan import RankPlan, checkpoint_roles, make_windows, plan_mtp, plan_rank
-from pploader.spec import ModelSpec, load_spec
-from pploader.topology import Topology
+from pploader.planning.files import node_files
+from pploader.planning.plan import RankPlan, checkpoint_roles, make_windows, plan_mtp, plan_rank
+from pploader.planning.spec import ModelSpec, load_spec
+from pploader.planning.topology import Topology
 from real_layouts import MODELS, build_layout
 
 _TIMES: dict[str, float] = {}
@@ -80,7 +80,7 @@ def _stage_of(name: str, spec: ModelSpec, pp: int) -> Optional[int]:
 
 
 def _bounds(layers: int, pp: int) -> list[tuple[int, int]]:
-    from pploader.partition import even_windows
+    from pploader.planning.partition import even_windows
     return [(w.start_layer, w.end_layer) for w in even_windows(layers, pp)]
 
 

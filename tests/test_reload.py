@@ -126,7 +126,7 @@ def test_reload_needs_a_loaded_model(ckpts: tuple[Path, Path]) -> None:
 
 def _two_rank_reload(rank: int, world: int, a: str, b: str, truncated: str,
                      reshaped: str) -> dict:
-    from pploader.comm import Comm
+    from pploader.dist.comm import Comm
     topo = Topology(2, rank=rank)
     comm = Comm(topo, timeout_s=30)
     staged = plan_stage(a, topo)

@@ -26,13 +26,13 @@ from safetensors.torch import save_file
 
 from helpers import make_model, reference_tensors, run_ranks, tiny_config
 from pploader import PlanError, Topology, load_spec, open_checkpoint, plan_all
-from pploader.checkpoint import FileIdentity, parse_header
+from pploader.planning.checkpoint import FileIdentity, parse_header
 from pploader.families.base import ShardRule
-from pploader.partition import StageWindow
-from pploader.plan import RankPlan, read_item
-from pploader.read import Reader
-from pploader.share import share_reads
-from pploader.shard import DEFAULT_RANGE_COST_BYTES, Selection, tp_selection
+from pploader.planning.partition import StageWindow
+from pploader.planning.plan import RankPlan, read_item
+from pploader.io.read import Reader
+from pploader.planning.share import share_reads
+from pploader.planning.shard import DEFAULT_RANGE_COST_BYTES, Selection, tp_selection
 
 TP_SIZES = (1, 2, 4)
 
@@ -49,7 +49,7 @@ def _one_plan(path: Path, items: list) -> RankPlan:
                     identities={path.name: FileIdentity.of(os.stat(path))}, header_bytes=0)
 
 
-# ---- reference slicing (independent of pploader.shard) ------------------------------------
+# ---- reference slicing (independent of pploader.planning.shard) ----------------------------------
 def ref_shard(full: torch.Tensor, dim: int, segments: tuple[int, ...],
               units: tuple[Optional[int], ...], tp: int, r: int, pad: bool) -> torch.Tensor:
     """What TP rank ``r`` holds: each segment split into ``units`` heads (None: rows), heads
@@ -273,7 +273,7 @@ def test_llama_tp_shards_bitwise_and_bytes(llama_tp: tuple[Path, dict], tp: int)
 
 def test_byte_exact_mode_reads_exactly_ideal(llama_tp: tuple[Path, dict]) -> None:
     """range_cost_bytes=0 turns every slice, dim-1 too, into byte runs: read == ideal."""
-    from pploader.plan import make_windows, plan_rank
+    from pploader.planning.plan import make_windows, plan_rank
     model, _ = llama_tp
     spec, index = load_spec(model), open_checkpoint(model)
     windows = make_windows(spec, index, 2)
@@ -336,7 +336,7 @@ def test_share_reads_needs_the_whole_stage(llama_tp: tuple[Path, dict]) -> None:
 # ---- a real gloo job: PP=2 x TP=2 ----------------------------------------------------------
 def _tp_rank(rank: int, world: int, model: str, pp: int = 2, tp: int = 2, ep: int = 1) -> dict:
     from pploader import load_stage, plan_stage
-    from pploader.comm import Comm
+    from pploader.dist.comm import Comm
     topo = Topology.for_world(world, rank, pp=pp, tp=tp, ep=ep)
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo)
@@ -379,7 +379,7 @@ def test_gloo_pp2_tp2_plain_and_read_once(llama_tp: tuple[Path, dict]) -> None:
 
 def test_compare_tp_reads_accounting(llama_tp: tuple[Path, dict]) -> None:
     """The benchmark function's bytes: pploader reads its plan, read-all reads everything."""
-    from pploader.tp_bench import compare_tp_reads
+    from pploader.bench.tp_reads import compare_tp_reads
     model, _ = llama_tp
     out = compare_tp_reads(model, pp=2, tp=2, cold=False)
     plans = plan_all(load_spec(model), open_checkpoint(model), pp=2, tp=2)

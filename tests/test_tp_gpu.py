@@ -10,7 +10,7 @@ import torch
 
 from helpers import make_model, run_ranks, tiny_config
 from pploader import Reader, Topology, load_stage, plan_stage
-from pploader.comm import Comm
+from pploader.dist.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

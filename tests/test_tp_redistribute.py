@@ -18,8 +18,8 @@ import torch
 
 from helpers import make_model, reference_tensors, run_ranks, tiny_config
 from pploader import PlanError, Topology, load_spec, open_checkpoint, plan_all
-from pploader.plan import make_windows, plan_rank
-from pploader.redistribute import piece_selection, read_methods, rows_in
+from pploader.planning.plan import make_windows, plan_rank
+from pploader.planning.redistribute import piece_selection, read_methods, rows_in
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -127,9 +127,9 @@ def c_rows(item) -> int:
 # ---- real gloo jobs ------------------------------------------------------------------------
 def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int,
                        batch_bytes: Optional[int]) -> dict:
-    import pploader.exchange  # noqa: F401 - imported before /proc/self/io is sampled
+    import pploader.io.exchange  # noqa: F401 - imported before /proc/self/io is sampled
     from pploader import iter_stage_weights, load_stage, plan_stage
-    from pploader.comm import Comm
+    from pploader.dist.comm import Comm
     from pploader.report import proc_io
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=60)
@@ -184,8 +184,8 @@ def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int
 def _failing_rank(rank: int, world: int, model: str) -> dict:
     import time
     from pploader import RankFailure, ReadError, load_stage, plan_stage
-    from pploader.comm import Comm
-    from pploader.read import Reader
+    from pploader.dist.comm import Comm
+    from pploader.io.read import Reader
     topo = Topology.for_world(world, rank, tp=world)
     comm = Comm(topo, timeout_s=30)
     staged = plan_stage(model, topo, exchange_cost=0.5, exchange_batch_bytes=4096)
@@ -252,7 +252,7 @@ class _ThreadComm:
 
 def _exchange_in_threads(plans: list) -> list[dict[str, torch.Tensor]]:
     from concurrent.futures import ThreadPoolExecutor
-    from pploader.exchange import ExchangeReader
+    from pploader.io.exchange import ExchangeReader
     group = _ThreadGroup(len(plans))
     readers = [ExchangeReader(p, _ThreadComm(group, p.topology)) for p in plans]  # type: ignore
     with ThreadPoolExecutor(len(plans)) as pool:
@@ -271,7 +271,7 @@ def test_exchange_equals_direct_reads_across_families(tmp_path: Path, family: st
                                                       ep: int) -> None:
     """Every TP group of every stage, exchanging everything strided (exchange_cost 0, tiny
     batches: row chunks and multi-tensor batches), yields bitwise the direct reads."""
-    from pploader.read import Reader
+    from pploader.io.read import Reader
     model = _quantized_llama(tmp_path) if family == "fp8-block" else \
         make_model(tmp_path / family, tiny_config(family))
     spec, index = load_spec(model), open_checkpoint(model)
@@ -328,7 +328,7 @@ def tied(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def test_share_node_reads_reads_the_union_once(tied: Path) -> None:
-    from pploader.share import share_node_reads
+    from pploader.planning.share import share_node_reads
     plans = plan_all(load_spec(tied), open_checkpoint(tied), pp=2, tp=2, exchange_cost=None)
     node = share_node_reads(plans)  # one node of 4 ranks: both stages
     keys = {}
@@ -349,8 +349,8 @@ def test_share_node_reads_reads_the_union_once(tied: Path) -> None:
 def _node_rank(rank: int, world: int, model: str, pp: int, tp: int, per_node: int,
                exchange_cost: Optional[float]) -> dict:
     from pploader import load_stage, plan_stage
-    from pploader.comm import Comm
-    from pploader.exchange import NodeReadOnceReader
+    from pploader.dist.comm import Comm
+    from pploader.io.exchange import NodeReadOnceReader
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo, exchange_cost=exchange_cost)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Un
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class Family:
     shard_rules: tuple[ShardRule, ...] = ()      # first full match on the component wins
     template: Optional[Template] = None
     text_config_key: Optional[str] = None        # VL configs nest the LM config here
-    fused_targets: tuple = ()                    # place.py: checkpoint pieces -> fused params
+    fused_targets: tuple = ()                    # bind/place.py: checkpoint pieces -> fused params
     formats: tuple[CheckpointFormat, ...] = ()   # other namings, detected from the checkpoint
     mtp_pattern: Optional[str] = None            # MTP tensors outside the layer numbering
     format: str = "original"                     # which naming this Family value describes

@@ -18,7 +18,7 @@ from ..errors import ConfigError
 from .base import ShardRule, cfg_opt
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["Shapes", "expert_tensors", "expert_rules", "Mamba2Dims", "mamba2_tensors",
            "mamba2_rules", "Mamba1Dims", "mamba1_dims", "mamba1_tensors", "mamba1_rules",

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Mapping
 from .base import GlobalRule, Layout, ShardRule, cfg
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["llama_globals", "attention_tensors", "mlp_tensors", "attention_rules",
            "mlp_rules", "vocab_rules", "uniform_layout", "globals_tensors"]

@@ -18,7 +18,7 @@ from .fused import GATE_UP, FusedTarget, expert_fusions, gate_up
 from .moe import FUSED_MARKER, STACKED_3D
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["DEEPSEEK_V3", "mla_tensors", "MLA_RULES", "FUSED_QKV_A"]
 

@@ -2,7 +2,7 @@
 
 A serving stack often keeps q/k/v in one ``qkv_proj``, gate/up in one ``gate_up_proj`` and all
 of a layer's experts in stacked ``w13`` / ``w2`` tensors, while checkpoints store the pieces
-separately. A family lists its fusions in ``Family.fused_targets``; ``pploader.place`` writes
+separately. A family lists its fusions in ``Family.fused_targets``; ``pploader.bind.place`` writes
 each piece straight into its slice of the fused destination (no concatenation buffer).
 
 Templates are layer-relative component names. ``{e}`` matches an expert id; any other

@@ -27,7 +27,7 @@ from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule
 from .hf_meta import MetaModel, Naming, derive
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
 

@@ -19,7 +19,7 @@ from .fused import QKV, stacked_renames
 from .moe import FUSED_MARKER
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["GRANITE_MOE_HYBRID"]
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from ..errors import PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["check_tp_heads", "ATTENTION_KINDS"]
 

@@ -13,7 +13,7 @@ from .common import (attention_rules, attention_tensors, globals_tensors, llama_
 from .fused import GATE_UP, QKV
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["FAMILY", "QWEN2", "QWEN3", "dense_template"]
 

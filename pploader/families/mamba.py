@@ -21,7 +21,7 @@ from .fused import QKV, expert_fusions, gate_up, stacked_renames
 from .moe import FUSED_MARKER
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["JAMBA", "BAMBA", "FALCON_H1", "final_layernorm_globals", "bamba_mamba2_dims"]
 

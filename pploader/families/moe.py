@@ -17,7 +17,7 @@ from .common import (attention_rules, attention_tensors, globals_tensors, llama_
 from .fused import GATE_UP, QKV, expert_fusions, stacked_renames
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "qwen_moe_layers", "qwen_experts"]
 

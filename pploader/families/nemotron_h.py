@@ -22,7 +22,7 @@ from .common import attention_rules, attention_tensors
 from .fused import expert_fusions, qkv, stacked_renames
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["NEMOTRON_H", "block_types"]
 

@@ -25,7 +25,7 @@ from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
 from .moe import FUSED_MARKER, STACKED_3D, qwen_experts, qwen_moe_layers
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..spec import ModelSpec
+    from ..planning.spec import ModelSpec
 
 __all__ = ["QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
            "vision_tensors", "GDN_FUSED"]

@@ -26,7 +26,7 @@ How a stage is built (all model knowledge comes from transformers itself):
   :class:`~pploader.errors.PlanError` naming the tensors.
 
 Position ids, masks and rotary tables are recomputed on every stage from ``input_ids``; only
-hidden states travel between stages, through :class:`~pploader.comm.Comm` ``send``/``recv``.
+hidden states travel between stages, through :class:`~pploader.dist.comm.Comm` ``send``/``recv``.
 """
 from __future__ import annotations
 
@@ -42,17 +42,17 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from ..checkpoint import open_checkpoint
+from ..planning.checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
 from ..families.hf_meta import forward_order
-from ..partition import StageWindow
-from ..plan import Partition, RankPlan, make_windows, plan_rank
-from ..read import Reader, ReadStats
-from ..spec import ModelSpec, load_spec
-from ..topology import Topology
+from ..planning.partition import StageWindow
+from ..planning.plan import Partition, RankPlan, make_windows, plan_rank
+from ..io.read import Reader, ReadStats
+from ..planning.spec import ModelSpec, load_spec
+from ..planning.topology import Topology
 
 if typing.TYPE_CHECKING:  # pragma: no cover
-    from ..comm import Comm
+    from ..dist.comm import Comm
 
 __all__ = ["PassThrough", "HFStage", "stage_skeleton", "load_stage_weights", "build_stage",
            "pipeline_forward"]

@@ -43,12 +43,12 @@ from vllm.model_executor.model_loader import (  # type: ignore[import-not-found,
 
 BaseModelLoader = _base_loader.BaseModelLoader
 
-from ..checkpoint import DTYPES
+from ..planning.checkpoint import DTYPES
 from ..errors import PlanError, PPLoaderError, RankFailure
-from ..plan import ReadItem
-from ..read import Reader
+from ..planning.plan import ReadItem
+from ..io.read import Reader
 from ..stage import StagePlan, plan_stage
-from ..topology import Topology
+from ..planning.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         self.download_model(model_config)
         topology = engine_topology()
         rchar0, start = _rchar(), time.perf_counter()
-        from ..spec import load_spec
+        from ..planning.spec import load_spec
         num_layers = load_spec(model_dir).num_layers
         partition = engine_partition(num_layers, topology.pp_size)
         staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model,
@@ -409,7 +409,7 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
     on the first failed worker and leaves the others' replies queued, which desynchronises the
     next collective_rpc.
     """
-    from ..comm import Comm
+    from ..dist.comm import Comm
     model = _model_of(worker)
     state: Optional[LoadState] = getattr(model, "_pploader_state", None)
     if state is None:

@@ -1,0 +1,1 @@
+"""Benchmarks: imported only by the ``pploader bench`` command, never by the core."""

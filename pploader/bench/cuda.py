@@ -1,0 +1,406 @@
+"""GPU benchmark: one PP=2 stage of a llama checkpoint onto one GPU, pploader next to the raw
+ceiling and other loaders, warm (page cache) and cold (evicted), in one run (issues 9, 17).
+
+Runs from a clone alone: the methods are in ``bench/gpu_methods.py`` (raw 16-thread preadv ->
+pinned ring -> H2D ceiling, safetensors read-all-then-filter, pploader's first load / reused
+ring / public API; fastsafetensors and instanttensor when importable). Each method runs in a
+fresh process whose CUDA context exists before the clock starts; everything else the method
+does (headers, planning, staging buffers, destination allocation) is timed. Outputs are
+checked against the file bytes. Cold = ``posix_fadvise(DONTNEED)`` (+ drop_caches when that
+is not enough), residency verified by ``mincore``.
+
+    python -m pploader.bench.cuda --ckdir /tmp/ck --out OUT [--budget S] [--methods a,b]
+    python -m pploader.bench.cuda --disk --ckdir /tmp/ck      # O_DIRECT request patterns
+    python -m pploader.bench.cuda --pp2 --ckdir /tmp/ck       # stages alone vs together
+    python -m pploader.bench.cuda --pp2-profile --ckdir /tmp/ck
+``pploader bench --device cuda -- ARGS`` calls this. ``--scale tiny`` makes a small checkpoint
+(for a quick check). GB = 10^9 bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from .pp2 import _pp2, _pp2_profile, _profile_child, _stage_child
+
+__all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
+
+GB = 1e9
+MIB = 1 << 20
+_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_thp", "pploader_first_overlap",
+             "pploader_first_thp_overlap", "pploader_reused", "instanttensor_buf",
+             "pploader_api"]
+WARM = _WARM_SET + ["pploader_hostalloc", "raw_preadv16_first", "fastsafetensors_buf",
+                    "st_readall"] + _WARM_SET + _WARM_SET
+COLD = ["raw_preadv16", "pploader_first", "fastsafetensors_odirect", "instanttensor_buf",
+        "instanttensor", "st_readall", "pploader_first", "raw_preadv16"]
+
+
+def _shapes(scale: str) -> tuple[Any, int]:
+    from .data import LlamaShape
+    if scale == "full":  # Llama-3-8B, 8 shards of <= 2.2 GB
+        return LlamaShape(4096, 14336, 128256, 32, 32, 8, 128), 2_200_000_000
+    return LlamaShape(256, 896, 8192, 32, 4, 1, 64), 4 * MIB
+
+
+def write_checkpoint(ckdir: str, scale: str) -> None:
+    """A llama checkpoint (bf16 random bytes, sharded by size, index + config) unless the
+    directory already holds the same one."""
+    from .data import _groups, _header, _ordered_template, _random_chunks, llama_config
+    import random
+    shape, shard_bytes = _shapes(scale)
+    out = Path(ckdir)
+    stamp = out / "gpubench.json"
+    want = {"scale": scale, "shape": list(shape.__dict__.values())}
+    if stamp.exists() and json.loads(stamp.read_text()) == want:
+        return
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.safetensors"):
+        old.unlink()
+    config = llama_config(shape)
+    groups = _groups(_ordered_template(config), shard_bytes)
+    rng = random.Random(1234)
+    pool = rng.randbytes(64 * MIB)
+    weight_map = {}
+    for i, group in enumerate(groups):
+        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        head, _ = _header((n, "BF16", s, math.prod(s) * 2) for n, s in group)
+        with open(out / name, "wb") as fh:
+            fh.write(head)
+            for tname, s in group:
+                for chunk in _random_chunks(math.prod(s) * 2, pool, rng):
+                    fh.write(chunk)
+                weight_map[tname] = name
+    os.sync()
+    (out / "config.json").write_text(json.dumps(config))
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    stamp.write_text(json.dumps(want))
+
+
+def stage_ctx(ckdir: str, device: str) -> Any:
+    """The PP=2 stage 0 that every method loads (names from pploader's plan, offsets from
+    the files' own headers)."""
+    from .. import Topology, plan_stage
+    from .gpu_methods import Ctx, _header
+    names = {i.name for i in plan_stage(ckdir, Topology(2, rank=0)).plan.items}
+    all_files = sorted(p.name for p in Path(ckdir).glob("*.safetensors"))
+    tensors = {}
+    for f in all_files:
+        base, head = _header(os.path.join(ckdir, f))
+        for k, v in head.items():
+            if k in names:
+                s, e = v["data_offsets"]
+                tensors[k] = (f, base + s, base + e, v["dtype"], v["shape"])
+    if set(tensors) != names:
+        raise SystemExit(f"plan names not found in the files: {sorted(names - set(tensors))[:3]}")
+    return Ctx(ckdir, device, tensors, sorted({t[0] for t in tensors.values()}), all_files,
+               sum(t[2] - t[1] for t in tensors.values()))
+
+
+def _rss_peak() -> Optional[int]:
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return None
+
+
+def _child(method: str, ckdir: str, device: str) -> None:
+    import torch
+    from .gpu_methods import METHODS, verify
+    row: dict[str, Any] = {"method": method}
+    try:
+        torch.empty(1, device=device)
+        torch.cuda.synchronize(device)
+        ctx = stage_ctx(ckdir, device)
+        fn, prep_fn = METHODS[method]
+        prep = prep_fn(ctx) if prep_fn else {}
+        row["rss_before"] = _rss_peak()
+        torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        out, info = fn(ctx, prep)
+        torch.cuda.synchronize(device)
+        row["seconds"] = time.perf_counter() - start
+        row["gbps"] = ctx.ideal_bytes / row["seconds"] / GB
+        row["ideal_bytes"] = ctx.ideal_bytes
+        row["rss_peak"] = _rss_peak()
+        row["gpu_peak"] = torch.cuda.max_memory_allocated(device)
+        row.update({k: v for k, v in info.items() if not k.startswith("_")})
+        row["verify"] = verify(ctx, out)
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        row["error"] = f"{type(exc).__name__}: {exc}"[:500]
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def _files(ckdir: str) -> list[str]:
+    return sorted(str(p) for p in Path(ckdir).glob("*.safetensors"))
+
+
+def _resident(paths: list[str]) -> float:
+    from ..io.pagecache import resident_bytes_of_ranges
+    r = t = 0
+    for p in paths:
+        a, b = resident_bytes_of_ranges(p, [(0, os.path.getsize(p))], sample_bytes=0, strict=True)
+        r, t = r + a, t + b
+    return r / t if t else 0.0
+
+
+def warm(paths: list[str]) -> float:
+    def read(p: str) -> None:
+        with open(p, "rb", buffering=0) as fh:
+            while fh.read(16 * MIB):
+                pass
+    ts = [threading.Thread(target=read, args=(p,)) for p in paths]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    return _resident(paths)
+
+
+def evict(paths: list[str]) -> float:
+    os.sync()
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    frac = _resident(paths)
+    if frac > 0.01:
+        try:
+            Path("/proc/sys/vm/drop_caches").write_text("1\n")
+        except OSError:
+            pass
+        frac = _resident(paths)
+    return frac
+
+
+def disk_patterns(paths: list[str], per_config_bytes: int = 1 << 30,
+                  request_mib: tuple[int, ...] = (4, 16, 64),
+                  threads: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
+    """O_DIRECT read rate per (request size, threads): each thread reads its own contiguous
+    region sequentially (one stream each). Every configuration reads different bytes of the
+    checkpoint (no cache on the way, the host's included)."""
+    import mmap
+    sizes = [os.path.getsize(p) for p in paths]
+    space = sum(sizes)
+
+    def locate(pos: int) -> tuple[str, int, int]:
+        for p, n in zip(paths, sizes):
+            if pos < n:
+                return p, pos, n - pos
+            pos -= n
+        raise ValueError(pos)
+
+    per_config_bytes = min(per_config_bytes, space // (len(request_mib) * len(threads)))
+    rows, base = [], 0
+    for req in request_mib:
+        for nthreads in threads:
+            region = max(4096, per_config_bytes // nthreads // 4096 * 4096)
+            if base + region * nthreads > space:
+                base = 0
+            done = [0] * nthreads
+
+            def worker(i: int, start: int) -> None:
+                buf = mmap.mmap(-1, req * MIB)
+                path, off, left = locate(start)
+                left += off % 4096          # file sizes are not page multiples
+                off -= off % 4096
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    end = off + min(region, left // 4096 * 4096)
+                    while off < end:
+                        n = os.preadv(fd, [memoryview(buf)[:min(req * MIB, end - off)]], off)
+                        if n <= 0:
+                            break
+                        off += n
+                        done[i] += n
+                finally:
+                    os.close(fd)
+                    buf.close()
+            ts = [threading.Thread(target=worker, args=(i, (base + i * region) // 4096 * 4096))
+                  for i in range(nthreads)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            sec = time.perf_counter() - t0
+            base += region * nthreads
+            rows.append({"request_mib": req, "threads": nthreads, "bytes": sum(done),
+                         "seconds": sec, "gbps": sum(done) / sec / GB})
+            print(f"[disk] O_DIRECT {req:3d} MiB x {nthreads:2d} threads: "
+                  f"{rows[-1]['gbps']:.2f} GB/s", flush=True)
+    return rows
+
+
+def _cudart_shim() -> dict[str, str]:
+    """fastsafetensors dlopens a plain ``libcudart.so``: point LD_LIBRARY_PATH at a folder
+    holding that name for the CUDA runtime that came with torch (none: leave it)."""
+    import glob
+    import torch
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    found = sorted(glob.glob(os.path.join(site, "nvidia", "*", "lib", "libcudart.so.*")) +
+                   glob.glob("/usr/local/cuda*/lib64/libcudart.so.*"))
+    if not found:
+        return {}
+    shim = "/tmp/pploader-cudart"
+    os.makedirs(shim, exist_ok=True)
+    if not os.path.exists(os.path.join(shim, "libcudart.so")):
+        os.symlink(found[0], os.path.join(shim, "libcudart.so"))
+    return {"LD_LIBRARY_PATH": shim + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
+
+
+def _run_child(method: str, args: argparse.Namespace, timeout: float) -> dict:
+    from .gpu_methods import METHOD_ENV
+    env = dict(os.environ, **METHOD_ENV.get(method, {}))
+    if method.startswith("fastsafetensors"):
+        env.update(_cudart_shim())
+    cmd = [sys.executable, "-m", "pploader.bench.cuda", "--child", method, "--ckdir", args.ckdir,
+           "--device", args.device]
+    try:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+        out, err = p.stdout, p.stderr
+    except subprocess.TimeoutExpired as exc:
+        out, err = str(exc.stdout or ""), f"timeout after {timeout:.0f}s"
+    lines = [x for x in out.splitlines() if x.startswith("RESULT ")]
+    return json.loads(lines[-1][7:]) if lines else {"method": method, "error": err[-400:]}
+
+
+def _available(method: str) -> bool:
+    from .gpu_methods import OPTIONAL
+    mod = next((m for k, m in OPTIONAL.items() if method.startswith(k)), None)
+    return mod is None or importlib.util.find_spec(mod) is not None
+
+
+def table(rows: list[dict]) -> str:
+    head = (f"{'method':24s} {'cache':5s} {'sec':>7s} {'GB/s':>7s} {'rssPk_GB':>8s} "
+            f"{'gpuPk_GB':>8s}  verify / profile")
+    lines = [head]
+    for r in rows:
+        prof = r.get("profile") or {}
+        extra = " ".join(f"{k.split('_s')[0]}={v:.3f}" for k, v in prof.items()) if prof else ""
+        if "plan_s" in r:
+            extra = f"plan={r['plan_s']:.3f} {extra}"
+        lines.append(f"{r['method']:24s} {r.get('cache', ''):5s} {r.get('seconds', 0):7.3f} "
+                     f"{r.get('gbps', 0):7.2f} {(r.get('rss_peak') or 0) / GB:8.2f} "
+                     f"{(r.get('gpu_peak') or 0) / GB:8.2f}  "
+                     f"{r.get('error') or r.get('verify', '')} {extra}"[:230])
+    return "\n".join(lines)
+
+
+def run_all(args: argparse.Namespace) -> list[dict]:
+    """Every method, warm then cold, each in a fresh process; rows to OUT/gpu_bench.json."""
+    t_start = time.time()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    write_checkpoint(args.ckdir, args.scale)
+    gen_s = time.time() - t_start
+    paths = _files(args.ckdir)
+    want = set(args.methods.split(",")) if args.methods else None
+    plan = [(m, c) for c, order in (("warm", WARM), ("cold", COLD))
+            if c in args.caches.split(",") for m in order
+            if (want is None or m in want) and _available(m)]
+    env = {"torch": __import__("torch").__version__, "gen_s": round(gen_s, 1),
+           "cpus": os.cpu_count(), "argv": sys.argv}
+    rows: list[dict] = []
+    if args.disk_first:
+        rows += [dict(r, method="disk_odirect", cache="cold") for r in disk_patterns(paths)]
+    for method, cache in plan:
+        left = args.budget - (time.time() - t_start)
+        if left < 20:
+            rows.append({"method": method, "cache": cache, "error": "skipped: budget"})
+            continue
+        resident = warm(paths) if cache == "warm" else evict(paths)
+        row = dict(_run_child(method, args, min(150.0, left - 5)), cache=cache,
+                   resident_before=round(resident, 3))
+        rows.append(row)
+        print(f"[gpu-bench] {time.time() - t_start:6.1f}s {method:22s} {cache} "
+              f"{row.get('gbps', 0):6.2f} GB/s {row.get('error') or row.get('verify', '')} "
+              f"{json.dumps(row.get('profile', ''))}", flush=True)
+        (out / "gpu_bench.json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    text = table([r for r in rows if r["method"] != "disk_odirect"])
+    (out / "gpu_bench.txt").write_text(text + "\n")
+    print(text, flush=True)
+    return rows
+
+
+def plot(bench_json: str, png: str, title: str = "") -> None:
+    """Bar chart of warm and cold GB/s per method from a gpu_bench.json (matplotlib)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in json.loads(Path(bench_json).read_text())["rows"]
+            if r["method"] != "disk_odirect"]
+    methods = list(dict.fromkeys(r["method"] for r in rows if r.get("cache") in ("warm", "cold")))
+    rate = {(r["method"], r["cache"]): r.get("gbps") or 0.0 for r in rows}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, cache in zip(axes, ("warm", "cold")):
+        names = [m for m in methods if (m, cache) in rate]
+        colors = ["tab:green" if m.startswith("pploader") else "tab:gray" if m.startswith("raw")
+                  else "tab:blue" for m in names]
+        ax.barh(names, [rate[(m, cache)] for m in names], color=colors)
+        ax.invert_yaxis()
+        ax.set_xlabel("GB/s of the stage's ideal bytes (8.03 GB)")
+        ax.set_title(f"{cache} page cache")
+        for y, m in enumerate(names):
+            ax.text(rate[(m, cache)], y, f" {rate[(m, cache)]:.1f}", va="center", fontsize=8)
+    fig.suptitle(title or "one PP=2 stage onto one GPU: pploader (green), raw ceiling (gray)")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="pploader bench --device cuda --",
+                                 description=__doc__.split("\n")[0])
+    ap.add_argument("--ckdir", default="/tmp/ck")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "out/gpu-bench")
+    ap.add_argument("--device", default="cuda:0")
+    ap.add_argument("--scale", default="full", choices=["full", "tiny"])
+    ap.add_argument("--budget", type=float, default=420.0, help="wall seconds for all methods")
+    ap.add_argument("--methods", default=None, help="comma list (default: all available)")
+    ap.add_argument("--caches", default="warm,cold")
+    ap.add_argument("--disk", action="store_true", help="only the O_DIRECT pattern sweep")
+    ap.add_argument("--disk-first", action="store_true", help="the sweep, then the methods")
+    ap.add_argument("--pp2", action="store_true")
+    ap.add_argument("--pp2-profile", action="store_true")
+    ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None)
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--stage-child", type=int, default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--profile-child", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.plot:
+        return plot(*args.plot)
+    if args.child:
+        return _child(args.child, args.ckdir, args.device)
+    if args.stage_child is not None:
+        return _stage_child(args.ckdir, args.stage_child)
+    if args.profile_child is not None:
+        rank, what = args.profile_child.split(":")
+        return _profile_child(args.ckdir, int(rank), what)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    if args.disk:
+        write_checkpoint(args.ckdir, args.scale)
+        rows = disk_patterns(_files(args.ckdir))
+        Path(args.out, "disk.json").write_text(json.dumps(rows, indent=1))
+        return None
+    if args.pp2 or args.pp2_profile:
+        write_checkpoint(args.ckdir, args.scale)
+        rows = _pp2(args.ckdir) if args.pp2 else _pp2_profile(args.ckdir)
+        name = "pp2.json" if args.pp2 else "pp2_profile.json"
+        Path(args.out, name).write_text(json.dumps(rows, indent=1))
+        return None
+    run_all(args)
+    return None
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""PP=2 on two GPUs for the GPU benchmark (``python -m pploader.bench.cuda --pp2`` /
+``--pp2-profile``): each stage alone on its own GPU, then both at once, and the split of that
+time into page-cache reads and host-to-device copies. The children are started as
+``python -m pploader.bench.cuda --stage-child RANK`` / ``--profile-child RANK:WHAT``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["_pp2", "_pp2_profile", "_stage_child", "_profile_child"]
+
+
+def _stage_child(model: str, rank: int) -> None:
+    import torch
+    from pploader import Topology, load_stage, plan_stage
+    torch.cuda.set_device(rank)
+    torch.empty(1, device="cuda")
+    staged = plan_stage(model, Topology(2, rank=rank))
+    res = load_stage(staged, device=f"cuda:{rank}")
+    print("RESULT " + json.dumps({"rank": rank, "seconds": res.report.seconds,
+                                  "ideal_bytes": res.report.ideal_bytes,
+                                  "gbps": res.report.gbps,
+                                  "peak_rss": res.report.peak_rss_bytes}), flush=True)
+
+
+def _profile_child(model: str, rank: int, what: str) -> None:
+    """One side of the PP=2 bottleneck profile: ``reads`` = the stage's planned bytes from the
+    page cache into a pinned ring (16 threads, no GPU copy); ``h2d`` = pinned -> GPU copies
+    of the same volume (no file reads)."""
+    import threading as th
+    import torch
+    from pploader import Topology, plan_stage
+    from pploader.io.device import PinnedRing
+    torch.cuda.set_device(rank)
+    torch.empty(1, device="cuda")
+    plan = plan_stage(model, Topology(2, rank=rank)).plan
+    ring = PinnedRing(16, 16 << 20, lazy=False)
+    total = plan.read_bytes
+    start = time.perf_counter()
+    if what == "reads":
+        jobs = [(plan.paths[i.file], off + a, min(16 << 20, n - a)) for i in plan.items
+                for off, n in i.ranges for a in range(0, n, 16 << 20)]
+        it, lock = iter(jobs), th.Lock()
+
+        def worker(k: int) -> None:
+            fds: dict[str, int] = {}
+            _, view = ring.slots(k)[0]
+            while True:
+                with lock:
+                    job = next(it, None)
+                if job is None:
+                    break
+                path, off, n = job
+                fd = fds.get(path) or fds.setdefault(path, os.open(path, os.O_RDONLY))
+                got = 0
+                while got < n:
+                    got += os.preadv(fd, [view[got:n]], off + got)
+            for fd in fds.values():
+                os.close(fd)
+        threads = [th.Thread(target=worker, args=(k,)) for k in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        dst = torch.empty(16 << 20, dtype=torch.uint8, device="cuda")
+        streams = [torch.cuda.Stream() for _ in range(4)]
+        for j in range(total // (16 << 20)):
+            with torch.cuda.stream(streams[j % 4]):
+                dst.copy_(ring.slots(j % 16)[0][0], non_blocking=True)
+        torch.cuda.synchronize()
+    sec = time.perf_counter() - start
+    print("RESULT " + json.dumps({"rank": rank, "what": what, "seconds": sec,
+                                  "gbps": total / sec / 1e9}), flush=True)
+
+
+def _pp2_profile(ckdir: str) -> list[dict]:
+    """Reads alone vs together, and H2D alone vs together, per stage (the PP=2 profile)."""
+    def spawn(rank: int, what: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--profile-child",
+                                 f"{rank}:{what}", "--ckdir", ckdir], stdout=subprocess.PIPE,
+                                text=True)
+
+    def result(p: subprocess.Popen) -> dict:
+        out, _ = p.communicate(timeout=300)
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": out[-500:]}
+
+    rows = []
+    for what in ("reads", "h2d"):
+        for rank in (0, 1):
+            rows.append(dict(result(spawn(rank, what)), mode="alone"))
+        procs = [spawn(0, what), spawn(1, what)]
+        rows += [dict(result(p), mode="together") for p in procs]
+    for r in rows:
+        print(f"[pp2-profile] {r.get('what'):5s} {r.get('mode'):8s} rank {r.get('rank')} "
+              f"{r.get('gbps', 0):.2f} GB/s", flush=True)
+    return rows
+
+
+def _pp2(ckdir: str) -> list[dict]:
+    """Each stage alone on its GPU, then both at once (warm page cache)."""
+    def spawn(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--stage-child",
+                                 str(rank), "--ckdir", ckdir], stdout=subprocess.PIPE, text=True)
+
+    def result(p: subprocess.Popen) -> dict:
+        out, _ = p.communicate(timeout=300)
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": out[-500:]}
+
+    for path in Path(ckdir).glob("*.safetensors"):  # warm page cache for both stages
+        with open(path, "rb", buffering=0) as fh:
+            while fh.read(64 << 20):
+                pass
+    rows = []
+    for trial in (0, 1):
+        for rank in (0, 1):
+            rows.append(dict(result(spawn(rank)), mode="alone", trial=trial))
+        procs = [spawn(0), spawn(1)]
+        rows += [dict(result(p), mode="together", trial=trial) for p in procs]
+    for r in rows:
+        print(f"[pp2] trial {r.get('trial')} {r.get('mode'):8s} rank {r.get('rank')} "
+              f"{r.get('seconds', 0):.3f}s "
+              f"{r.get('gbps', 0):.2f} GB/s", flush=True)
+    return rows

@@ -1,0 +1,1 @@
+"""Binding streamed tensors into a model's own storage; reload, layerwise loading."""

@@ -1,0 +1,128 @@
+"""Hot reload in place: validate and agree everywhere first, then overwrite the same storage.
+
+``reload_from_disk(model, checkpoint_dir)`` is called on every rank of a job whose stage
+modules were loaded by ``load_stage_into``. Order (nothing is written before step 3):
+
+1. every rank plans its stage from the new checkpoint (headers, names, shapes, dtypes and
+   quantization companions through the family template), binds it to the module and checks
+   each destination is still the tensor ``load_stage_into`` filled (same data_ptr, shape,
+   strides, dtype): a post-process that deleted, replaced or reshaped a source fails here;
+2. the ranks agree (``Comm.agree``): any failure anywhere -> every rank raises the combined
+   error and the weights are untouched;
+3. bytes are written in place (every parameter keeps its ``data_ptr``, so captured CUDA
+   graphs stay valid), streamed with the reader's bounded window, then post-processing
+   re-runs. A fault in this step leaves the model marked not ready (``forward`` raises
+   NotReadyError) on every rank; restore it by reloading a good checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
+
+from torch import nn
+
+from ..planning.checkpoint import open_checkpoint
+from ..errors import ConfigError, PlanError
+from .place import (LoadRecord, agree_or_raise, bind_stage, commit_writes, load_record,
+                    module_tensors)
+from ..planning.plan import RankPlan, plan_rank
+from ..io.read import ReadStats
+from ..planning.spec import read_config, spec_from_config
+from ..stage import StagePlan
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..dist.comm import Comm
+
+__all__ = ["ReloadResult", "reload_from_disk", "plan_reload", "check_destinations"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReloadResult:
+    """What a reload wrote: the plan, the reader's stats and the modules post-processed."""
+
+    plan: RankPlan
+    stats: ReadStats
+    processed: tuple[str, ...]
+
+
+def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
+                allowed_roots: Sequence[str] = ()) -> StagePlan:
+    """Plan the recorded stage (same family, topology and window) from a new checkpoint."""
+    config = read_config(checkpoint_dir, allowed_roots=allowed_roots)
+    path = Path(checkpoint_dir) / "config.json"
+    archs = config.get("architectures") if isinstance(config, dict) else None
+    if isinstance(archs, list) and archs and not set(archs) & set(record.family.architectures):
+        raise ConfigError(f"architecture {archs[0]!r} but the model was loaded as "
+                          f"{record.family.name} ({', '.join(record.family.architectures)})",
+                          file=str(path))
+    spec = spec_from_config(config, family=record.family)  # type: ignore[arg-type]
+    if spec.num_layers != record.num_layers:
+        raise ConfigError(f"{spec.num_layers} layers but the loaded model has "
+                          f"{record.num_layers}", file=str(path))
+    index = open_checkpoint(checkpoint_dir, allowed_roots=allowed_roots)
+    plan = plan_rank(spec, index, record.topology, record.window, strict=record.strict)
+    return StagePlan(spec, index, plan)
+
+
+def check_destinations(model: nn.Module, record: LoadRecord) -> None:
+    """Every tensor load_stage_into filled must still be there, unchanged in layout."""
+    tensors = module_tensors(model)
+    problems = []
+    for name, snap in record.snapshots.items():
+        t = tensors.get(name)
+        change = "deleted after loading" if t is None else snap.change(t)
+        if change is not None:
+            problems.append(f"{name}: {change}")
+    if problems:
+        raise PlanError(
+            f"cannot reload in place, nothing was written: {len(problems)} loaded tensor(s) "
+            "changed since loading (a process_weights_after_loading() that deletes, replaces "
+            "or reshapes its source parameters breaks reload; derive with pploader.bind_derived "
+            "and keep the sources): " + "; ".join(problems[:8]),
+            tensor=problems[0].split(":")[0], rank=record.topology.rank)
+
+
+def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
+                     comm: Optional["Comm"] = None, process: bool = True,
+                     window_bytes: Optional[int] = None, threads: int = 1,
+                     allowed_roots: Sequence[str] = (),
+                     on_progress: Optional[Callable[[int], None]] = None) -> ReloadResult:
+    """Reload ``model``'s stage from ``checkpoint_dir`` in place (called on every rank).
+
+    Raises before any write when any rank's validation fails (RankFailure with a ``comm``,
+    else the PlanError / CheckpointError itself); raises NotReadyError, and leaves the model
+    marked not ready, when writing fails midway on any rank.
+    """
+    record = load_record(model)
+    rank = comm.rank if comm is not None else (record.topology.rank if record else None)
+    error: Optional[BaseException] = None
+    try:
+        if record is None:
+            raise PlanError("reload_from_disk needs a model loaded by pploader.load_stage_into "
+                            "(its record names the stage, the names and the destinations)")
+        check_destinations(model, record)
+        staged = plan_reload(record, checkpoint_dir, allowed_roots=allowed_roots)
+        binding = bind_stage(model, staged, names=record.names, ignore=record.ignore,
+                             allow_cast=record.allow_cast)
+        binding.check(record.strict, rank)
+        unknown = [n for n in binding.params if n not in record.snapshots]
+        if unknown:
+            raise PlanError("the new checkpoint fills tensors the first load did not: "
+                            + ", ".join(unknown[:8]) + "; reload writes only in place",
+                            tensor=unknown[0], rank=rank)
+    except Exception as exc:  # noqa: BLE001 - agreed on below, before any write
+        error = exc
+    agree_or_raise(comm, error, rank)
+    logger.info("rank %s: reloading %d tensor(s) in place from %s", rank,
+                len(binding.params), checkpoint_dir)
+    model.__dict__["_pploader_record"] = replace(record, binding=binding)  # type: ignore[arg-type, type-var]
+    stats, processed = commit_writes(
+        model, binding, staged.plan, action="reload_from_disk", comm=comm, process=process,
+        window_bytes=window_bytes, threads=threads, on_progress=on_progress)
+    logger.info("rank %s: reloaded %d bytes in %.3f s", rank, stats.read_bytes, stats.seconds)
+    return ReloadResult(staged.plan, stats, processed)

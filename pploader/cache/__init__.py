@@ -1,0 +1,1 @@
+"""Cache pools: per-kind geometry, sizing from budgets, KV and state pools."""

@@ -1,0 +1,347 @@
+"""Cache geometry per layer kind: what one decoder layer keeps per token (KV) and per request
+(Mamba / linear-attention state) on one TP rank. Pure arithmetic on the ModelSpec.
+
+Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
+
+- ``full_attention`` (GQA): K and V pages, each ``[num_pages, page_size, kv_heads_local, head_dim]``;
+  ``kv_heads_local = kv_heads / tp``, or 1 when ``kv_heads < tp`` (heads replicated).
+- ``mla``: one latent page tensor ``[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]``,
+  the same on every TP rank (the latent is not split by TP).
+- ``mamba2``: conv ``[conv_dim_local, K-1]`` with ``conv_dim = d_inner + 2 * n_groups * d_state``
+  and ssm ``[heads_local, head_dim, d_state]``; groups are replicated when ``n_groups < tp``.
+- ``mamba1`` (Jamba): conv ``[d_inner_local, K-1]``, ssm ``[d_inner_local, d_state]``.
+- ``gdn`` (gated delta net): conv ``[conv_dim_local, K-1]`` with
+  ``conv_dim = 2 * Hk * dk + Hv * dv`` and temporal ``[Hv_local, dv, dk]``.
+- ``hybrid_attention_mamba2`` (Falcon-H1): both the GQA pages and the mamba2 state.
+
+State tensors get a leading request-slot dim in the pool: ``[max_requests, *shape]``.
+Default dtypes: KV and conv in the model dtype, ssm / temporal in float32 (or the config's
+``mamba_ssm_cache_dtype``); every one can be overridden with :class:`CacheDtypes`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Mapping, Optional, Union
+
+import torch
+
+from ..errors import ConfigError, PlanError
+from ..planning.partition import StageWindow
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..planning.spec import ModelSpec
+
+__all__ = ["CONFIG_KEYS", "KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache",
+           "layer_cache", "model_cache", "local_units", "parse_dtype", "dtype_name",
+           "StageCacheGeometry", "stage_geometry", "layer_cache_bytes"]
+
+#: Config keys of each cache quantity; the first key present wins. Checked against the
+#: transformers 5.24 config classes (and the mixers' own attributes, see tests/test_pools.py):
+#: NemotronHConfig (mamba_num_heads, mamba_head_dim, ssm_state_size, n_groups, conv_kernel),
+#: BambaConfig / GraniteMoeHybridConfig (mamba_n_heads, mamba_d_head, mamba_d_state,
+#: mamba_n_groups, mamba_d_conv, mamba_expand), FalconH1Config (the same + mamba_d_ssm),
+#: JambaConfig (mamba_d_state, mamba_d_conv, mamba_expand), Qwen3Next / Qwen3_5(Moe)TextConfig
+#: (linear_*), DeepseekV3Config (kv_lora_rank, qk_rope_head_dim).
+CONFIG_KEYS: Mapping[str, tuple[str, ...]] = {
+    "mamba2.num_heads": ("mamba_num_heads", "mamba_n_heads"),
+    "mamba2.head_dim": ("mamba_head_dim", "mamba_d_head"),     # may be "auto"
+    "mamba2.d_state": ("ssm_state_size", "mamba_d_state"),
+    "mamba2.n_groups": ("n_groups", "mamba_n_groups"),
+    "mamba2.conv_kernel": ("conv_kernel", "mamba_d_conv"),
+    "mamba2.d_inner": ("mamba_d_ssm",),                       # falcon_h1; else expand * hidden
+    "mamba2.expand": ("mamba_expand", "expand"),
+    "mamba1.d_state": ("mamba_d_state",),
+    "mamba1.conv_kernel": ("mamba_d_conv",),
+    "mamba1.expand": ("mamba_expand",),
+    "gdn.num_key_heads": ("linear_num_key_heads",),
+    "gdn.key_head_dim": ("linear_key_head_dim",),
+    "gdn.num_value_heads": ("linear_num_value_heads",),
+    "gdn.value_head_dim": ("linear_value_head_dim",),
+    "gdn.conv_kernel": ("linear_conv_kernel_dim",),
+    "mla.kv_lora_rank": ("kv_lora_rank",),
+    "mla.rope_head_dim": ("qk_rope_head_dim",),
+    "ssm_cache_dtype": ("mamba_ssm_cache_dtype",),
+}
+
+#: Which caches each layer kind (families.base.LAYER_KINDS) carries, in order. ``mlp`` blocks
+#: (NemotronH's MLP / MoE layers) have no sequence mixer, hence no cache. A kind missing here
+#: is an error, never a guess.
+KIND_CACHES: Mapping[str, tuple[str, ...]] = {
+    "full_attention": ("gqa",), "mla": ("mla",), "mamba1": ("mamba1",), "mamba2": ("mamba2",),
+    "gdn": ("gdn",), "hybrid_attention_mamba2": ("gqa", "mamba2"), "mlp": (),
+    "sliding_attention": ("gqa",),  # full-length pages: a safe bound (no window-sized pool yet)
+}
+
+
+def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.float32"`` -> torch.dtype."""
+    if isinstance(value, torch.dtype):
+        return value
+    out = getattr(torch, str(value).replace("torch.", ""), None)
+    if not isinstance(out, torch.dtype):
+        raise ConfigError(f"unknown cache dtype {value!r}: use a torch dtype name such as "
+                          "bfloat16, float16, float32 or float8_e4m3fn")
+    return out
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+@dataclass(frozen=True)
+class CacheDtypes:
+    """Caller's dtype choices; None = default (model dtype; float32 for ssm/temporal)."""
+
+    kv: Optional[torch.dtype] = None
+    conv: Optional[torch.dtype] = None
+    ssm: Optional[torch.dtype] = None
+
+    def resolve(self, spec: "ModelSpec") -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+        """(kv, conv, ssm) dtypes for ``spec``."""
+        ssm = self.ssm
+        if ssm is None:
+            ssm = parse_dtype(str(_opt(spec.config, "ssm_cache_dtype") or "float32"))
+        return self.kv or spec.dtype, self.conv or spec.dtype, ssm
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Per-token cache of one layer on one rank: ``parts`` tensors of ``[heads, head_dim]``."""
+
+    parts: tuple[str, ...]          # ("k", "v") for GQA, ("latent",) for MLA
+    heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token(self) -> int:
+        return len(self.parts) * self.heads * self.head_dim * self.dtype.itemsize
+
+    def page_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
+        """Shape of each part's paged tensor: ``[num_pages, page_size, heads, head_dim]``."""
+        return (num_pages, page_size, self.heads, self.head_dim)
+
+    def to_json(self) -> dict:
+        return {"parts": list(self.parts), "heads": self.heads, "head_dim": self.head_dim,
+                "dtype": dtype_name(self.dtype), "bytes_per_token": self.bytes_per_token}
+
+
+@dataclass(frozen=True)
+class StateTensor:
+    """One per-request state tensor of a layer (``conv``, ``ssm`` or ``temporal``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.dtype.itemsize
+
+    def to_json(self) -> dict:
+        return {"shape": list(self.shape), "dtype": dtype_name(self.dtype), "bytes": self.nbytes}
+
+
+@dataclass(frozen=True)
+class LayerCache:
+    """The cache one decoder layer needs on one TP rank."""
+
+    layer: int
+    kind: str
+    kv: Optional[KVLayout]
+    states: tuple[StateTensor, ...]
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.kv.bytes_per_token if self.kv else 0
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        return sum(s.nbytes for s in self.states)
+
+    def bytes_at(self, tokens: int, requests: int) -> int:
+        """Cache bytes of this layer holding ``tokens`` tokens and ``requests`` requests."""
+        return self.kv_bytes_per_token * tokens + self.state_bytes_per_request * requests
+
+    def to_json(self) -> dict:
+        return {"layer": self.layer, "kind": self.kind,
+                "kv": self.kv.to_json() if self.kv else None,
+                "states": {s.name: s.to_json() for s in self.states}}
+
+
+def _opt(config: Mapping, quantity: str) -> object:
+    for key in CONFIG_KEYS[quantity]:
+        if config.get(key) is not None:
+            return config[key]
+    return None
+
+
+def _int(config: Mapping, quantity: str, kind: str) -> int:
+    value = _opt(config, quantity)
+    if value is None:
+        raise ConfigError(f"{kind} cache geometry needs {quantity}: config.json lacks "
+                          + " / ".join(CONFIG_KEYS[quantity]), file="config.json")
+    return int(value)  # type: ignore[call-overload]
+
+
+def local_units(units: int, tp: int, what: str) -> int:
+    """Units (heads, groups) one TP rank holds: ``units / tp``, or 1 when ``units < tp``
+    (replicated) -- the same rule as the weights' shard rules."""
+    if units >= tp:
+        if units % tp:
+            raise PlanError(f"{units} {what} cannot be split evenly over tp={tp}")
+        return units // tp
+    if tp % units:
+        raise PlanError(f"{units} {what} cannot be replicated evenly over tp={tp}")
+    return 1
+
+
+def _split(size: int, tp: int, what: str) -> int:
+    if size % tp:
+        raise PlanError(f"{what} = {size} is not divisible by tp={tp}")
+    return size // tp
+
+
+Dtypes = tuple[torch.dtype, torch.dtype, torch.dtype]
+
+
+def _gqa(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
+    heads = local_units(spec.num_kv_heads, tp, "kv heads")
+    return KVLayout(("k", "v"), heads, spec.head_dim, dt[0])
+
+
+def _mla(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
+    c = spec.config
+    latent = _int(c, "mla.kv_lora_rank", "mla") + _int(c, "mla.rope_head_dim", "mla")
+    return KVLayout(("latent",), 1, latent, dt[0])
+
+
+def _mamba2(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    c = spec.config
+    heads = _int(c, "mamba2.num_heads", "mamba2")
+    head_dim_raw = _opt(c, "mamba2.head_dim")
+    if head_dim_raw is None or head_dim_raw == "auto":
+        d_inner = _opt(c, "mamba2.d_inner")
+        if d_inner is None:
+            d_inner = _int(c, "mamba2.expand", "mamba2") * spec.hidden_size
+        head_dim = int(d_inner) // heads  # type: ignore[call-overload]
+    else:
+        head_dim = int(head_dim_raw)  # type: ignore[call-overload]
+    d_state = _int(c, "mamba2.d_state", "mamba2")
+    heads_local = _split(heads, tp, "mamba heads")
+    groups = local_units(_int(c, "mamba2.n_groups", "mamba2"), tp, "mamba n_groups")
+    conv_dim = heads_local * head_dim + 2 * groups * d_state
+    k = _int(c, "mamba2.conv_kernel", "mamba2")
+    return (StateTensor("conv", (conv_dim, k - 1), dt[1]),
+            StateTensor("ssm", (heads_local, head_dim, d_state), dt[2]))
+
+
+def _mamba1(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    c = spec.config
+    d_inner = _split(_int(c, "mamba1.expand", "mamba1") * spec.hidden_size, tp, "mamba d_inner")
+    k, d_state = _int(c, "mamba1.conv_kernel", "mamba1"), _int(c, "mamba1.d_state", "mamba1")
+    return (StateTensor("conv", (d_inner, k - 1), dt[1]),
+            StateTensor("ssm", (d_inner, d_state), dt[2]))
+
+
+def _gdn(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    c = spec.config
+    hk = local_units(_int(c, "gdn.num_key_heads", "gdn"), tp, "linear key heads")
+    hv = local_units(_int(c, "gdn.num_value_heads", "gdn"), tp, "linear value heads")
+    dk, dv = _int(c, "gdn.key_head_dim", "gdn"), _int(c, "gdn.value_head_dim", "gdn")
+    k = _int(c, "gdn.conv_kernel", "gdn")
+    return (StateTensor("conv", (2 * hk * dk + hv * dv, k - 1), dt[1]),
+            StateTensor("temporal", (hv, dv, dk), dt[2]))
+
+
+_KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {
+    "gqa": _gqa, "mla": _mla}
+_STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTensor, ...]]] = {
+    "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn}
+
+
+def layer_cache(spec: "ModelSpec", layer: int, tp_size: int = 1,
+                dtypes: CacheDtypes = CacheDtypes()) -> LayerCache:
+    """The cache of decoder layer ``layer`` on one of ``tp_size`` TP ranks."""
+    if not 0 <= layer < spec.num_layers:
+        raise PlanError(f"layer {layer} outside the model's {spec.num_layers} layers")
+    kind = spec.layer_kinds[layer]
+    if kind not in KIND_CACHES:
+        raise ConfigError(f"layer {layer} has kind {kind!r} with no cache geometry; known kinds: "
+                          + ", ".join(KIND_CACHES)
+                          + " (add it to pploader.cache.geometry.KIND_CACHES)")
+    dt = dtypes.resolve(spec)
+    kv, states = None, tuple[StateTensor, ...]()
+    for part in KIND_CACHES[kind]:
+        if part in _KV_BUILDERS:
+            kv = _KV_BUILDERS[part](spec, tp_size, dt)
+        else:
+            states += _STATE_BUILDERS[part](spec, tp_size, dt)
+    return LayerCache(layer, kind, kv, states)
+
+
+def model_cache(spec: "ModelSpec", tp_size: int = 1,
+                dtypes: CacheDtypes = CacheDtypes()) -> tuple[LayerCache, ...]:
+    """The cache of every decoder layer (MTP layers excluded) on one TP rank."""
+    return tuple(layer_cache(spec, i, tp_size, dtypes) for i in range(spec.num_layers))
+
+
+@dataclass(frozen=True)
+class StageCacheGeometry:
+    """The cache of one stage on one TP rank: its own layers only."""
+
+    window: StageWindow
+    tp_size: int
+    layers: tuple[LayerCache, ...]          # the window's layers, in order
+
+    @property
+    def start_layer(self) -> int:
+        return self.window.start_layer
+
+    @property
+    def end_layer(self) -> int:
+        return self.window.end_layer
+
+    @property
+    def attention_layers(self) -> tuple[int, ...]:
+        """Global ids of the stage's layers that keep KV pages."""
+        return tuple(c.layer for c in self.layers if c.kv is not None)
+
+    @property
+    def state_layers(self) -> tuple[int, ...]:
+        """Global ids of the stage's layers that keep per-request state."""
+        return tuple(c.layer for c in self.layers if c.states)
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return sum(c.kv_bytes_per_token for c in self.layers)
+
+    @property
+    def state_bytes_per_request(self) -> int:
+        return sum(c.state_bytes_per_request for c in self.layers)
+
+    def to_json(self) -> dict:
+        return {"start_layer": self.start_layer, "end_layer": self.end_layer,
+                "tp_size": self.tp_size, "attention_layers": list(self.attention_layers),
+                "state_layers": list(self.state_layers),
+                "kv_bytes_per_token": self.kv_bytes_per_token,
+                "state_bytes_per_request": self.state_bytes_per_request,
+                "layers": [c.to_json() for c in self.layers if c.kv is not None or c.states]}
+
+
+def stage_geometry(spec: "ModelSpec", window: StageWindow, tp_size: int = 1,
+                   dtypes: CacheDtypes = CacheDtypes()) -> StageCacheGeometry:
+    """Cache geometry of ``window``'s layers on one of ``tp_size`` TP ranks (pure)."""
+    if not 0 <= window.start_layer < window.end_layer <= spec.num_layers:
+        raise PlanError(f"stage {window.pp_rank} window [{window.start_layer}, "
+                        f"{window.end_layer}) outside the model's {spec.num_layers} layers")
+    every = model_cache(spec, tp_size, dtypes)
+    return StageCacheGeometry(window, tp_size, every[window.start_layer:window.end_layer])
+
+
+def layer_cache_bytes(spec: "ModelSpec", tokens: int, requests: int, tp_size: int = 1,
+                      dtypes: CacheDtypes = CacheDtypes()) -> list[int]:
+    """Cache bytes of each layer at a target load, over the whole TP group of a stage (the
+    same unit as the layer's weight bytes): the cost ``balanced`` partitions add."""
+    return [c.bytes_at(tokens, requests) * tp_size for c in model_cache(spec, tp_size, dtypes)]

@@ -1,0 +1,1 @@
+"""Process-group start-up and every torch.distributed collective."""

@@ -1,0 +1,419 @@
+"""Direct-to-GPU loading: positional reads into a reused ring of pinned staging buffers,
+asynchronous host-to-device copies straight into the destination tensors.
+
+Each reader thread owns ``slots_per_thread`` pinned slots and one CUDA stream: it fills a
+slot with a chunk (one file range, possibly several adjacent tensors), enqueues the H2D
+copies of that slot on its stream, records an event, and only reuses the slot once that
+event has completed. No pageable-to-device copy is on the hot path; host memory is the
+ring (threads x slots x slot_bytes), allocated once and reusable across loads.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import mmap
+import os
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+import torch
+
+from ..planning.checkpoint import DTYPES
+from ..errors import ReadError
+from .pagecache import resident_bytes_of_ranges
+from ..planning.plan import RankPlan, ReadItem
+from .read import ReadStats
+
+__all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS"]
+
+DEFAULT_SLOT_BYTES = 16 << 20
+DEFAULT_DEVICE_THREADS = 16
+DIRECT_ALIGN = 4096          # O_DIRECT offset/length/address alignment
+_PAGE = 4096
+_HUGE = 2 << 20
+logger = logging.getLogger(__name__)
+
+
+class PinnedRing:
+    """``threads x slots_per_thread`` page-locked host buffers of ``slot_bytes``; make once and
+    pass the ring to every later load.
+
+    The ring is one pageable allocation whose slots are page-locked (``cudaHostRegister``)
+    one by one, on first use, after the first read into them has faulted their pages in:
+    measured on an H100 host (docs/benchmarks-gpu.md) ``cudaHostAlloc`` of 512 MiB costs
+    0.19-0.21 s and serialises across threads, while first touch + registering the touched
+    pages costs 0.07 s, and a slot registered on first use costs its thread under 1 ms. So a
+    process's first load starts reading at once and pays for staging only as it goes.
+    ``lazy=False`` touches and registers every slot now (for a ring made ahead of the load).
+    Where registering is unavailable or fails, the slot stays pageable: copies from it are
+    then synchronous (correct, slower) and ``pageable_slots`` counts them.
+    """
+
+    def __init__(self, threads: int = DEFAULT_DEVICE_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
+                 slots_per_thread: int = 2, *, lazy: bool = True, huge_pages: bool = False) -> None:
+        """``huge_pages``: ask for transparent huge pages (madvise) so first touch and
+        page-locking handle 2 MiB pages; off by default: on the H100 host it made the first
+        load no faster (docs/benchmarks-gpu.md)."""
+        self.threads, self.per_thread = threads, slots_per_thread
+        self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
+        total = threads * slots_per_thread * self.slot_bytes
+        self._raw = torch.empty(total + _HUGE, dtype=torch.uint8)  # pageable, untouched
+        skip = -self._raw.data_ptr() % _HUGE                       # 2 MiB-aligned slots
+        self._buf = self._raw[skip:skip + total]
+        if huge_pages:
+            _advise_huge_pages(self._buf.data_ptr(), total)
+        flat = self._buf.numpy()
+        n = self.slot_bytes
+        self._slots = [[(self._buf[o:o + n], memoryview(flat[o:o + n]))
+                        for o in range((i * slots_per_thread) * n,
+                                       (i + 1) * slots_per_thread * n, n)]
+                       for i in range(threads)]
+        self._pinned = [[False] * slots_per_thread for _ in range(threads)]
+        self._registered: list[int] = []
+        self.alloc_seconds = 0.0      # first touch + registration, summed over threads
+        self.pageable_slots = 0
+        self._lock = threading.Lock()
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self._raw)
+        self._finalizer.atexit = False  # the process's exit releases everything anyway
+        if not lazy:
+            start = time.perf_counter()
+            self._buf.fill_(0)  # first touch (torch's CPU threads), then page-lock per slot
+            self.alloc_seconds += time.perf_counter() - start
+            for i in range(threads):
+                for b in range(slots_per_thread):
+                    self.pin(i, b)
+
+    def slots(self, index: int) -> list[tuple[torch.Tensor, memoryview]]:
+        """Thread ``index``'s slots as (tensor, writable memoryview) pairs (call ``pin`` on a
+        slot before an asynchronous copy from it)."""
+        return self._slots[index]
+
+    def pin(self, index: int, slot: int) -> None:
+        """Page-lock thread ``index``'s ``slot`` unless done (cheap after a read touched it)."""
+        if self._pinned[index][slot]:
+            return
+        start = time.perf_counter()
+        tensor = self._slots[index][slot][0]
+        ptr = tensor.data_ptr()
+        ok = _host_register(ptr, tensor.numel())
+        with self._lock:
+            self._pinned[index][slot] = True
+            if ok:
+                self._registered.append(ptr)
+            else:
+                self.pageable_slots += 1
+            self.alloc_seconds += time.perf_counter() - start
+
+    def close(self) -> None:
+        """Unregister the slots now (also done when the ring is garbage-collected)."""
+        self._finalizer()
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes page-locked so far."""
+        return len(self._registered) * self.slot_bytes
+
+
+def _advise_huge_pages(ptr: int, nbytes: int) -> None:
+    """madvise(MADV_HUGEPAGE) on a 2 MiB-aligned private anonymous range (best effort: where
+    transparent huge pages are off or libc is not found, 4 KiB pages stay)."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None:
+        return
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes), ctypes.c_int(advice))
+    except OSError:
+        pass
+
+
+def _host_register(ptr: int, nbytes: int) -> bool:
+    """cudaHostRegister(ptr, nbytes); False (logged once) where it is unavailable or fails."""
+    global _REGISTER_WARNED
+    try:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) == 0:
+            return True
+        reason = str(err)
+    except (AttributeError, RuntimeError) as exc:
+        reason = str(exc)
+    if not _REGISTER_WARNED:
+        _REGISTER_WARNED = True
+        logger.warning("cudaHostRegister failed (%s): staging slots stay pageable, H2D copies "
+                       "from them are synchronous", reason)
+    return False
+
+
+def _unregister(registered: list[int], memory: object) -> None:
+    """Unregister every registered slot before ``memory`` (kept alive until here) is freed."""
+    if registered and torch.cuda.is_initialized():
+        for ptr in registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+    registered.clear()
+    del memory
+
+
+_REGISTER_WARNED = False
+
+
+@dataclass(frozen=True)
+class _Piece:
+    file: str
+    offset: int
+    length: int
+    target: int              # index of the item whose byte buffer receives it
+    pos: int                 # byte offset in that buffer
+
+
+def _pieces(item: ReadItem, target: int, slot_bytes: int) -> list[_Piece]:
+    out, pos = [], 0
+    for off, n in item.ranges:
+        out += [_Piece(item.file, off + a, min(slot_bytes, n - a), target, pos + a)
+                for a in range(0, n, slot_bytes)]
+        pos += n
+    return out
+
+
+def _chunks(pieces: list[_Piece], slot_bytes: int) -> list[list[_Piece]]:
+    """Pack file-contiguous pieces into slot-sized chunks (one preadv each)."""
+    chunks: list[list[_Piece]] = []
+    size = 0
+    for p in sorted(pieces, key=lambda p: (p.file, p.offset)):
+        last = chunks[-1][-1] if chunks else None
+        if (last is not None and last.file == p.file and last.offset + last.length == p.offset
+                and size + p.length <= slot_bytes):
+            chunks[-1].append(p)
+            size += p.length
+        else:
+            chunks.append([p])
+            size = p.length
+    return chunks
+
+
+class DeviceLoader:
+    """Load a RankPlan onto a CUDA device (called by the rank that owns the device)."""
+
+    def __init__(self, plan: RankPlan, device: torch.device | str, *,
+                 ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None,
+                 direct_io: Optional[bool] = None) -> None:
+        """``direct_io``: True reads with O_DIRECT (bypassing the page cache: what cold loads
+        from fast devices want), False buffered, None (default) decides per load from the
+        page-cache residency of the planned ranges (mostly cached -> buffered)."""
+        self.plan, self.device = plan, torch.device(device)
+        self.direct_io, self.direct = direct_io, False
+        if self.device.type != "cuda":
+            raise ValueError(f"DeviceLoader needs a cuda device, got {self.device}")
+        self.ring = ring or PinnedRing()
+        self.cancel, self.on_progress = cancel, on_progress
+        self.stats = ReadStats()
+        self.staging_device_bytes = 0
+        self.timings: dict[str, float] = {}  # seconds per phase of the last load (profiling)
+        self._first_h2d = 0.0
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._buffers: list[Optional[torch.Tensor]] = []
+        # True: allocate the destinations while the readers' first reads run. Off by default:
+        # cudaMalloc and the readers' cudaHostRegister serialise in the driver, and measured
+        # on an H100 host it was slower than allocating first (docs/benchmarks-gpu.md)
+        self.overlap_alloc = False
+
+    def _err(self, msg: str, file: Optional[str] = None) -> ReadError:
+        return ReadError(msg, file=file, rank=self.plan.topology.rank)
+
+    def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
+             ) -> dict[str, torch.Tensor]:
+        """Fill ``destinations`` (allocated on the device when None) and return them.
+
+        With ``overlap_alloc`` the reader threads start before the destinations exist (their
+        first reads and slot page-locking overlap the allocation; each waits for it only
+        before its first device copy)."""
+        start = time.perf_counter()
+        self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        t_resid = time.perf_counter()
+        limit = self.ring.slot_bytes - (2 * DIRECT_ALIGN if self.direct else 0)
+        pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx, limit)]
+        out: dict[str, torch.Tensor] = {}
+        post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
+        self._buffers = [None] * len(self.plan.items)
+        times: dict[str, float] = {}
+
+        def allocate() -> None:  # on this thread, while the readers' first reads run
+            t0 = time.perf_counter()
+            for idx, item in enumerate(self.plan.items):
+                dtype = DTYPES[item.dtype][0]
+                dst = None if destinations is None else destinations.get(item.target)
+                if dst is None:
+                    if destinations is not None:
+                        raise self._err(f"no destination for {item.target}", item.file)
+                    dst = torch.empty(item.shape, dtype=dtype, device=self.device)
+                elif (tuple(dst.shape) != item.shape or dst.dtype != dtype
+                      or not dst.is_contiguous()):
+                    raise self._err(f"destination {item.target} is {tuple(dst.shape)} "
+                                    f"{dst.dtype}, expected {item.shape} {dtype} contiguous",
+                                    item.file)
+                out[item.target] = dst
+                if item.direct:
+                    dst_bytes = dst.reshape(-1).view(torch.uint8)
+                    self._buffers[idx] = dst_bytes
+                    if item.pad_rows:
+                        dst_bytes[item.read_bytes:].zero_()
+                else:  # coalesced strided read: stage the box on the device, gather after
+                    tmp = torch.empty(item.read_bytes, dtype=torch.uint8, device=self.device)
+                    self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
+                    self._buffers[idx] = tmp
+                    post.append((item, tmp, dst))
+            times["destinations_s"] = time.perf_counter() - t0
+
+        pin_before = self.ring.alloc_seconds
+        self._run(_chunks(pieces, limit), allocate)
+        t_io = time.perf_counter()
+        for item, tmp, dst in post:
+            t = tmp.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
+            for dim, intervals in item.gather:
+                parts = [t.narrow(dim, a, n) for a, n in intervals]
+                t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+            rows = item.shape[0] - item.pad_rows
+            (dst[:rows] if item.pad_rows else dst).copy_(t)
+            if item.pad_rows:
+                dst[rows:].zero_()
+        torch.cuda.synchronize(self.device)
+        self._buffers = []
+        self.stats.items = len(out)
+        self.stats.seconds = time.perf_counter() - start
+        self.timings = {"residency_s": t_resid - start, **times, "io_s": t_io - t_resid,
+                        "gather_sync_s": start + self.stats.seconds - t_io,
+                        "pin_s_summed_over_threads": self.ring.alloc_seconds - pin_before,
+                        "first_h2d_s": self._first_h2d - t_resid if self._first_h2d else 0.0}
+        return out
+
+    def _use_direct(self) -> bool:
+        """O_DIRECT when less than half of the planned bytes are in the page cache, judged
+        from up to 16 spread ranges per file, 1 MiB of each (a few hundred pages)."""
+        if not hasattr(os, "O_DIRECT"):
+            return False
+        resident = total = 0
+        for file, path in self.plan.paths.items():
+            ranges = [r for i in self.plan.items if i.file == file for r in i.ranges if r[1]]
+            step = max(1, len(ranges) // 16)
+            sample = [(off, min(n, 1 << 20)) for off, n in ranges[::step]]
+            r, t = resident_bytes_of_ranges(path, sample, sample_bytes=1 << 20)
+            resident, total = resident + r, total + t
+        return total > 0 and resident < total / 2
+
+    def _open(self, path: str) -> int:
+        if self.direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_DIRECT)
+            except OSError:  # e.g. tmpfs: no O_DIRECT; buffered reads of the same bytes
+                pass
+        return os.open(path, os.O_RDONLY)
+
+    def _run(self, chunks: list[list[_Piece]], prepare: Callable[[], None]) -> None:
+        """Start the readers, run ``prepare`` (the destinations) here meanwhile, join."""
+        fds = {f: self._open(p) for f, p in self.plan.paths.items()}
+        try:
+            for f, fd in fds.items():
+                if (os.fstat(fd).st_size, os.fstat(fd).st_ino) != (
+                        self.plan.identities[f].size, self.plan.identities[f].inode):
+                    raise self._err("file changed since planning", f)
+            queue = iter(chunks)
+            self._first_h2d = 0.0
+            errors: list[BaseException] = []
+            threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
+                                        name=f"pploader-h2d-{i}")
+                       for i in range(min(self.ring.threads, max(1, len(chunks))))]
+            self._ready = threading.Event()
+            if not self.overlap_alloc:
+                prepare()
+                self._ready.set()
+            for t in threads:
+                t.start()
+            try:
+                if self.overlap_alloc:
+                    prepare()
+            except BaseException as exc:  # noqa: BLE001 - stop the readers, then re-raise
+                errors.insert(0, exc)
+            finally:
+                self._ready.set()
+                for t in threads:
+                    t.join()
+            if errors:
+                raise errors[0]
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def _worker(self, index: int, queue, fds: Mapping[str, int],
+                errors: list[BaseException]) -> None:
+        slots = self.ring.slots(index)
+        stream = torch.cuda.Stream(device=self.device)
+        events: list[Optional[torch.cuda.Event]] = [None] * len(slots)
+        j = 0
+        try:
+            while not errors:
+                with self._lock:
+                    chunk = next(queue, None)
+                if chunk is None:
+                    break
+                if self.cancel is not None and self.cancel.is_set():
+                    raise self._err("cancelled: another rank failed", chunk[0].file)
+                b = j % len(slots)
+                event = events[b]
+                if event is not None:
+                    event.synchronize()
+                pinned, view = slots[b]
+                total = sum(p.length for p in chunk)
+                head, nread = self._read_chunk(fds[chunk[0].file], view, chunk[0], total)
+                self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
+                if not self._ready.is_set():
+                    self._ready.wait()  # the destinations are being allocated
+                if errors:
+                    break
+                with torch.cuda.stream(stream):
+                    pos = head
+                    for p in chunk:
+                        dst = self._buffers[p.target]
+                        assert dst is not None
+                        dst[p.pos:p.pos + p.length].copy_(pinned[pos:pos + p.length],
+                                                          non_blocking=True)
+                        pos += p.length
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
+                    events[b] = ev
+                if not self._first_h2d:
+                    self._first_h2d = time.perf_counter()
+                with self._lock:
+                    self.stats.read_bytes += nread
+                    self.stats.syscalls += 1
+                if self.on_progress is not None:
+                    self.on_progress(total)
+                j += 1
+            stream.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by load()
+            errors.append(exc)
+
+    def _read_chunk(self, fd: int, view: memoryview, first: _Piece,
+                    total: int) -> tuple[int, int]:
+        """Read ``total`` bytes from ``first.offset`` into ``view``; returns (where the data
+        starts in ``view``, bytes read). O_DIRECT reads whole aligned blocks around them."""
+        off = first.offset
+        head = off % DIRECT_ALIGN if self.direct else 0
+        end = head + total
+        want = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN if self.direct else end
+        got = 0
+        while got < end:
+            try:
+                n = os.preadv(fd, [view[got:want]], off - head + got)
+            except OSError as exc:
+                raise self._err(f"read failed at offset {off - head + got}: {exc.strerror}",
+                                first.file) from exc
+            if n <= 0:
+                raise self._err(f"file changed during load: unexpected end of file at offset "
+                                f"{off - head + got}", first.file)
+            got += n
+        return head, got

@@ -1,0 +1,313 @@
+"""Executes read-and-redistribute (planning/redistribute.py): row shares read, pieces swapped with one
+all-to-all per batch over the TP group, each rank's slices assembled in place.
+
+No torch.distributed here: the collective is ``comm.Comm.all_to_all_bytes``. CPU tensors go
+over gloo; on CUDA the row shares are loaded by the DeviceLoader and swapped over NCCL on the
+device.
+
+Fail-together without hanging: a rank whose reads fail (or that sees another rank fail) keeps
+taking part in the remaining all-to-alls with zero-filled shares, then raises; so no peer is
+left waiting inside a collective, and the caller's ``comm.agree`` reports the failure.
+A rank that dies mid-collective is detected by the process group (gloo at once, NCCL at its
+timeout), as for read-once broadcasts.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+
+import torch
+
+from ..planning.checkpoint import DTYPES
+from ..planning.plan import RankPlan
+from .read import Reader, ReadStats
+from ..planning.redistribute import ExchangeItem, Redistribute, piece_selection
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..dist.comm import Comm
+    from .device import PinnedRing
+    from ..planning.plan import Partition
+    from ..stage import StagePlan
+
+__all__ = ["ExchangeReader", "NodeReadOnceReader", "split_plan"]
+
+
+def split_plan(plan: RankPlan) -> tuple[RankPlan, RankPlan, Redistribute]:
+    """(direct items not exchanged, the row-share reads in exchange order, the exchange)."""
+    ex = plan.redistribute
+    if ex is None:
+        raise ValueError("plan has no redistribution (planned with exchange_cost=None or tp=1)")
+    skip = ex.targets
+    own = replace(plan, items=tuple(i for i in plan.items if i.target not in skip),
+                  redistribute=None)
+    shares = replace(plan, items=tuple(i.share for i in ex.items), redistribute=None)
+    return own, shares, ex
+
+
+def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous) as uint8 with the last dim widened by the itemsize."""
+    if t.dim() == 0:
+        return t.reshape(1).view(torch.uint8)
+    return t.view(torch.uint8)
+
+
+class ExchangeReader:
+    """Yields ``(target, tensor)`` of a plan with a Redistribute: first every exchanged tensor
+    (row shares read, one all-to-all per batch), then the rest through a plain Reader.
+
+    Every rank of the TP group must iterate it to the end. ``stats.read_bytes`` counts storage
+    bytes; ``sent_bytes`` / ``received_bytes`` the bytes exchanged with other ranks.
+    """
+
+    def __init__(self, plan: RankPlan, comm: "Comm", *, window_bytes: Optional[int] = None,
+                 threads: int = 1, mode: str = "owned",
+                 cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None,
+                 memory_budget_bytes: Optional[int] = None,
+                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None) -> None:
+        self.own, self.shares, self.exchange = split_plan(plan)
+        if comm.topology.tp_group() != self.exchange.group:
+            raise ValueError(f"plan's TP group {self.exchange.group} is not the comm's "
+                             f"{comm.topology.tp_group()}")
+        self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
+        self.device, self.ring = torch.device(device), ring
+        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
+        self._share_reader = Reader(self.shares, **kw)  # type: ignore[arg-type]
+        self._own_reader = Reader(self.own, mode=mode, **kw)  # type: ignore[arg-type]
+        self._device_stats: list[ReadStats] = []
+        self.stats = ReadStats()
+        self.sent_bytes = self.received_bytes = 0
+        self.exchange_seconds = 0.0
+        self.error: Optional[BaseException] = None
+
+    # ---- row shares ---------------------------------------------------------------------
+    def _cpu_shares(self) -> Iterator[list[torch.Tensor]]:
+        stream = iter(self._share_reader)
+        for batch in self.exchange.batches():
+            out = []
+            for item in batch:
+                tensor = None
+                if self.error is None:
+                    try:
+                        _, tensor = next(stream)
+                    except Exception as exc:  # noqa: BLE001 - raised after the exchange
+                        self.error = exc
+                out.append(tensor if tensor is not None else self._dummy(item))
+            yield out
+        if self.error is None:
+            try:
+                next(stream, None)  # lets the reader finish (identity checks, close)
+            except Exception as exc:  # noqa: BLE001
+                self.error = exc
+
+    def _device_shares(self) -> Iterator[list[torch.Tensor]]:
+        from .device import DeviceLoader, PinnedRing
+        ring = self.ring = self.ring or PinnedRing()
+        for batch in self.exchange.batches():
+            loaded = None
+            if self.error is None:
+                try:
+                    plan = replace(self.shares, items=tuple(i.share for i in batch))
+                    loader = DeviceLoader(plan, self.device, ring=ring, cancel=self.cancel,
+                                          on_progress=self.on_progress)
+                    self._device_stats.append(loader.stats)
+                    loaded = loader.load()
+                except Exception as exc:  # noqa: BLE001 - raised after the exchange
+                    self.error = exc
+            yield [loaded[i.share.target] if loaded is not None else self._dummy(i)
+                   for i in batch]
+
+    def _dummy(self, item: ExchangeItem) -> torch.Tensor:
+        return torch.zeros(item.share.shape, dtype=DTYPES[item.dtype][0], device=self.device)
+
+    # ---- the exchange -------------------------------------------------------------------
+    def _exchange(self, batch: list[ExchangeItem], shares: list[torch.Tensor],
+                  outputs: dict[str, torch.Tensor]) -> None:
+        ex = self.exchange
+        me, tp = ex.tp_rank, len(ex.group)
+        send_splits = [sum(i.piece_bytes(me, q) for i in batch) for q in range(tp)]
+        recv_splits = [sum(i.piece_bytes(p, me) for i in batch) for p in range(tp)]
+        send = torch.empty(sum(send_splits), dtype=torch.uint8, device=self.device)
+        pos = 0
+        for q in range(tp):
+            for item, share in zip(batch, shares):
+                a, n = item.rows[me]
+                piece = _gather_rows(share, item, a, n, q)  # a strided view: one copy
+                send[pos:pos + piece.numel()].view(piece.shape).copy_(piece)
+                pos += piece.numel()
+        for item in batch:
+            if item.first:
+                outputs[item.target] = torch.empty(item.out_shape(me),
+                                                   dtype=DTYPES[item.dtype][0],
+                                                   device=self.device)
+        total = sum(recv_splits)
+        if len(batch) == 1:  # one chunk: its pieces arrive in order, straight into the output
+            at = batch[0].out_offset(me)
+            recv = _bytes_view(outputs[batch[0].target]).reshape(-1)[at:at + total]
+        else:
+            recv = torch.empty(total, dtype=torch.uint8, device=self.device)
+        start = time.perf_counter()
+        self.comm.all_to_all_bytes(recv, recv_splits, send, send_splits)
+        self.exchange_seconds += time.perf_counter() - start
+        del send
+        self.sent_bytes += sum(send_splits) - send_splits[me]
+        self.received_bytes += sum(recv_splits) - recv_splits[me]
+        pos = 0
+        for p in range(tp) if len(batch) > 1 else ():  # several: scatter into the outputs
+            for item in batch:
+                n = item.piece_bytes(p, me)
+                if n:
+                    at = item.out_offset(me) + sum(item.piece_bytes(s, me) for s in range(p))
+                    flat = _bytes_view(outputs[item.target]).reshape(-1)
+                    flat[at:at + n].copy_(recv[pos:pos + n])
+                pos += n
+        if self.device.type == "cuda":  # outputs complete before they are handed out
+            torch.cuda.synchronize(self.device)
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        start = time.perf_counter()
+        try:
+            shares = self._device_shares() if self.device.type == "cuda" else self._cpu_shares()
+            outputs: dict[str, torch.Tensor] = {}
+            for batch, loaded in zip(self.exchange.batches(), shares):
+                if self.error is None and self.cancel is not None and self.cancel.is_set():
+                    self.error = RuntimeError("cancelled: another rank failed")
+                self._exchange(batch, loaded, outputs)
+                if self.error is None:
+                    for item in batch:
+                        if item.last:
+                            yield item.target, outputs.pop(item.target)
+            next(shares, None)  # the share reader's end (identity checks)
+            if self.error is not None:
+                raise self.error
+            if self.device.type == "cuda":
+                from .device import DeviceLoader
+                loader = DeviceLoader(self.own, self.device, ring=self.ring, cancel=self.cancel,
+                                      on_progress=self.on_progress)
+                self._device_stats.append(loader.stats)
+                yield from loader.load().items()
+            else:
+                yield from self._own_reader
+        finally:
+            readers = [self._share_reader.stats, self._own_reader.stats, *self._device_stats]
+            for name in ("read_bytes", "items", "syscalls"):
+                setattr(self.stats, name, sum(getattr(s, name) for s in readers))
+            self.stats.peak_inflight_bytes = max(s.peak_inflight_bytes for s in readers)
+            self.stats.seconds = time.perf_counter() - start
+
+
+def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
+                 dst: int) -> torch.Tensor:
+    """Rank ``dst``'s slice inside rows ``[first, first + rows)`` (this share), as uint8 with
+    the last dim in bytes; a view when the slice is one interval per dim."""
+    sel = piece_selection(item.selections[dst], first, first + rows)
+    if not rows:
+        return torch.empty(0, dtype=torch.uint8, device=share.device)
+    t = _bytes_view(share)
+    size, last = share.element_size(), share.dim() - 1
+    for dim, intervals in sel.dims:
+        scale = size if dim == last else 1
+        parts = [t.narrow(dim, s * scale, k * scale) for s, k in intervals]
+        if not parts:
+            return torch.empty(0, dtype=torch.uint8, device=share.device)
+        t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+    return t
+
+
+class NodeReadOnceReader:
+    """Read once per node: bytes that several ranks of ``node_ranks`` (this rank's node) need
+    (replicated tensors, the tied head = the embedding, identical vocab slices of different
+    stages) are read by one of them and sent point to point to the others (planning/share.py plans
+    it, ``Comm.send`` / ``Comm.recv`` move it). Every rank of the node must iterate it to the
+    end; bytes read per node = the union of its ranks' plans.
+
+    ``partition`` must be the one the stage windows were planned with (checked). Yields
+    ``(target, tensor)``: the transfers in the node's order, then this rank's own items. A
+    rank whose read fails sends zeros for the rest (no receiver waits forever) and raises.
+    """
+
+    def __init__(self, staged: "StagePlan", comm: "Comm", node_ranks: Sequence[int], *,
+                 partition: "Partition" = "even", window_bytes: Optional[int] = None,
+                 threads: int = 1, cancel: Optional[threading.Event] = None,
+                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+        from ..errors import PlanError
+        from ..planning.plan import make_windows, plan_rank
+        from ..planning.share import share_node_reads
+        plan, topo = staged.plan, staged.plan.topology
+        ranks = sorted(set(node_ranks))
+        if topo.rank not in ranks or not all(0 <= r < topo.world_size for r in ranks):
+            raise PlanError(f"node ranks {ranks} must include this rank and lie in the world "
+                            f"of {topo.world_size}", rank=topo.rank)
+        windows = make_windows(staged.spec, staged.index, topo.pp_size, partition)
+        if windows[topo.pp_rank] != plan.window:
+            raise PlanError(f"partition {partition!r} gives stage {topo.pp_rank} layers "
+                            f"{windows[topo.pp_rank].start_layer}-"
+                            f"{windows[topo.pp_rank].end_layer - 1}, but this rank's plan has "
+                            f"{plan.window.start_layer}-{plan.window.end_layer - 1}: pass the "
+                            "partition the plan was made with", rank=topo.rank)
+        plans = [plan if r == topo.rank else plan_rank(
+            staged.spec, staged.index, topo.with_rank(r), windows[topo.with_rank(r).pp_rank],
+            strict=False, range_cost_bytes=plan.range_cost_bytes, exchange_cost=None)
+            for r in ranks]
+        self.node = share_node_reads(plans)[topo.rank]
+        me = topo.rank
+        first: dict[int, object] = {}
+        for i, item in self.node.mine:
+            if self.node.transfers[i].reader == me:
+                first.setdefault(i, item)
+        self._reads = replace(self.node.own, items=tuple(first.values()))  # type: ignore
+        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                  on_progress=on_progress)
+        self._readers = (Reader(self._reads, **kw), Reader(self.node.own, **kw))  # type: ignore
+        # strided TP slices are never node-shared (each rank's differ): when the plan chose
+        # read-and-redistribute for them, this rank's own items go through the exchange
+        ex = plan.redistribute
+        own_targets = {i.target for i in self.node.own.items}
+        self._exchange = ExchangeReader(replace(self.node.own, redistribute=ex), comm, **kw) \
+            if ex is not None and ex.targets <= own_targets else None  # type: ignore[arg-type]
+        self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
+        self.stats, self.received_bytes = ReadStats(), 0
+        self.error: Optional[BaseException] = None
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        me, start = self.node.rank, time.perf_counter()
+        reads = iter(self._readers[0])
+        try:
+            for index, transfer in enumerate(self.node.transfers):
+                items = [item for i, item in self.node.mine if i == index]
+                if not items:
+                    continue
+                dtype = DTYPES[items[0].dtype][0]
+                if transfer.reader == me:
+                    tensor = None
+                    if self.error is None:
+                        try:
+                            tensor = next(reads)[1]
+                        except Exception as exc:  # noqa: BLE001 - raised after the sends
+                            self.error = exc
+                    if tensor is None:
+                        tensor = torch.zeros(items[0].shape, dtype=dtype)
+                    for dst in transfer.receivers:
+                        self.comm.send(_bytes_view(tensor).reshape(-1), dst)
+                else:
+                    tensor = torch.empty(items[0].shape, dtype=dtype)
+                    self.comm.recv(_bytes_view(tensor).reshape(-1), transfer.reader)
+                    self.received_bytes += tensor.numel() * tensor.element_size()
+                    if self.on_progress is not None:
+                        self.on_progress(transfer.nbytes)
+                if self.error is None:
+                    for k, item in enumerate(items):
+                        yield item.target, tensor if k == 0 else tensor.clone()
+            if self.error is not None:
+                raise self.error
+            next(reads, None)  # the reader's end (identity checks, close)
+            yield from self._exchange if self._exchange is not None else self._readers[1]
+        finally:
+            stats = [r.stats for r in self._readers] + (
+                [self._exchange.stats] if self._exchange is not None else [])
+            for name in ("read_bytes", "items", "syscalls"):
+                setattr(self.stats, name, sum(getattr(s, name) for s in stats))
+            self.stats.seconds = time.perf_counter() - start

@@ -1,0 +1,1 @@
+"""Planning, pure (headers only, no torch.distributed): topology to read plan."""

@@ -1,0 +1,112 @@
+"""Dtype policy: what happens when a checkpoint tensor's dtype is not config.json's dtype.
+
+One small table decides, before anything is allocated or read:
+
+- same dtype                                  -> loaded as stored
+- (stored, expected) in :data:`DTYPE_POLICY`  -> ``"cast"`` (exact widenings only) or
+  ``"keep"`` (float32 tensors in a 16-bit model, e.g. norms, Mamba ``A_log``, router biases
+  that checkpoints store in full precision on purpose: passed through, the consumer decides)
+- a quantized model (config has ``quantization_config`` / ``compression_config``) and a stored
+  dtype in :data:`QUANT_STORAGE` (fp8, integers, float32 scales) -> kept: the quantization
+  method owns those dtypes
+- anything else (float16 in a bfloat16 model, integers in a plain model, float64 ...) ->
+  :class:`PlanError` naming file, tensor, rank and both dtypes.
+
+Pure: called by ``stage.plan_stage`` on every rank, so all ranks agree before reading.
+"""
+from __future__ import annotations
+
+import logging
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional
+
+import torch
+
+from .checkpoint import DTYPES, dtype_code
+from ..errors import PlanError
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .plan import RankPlan
+    from .spec import ModelSpec
+
+__all__ = ["DTYPE_POLICY", "QUANT_STORAGE", "dtype_action", "dtype_casts", "cast_stream",
+           "is_quantized"]
+
+#: (stored dtype, config dtype) -> "cast" | "keep". Pairs not listed are rejected.
+DTYPE_POLICY: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("BF16", "F32"): "cast",   # exact widening
+    ("F16", "F32"): "cast",    # exact widening
+    ("BF16", "F64"): "cast",   # exact widening
+    ("F16", "F64"): "cast",    # exact widening
+    ("F32", "F64"): "cast",    # exact widening
+    ("F32", "BF16"): "keep",   # full-precision-by-design tensors in a bf16 model
+    ("F32", "F16"): "keep",    # same in an fp16 model (casting could overflow to inf)
+})
+
+#: Stored dtypes a quantized checkpoint may use for weights, scales and packed integers.
+QUANT_STORAGE: frozenset[str] = frozenset({
+    "F8_E4M3", "F8_E5M2", "F8_E8M0", "I8", "U8", "I16", "U16", "I32", "U32", "I64", "F32"})
+
+_QUANT_KEYS = ("quantization_config", "compression_config")
+
+logger = logging.getLogger(__name__)
+
+
+def is_quantized(spec: "ModelSpec") -> bool:
+    """True when config.json declares a quantization method."""
+    return any(spec.config.get(k) or spec.full_config.get(k) for k in _QUANT_KEYS)
+
+
+def dtype_action(stored: str, expected: str, *, quantized: bool = False) -> Optional[str]:
+    """``"keep"``, ``"cast"`` or None (rejected) for a tensor stored as ``stored``."""
+    if stored == expected:
+        return "keep"
+    if quantized and stored in QUANT_STORAGE:
+        return "keep"
+    return DTYPE_POLICY.get((stored, expected))
+
+
+def _allowed_text() -> str:
+    return ", ".join(f"{a}->{b} ({act})" for (a, b), act in DTYPE_POLICY.items())
+
+
+def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
+    """Targets of ``plan`` to cast (target -> dtype); raises PlanError for a rejected dtype.
+
+    Every rejected tensor of the plan is counted in one error (the first one is named).
+    """
+    expected = dtype_code(spec.dtype)
+    quantized = is_quantized(spec)
+    casts: dict[str, torch.dtype] = {}
+    rejected, kept = [], []
+    for item in plan.items:
+        action = dtype_action(item.dtype, expected, quantized=quantized)
+        if action is None:
+            rejected.append(item)
+        elif action == "cast":
+            casts[item.target] = DTYPES[expected][0]
+        elif item.dtype != expected and not (quantized and item.dtype in QUANT_STORAGE):
+            kept.append(item)
+    if rejected:
+        first = rejected[0]
+        more = f" (and {len(rejected) - 1} more: " + ", ".join(
+            f"{i.name} {i.dtype}" for i in rejected[1:6]) + ")" if len(rejected) > 1 else ""
+        raise PlanError(f"dtype {first.dtype} in the checkpoint but config.json says {expected}"
+                        f"{' (quantized)' if quantized else ''}; pploader converts only along "
+                        f"its allowlist: {_allowed_text()}{more}. See docs/reliability.md.",
+                        file=first.file, tensor=first.name, rank=plan.topology.rank)
+    if kept:
+        logger.warning("rank %d: %d tensor(s) stored as %s in a %s model are passed through as "
+                       "stored, not cast: %s%s (load_stage_into refuses them unless the module "
+                       "has that dtype or allow_cast=True)", plan.topology.rank, len(kept),
+                       "/".join(sorted({i.dtype for i in kept})), expected,
+                       ", ".join(i.name for i in kept[:8]), " ..." if len(kept) > 8 else "")
+    return casts
+
+
+def cast_stream(stream: Iterable[tuple[str, torch.Tensor]],
+                casts: Mapping[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Apply the planned casts to a ``(target, tensor)`` stream (others pass unchanged)."""
+    for target, tensor in stream:
+        dtype = casts.get(target)
+        yield target, (tensor if dtype is None else tensor.to(dtype))

@@ -1,0 +1,677 @@
+"""LoadPlan: exactly which bytes each rank reads. Pure: headers in, frozen data out.
+
+Called on any process (no torch.distributed); ``pploader plan`` prints it for every rank.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import re
+from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
+
+from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
+from ..errors import PlanError
+from ..families.base import TensorRole
+from ..families.heads import check_tp_heads
+from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, engine_windows,
+                        even_windows, explicit_windows)
+from .quant import QuantScheme, expand_template, quant_scheme, same_shape
+from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
+                    tp_selection)
+from .spec import ModelSpec
+from .topology import Topology
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .redistribute import Exchanger, Redistribute
+
+logger = logging.getLogger(__name__)
+
+#: Cost of exchanging one byte over the TP group's link (the larger of sent and received per
+#: rank) in bytes of sequential storage read (planning/redistribute.py; None = never exchange).
+#: Measured on the 2-core VM (docs/tensor-parallel.md); NVLink vs NVMe is far below it.
+DEFAULT_EXCHANGE_COST: Optional[float] = 0.5
+
+__all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
+           "plan_mtp", "layer_bytes", "read_item", "CheckpointRoles", "checkpoint_roles"]
+
+#: "even", "balanced", "vllm", "sglang", explicit layer counts per stage, or an EngineSplit.
+Partition = Union[str, Sequence[int], EngineSplit]
+
+
+@dataclass(frozen=True)
+class ReadItem:
+    """One tensor (or slice) to read: byte ``ranges`` concatenated form ``buffer_shape``;
+    ``gather`` then narrows it (coalesced strided reads); ``pad_rows`` zero rows follow."""
+
+    name: str
+    target: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    buffer_shape: tuple[int, ...]
+    gather: tuple[tuple[int, tuple[Interval, ...]], ...] = ()
+    pad_rows: int = 0
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def ideal_bytes(self) -> int:
+        rows = self.shape[0] - self.pad_rows if self.shape else 1
+        return rows * math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def direct(self) -> bool:
+        """True when the ranges land straight in the output (no temporary buffer)."""
+        return not self.gather
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """Everything one rank will read, in the order it reads it."""
+
+    model: str
+    topology: Topology
+    window: StageWindow
+    experts: Optional[tuple[int, int]]
+    items: tuple[ReadItem, ...]
+    paths: Mapping[str, str]
+    identities: Mapping[str, FileIdentity]
+    header_bytes: int
+    tensors: tuple[str, ...] = field(default=())
+    range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES   # the cost rule the items were made with
+    #: tensors read as TP row shares + all-to-all when loaded with a Comm (planning/redistribute.py);
+    #: ``items`` still hold their direct reads (what a load without a Comm does)
+    redistribute: Optional["Redistribute"] = None
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(i.file for i in self.items if i.ranges))
+
+    @property
+    def ideal_bytes(self) -> int:
+        return sum(i.ideal_bytes for i in self.items)
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(i.read_bytes for i in self.items)
+
+    @property
+    def planned_read_bytes(self) -> int:
+        """Bytes read when loaded with a Comm: direct items + row shares of exchanged ones."""
+        ex = self.redistribute
+        if ex is None:
+            return self.read_bytes
+        skip = ex.targets
+        return sum(i.read_bytes for i in self.items if i.target not in skip) + ex.read_bytes
+
+    @property
+    def largest_item_bytes(self) -> int:
+        return max((max(i.nbytes, i.read_bytes) for i in self.items), default=0)
+
+    def summary(self) -> dict:
+        """The stable JSON form documented in docs/usage.md."""
+        from .redistribute import read_methods
+        t = self.topology
+        return {"rank": t.rank, "pp_rank": t.pp_rank, "tp_rank": t.tp_rank, "ep_rank": t.ep_rank,
+                "start_layer": self.window.start_layer, "end_layer": self.window.end_layer,
+                "has_embed": self.window.has_embed, "has_head": self.window.has_head,
+                "experts": list(self.experts) if self.experts else None,
+                "num_tensors": len(self.items), "ideal_bytes": self.ideal_bytes,
+                "planned_read_bytes": self.planned_read_bytes,
+                "direct_read_bytes": self.read_bytes, "methods": read_methods(self),
+                "header_bytes": self.header_bytes,
+                "files": list(self.files), "tensors": list(self.tensors)}
+
+
+@dataclass(frozen=True)
+class CheckpointRoles:
+    """Every checkpoint name's role, worked out once per (spec, index) and passed explicitly
+    (``plan_all`` and read-once planning share one): names bucketed by layer with one regex
+    match each, roles derived per distinct layer component (a MoE model repeats ~1.5 k
+    components over 60 layers), and the family template with the names only it has."""
+
+    spec: ModelSpec                                  # resolved to the checkpoint's naming
+    layers: Mapping[int, tuple[str, ...]]            # global layer id (MTP ids after) -> names
+    components: Mapping[str, Optional[TensorRole]]   # component -> role (layer None); None:
+    others: Mapping[str, TensorRole]                 #   classify per name; names off the layers
+    links: Mapping[str, str]                         # quant companion name -> its weight's name
+    template: Optional[Mapping[str, tuple[int, ...]]]
+    template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+
+    def role(self, name: str, layer: int, component: str) -> TensorRole:
+        """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
+        weight = self.links.get(name)
+        if weight is not None:
+            wcomp = component[:len(component) - len(name) + len(weight)]
+            base = self._plain(weight, layer, wcomp)
+            return TensorRole(base.placement, base.component[:-len("weight")]
+                              + component[len(wcomp) - len("weight"):], base.layer,
+                              base.expert, base.fused_experts, base.role)
+        return self._plain(name, layer, component)
+
+    def _plain(self, name: str, layer: int, component: str) -> TensorRole:
+        known = self.components.get(component)
+        if known is None:  # a component some global pattern also matches: per name
+            role = self.spec.family.classify(name, self.spec.num_layers, self.spec.num_mtp_layers)
+            assert role is not None
+            return role
+        return TensorRole("layer" if layer < self.spec.num_layers else "mtp", component, layer,
+                          known.expert, known.fused_experts)
+
+    def layer_roles(self, layer: int) -> dict[str, TensorRole]:
+        prefix_len = self._prefix_len(layer)
+        return {n: self.role(n, layer, n[prefix_len:]) for n in self.layers.get(layer, ())}
+
+    def _prefix_len(self, layer: int) -> int:
+        return len(self.spec.family.layer_name(layer, ""))
+
+    def items(self) -> list[tuple[str, TensorRole]]:
+        """(name, role) of every checkpoint tensor."""
+        out = list(self.others.items())
+        for layer in self.layers:
+            out.extend(self.layer_roles(layer).items())
+        return out
+
+    def stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                    ) -> dict[str, TensorRole]:
+        """The roles of the names ``window`` (and ``experts``) reads."""
+        chosen = {n: r for n, r in self.others.items() if _wanted(r, window, experts)}
+        for layer in range(window.start_layer, window.end_layer):
+            for name, role in self.layer_roles(layer).items():
+                if role.expert is None or experts is None or experts[0] <= role.expert < experts[1]:
+                    chosen[name] = role
+        return chosen
+
+    @property
+    def stores_head(self) -> bool:
+        return any(r.role == "head" for r in self.others.values())
+
+
+def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles:
+    """Classify every name of ``index`` for ``spec`` (pure; PlanError on unknown names)."""
+    spec = spec.for_checkpoint(index.weight_map)
+    fam, n, m = spec.family, spec.num_layers, spec.num_mtp_layers
+    scheme = quant_scheme(spec)
+    match = re.compile(fam.layer_prefix).match
+    layers: dict[int, list[str]] = {}
+    components: dict[str, Optional[TensorRole]] = {}
+    others: dict[str, TensorRole] = {}
+    unknown: list[str] = []
+    off_layer: list[str] = []
+    weight_of: dict[str, Optional[str]] = {}  # component -> its weight's component (companions)
+    links: dict[str, str] = {}
+    wmap = index.weight_map
+    by_prefix = _bucket_by_prefix(list(wmap), fam.layer_prefix, off_layer)
+    companions: set[str] = set()   # components naming a quantization companion
+    per_name: set[str] = set()     # components that a global pattern also matches
+    for prefix, names in by_prefix.items():
+        layer, cut = int(match(prefix).group(1)), len(prefix)  # type: ignore[union-attr]
+        if layer >= n + m:
+            unknown.extend(names)
+            continue
+        comps = [name[cut:] for name in names]
+        for component in set(comps) - components.keys():
+            role = fam.classify(prefix + component, n, m)
+            components[component] = (replace(role, layer=None) if role is not None
+                                     and role.placement in ("layer", "mtp") else None)
+            link = scheme.weight_of(component) if scheme is not None else None
+            weight_of[component] = link[0] if link is not None else None
+            if link is not None:
+                companions.add(component)
+            if components[component] is None:
+                per_name.add(component)
+        if companions:
+            for name, c in zip(names, comps):
+                if c in companions:
+                    weight = prefix + weight_of[c]  # type: ignore[operator]
+                    if weight in wmap:
+                        links[name] = weight
+        if per_name and not per_name.isdisjoint(comps):  # a global pattern matched too:
+            off_layer.extend(x for x, c in zip(names, comps) if components[c] is None)
+            names = [x for x, c in zip(names, comps) if components[c] is not None]
+        layers[layer] = names
+    if scheme is not None:
+        for name in off_layer:
+            link = scheme.weight_of(name)
+            if link is not None and link[0] in wmap:
+                links[name] = link[0]
+    for name in off_layer:
+        weight = links.get(name, name)
+        role = fam.classify(weight, n, m)
+        if role is not None and weight != name:
+            role = replace(role, component=role.component[:-len("weight")]
+                           + name[len(weight) - len("weight"):])
+        if role is None:
+            unknown.append(name)
+        elif role.placement in ("layer", "mtp") and role.layer is not None and name in links:
+            layers[role.layer] = layers.get(role.layer, []) + [name]
+        else:
+            others[name] = role
+    if unknown:
+        raise PlanError(f"{len(unknown)} checkpoint tensor(s) the {fam.name} family does "
+                        f"not know (num_hidden_layers={n}, mtp layers={m}): "
+                        f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
+                        tensor=unknown[0])
+    template = fam.template(spec) if fam.template is not None else None
+    only = {} if template is None else {
+        t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
+    return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
+                           links, template, only)
+
+
+def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]
+                      ) -> dict[str, list[str]]:
+    """Names grouped by the layer prefix they start with (``model.layers.7.``); the others
+    are appended to ``off_layer``. In sorted order the names starting with one prefix are one
+    contiguous range, so the regex runs once per range (bisect finds its end), not per name."""
+    match = re.compile(pattern).match
+    ordered = names if names == sorted(names) else sorted(names)
+    by_prefix: dict[str, list[str]] = {}
+    cursor, end = 0, len(ordered)
+    while cursor < end:
+        found = match(ordered[cursor])
+        if found is None:
+            off_layer.append(ordered[cursor])
+            cursor += 1
+            continue
+        prefix = found.group(0)
+        # every name in [cursor, hi) starts with prefix (sorted, below prefix's successor)
+        hi = bisect.bisect_left(ordered, prefix[:-1] + chr(ord(prefix[-1]) + 1), cursor)
+        by_prefix.setdefault(prefix, []).extend(ordered[cursor:hi])
+        cursor = hi
+    return by_prefix
+
+
+def layer_bytes(spec: ModelSpec, index: CheckpointIndex,
+                roles: Optional[CheckpointRoles] = None) -> tuple[list[int], int, int]:
+    """Bytes per decoder layer, of first-stage globals and of last-stage globals (headers)."""
+    index.validate_all()
+    roles = roles or checkpoint_roles(spec, index)
+    spec = roles.spec
+    per_layer, first, last = [0] * spec.num_layers, 0, 0
+    everything = roles.items()
+    for name, role in everything:
+        nbytes = index.entry(name).nbytes
+        if role.placement == "layer":
+            per_layer[role.layer] += nbytes  # type: ignore[index]
+        elif role.placement == "first":
+            first += nbytes
+        elif role.placement == "last":
+            last += nbytes
+    if spec.tie_word_embeddings:
+        last += sum(index.entry(n).nbytes for n, r in everything if r.role == "embed")
+    return per_layer, first, last
+
+
+def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
+                 partition: Partition = "even", *,
+                 cache_bytes: Optional[Sequence[int]] = None,
+                 roles: Optional[CheckpointRoles] = None) -> tuple[StageWindow, ...]:
+    """Stage windows for all PP ranks (balanced reads every header; even/explicit none).
+
+    ``cache_bytes`` (per layer, e.g. ``pools.layer_cache_bytes`` at a target load) is added to
+    the weight bytes ``balanced`` weighs, so stages with cache-heavy layers get fewer layers.
+    """
+    if isinstance(partition, str) and partition in ENGINES:
+        partition = EngineSplit(partition)  # the formula (its partition variable: EngineSplit)
+    if isinstance(partition, EngineSplit):
+        windows = engine_windows(partition.engine, spec.num_layers, pp, partition.layer_partition)
+        for w in windows:
+            if w.num_layers == 0:
+                raise PlanError(f"{partition} gives stage {w.pp_rank} no layer ({spec.num_layers} "
+                                f"layers over {pp} stages); pploader plans stages of at least "
+                                "one layer")
+        return windows
+    if isinstance(partition, str):
+        if partition == "even":
+            return even_windows(spec.num_layers, pp)
+        if partition == "balanced":
+            per_layer, first, last = layer_bytes(spec, index, roles)
+            if cache_bytes is not None:
+                per_layer = [w + c for w, c in zip(per_layer, cache_bytes, strict=True)]
+            return balanced_windows(per_layer, pp, first_extra=first, last_extra=last)
+        raise PlanError(f"unknown partition {partition!r}: use even, balanced, vllm, sglang or "
+                        "counts like 8,8,9,7")
+    return explicit_windows(list(partition), spec.num_layers, pp)
+
+
+def _wanted(role: TensorRole, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
+    if role.placement == "first":
+        return window.has_embed
+    if role.placement == "last":
+        return window.has_head
+    if role.placement != "layer" or not window.owns(role.layer):  # type: ignore[arg-type]
+        return False
+    if role.expert is not None and experts is not None:
+        return experts[0] <= role.expert < experts[1]
+    return True
+
+
+def read_item(entry: TensorEntry, target: str, selection: Selection,
+              range_cost: int = DEFAULT_RANGE_COST_BYTES) -> ReadItem:
+    """The ReadItem of ``selection`` of ``entry``: direct byte runs (concatenated in C order),
+    or one covering box + gather when ``n_runs x range_cost`` makes run-by-run dearer."""
+    shape, itemsize = entry.shape, entry.itemsize
+    out_shape = selection.shape(shape)
+    if not selection.dims:
+        ranges = ((entry.start, entry.nbytes),) if entry.nbytes else ()
+        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape, ranges,
+                        shape, pad_rows=selection.pad_rows)
+    sel = dict(selection.dims)
+    k, j = max(sel), min(sel)
+    n_runs = len(sel[k]) * math.prod(sum(n for _, n in sel[d]) if d in sel else shape[d]
+                                     for d in range(k))
+    needed = (math.prod(out_shape) - (selection.pad_rows * math.prod(shape[1:]))) * itemsize
+    row_bytes = math.prod(shape[1:]) * itemsize
+    lo = min(a for a, _ in sel[0]) if j == 0 else 0
+    hi = max(a + n for a, n in sel[0]) if j == 0 else shape[0]
+    box_bytes = (hi - lo) * row_bytes
+    if n_runs <= 1 or needed + n_runs * range_cost <= box_bytes:
+        runs = byte_runs(shape, itemsize, entry.start, Selection(selection.dims))
+        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
+                        tuple(runs), _unpadded(out_shape, selection.pad_rows),
+                        pad_rows=selection.pad_rows)
+    gather = tuple((d, tuple((a - lo, n) for a, n in iv) if d == 0 else iv)
+                   for d, iv in selection.dims)
+    box_shape = (hi - lo,) + shape[1:]
+    return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
+                    ((entry.start + lo * row_bytes, box_bytes),), box_shape, gather,
+                    selection.pad_rows)
+
+
+def _unpadded(shape: tuple[int, ...], pad_rows: int) -> tuple[int, ...]:
+    return (shape[0] - pad_rows,) + shape[1:] if pad_rows else shape
+
+
+def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tuple[int, ...],
+                       topo: Topology, experts: Optional[tuple[int, int]]) -> Selection:
+    """TP rule + local experts on a (logical) shape."""
+    rule = spec.family.shard_rule(role.component)
+    sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
+    if role.fused_experts and experts is not None:
+        if not shape or shape[0] != spec.num_experts:
+            raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
+                            f"num_experts {spec.num_experts}", tensor=name)
+        if experts != (0, spec.num_experts):
+            sel = Selection(((0, ((experts[0], experts[1] - experts[0]),)),)).merged(sel)
+    return sel
+
+
+def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
+               experts: Optional[tuple[int, int]], index: CheckpointIndex,
+               scheme: Optional[QuantScheme]) -> Selection:
+    """The rank's selection of ``entry``; quantized weights and their companions are sliced
+    from the weight's logical selection (planning/quant.py)."""
+    link = scheme.weight_of(entry.name) if scheme is not None else None
+    if scheme is not None and link is not None and link[0] in index.weight_map:
+        weight, comp = index.entry(link[0]), link[1]
+        if not scheme.is_quantized(weight.name, weight.dtype, len(weight.shape)):
+            raise PlanError(f"{comp.suffix} of a weight stored as {weight.dtype} {list(weight.shape)}"
+                            f" ({scheme.name} weights are {scheme.weight_dtype}, >= 2-d)",
+                            file=entry.file, tensor=entry.name, rank=topo.rank)
+        logical = scheme.logical_shape(weight.shape)
+        if not same_shape(comp.shape(logical), entry.shape):
+            raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
+                            f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
+                            file=entry.file, tensor=entry.name, rank=topo.rank)
+        wrole = replace(role, component=role.component[:-len(comp.suffix)] + "weight")
+        wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
+        return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
+    if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
+        logical = scheme.logical_shape(entry.shape)
+        wsel = _logical_selection(spec, role, entry.name, logical, topo, experts)
+        return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
+    return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
+
+
+def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
+              window: StageWindow, *, strict: bool = True,
+              range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+              exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
+              exchange_batch_bytes: Optional[int] = None,
+              roles: Optional[CheckpointRoles] = None) -> RankPlan:
+    """The plan of one rank: its window's layers, globals, local experts and TP slices.
+
+    ``exchange_cost`` (None = off): strided TP slices may be planned as row shares + an
+    all-to-all of the TP group (``RankPlan.redistribute``, see planning/redistribute.py), chosen per
+    tensor when cheaper than direct reads at ``range_cost_bytes``. ``roles``
+    (``checkpoint_roles(spec, index)``) lets several plans of one checkpoint share the
+    classification of its names; computed here when not given."""
+    if window.pp_rank != topology.pp_rank:
+        raise PlanError(f"window of stage {window.pp_rank} given to {topology.describe()}")
+    roles = roles or checkpoint_roles(spec, index)
+    spec = roles.spec
+    check_tp_heads(spec, topology.tp_size)
+    experts = (local_experts(spec.num_experts, topology.ep_size, topology.ep_rank)
+               if spec.num_experts and topology.ep_size > 1 else None)
+    if topology.ep_size > 1 and not spec.num_experts:
+        raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts: leave "
+                        "--ep at 1 (use --tp to split the stage)")
+    chosen = roles.stage_roles(window, experts)
+    reads = [(n, r, n) for n, r in chosen.items()]   # (checkpoint name, role, target)
+    if window.has_head and not window.has_embed and spec.tie_word_embeddings \
+            and not roles.stores_head:
+        # the declared replica: the last stage reads the embedding as its head (a stage
+        # holding both reads it once; the model ties the head to it)
+        for name, role in roles.others.items():
+            if role.role == "embed":
+                reads.append((name, role, _head_name(spec)))
+                chosen.setdefault(name, role)
+    index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
+    if strict:
+        _check_expected(roles, index, chosen, window, experts, topology)
+    items = []
+    scheme = quant_scheme(spec)
+    exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
+    selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
+    relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
+    for name, role, target in reads:
+        entry = index.entry(name)
+        weight = roles.links.get(name)
+        wentry = index.entry(weight) if weight is not None else None
+        key = (role.component, role.fused_experts, entry.shape, entry.dtype,
+               wentry.shape if wentry else None, wentry.dtype if wentry else None)
+        sel = selections.get(key)
+        try:
+            if sel is None:
+                sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
+                                                   scheme)
+            if exchanger is not None:
+                exchanger.consider(entry, target, sel, (
+                    role.component, role.fused_experts, wentry.shape if wentry else None),
+                    partial(_peer_selection, spec, role, entry, experts, index, scheme))
+        except PlanError as exc:  # name the file and rank of the tensor being planned
+            raise PlanError(exc.detail, file=exc.file or entry.file,
+                            tensor=exc.tensor or name, rank=topology.rank) from None
+        shape_key = (entry.shape, entry.dtype, sel)
+        made = relative.get(shape_key)
+        if made is None:  # byte runs relative to the tensor's start, shared by equal tensors
+            made = relative[shape_key] = read_item(
+                TensorEntry("", "", entry.dtype, entry.shape, 0, entry.nbytes), "", sel,
+                range_cost_bytes)
+        items.append(_rebased(made, entry, target))
+    plan = _finish(spec, index, topology, window, experts, items, list(chosen))
+    redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
+        if exchanger is not None else None
+    plan = replace(plan, range_cost_bytes=range_cost_bytes, redistribute=redistribute)
+    logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
+                 len(plan.items), plan.read_bytes, ", ".join(plan.files))
+    return plan
+
+
+def _peer_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry,
+                    experts: Optional[tuple[int, int]], index: CheckpointIndex,
+                    scheme: Optional[QuantScheme], peer: Topology) -> Selection:
+    """A TP peer's selection of ``entry`` (the exchange planner needs the whole group's)."""
+    return _selection(spec, role, entry, peer, experts, index, scheme)
+
+
+def _exchanger(topology: Topology, range_cost_bytes: int, exchange_cost: Optional[float],
+               batch_bytes: Optional[int]) -> "Optional[Exchanger]":
+    """The per-tensor direct-vs-exchange chooser, or None (TP 1 or exchange off)."""
+    if exchange_cost is None or topology.tp_size == 1:
+        return None
+    from .redistribute import DEFAULT_EXCHANGE_BATCH_BYTES, Exchanger
+    return Exchanger(topology, range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+                     batch_bytes=batch_bytes or DEFAULT_EXCHANGE_BATCH_BYTES)
+
+
+def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
+    """``made`` (planned for a tensor at offset 0) moved to ``entry``'s file and offset; every
+    other field is kept (a frozen copy without re-running the dataclass __init__)."""
+    item = object.__new__(ReadItem)
+    item.__dict__.update(made.__dict__, name=entry.name, target=target, file=entry.file,
+                         ranges=tuple((entry.start + a, n) for a, n in made.ranges))
+    return item
+
+
+def _head_name(spec: ModelSpec) -> str:
+    for rule in spec.family.globals:
+        if rule.role == "head":
+            return rule.pattern.replace("\\", "")
+    raise PlanError(f"{spec.family.name} ties embeddings but declares no head tensor")
+
+
+def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window: StageWindow,
+            experts: Optional[tuple[int, int]], items: list[ReadItem],
+            names: list[str]) -> RankPlan:
+    order = {f: i for i, f in enumerate(sorted(index.paths))}
+    items.sort(key=lambda it: (order[it.file], it.ranges[0][0] if it.ranges else 0, it.target))
+    files = list(dict.fromkeys(i.file for i in items))
+    headers = {f: index.header(f) for f in files}
+    return RankPlan(
+        model=str(index.root), topology=topology, window=window, experts=experts,
+        items=tuple(items), paths={f: str(h.path) for f, h in headers.items()},
+        identities={f: h.identity for f, h in headers.items()},
+        header_bytes=sum(8 + h.header_bytes for h in headers.values()),
+        tensors=tuple(sorted(dict.fromkeys(names))))
+
+
+def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
+                    chosen: Mapping[str, TensorRole], window: StageWindow,
+                    experts: Optional[tuple[int, int]], topology: Topology) -> None:
+    """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
+    spec, template = roles.spec, roles.template
+    if template is None:
+        return
+    expected = {n: tuple(template[n]) for n in chosen if n in template}
+    expected.update({n: tuple(template[n]) for n, r in roles.template_only.items()
+                     if r is not None and _wanted(r, window, experts)})
+    scheme = quant_scheme(spec)
+    if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
+        expected = expand_template(  # an error like any missing tensor)
+            scheme, expected,
+            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
+    have = {n for n in chosen if _wanted(chosen[n], window, experts)}
+    missing = sorted(set(expected) - index.weight_map.keys())
+    unexpected = sorted(have - set(expected))
+    where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
+    if missing:
+        raise PlanError(f"{where}: {len(missing)} required tensor(s) missing from the checkpoint: "
+                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""),
+                        tensor=missing[0], rank=topology.rank)
+    if unexpected:
+        raise PlanError(f"{where}: {len(unexpected)} tensor(s) not expected for this config: "
+                        + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""),
+                        tensor=unexpected[0], rank=topology.rank)
+    for name in sorted(have):
+        entry = index.entry(name)
+        if not same_shape(expected[name], entry.shape):
+            raise PlanError(f"shape {list(entry.shape)} in the checkpoint != {list(expected[name])} "
+                            "expected from config.json", file=entry.file, tensor=name,
+                            rank=topology.rank)
+
+
+def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
+             partition: Partition = "even", strict: bool = True,
+             cache_bytes: Optional[Sequence[int]] = None,
+             range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
+             exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
+             exchange_batch_bytes: Optional[int] = None) -> list[RankPlan]:
+    """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
+    roles = checkpoint_roles(spec, index)
+    windows = make_windows(roles.spec, index, pp, partition, cache_bytes=cache_bytes, roles=roles)
+    topo = Topology(pp, tp, ep)
+    plans = [plan_rank(roles.spec, index, t, windows[t.pp_rank], strict=strict,
+                       range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+                       exchange_batch_bytes=exchange_batch_bytes, roles=roles)
+             for t in topo.all_ranks()]
+    logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
+                "ideal %d", len(plans), pp, ep, tp, partition,
+                sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
+    return plans
+
+
+def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
+             topology: Optional[Topology] = None) -> RankPlan:
+    """Plan of a draft model: MTP layer ``mtp_layer`` renamed to layer 0 of the draft."""
+    if not 0 <= mtp_layer < spec.num_mtp_layers:
+        raise PlanError(f"MTP layer {mtp_layer} requested; the checkpoint config has "
+                        f"{spec.num_mtp_layers} (num_nextn_predict_layers)")
+    topo = topology or Topology(1)
+    roles = checkpoint_roles(spec, index)
+    spec = roles.spec
+    layer = spec.num_layers + mtp_layer
+    window = StageWindow(topo.pp_rank, layer, layer + 1, False, False)
+    experts = (local_experts(spec.num_experts, topo.ep_size, topo.ep_rank)
+               if spec.num_experts and topo.ep_size > 1 else None)
+    items, names = [], []
+    scheme = quant_scheme(spec)
+    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())})
+    for name, role in roles.layer_roles(layer).items():
+        if role.placement == "mtp" and role.layer == layer and (
+                role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
+            entry = index.entry(name)
+            sel = _selection(spec, role, entry, topo, experts, index, scheme)
+            items.append(read_item(entry, spec.family.layer_name(0, role.component), sel))
+            names.append(name)
+    if not items:
+        raise PlanError(f"no tensors for MTP layer {mtp_layer} (global layer {layer})")
+    _check_mtp(spec, index, layer, names, experts)
+    return _finish(spec, index, topo, window, experts, items, names)
+
+
+def _check_mtp(spec: ModelSpec, index: CheckpointIndex, layer: int, names: Sequence[str],
+               experts: Optional[tuple[int, int]]) -> None:
+    """Strict accounting of a draft plan: the MTP layer's tensors (local experts) equal the
+    template's, shapes too (quantized: stored shapes + companions, as for stages)."""
+    if spec.family.template is None:
+        return
+    expected = {}
+    for name, shape in spec.family.template(spec).items():
+        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+        if role is not None and role.placement == "mtp" and role.layer == layer and (
+                role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
+            expected[name] = tuple(shape)
+    scheme = quant_scheme(spec)
+    if scheme is not None:
+        expected = expand_template(
+            scheme, expected,
+            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
+    missing = sorted(set(expected) - set(index.weight_map))
+    unexpected = sorted(set(names) - set(expected))
+    for what, bad in (("missing from the checkpoint", missing), ("not expected", unexpected)):
+        if bad:
+            raise PlanError(f"MTP layer {layer}: {len(bad)} tensor(s) {what}: "
+                            + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""), tensor=bad[0])
+    for name in names:
+        entry = index.entry(name)
+        if not same_shape(expected[name], entry.shape):
+            raise PlanError(f"shape {list(entry.shape)} in the checkpoint != "
+                            f"{list(expected[name])} expected from config.json", file=entry.file,
+                            tensor=name)

@@ -1,0 +1,162 @@
+"""ModelSpec: what the model is, read from config.json through its family's data."""
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any, Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from ..errors import ConfigError
+from ..families import Family, find_family
+from ..families.base import cfg
+
+__all__ = ["ModelSpec", "load_spec", "read_config", "spec_from_config"]
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
+                "bf16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """The model as pploader sees it: layers, their kinds, experts, dtype, tying."""
+
+    family: Family
+    architecture: str
+    config: Mapping[str, object]         # the language-model config (text_config for VL)
+    full_config: Mapping[str, object]    # config.json as written
+    num_layers: builtins.int
+    layer_kinds: tuple[str, ...]
+    moe_layers: frozenset[builtins.int]
+    num_experts: builtins.int
+    num_mtp_layers: builtins.int
+    dtype: torch.dtype
+    tie_word_embeddings: bool
+
+    def get(self, *keys: str) -> object:
+        """A config value by the first present key (clear error otherwise)."""
+        return cfg(self.config, *keys)
+
+    def int(self, *keys: str) -> builtins.int:
+        return builtins.int(cfg(self.config, *keys))
+
+    @property
+    def hidden_size(self) -> builtins.int:
+        return self.int("hidden_size", "d_model")
+
+    @property
+    def vocab_size(self) -> builtins.int:
+        return self.int("vocab_size")
+
+    @property
+    def num_heads(self) -> builtins.int:
+        return self.int("num_attention_heads")
+
+    @property
+    def num_kv_heads(self) -> builtins.int:
+        if self.config.get("num_key_value_heads") is None:
+            return self.num_heads
+        return self.int("num_key_value_heads")
+
+    @property
+    def head_dim(self) -> builtins.int:
+        if self.config.get("head_dim") is not None:
+            return self.int("head_dim")
+        return self.hidden_size // self.num_heads
+
+    def layers_of_kind(self, *kinds: str) -> tuple[builtins.int, ...]:
+        return tuple(i for i, k in enumerate(self.layer_kinds) if k in kinds)
+
+    def for_checkpoint(self, names: Iterable[str]) -> "ModelSpec":
+        """This spec with its family resolved to the naming the checkpoint uses (e.g. fused
+        3-D experts written by transformers); the planner calls it with the index's names.
+
+        A tied config whose checkpoint also stores the head is read untied: the stored head
+        is the head, as transformers does (it ties only when both copies are equal, and then
+        either is right)."""
+        if not isinstance(names, (Mapping, set, frozenset)):
+            names = set(names)
+        spec = self if not self.family.formats else replace(
+            self, family=self.family.for_checkpoint(names))
+        if spec.tie_word_embeddings:
+            head = next((r.pattern.replace("\\", "") for r in spec.family.globals
+                         if r.role == "head"), None)
+            if head is not None and head in names:
+                logger.info("%s: tie_word_embeddings is set but the checkpoint stores %s; it is "
+                            "read as the head (as transformers does)", spec.architecture, head)
+                spec = replace(spec, tie_word_embeddings=False)
+        return spec
+
+
+def _dtype(config: Mapping, outer: Mapping) -> torch.dtype:
+    raw = config.get("dtype") or config.get("torch_dtype") or outer.get("dtype") \
+        or outer.get("torch_dtype")
+    if raw is None:
+        raise ConfigError("config.json has no dtype / torch_dtype: pploader will not guess the "
+                          "checkpoint's dtype", file="config.json")
+    name = str(raw).replace("torch.", "")
+    if name not in _DTYPE_NAMES:
+        raise ConfigError(f"unsupported dtype {raw!r} (known: {', '.join(_DTYPE_NAMES)})",
+                          file="config.json")
+    return _DTYPE_NAMES[name]
+
+
+def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] = None) -> ModelSpec:
+    """Build a ModelSpec from a parsed config.json (pure; used by tests and `plan`)."""
+    if not isinstance(config, Mapping):
+        raise ConfigError("config.json is not a JSON object", file="config.json")
+    archs: Any = config.get("architectures")
+    fam, arch = (family, (archs or [family.name])[0]) if family \
+        else find_family(config)
+    text = config
+    if fam.text_config_key and isinstance(config.get(fam.text_config_key), Mapping):
+        text = config[fam.text_config_key]  # type: ignore[assignment]
+    if fam.config_defaults:  # standard names of keys the config spells its own way
+        text = {**fam.config_defaults, **text}
+    try:
+        layout = fam.layout(text)
+    except ConfigError as exc:
+        raise ConfigError(f"{fam.name}: {exc.detail}", file="config.json") from None
+    tie = text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))
+    return ModelSpec(
+        family=fam, architecture=arch, config=MappingProxyType(dict(text)),
+        full_config=MappingProxyType(dict(config)), num_layers=layout.num_layers,
+        layer_kinds=layout.layer_kinds, moe_layers=layout.moe_layers,
+        num_experts=layout.num_experts, num_mtp_layers=layout.num_mtp_layers,
+        dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
+
+
+def read_config(model_dir: os.PathLike | str, *,
+                allowed_roots: Sequence[os.PathLike | str] = ()) -> object:
+    """The parsed ``config.json`` of a model directory (clear errors when missing or bad).
+
+    Like the shards, config.json may be a symlink only into the allowed roots (the model
+    directory, its Hugging Face cache repo, ``allowed_roots``)."""
+    from .checkpoint import check_model_dir, inside_roots
+    root = check_model_dir(model_dir)
+    path = root / "config.json"
+    if not path.is_file():
+        what = "is not a regular file" if os.path.lexists(path) else "is missing"
+        raise ConfigError(f"config.json {what} in the model directory: --model must be the "
+                          "directory holding config.json and the *.safetensors shards",
+                          file=str(path))
+    inside_roots(root, path, allowed_roots, "config.json")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from None
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
+
+
+def load_spec(model_dir: os.PathLike | str, *,
+              allowed_roots: Sequence[os.PathLike | str] = ()) -> ModelSpec:
+    """Read ``config.json`` of a model directory into a ModelSpec."""
+    return spec_from_config(read_config(model_dir, allowed_roots=allowed_roots))  # type: ignore[arg-type]

@@ -1,0 +1,91 @@
+"""The package layout of issue 14: the core never imports benchmark or test code.
+
+Written by the restructure script (docs/architecture.md, "Modules"). Static: every import of
+every module outside pploader/bench and pploader/testing (``if TYPE_CHECKING:`` blocks aside);
+dynamic: ``pploader --help`` and a plan import neither package.
+"""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+PKG = Path(__file__).resolve().parents[1] / "pploader"
+TOOLING = ("pploader.bench", "pploader.testing")
+
+
+def _imports(path: Path, top_level_only: bool = False) -> list[str]:
+    """Modules ``path`` imports (``if TYPE_CHECKING:`` blocks aside; with ``top_level_only``,
+    also imports inside functions, i.e. lazy ones)."""
+    module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+    package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+    package = package.removesuffix(".__init__")
+    tree = ast.parse(path.read_text())
+    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None))
+            == "TYPE_CHECKING" for n in ast.walk(node)}
+    if top_level_only:
+        skip |= {id(n) for node in ast.walk(tree)
+                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+                 for n in ast.walk(node)}
+    found = []
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                mod = ".".join(base + ([node.module] if node.module else []))
+            else:
+                mod = node.module or ""
+            found.append(mod)
+            found += [f"{mod}.{a.name}" for a in node.names]
+    return found
+
+
+def test_core_never_imports_bench_or_testing() -> None:
+    """Only the CLI may reach them, and only lazily: bench/ for ``pploader bench``, testing/
+    when PPLOADER_FAULT is set (the dynamic test below checks the default path)."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).parts
+        if rel[0] in ("bench", "testing"):
+            continue
+        lazy_ok = rel == ("cli.py",)
+        bad += [f"{path.relative_to(PKG.parent)} imports {m}"
+                for m in _imports(path, top_level_only=lazy_ok) if m.startswith(TOOLING)]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_folder_is_a_documented_package() -> None:
+    for folder in sorted(p for p in PKG.iterdir() if p.is_dir() and any(p.glob("*.py"))):
+        init = folder / "__init__.py"
+        assert init.exists(), f"{folder} has no __init__.py"
+        assert ast.get_docstring(ast.parse(init.read_text())), f"{init} has no docstring"
+
+
+def test_help_and_plan_import_no_tooling(tmp_path: Path) -> None:
+    code = (
+        "import sys, contextlib, io\n"
+        "from pploader.cli import main\n"
+        "out = io.StringIO()\n"
+        "with contextlib.redirect_stdout(out):\n"
+        "    try:\n"
+        "        main(['--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "assert 'bench' in out.getvalue(), out.getvalue()\n"
+        "import pploader, pploader.stage\n"
+        "print(sorted(m for m in sys.modules if m.startswith(%r)))\n" % (TOOLING,))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
+def test_bench_listed_the_same_without_importing_it() -> None:
+    from pploader.cli import build_parser
+    assert build_parser(bench=False).format_help() == build_parser().format_help()
