@@ -209,7 +209,7 @@ class HostAllocRing:
             buf = torch.empty(self.per_thread * self.slot_bytes, dtype=torch.uint8,
                               pin_memory=True)
             flat, n = buf.numpy(), self.slot_bytes
-            self._slots[index] = [(buf[o:o + n], memoryview(flat[o:o + n]))
+            self._slots[index] = [(buf[o:o + n], memoryview(flat[o:o + n]))  # type: ignore[arg-type]
                                   for o in range(0, self.per_thread * n, n)]
             self.alloc_seconds += time.perf_counter() - start
             self.nbytes += self.per_thread * n

@@ -96,7 +96,11 @@ def case_register() -> dict:
     dst.copy_(again, non_blocking=True)
     torch.cuda.synchronize()
     ok = bool((dst[:4096] == 1).all())
-    h2d = _timed(lambda: (dst.copy_(again, non_blocking=True), torch.cuda.synchronize()))
+    def h2d_copy() -> None:
+        dst.copy_(again, non_blocking=True)
+        torch.cuda.synchronize()
+
+    h2d = _timed(h2d_copy)
     return {"touch_512MiB_s": touch, "register_touched_512MiB_s": whole,
             "register_untouched_16MiB_first_s": per[0], "register_untouched_16MiB_median_s":
             sorted(per)[len(per) // 2], "register_untouched_32x16MiB_sum_s": sum(per),
@@ -109,7 +113,7 @@ def case_register_thp() -> dict:
     import mmap
     import torch
     n = 512 * MIB
-    out = {}
+    out: dict[str, object] = {}
     for name, huge in (("thp", True), ("4k", False)):
         mm = mmap.mmap(-1, n + 2 * MIB, flags=mmap.MAP_PRIVATE)
         if huge:

@@ -68,7 +68,7 @@ class PinnedRing:
             _advise_huge_pages(self._buf.data_ptr(), total)
         flat = self._buf.numpy()
         n = self.slot_bytes
-        self._slots = [[(self._buf[o:o + n], memoryview(flat[o:o + n]))
+        self._slots = [[(self._buf[o:o + n], memoryview(flat[o:o + n]))  # type: ignore[arg-type]
                         for o in range((i * slots_per_thread) * n,
                                        (i + 1) * slots_per_thread * n, n)]
                        for i in range(threads)]

@@ -16,7 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
@@ -259,15 +259,15 @@ class NodeReadOnceReader:
             if self.node.transfers[i].reader == me:
                 first.setdefault(i, item)
         self._reads = replace(self.node.own, items=tuple(first.values()))  # type: ignore
-        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                  on_progress=on_progress)
-        self._readers = (Reader(self._reads, **kw), Reader(self.node.own, **kw))  # type: ignore
+        kw: dict[str, Any] = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                                  on_progress=on_progress)
+        self._readers = (Reader(self._reads, **kw), Reader(self.node.own, **kw))
         # strided TP slices are never node-shared (each rank's differ): when the plan chose
         # read-and-redistribute for them, this rank's own items go through the exchange
         ex = plan.redistribute
         own_targets = {i.target for i in self.node.own.items}
         self._exchange = ExchangeReader(replace(self.node.own, redistribute=ex), comm, **kw) \
-            if ex is not None and ex.targets <= own_targets else None  # type: ignore[arg-type]
+            if ex is not None and ex.targets <= own_targets else None
         self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
         self.stats, self.received_bytes = ReadStats(), 0
         self.error: Optional[BaseException] = None
