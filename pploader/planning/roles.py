@@ -1,0 +1,191 @@
+"""CheckpointRoles: every checkpoint name classified once for a spec (pure, frozen).
+
+Several plans of one checkpoint (every rank of ``pploader plan``, a read-once group, a node's
+file list) share it, so a rank classifies names in bulk instead of one regex per tensor.
+"""
+from __future__ import annotations
+
+import bisect
+import re
+from dataclasses import dataclass, replace
+from typing import Mapping, Optional
+
+from ..errors import PlanError
+from ..families.base import TensorRole
+from .checkpoint import CheckpointIndex
+from .partition import StageWindow
+from .quant import quant_scheme
+from .spec import ModelSpec
+
+__all__ = ["CheckpointRoles", "checkpoint_roles", "wanted"]
+
+
+@dataclass(frozen=True)
+class CheckpointRoles:
+    """Every checkpoint name's role, worked out once per (spec, index) and passed explicitly
+    (``plan_all`` and read-once planning share one): names bucketed by layer with one regex
+    match each, roles derived per distinct layer component (a MoE model repeats ~1.5 k
+    components over 60 layers), and the family template with the names only it has."""
+
+    spec: ModelSpec                                  # resolved to the checkpoint's naming
+    layers: Mapping[int, tuple[str, ...]]            # global layer id (MTP ids after) -> names
+    components: Mapping[str, Optional[TensorRole]]   # component -> role (layer None); None:
+    others: Mapping[str, TensorRole]                 #   classify per name; names off the layers
+    links: Mapping[str, str]                         # quant companion name -> its weight's name
+    template: Optional[Mapping[str, tuple[int, ...]]]
+    template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+
+    def role(self, name: str, layer: int, component: str) -> TensorRole:
+        """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
+        weight = self.links.get(name)
+        if weight is not None:
+            wcomp = component[:len(component) - len(name) + len(weight)]
+            base = self._plain(weight, layer, wcomp)
+            return TensorRole(base.placement, base.component[:-len("weight")]
+                              + component[len(wcomp) - len("weight"):], base.layer,
+                              base.expert, base.fused_experts, base.role)
+        return self._plain(name, layer, component)
+
+    def _plain(self, name: str, layer: int, component: str) -> TensorRole:
+        known = self.components.get(component)
+        if known is None:  # a component some global pattern also matches: per name
+            role = self.spec.family.classify(name, self.spec.num_layers, self.spec.num_mtp_layers)
+            assert role is not None
+            return role
+        return TensorRole("layer" if layer < self.spec.num_layers else "mtp", component, layer,
+                          known.expert, known.fused_experts)
+
+    def layer_roles(self, layer: int) -> dict[str, TensorRole]:
+        prefix_len = self._prefix_len(layer)
+        return {n: self.role(n, layer, n[prefix_len:]) for n in self.layers.get(layer, ())}
+
+    def _prefix_len(self, layer: int) -> int:
+        return len(self.spec.family.layer_name(layer, ""))
+
+    def items(self) -> list[tuple[str, TensorRole]]:
+        """(name, role) of every checkpoint tensor."""
+        out = list(self.others.items())
+        for layer in self.layers:
+            out.extend(self.layer_roles(layer).items())
+        return out
+
+    def stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                    ) -> dict[str, TensorRole]:
+        """The roles of the names ``window`` (and ``experts``) reads."""
+        chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
+        for layer in range(window.start_layer, window.end_layer):
+            for name, role in self.layer_roles(layer).items():
+                if role.expert is None or experts is None or experts[0] <= role.expert < experts[1]:
+                    chosen[name] = role
+        return chosen
+
+    @property
+    def stores_head(self) -> bool:
+        return any(r.role == "head" for r in self.others.values())
+
+
+def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles:
+    """Classify every name of ``index`` for ``spec`` (pure; PlanError on unknown names)."""
+    spec = spec.for_checkpoint(index.weight_map)
+    fam, n, m = spec.family, spec.num_layers, spec.num_mtp_layers
+    scheme = quant_scheme(spec)
+    match = re.compile(fam.layer_prefix).match
+    layers: dict[int, list[str]] = {}
+    components: dict[str, Optional[TensorRole]] = {}
+    others: dict[str, TensorRole] = {}
+    unknown: list[str] = []
+    off_layer: list[str] = []
+    weight_of: dict[str, Optional[str]] = {}  # component -> its weight's component (companions)
+    links: dict[str, str] = {}
+    wmap = index.weight_map
+    by_prefix = _bucket_by_prefix(list(wmap), fam.layer_prefix, off_layer)
+    companions: set[str] = set()   # components naming a quantization companion
+    per_name: set[str] = set()     # components that a global pattern also matches
+    for prefix, names in by_prefix.items():
+        layer, cut = int(match(prefix).group(1)), len(prefix)  # type: ignore[union-attr]
+        if layer >= n + m:
+            unknown.extend(names)
+            continue
+        comps = [name[cut:] for name in names]
+        for component in set(comps) - components.keys():
+            role = fam.classify(prefix + component, n, m)
+            components[component] = (replace(role, layer=None) if role is not None
+                                     and role.placement in ("layer", "mtp") else None)
+            link = scheme.weight_of(component) if scheme is not None else None
+            weight_of[component] = link[0] if link is not None else None
+            if link is not None:
+                companions.add(component)
+            if components[component] is None:
+                per_name.add(component)
+        if companions:
+            for name, c in zip(names, comps):
+                if c in companions:
+                    weight = prefix + weight_of[c]  # type: ignore[operator]
+                    if weight in wmap:
+                        links[name] = weight
+        if per_name and not per_name.isdisjoint(comps):  # a global pattern matched too:
+            off_layer.extend(x for x, c in zip(names, comps) if components[c] is None)
+            names = [x for x, c in zip(names, comps) if components[c] is not None]
+        layers[layer] = names
+    if scheme is not None:
+        for name in off_layer:
+            link = scheme.weight_of(name)
+            if link is not None and link[0] in wmap:
+                links[name] = link[0]
+    for name in off_layer:
+        weight = links.get(name, name)
+        role = fam.classify(weight, n, m)
+        if role is not None and weight != name:
+            role = replace(role, component=role.component[:-len("weight")]
+                           + name[len(weight) - len("weight"):])
+        if role is None:
+            unknown.append(name)
+        elif role.placement in ("layer", "mtp") and role.layer is not None and name in links:
+            layers[role.layer] = layers.get(role.layer, []) + [name]
+        else:
+            others[name] = role
+    if unknown:
+        raise PlanError(f"{len(unknown)} checkpoint tensor(s) the {fam.name} family does "
+                        f"not know (num_hidden_layers={n}, mtp layers={m}): "
+                        f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
+                        tensor=unknown[0])
+    template = fam.template(spec) if fam.template is not None else None
+    only = {} if template is None else {
+        t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
+    return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
+                           links, template, only)
+
+
+def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]
+                      ) -> dict[str, list[str]]:
+    """Names grouped by the layer prefix they start with (``model.layers.7.``); the others
+    are appended to ``off_layer``. In sorted order the names starting with one prefix are one
+    contiguous range, so the regex runs once per range (bisect finds its end), not per name."""
+    match = re.compile(pattern).match
+    ordered = names if names == sorted(names) else sorted(names)
+    by_prefix: dict[str, list[str]] = {}
+    cursor, end = 0, len(ordered)
+    while cursor < end:
+        found = match(ordered[cursor])
+        if found is None:
+            off_layer.append(ordered[cursor])
+            cursor += 1
+            continue
+        prefix = found.group(0)
+        # every name in [cursor, hi) starts with prefix (sorted, below prefix's successor)
+        hi = bisect.bisect_left(ordered, prefix[:-1] + chr(ord(prefix[-1]) + 1), cursor)
+        by_prefix.setdefault(prefix, []).extend(ordered[cursor:hi])
+        cursor = hi
+    return by_prefix
+
+
+def wanted(role: TensorRole, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
+    if role.placement == "first":
+        return window.has_embed
+    if role.placement == "last":
+        return window.has_head
+    if role.placement != "layer" or not window.owns(role.layer):  # type: ignore[arg-type]
+        return False
+    if role.expert is not None and experts is not None:
+        return experts[0] <= role.expert < experts[1]
+    return True
