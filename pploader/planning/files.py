@@ -15,9 +15,8 @@ from typing import Any, Optional, Sequence
 
 from .checkpoint import INDEX_NAME, open_checkpoint
 from ..errors import TopologyError
-from .plan import Partition, RankPlan, checkpoint_roles, make_windows, plan_rank
+from .plan import Partition, RankPlan, plan_all
 from .spec import load_spec
-from .topology import Topology
 
 __all__ = ["NodeFiles", "node_files", "format_node_files", "FORMATS"]
 
@@ -57,7 +56,7 @@ def node_files(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, 
     """Per node (ranks ``[k * K, (k + 1) * K)``, K = ``ranks_per_node``, as torchrun and Slurm
     place them), the files it needs; also the stage layer counts (give them to ``load
     --partition`` on a stage-only node: ``balanced`` must read every shard's header).
-    ``read_options`` (``range_cost_bytes``, ``exchange_cost``...) go to ``plan_rank``, so the
+    ``read_options`` (``range_cost_bytes``, ``exchange_cost``...) go to ``plan_all``, so the
     bytes are those ``load`` reads with the same options."""
     world = pp * tp * ep
     if nodes is not None and ranks_per_node is not None:
@@ -72,11 +71,9 @@ def node_files(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, 
         raise TopologyError(f"--ranks-per-node must be positive, got {per_node}")
     root = Path(model_dir)
     spec, index = load_spec(root), open_checkpoint(root)
-    roles = checkpoint_roles(spec, index)
-    windows = make_windows(roles.spec, index, pp, partition, roles=roles)
-    topo = Topology(pp, tp, ep)
-    plans: list[RankPlan] = [plan_rank(roles.spec, index, t, windows[t.pp_rank], roles=roles,
-                                       **read_options) for t in topo.all_ranks()]
+    plans: list[RankPlan] = plan_all(spec, index, pp, tp, ep, partition=partition,
+                                     **read_options)
+    windows = {p.window.pp_rank: p.window for p in plans}
     metadata = tuple(sorted(p.name for p in root.iterdir()
                             if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
                             and not p.name.startswith(".")))
@@ -90,7 +87,7 @@ def node_files(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, 
         out.append(NodeFiles(node, tuple(p.topology.rank for p in group), tuple(shards),
                              tuple(index.paths[f].stat().st_size for f in shards), metadata,
                              sum(p.planned_read_bytes for p in group)))
-    return out, tuple(w.num_layers for w in windows)
+    return out, tuple(windows[stage].num_layers for stage in range(pp))
 
 
 def format_node_files(found: Sequence[NodeFiles], fmt: str, *, model: str = "",
