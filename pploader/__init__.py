@@ -22,6 +22,7 @@ _EXPORTS: dict[str, str] = {
     "RankPlan": "planning.plan", "ReadItem": "planning.plan", "make_windows": "planning.plan", "plan_all": "planning.plan",
     "plan_mtp": "planning.plan", "plan_rank": "planning.plan",
     "Reader": "io.read", "ReadStats": "io.read", "is_borrowed": "io.read", "owned": "io.read",
+    "ReadBackend": "io.backend", "ReadOptions": "io.backend", "open_backend": "io.registry",
     "ModelSpec": "planning.spec", "load_spec": "planning.spec", "spec_from_config": "planning.spec",
     "StagePlan": "stage", "StageResult": "stage", "iter_mtp_weights": "stage",
     "iter_stage_weights": "stage", "load_stage": "stage", "plan_stage": "stage",
@@ -51,7 +52,7 @@ __all__ = [
     "bind_derived", "ensure_ready", "is_ready", "run_post_processing", "ReloadResult",
     "reload_from_disk", "EngineSplit", "check_engine_window", "engine_layer_counts",
     "engine_windows", "get_pp_indices", "NameRule", "MissingLayer", "is_placeholder",
-    "make_stage_layers",
+    "make_stage_layers", "ReadBackend", "ReadOptions", "open_backend",
 ]  # == _EXPORTS (tests/test_cli_mistakes.py checks)
 
 
@@ -79,6 +80,8 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .planning.plan import RankPlan, ReadItem, make_windows, plan_all, plan_mtp, plan_rank
     from .bind.postprocess import bind_derived, ensure_ready, is_ready, run_post_processing
     from .io.read import Reader, ReadStats, is_borrowed, owned
+    from .io.backend import ReadBackend, ReadOptions
+    from .io.registry import open_backend
     from .bind.reload import ReloadResult, reload_from_disk
     from .planning.spec import ModelSpec, load_spec, spec_from_config
     from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights,

@@ -317,6 +317,7 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
                                 device=device, cancel=cancel, on_progress=add,
                                 memory_budget_bytes=args.memory_budget,
                                 comm=comm, read_once=args.read_once,
+                                io_backend=args.io_backend,
                                 **_node_kwargs(args, topo.rank, topo.world_size, partition))
             add.flush()  # type: ignore[attr-defined]
             if args.save_loaded:

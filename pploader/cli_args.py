@@ -9,6 +9,7 @@ import argparse
 import os
 from typing import NoReturn, Optional
 
+from .io.registry import AUTO, backend_names, backends_help
 from .planning.partition import ENGINES, parse_partition
 
 __all__ = ["build_parser"]
@@ -260,6 +261,10 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                    help="where the weights go: cpu, cuda, cuda:N (default cuda:LOCAL_RANK when "
                    "this rank has a GPU, else cpu). On a GPU bytes go through a pinned ring "
                    "straight into device memory (O_DIRECT when the files are not cached)")
+    p.add_argument("--io-backend", choices=backend_names(), default=AUTO,
+                   help="read backend of the direct reads and of --read-once (default auto: the "
+                   "first that loads onto --device). " + backends_help() + ". The row-share "
+                   "exchange and --read-once-node keep their own readers")
     p.add_argument("--timeout", type=_seconds, default=60.0,
                    help="load timeout: a rank making no progress this long while others wait is "
                    "named silent (hung), one whose heartbeat stops for min(10, timeout) s is "

@@ -9,8 +9,8 @@ import logging
 import os
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Mapping, Optional, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -19,7 +19,9 @@ from .planning.dtypes import cast_stream, dtype_casts
 from .errors import PPLoaderError
 from .planning.plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, checkpoint_roles,
                             make_windows, plan_mtp, plan_rank)
-from .io.read import Reader, ReadStats
+from .io.backend import ReadBackend, ReadOptions, ReadStats
+from .io.read import Reader
+from .io.registry import open_backend
 from .planning.share import share_reads
 from .planning.shard import DEFAULT_RANGE_COST_BYTES
 from .report import RankReport, current_rss_bytes, peak_rss_bytes, reset_peak_rss
@@ -28,7 +30,7 @@ from .planning.topology import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
     from .dist.comm import Comm
-    from .io.device import DeviceLoader, PinnedRing
+    from .io.device import PinnedRing
     from .io.exchange import ExchangeReader, NodeReadOnceReader
 
 logger = logging.getLogger(__name__)
@@ -126,8 +128,9 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
                                                threads=threads, cancel=cancel,
                                                on_progress=on_progress))
     else:
-        stream = iter(Reader(staged.plan, window_bytes=window_bytes, threads=threads, mode=mode,
-                             cancel=cancel, on_progress=on_progress))
+        stream = iter(open_backend(staged.plan, "cpu", ReadOptions(
+            window_bytes=window_bytes, threads=threads, mode=mode, cancel=cancel,
+            on_progress=on_progress)))
     yield from cast_stream(stream, staged.casts)
 
 
@@ -155,10 +158,11 @@ class ReadOnceReader:
     """
 
     def __init__(self, staged: StagePlan, comm: "Comm", *, window_bytes: Optional[int] = None,
-                 threads: int = 1, cancel: Optional[threading.Event] = None,
+                 threads: Optional[int] = None, cancel: Optional[threading.Event] = None,
                  on_progress: Optional[Callable[[int], None]] = None,
                  memory_budget_bytes: Optional[int] = None,
-                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None) -> None:
+                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None,
+                 io_backend: Optional[str] = None) -> None:
         plan, topo = staged.plan, staged.plan.topology
         self.device, self.ring, self.cancel = torch.device(device), ring, cancel
         roles = checkpoint_roles(staged.spec, staged.index)  # classified once for the group
@@ -170,31 +174,23 @@ class ReadOnceReader:
                  for r in topo.stage_group()]
         self.shared = share_reads(plans)[topo.rank]
         self.comm, self.stats = comm, ReadStats()
-        kw: dict[str, Any] = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
-        self._readers = (Reader(self.shared.reads, **kw), Reader(self.shared.own, **kw))
+        options = ReadOptions(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                              on_progress=on_progress, memory_budget_bytes=memory_budget_bytes,
+                              ring=ring)
+        # this rank's shared reads, then its own items: two backends of one load, the second
+        # on the first's staging (a CUDA backend's pinned ring) when it has one
+        first = open_backend(self.shared.reads, self.device, options, io_backend)
+        options = replace(options, ring=getattr(first, "ring", ring))
+        self._readers: tuple[ReadBackend, ReadBackend] = (
+            first, open_backend(self.shared.own, self.device, options, io_backend))
+        self.ring = options.ring
         self.received_bytes, self._on_progress = 0, on_progress
-
-    def _device_loads(self) -> tuple[Iterator[tuple[str, torch.Tensor]],
-                                     Iterator[tuple[str, torch.Tensor]]]:
-        """On CUDA: this rank's shared reads and own items, each loaded by a DeviceLoader."""
-        from .io.device import DeviceLoader, PinnedRing
-        ring = self.ring = self.ring or PinnedRing()
-        loaders = [DeviceLoader(p, self.device, ring=ring, cancel=self.cancel,
-                                on_progress=self._on_progress)
-                   for p in (self.shared.reads, self.shared.own)]
-        self._readers = tuple(loaders)  # type: ignore[assignment]
-        mine = loaders[0].load()
-        return iter([(i.target, mine[i.target]) for i in self.shared.reads.items]), \
-            (pair for pair in loaders[1].load().items())
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         rank = self.shared.rank
         start = time.perf_counter()
-        cuda = self.device.type == "cuda"
         try:
-            reads, own = self._device_loads() if cuda else (iter(self._readers[0]),
-                                                            iter(self._readers[1]))
+            reads, own = iter(self._readers[0]), iter(self._readers[1])
             for s in self.shared.shared:
                 if s.reader == rank:
                     target, tensor = next(reads)
@@ -235,7 +231,7 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                memory_budget_bytes: Optional[int] = None, comm: Optional["Comm"] = None,
                read_once: bool = False, redistribute: Optional[bool] = None,
                node_ranks: Optional[Sequence[int]] = None,
-               partition: Partition = "even") -> StageResult:
+               partition: Partition = "even", io_backend: Optional[str] = None) -> StageResult:
     """Read a planned stage into owned tensors on ``device`` and measure it.
 
     ``read_once`` (needs ``comm``, all ranks of the stage call it): replicated tensors are
@@ -254,13 +250,16 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
 
-    On CUDA the bytes go through a pinned staging ring straight into device tensors
-    (``ring`` may be passed in to reuse one across loads); on CPU through the windowed Reader.
+    ``io_backend`` (io/registry.py; None = ``auto``): the read backend of the direct reads
+    and of ``read_once``: on CUDA by default ``pinned`` (a pinned staging ring straight into
+    device tensors; ``ring`` may be passed in to reuse one across loads), on CPU ``threaded``
+    (the windowed Reader); ``buffered`` is the plain-``read()`` reference. The exchange and
+    read-once-per-node paths keep their own readers.
     """
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()
-    reader: "Reader | DeviceLoader | ReadOnceReader | ExchangeReader | NodeReadOnceReader"
+    reader: "ReadBackend | ReadOnceReader | ExchangeReader | NodeReadOnceReader"
     if (read_once or redistribute or node_ranks is not None) and comm is None:
         raise ValueError("read_once / redistribute / node_ranks need a Comm (the collectives "
                          "go through it)")
@@ -284,21 +283,16 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
                                 memory_budget_bytes=memory_budget_bytes)
         state = dict(reader)
     elif read_once:
-        cuda = torch.device(device).type == "cuda"
         reader = ReadOnceReader(staged, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
-                                threads=threads or (16 if cuda else 1), cancel=cancel,
+                                threads=threads, cancel=cancel,
                                 on_progress=on_progress, device=device, ring=ring,
-                                memory_budget_bytes=memory_budget_bytes)
+                                memory_budget_bytes=memory_budget_bytes, io_backend=io_backend)
         state = dict(reader)
-    elif torch.device(device).type == "cuda":
-        from .io.device import DEFAULT_DEVICE_THREADS, DeviceLoader, PinnedRing
-        ring = ring or PinnedRing(threads or DEFAULT_DEVICE_THREADS)
-        reader = DeviceLoader(plan, device, ring=ring, cancel=cancel, on_progress=on_progress)
-        state = reader.load()
     else:
-        reader = Reader(plan, window_bytes=window_bytes, threads=threads or 1, cancel=cancel,
-                        on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
-        state = dict(reader)
+        reader = open_backend(plan, device, ReadOptions(
+            window_bytes=window_bytes, threads=threads, cancel=cancel, on_progress=on_progress,
+            memory_budget_bytes=memory_budget_bytes, ring=ring), io_backend)
+        state = reader.load()
     state = dict(cast_stream(state.items(), staged.casts))  # dtype policy (planning/dtypes.py)
     t = plan.topology
     report = RankReport(

@@ -11,7 +11,6 @@ from bind_models import MOE_CONFIG, MoEStage, TinyLM, make_moe, param_ptrs, plan
 from helpers import make_model, run_ranks, tiny_config
 from pploader import (RankFailure, Reader, Topology, load_stage, load_stage_into, plan_stage,
                       reload_from_disk)
-from pploader.bind import write
 from pploader.dist.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
@@ -207,14 +206,16 @@ def test_nccl_pipeline_forward_matches_single_process(tmp_path: Path) -> None:
 
 @pytest.fixture
 def device_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Items written by bind/write.py's DeviceLoader (pinned ring + async H2D), per load() call."""
+    """Items written by the ``pinned`` backend (DeviceLoader: pinned ring + async H2D) into
+    given destinations (bind/write.py's in-place writes), per load() call."""
+    from pploader.io.device import DeviceLoader
     calls: list[int] = []
+    load = DeviceLoader.load
 
-    class Spy(write.DeviceLoader):
-        def load(self, destinations=None):  # type: ignore[no-untyped-def]
-            calls.append(len(destinations or {}))
-            return super().load(destinations)
-    monkeypatch.setattr(write, "DeviceLoader", Spy)
+    def spy(self, destinations=None):  # type: ignore[no-untyped-def]
+        calls.append(len(destinations or {}))
+        return load(self, destinations)
+    monkeypatch.setattr(DeviceLoader, "load", spy)
     return calls
 
 

@@ -8,10 +8,10 @@ device or on its target device). Phases, so that nothing is written unless every
    experts -> stacked ``w13``/``w2``); strict ``(missing, unexpected)`` accounting.
 2. agree: with a ``Comm``, every rank learns every rank's verdict before any write.
 3. materialise the stage's meta tensors only (other layers stay on meta), then write: bytes
-   go straight into the destination (slice) when it is a contiguous CPU tensor of the
-   checkpoint dtype; into a contiguous CUDA one of that dtype through ``DeviceLoader``'s
-   pinned ring and asynchronous H2D copies; anything else (casts, strided slices) through a
-   borrowed ring and one ``copy_``.
+   go straight into the destination (slice) when it is contiguous and of the checkpoint dtype,
+   from the device's read backend (io/registry.py: positional reads on CPU, a pinned ring and
+   asynchronous H2D copies on CUDA); anything else (casts, strided slices) through a borrowed
+   ring and one ``copy_``.
 4. record what was filled (for ``reload_from_disk``), run ``process_weights_after_loading``.
 """
 from __future__ import annotations
@@ -417,13 +417,15 @@ def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str]
                     allow_cast: bool = False, process: bool = True,
                     window_bytes: Optional[int] = None, threads: int = 1,
                     comm: Optional["Comm"] = None,
-                    on_progress: Optional[Callable[[int], None]] = None) -> BindResult:
+                    on_progress: Optional[Callable[[int], None]] = None,
+                    io_backend: Optional[str] = None) -> BindResult:
     """Load this rank's stage into ``module`` (called on every rank with its stage module).
 
     ``model`` is a model directory (with ``topology``) or a ``StagePlan``. Meta tensors the
     stage fills are allocated on ``device``; those of other stages stay on meta. Strict
     (default): any module tensor of the stage left unfilled, or checkpoint tensor with no
-    module tensor, raises PlanError naming them before a byte is read.
+    module tensor, raises PlanError naming them before a byte is read. ``io_backend``: the
+    read backend of the writes (io/registry.py; None = the device's default).
     """
     rank: Optional[int] = comm.rank if comm is not None else (
         model.plan.topology.rank if isinstance(model, StagePlan)
@@ -454,6 +456,7 @@ def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str]
 
     stats, processed = commit_writes(
         module, binding, staged.plan, action="load_stage_into", comm=comm, process=process,
-        after_write=record, window_bytes=window_bytes, threads=threads, on_progress=on_progress)
+        after_write=record, window_bytes=window_bytes, threads=threads, on_progress=on_progress,
+        io_backend=io_backend)
     return BindResult(binding.missing, binding.unexpected, binding.params, processed,
                       staged.plan, stats)

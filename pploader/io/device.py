@@ -6,6 +6,8 @@ slot with a chunk (one file range, possibly several adjacent tensors), enqueues 
 copies of that slot on its stream, records an event, and only reuses the slot once that
 event has completed. No pageable-to-device copy is on the hot path; host memory is the
 ring (threads x slots x slot_bytes), allocated once and reusable across loads.
+
+The ``pinned`` read backend (io/registry.py, made by :func:`open_pinned`).
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -26,9 +28,10 @@ from ..planning.checkpoint import DTYPES
 from ..errors import ReadError
 from .pagecache import resident_bytes_of_ranges
 from ..planning.plan import RankPlan, ReadItem
-from .read import ReadStats
+from .backend import ReadOptions, ReadStats, materialise, zero_padding
 
-__all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS"]
+__all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS",
+           "fitted_ring", "open_pinned"]
 
 DEFAULT_SLOT_BYTES = 16 << 20
 DEFAULT_DEVICE_THREADS = 16
@@ -232,6 +235,8 @@ class DeviceLoader:
         With ``overlap_alloc`` the reader threads start before the destinations exist (their
         first reads and slot page-locking overlap the allocation; each waits for it only
         before its first device copy)."""
+        if destinations is not None:  # pending work on them (zero fills, a forward still
+            torch.cuda.synchronize(self.device)  # reading them) ends before our streams write
         start = time.perf_counter()
         self.direct = self._use_direct() if self.direct_io is None else self.direct_io
         t_resid = time.perf_counter()
@@ -258,10 +263,8 @@ class DeviceLoader:
                                     item.file)
                 out[item.target] = dst
                 if item.direct:
-                    dst_bytes = dst.reshape(-1).view(torch.uint8)
-                    self._buffers[idx] = dst_bytes
-                    if item.pad_rows:
-                        dst_bytes[item.read_bytes:].zero_()
+                    self._buffers[idx] = dst.reshape(-1).view(torch.uint8)
+                    zero_padding(item, dst)
                 else:  # coalesced strided read: stage the box on the device, gather after
                     tmp = torch.empty(item.read_bytes, dtype=torch.uint8, device=self.device)
                     self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
@@ -273,14 +276,7 @@ class DeviceLoader:
         self._run(_chunks(pieces, limit), allocate)
         t_io = time.perf_counter()
         for item, tmp, dst in post:
-            t = tmp.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
-            for dim, intervals in item.gather:
-                parts = [t.narrow(dim, a, n) for a, n in intervals]
-                t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-            rows = item.shape[0] - item.pad_rows
-            (dst[:rows] if item.pad_rows else dst).copy_(t)
-            if item.pad_rows:
-                dst[rows:].zero_()
+            materialise(item, tmp, dst)
         torch.cuda.synchronize(self.device)
         self._buffers = []
         self.stats.items = len(out)
@@ -290,6 +286,10 @@ class DeviceLoader:
                         "pin_s_summed_over_threads": self.ring.alloc_seconds - pin_before,
                         "first_h2d_s": self._first_h2d - t_resid if self._first_h2d else 0.0}
         return out
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(target, tensor)`` in plan order: the whole plan is loaded at the first step."""
+        yield from self.load().items()
 
     def _use_direct(self) -> bool:
         """O_DIRECT when less than half of the planned bytes are in the page cache, judged
@@ -417,3 +417,24 @@ class DeviceLoader:
                                 f"{off - head + got}", first.file)
             got += n
         return head, got
+
+
+def fitted_ring(items: Sequence[ReadItem], window_bytes: Optional[int],
+                threads: int) -> PinnedRing:
+    """Host staging sized to ``items``: ``threads`` x 2 pinned slots, no larger than the items
+    need nor (given) ``window_bytes`` in all; larger items are split over several slots."""
+    threads = max(1, threads)
+    slot = min(DEFAULT_SLOT_BYTES, -(-sum(i.read_bytes for i in items) // threads))
+    if window_bytes:
+        slot = min(slot, window_bytes // (2 * threads))
+    return PinnedRing(threads, max(_PAGE, -(-slot // _PAGE) * _PAGE), lazy=True)
+
+
+def open_pinned(plan: RankPlan, device: torch.device, options: ReadOptions) -> DeviceLoader:
+    """The ``pinned`` backend's factory (io/registry.py): a :class:`DeviceLoader` on
+    ``options.ring``, else a new ring (``fit_staging``: sized to the plan)."""
+    threads = options.threads or DEFAULT_DEVICE_THREADS
+    ring = options.ring or (fitted_ring(plan.items, options.window_bytes, threads)
+                            if options.fit_staging else PinnedRing(threads))
+    return DeviceLoader(plan, device, ring=ring, cancel=options.cancel,
+                        on_progress=options.on_progress, direct_io=options.direct_io)

@@ -9,6 +9,8 @@ Modes:
   only until the consumer asks for the next item (the reader may then refill its bytes in the
   background). Use :func:`owned` to keep one.
 - destinations: :meth:`Reader.read_into` reads straight into caller-given tensors.
+
+The ``threaded`` read backend (io/registry.py, made by :func:`open_threaded`).
 """
 from __future__ import annotations
 
@@ -19,19 +21,19 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, Mapping, Optional
 
 import torch
 
-from ..planning.checkpoint import DTYPES, FileIdentity
+from ..planning.checkpoint import DTYPES
 from ..errors import MemoryBudgetError, ReadError
 from ..planning.plan import RankPlan, ReadItem
+from .backend import ReadOptions, ReadStats, check_identity, materialise, zero_padding
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Reader", "ReadStats", "owned", "is_borrowed", "default_window_bytes",
-           "DEFAULT_WINDOW_BYTES"]
+           "DEFAULT_WINDOW_BYTES", "open_threaded"]
 
 DEFAULT_WINDOW_BYTES = 256 * 1024 * 1024
 _MAX_BATCH_BYTES = 64 * 1024 * 1024
@@ -39,16 +41,16 @@ _MAX_IOV = 512
 _CHUNK = 1 << 30
 
 
-#: data_ptr of every live borrowed ring, so views of borrowed tensors count as borrowed too.
-_LIVE_RINGS: set[int] = set()
+#: attribute set on a live borrowed ring's storage (views share it, clones do not)
+_BORROWED = "_pploader_borrowed"
 
 
 def is_borrowed(t: torch.Tensor) -> bool:
-    """True for a tensor yielded in borrowed mode, or a view of one (backed by a reused buffer)."""
-    if getattr(t, "_pploader_borrowed", False):
+    """True for a tensor yielded in borrowed mode, or a view of one (backed by a reused buffer
+    that its reader may still refill; the reader's ring clears the mark when it ends)."""
+    if getattr(t, _BORROWED, False):
         return True
-    return bool(_LIVE_RINGS) and t.device.type == "cpu" \
-        and t.untyped_storage().data_ptr() in _LIVE_RINGS
+    return t.device.type == "cpu" and bool(getattr(t.untyped_storage(), _BORROWED, False))
 
 
 def owned(t: torch.Tensor) -> torch.Tensor:
@@ -61,17 +63,6 @@ def default_window_bytes(plan: RankPlan) -> int:
     return max(DEFAULT_WINDOW_BYTES, 2 * plan.largest_item_bytes)
 
 
-@dataclass
-class ReadStats:
-    """What the reader did (its own byte accounting, cross-checked against /proc in tests)."""
-
-    read_bytes: int = 0
-    items: int = 0
-    syscalls: int = 0
-    seconds: float = 0.0
-    peak_inflight_bytes: int = 0
-
-
 def _as_bytes(t: torch.Tensor) -> memoryview:
     flat = t.reshape(-1)
     if flat.dtype != torch.uint8:
@@ -80,13 +71,20 @@ def _as_bytes(t: torch.Tensor) -> memoryview:
 
 
 class _Ring:
-    """A circular arena handing out FIFO-freed byte regions of one reused buffer."""
+    """A circular arena handing out FIFO-freed byte regions of one reused buffer. While it is
+    live its storage is marked borrowed (:func:`is_borrowed` of any view); :meth:`release`
+    clears the mark once its reader will not refill it again."""
 
     def __init__(self, nbytes: int) -> None:
         self.buf = torch.empty(nbytes, dtype=torch.uint8)
         self.buf.fill_(0)  # prefault once: first touch of fresh memory is slow
         self.size, self.head = nbytes, 0
         self.live: deque[tuple[int, int]] = deque()  # (start, end)
+        setattr(self.buf.untyped_storage(), _BORROWED, True)
+
+    def release(self) -> None:
+        """The reader is done: views of the buffer are stable from now on."""
+        setattr(self.buf.untyped_storage(), _BORROWED, False)
 
     def _used(self) -> int:
         return sum(e - s for s, e in self.live)
@@ -148,30 +146,25 @@ class Reader:
                      plan.topology.rank, len(plan.items), self.window_bytes, self.threads, mode)
 
     # ---- files -------------------------------------------------------------------------
-    def _fd(self, file: str) -> int:
+    def _fd(self, file: str, tensor: Optional[str] = None) -> int:
         with self._lock:
             fd = self._fds.get(file)
             if fd is None:
                 try:
                     fd = os.open(self.plan.paths[file], os.O_RDONLY)
                 except OSError as exc:
-                    raise self._err(f"cannot open: {exc.strerror}", file) from exc
-                self._check_identity(file, fd)
+                    raise self._err(f"cannot open: {exc.strerror}", file, tensor) from exc
+                try:
+                    check_identity(self.plan, file, fd, tensor)
+                except ReadError:
+                    os.close(fd)
+                    raise
                 self._fds[file] = fd
                 logger.debug("rank %d: opened %s", self.plan.topology.rank, file)
             return fd
 
     def _check_identity(self, file: str, fd: int) -> None:
-        st = os.fstat(fd)
-        now, then = FileIdentity.of(st), self.plan.identities[file]
-        if st.st_nlink == 0 and then.ctime_ns:  # renamed over while open (the documented way
-            now = replace(now, ctime_ns=then.ctime_ns)  # to publish): unlinking moves ctime,
-        if now != then:                                 # the open inode's bytes are intact
-            raise self._err(f"file changed during load (planned size {then.size}, inode "
-                            f"{then.inode}, mtime_ns {then.mtime_ns}, ctime_ns {then.ctime_ns}; "
-                            f"now size {now.size}, inode {now.inode}, mtime_ns {now.mtime_ns}, "
-                            f"ctime_ns {now.ctime_ns}): publish new checkpoints by "
-                            "writing elsewhere and renaming", file)
+        check_identity(self.plan, file, fd)
 
     def _err(self, msg: str, file: Optional[str] = None, tensor: Optional[str] = None) -> ReadError:
         return ReadError(msg, file=file, tensor=tensor, rank=self.plan.topology.rank)
@@ -252,15 +245,14 @@ class Reader:
                     got = 0
 
     def _read_item(self, item: ReadItem, dst: torch.Tensor) -> None:
-        fd = self._fd(item.file) if item.ranges else -1
+        fd = self._fd(item.file, item.name) if item.ranges else -1
         if item.direct:
             out = _as_bytes(dst)
             pos = 0
             for off, n in item.ranges:
                 self._pread_into(fd, [out[pos:pos + n]], off, item)
                 pos += n
-            if item.pad_rows:
-                out[pos:] = bytes(len(out) - pos)
+            zero_padding(item, dst)
             return
         scratch = sum(n for _, n in item.ranges)
         buf = self._empty((scratch,), torch.uint8, item, "read buffer")
@@ -275,22 +267,13 @@ class Reader:
         for off, n in item.ranges:
             self._pread_into(fd, [view[pos:pos + n]], off, item)
             pos += n
-        t = buf.view(DTYPES[item.dtype][0]).reshape(item.buffer_shape)
-        for dim, intervals in item.gather:
-            parts = [t.narrow(dim, a, n) for a, n in intervals]
-            t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
-        rows = item.shape[0] - item.pad_rows if item.shape else None
-        if item.pad_rows:
-            dst[rows:].zero_()
-            dst[:rows].copy_(t)
-        else:
-            dst.copy_(t)
+        materialise(item, buf, dst)
 
     def _read_batch(self, batch: list[tuple[ReadItem, torch.Tensor]]) -> None:
         first = batch[0][0]
         if len(batch) > 1:  # contiguous direct items: one preadv for all of them
             views = [_as_bytes(dst) for _, dst in batch]
-            self._pread_into(self._fd(first.file), views, first.ranges[0][0], first)
+            self._pread_into(self._fd(first.file, first.name), views, first.ranges[0][0], first)
         else:
             self._read_item(first, batch[0][1])
         with self._lock:
@@ -341,8 +324,6 @@ class Reader:
         if self.mode == "borrowed":
             self._reserve(ring_bytes, None, "borrowed ring")
         ring = _Ring(ring_bytes) if self.mode == "borrowed" else None
-        if ring is not None:
-            _LIVE_RINGS.add(ring.buf.data_ptr())
         start = time.perf_counter()
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="pploader-read")
         queue: deque[tuple[list[tuple[ReadItem, torch.Tensor]], Future, int]] = deque()
@@ -389,7 +370,7 @@ class Reader:
                 fut.cancel()
             pool.shutdown(wait=True)
             if ring is not None:
-                _LIVE_RINGS.discard(ring.buf.data_ptr())
+                ring.release()
             self.close()
             self.stats.seconds = time.perf_counter() - start
 
@@ -424,3 +405,22 @@ class Reader:
             self.close()
             self.stats.seconds = time.perf_counter() - start
         return self.stats
+
+    def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
+             ) -> dict[str, torch.Tensor]:
+        """The read-backend call (io/backend.py): every item as a fresh tensor (``owned``
+        mode) or a borrowed view, or, with ``destinations``, read into them
+        (:meth:`read_into`) and returned by target."""
+        if destinations is None:
+            return dict(self)
+        self.read_into(destinations)
+        return {i.target: destinations[i.target] for i in self.plan.items}
+
+
+def open_threaded(plan: RankPlan, device: torch.device, options: ReadOptions) -> Reader:
+    """The ``threaded`` backend's factory (io/registry.py): a :class:`Reader` (CPU)."""
+    if device.type != "cpu":
+        raise ValueError(f"the threaded reader loads onto cpu, not {device}")
+    return Reader(plan, window_bytes=options.window_bytes, threads=options.threads or 1,
+                  mode=options.mode, cancel=options.cancel, on_progress=options.on_progress,
+                  memory_budget_bytes=options.memory_budget_bytes)

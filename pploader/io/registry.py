@@ -1,0 +1,97 @@
+"""The one place that knows the read backends and picks one: ``BACKENDS`` (add a row for a new
+backend file), :func:`select_backend` (by device, or by name), :func:`open_backend`.
+
+Torch-free on import (the CLI's ``--help`` lists the backends from here); a backend's module is
+imported only when it is opened.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from ..planning.plan import RankPlan
+    from .backend import ReadBackend, ReadOptions
+
+__all__ = ["BackendInfo", "BACKENDS", "AUTO", "backend_names", "backends_help",
+           "select_backend", "open_backend"]
+
+AUTO = "auto"
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """A read backend: its name (``--io-backend``), where its factory lives
+    (``module:function``, ``factory(plan, device, options) -> ReadBackend``), the device types it
+    loads onto, and what it is for (the CLI help)."""
+
+    name: str
+    factory: str
+    devices: tuple[str, ...]
+    purpose: str
+
+
+#: Every read backend. Order matters: ``auto`` takes the first that loads onto the device.
+BACKENDS: tuple[BackendInfo, ...] = (
+    BackendInfo("threaded", "pploader.io.read:open_threaded", ("cpu",),
+                "CPU default: threaded positional preadv, adjacent tensors in one call, bounded "
+                "window, owned or borrowed tensors"),
+    BackendInfo("pinned", "pploader.io.device:open_pinned", ("cuda",),
+                "GPU default: reads into a reused ring of pinned host slots, async copies to "
+                "the device, O_DIRECT when the files are not in the page cache"),
+    BackendInfo("buffered", "pploader.io.buffered:open_buffered", ("cpu",),
+                "plain open + seek + readinto, one request per range, no threads, no mmap: "
+                "the simplest reference (and the example of adding a backend)"),
+)
+
+
+def backend_names(backends: Sequence[BackendInfo] = BACKENDS) -> list[str]:
+    """``auto`` and every backend's name (the CLI's choices)."""
+    return [AUTO, *(b.name for b in backends)]
+
+
+def backends_help(backends: Sequence[BackendInfo] = BACKENDS) -> str:
+    """One line per backend: name, devices, purpose."""
+    return "; ".join(f"{b.name} ({'/'.join(b.devices)}): {b.purpose}" for b in backends)
+
+
+def _device_type(device: "str | torch.device") -> str:
+    return str(device).split(":", 1)[0]
+
+
+def select_backend(device: "str | torch.device", name: Optional[str] = None,
+                   backends: Sequence[BackendInfo] = BACKENDS) -> BackendInfo:
+    """The backend for ``device``: ``name`` when given (checked: it must exist and load onto
+    that device type), else (``None`` / ``auto``) the first in ``backends`` that does."""
+    kind = _device_type(device)
+    if name is not None and name != AUTO:
+        for b in backends:
+            if b.name == name:
+                if kind not in b.devices:
+                    raise ValueError(f"read backend {name!r} loads onto {'/'.join(b.devices)}, "
+                                     f"not {device}")
+                return b
+        raise ValueError(f"unknown read backend {name!r}: use one of "
+                         + ", ".join(backend_names(backends)))
+    for b in backends:
+        if kind in b.devices:
+            return b
+    raise ValueError(f"no read backend loads onto {device} (known: "
+                     + ", ".join(f"{b.name} ({'/'.join(b.devices)})" for b in backends) + ")")
+
+
+def open_backend(plan: "RankPlan", device: "str | torch.device" = "cpu",
+                 options: Optional["ReadOptions"] = None, name: Optional[str] = None,
+                 backends: Sequence[BackendInfo] = BACKENDS) -> "ReadBackend":
+    """A backend reading ``plan`` onto ``device`` (see :func:`select_backend`); nothing is read
+    until its ``load()`` or iteration."""
+    import torch
+
+    from .backend import ReadOptions
+    info = select_backend(device, name, backends)
+    module, _, attr = info.factory.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(plan, torch.device(device), options or ReadOptions())  # type: ignore[no-any-return]
