@@ -22,7 +22,6 @@ _EXPORTS: dict[str, str] = {
     "RankPlan": "planning.plan", "ReadItem": "planning.plan", "make_windows": "planning.plan", "plan_all": "planning.plan",
     "plan_mtp": "planning.plan", "plan_rank": "planning.plan",
     "Reader": "io.read", "ReadStats": "io.read", "is_borrowed": "io.read", "owned": "io.read",
-    "ReadBackend": "io.backend", "ReadOptions": "io.backend", "open_backend": "io.registry",
     "ModelSpec": "planning.spec", "load_spec": "planning.spec", "spec_from_config": "planning.spec",
     "StagePlan": "stage", "StageResult": "stage", "iter_mtp_weights": "stage",
     "iter_stage_weights": "stage", "load_stage": "stage", "plan_stage": "stage",
@@ -38,6 +37,7 @@ _EXPORTS: dict[str, str] = {
     "engine_layer_counts": "planning.partition", "engine_windows": "planning.partition",
     "get_pp_indices": "planning.partition", "NameRule": "bind.names", "MissingLayer": "bind.stage_layers",
     "is_placeholder": "bind.stage_layers", "make_stage_layers": "bind.stage_layers",
+    "ReadBackend": "io.backend", "ReadOptions": "io.backend", "open_backend": "io.registry",
 }
 
 __all__ = [

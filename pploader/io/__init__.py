@@ -1,1 +1,3 @@
-"""Reading a plan's bytes into tensors: CPU reader, direct-to-GPU loader, page cache."""
+"""Reading a plan's bytes into tensors behind one seam: the ``ReadBackend`` protocol and the
+shared materialise step (backend.py), the one place that picks a backend (registry.py), and the
+backends (read.py: threaded CPU, device.py: pinned CUDA, buffered.py: plain read())."""
