@@ -234,3 +234,26 @@ def test_in_place_writes_through_buffered_equal_the_default(models: dict[str, Pa
         stages.append(module.state_dict())
     assert stages[0].keys() == stages[1].keys()
     assert all(torch.equal(stages[0][k], stages[1][k]) for k in stages[0])
+
+
+def test_pinned_backend_wiring_without_a_gpu(models: dict[str, Path]) -> None:
+    """What the registry hands the CUDA path, checked without touching CUDA (nothing is read):
+    the default ring (16 threads x 16 MiB slots), a ring fitted to the plan and window for
+    in-place writes, a ring passed in reused."""
+    from pploader.io.device import DEFAULT_DEVICE_THREADS, DEFAULT_SLOT_BYTES, DeviceLoader
+    plan = plan_stage(models["llama"], Topology(1)).plan
+    default = open_backend(plan, "cuda:0")
+    assert isinstance(default, DeviceLoader) and isinstance(default, ReadBackend)
+    assert (default.ring.threads, default.ring.slot_bytes) == (DEFAULT_DEVICE_THREADS,
+                                                               DEFAULT_SLOT_BYTES)
+    fitted = open_backend(plan, "cuda:0", ReadOptions(threads=4, window_bytes=1 << 20,
+                                                      fit_staging=True))
+    assert (fitted.ring.threads, fitted.ring.slot_bytes) == (4, (1 << 20) // 8)  # type: ignore[attr-defined]
+    import dataclasses
+    one = dataclasses.replace(plan, items=plan.items[:1])
+    per_thread = -(-one.items[0].read_bytes // DEFAULT_DEVICE_THREADS)
+    small = open_backend(one, "cuda:0", ReadOptions(fit_staging=True))  # no larger than needed
+    assert small.ring.slot_bytes == max(4096, -(-per_thread // 4096) * 4096)  # type: ignore[attr-defined]
+    assert small.ring.slot_bytes < DEFAULT_SLOT_BYTES  # type: ignore[attr-defined]
+    again = open_backend(plan, "cuda:1", ReadOptions(ring=default.ring))
+    assert again.ring is default.ring  # type: ignore[attr-defined]
