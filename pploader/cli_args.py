@@ -9,7 +9,7 @@ import argparse
 import os
 from typing import NoReturn, Optional
 
-from .planning.partition import ENGINES, parse_partition
+from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
 
 __all__ = ["build_parser"]
 
