@@ -199,17 +199,23 @@ def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
 
     topo = comm.topology
     partition = _engine_partition(args.partition)
+    try:
+        pools, pool_error = _pool_options(args), None
+    except PPLoaderError as exc:  # e.g. an unknown --kv-dtype: refused in the planning step,
+        pools, pool_error = None, exc  # agreed like any input mistake
     options = StageLoadOptions(
         partition=partition, allowed_roots=args.allow_root,  # type: ignore[arg-type]
         device=args.device, local_rank=local_rank, window_bytes=args.window_bytes,
         threads=args.threads, memory_budget_bytes=args.memory_budget,
         read_once=args.read_once, ranks_per_node=_ranks_per_node(args),
-        pools=_pool_options(args), build_pools=not args.no_pools,
+        pools=pools, build_pools=not args.no_pools,
         pool_device=args.pool_device, pool_memory_from_device=args.device_memory == -1,
         progress_bar=not args.no_progress and (args.progress or sys.stderr.isatty()),
         **_tp_read_kwargs(args))
 
-    def check_window(staged: "StagePlan") -> None:
+    def check_input(staged: "StagePlan") -> None:
+        if pool_error is not None:
+            raise pool_error
         largest = staged.plan.largest_item_bytes
         if args.window_bytes is not None and args.window_bytes < largest:
             raise UsageError(f"--window-bytes {args.window_bytes} is smaller than this stage's "
@@ -223,7 +229,7 @@ def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
         save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
                   str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
 
-    return load_pipeline_stage(args.model, comm, options, check_plan=check_window,
+    return load_pipeline_stage(args.model, comm, options, check_plan=check_input,
                                after_load=save_loaded if args.save_loaded else None,
                                on_progress=_fault_hook(fault, topo.rank))
 
