@@ -160,7 +160,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         raise _StartFailure(f"could not start torch.distributed: {first}") from None
     _setup_logging(launch.rank)
     topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
-    comm = Comm(topo, timeout_s=args.timeout, namespace="pploader-load")
+    comm = Comm(topo, timeout_s=args.timeout, namespace="pploader-load",
+                store_host_rank=launch.store_host_rank)
     comm.watch_failures(abort_after_s=min(10.0, args.timeout))  # a rank left behind exits
     try:
         loaded = _load(args, comm, launch.local_rank, fault)

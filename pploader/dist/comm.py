@@ -53,11 +53,6 @@ DEFAULT_NAMESPACE = "pploader"
 T = TypeVar("T")
 
 
-def _default_store_host() -> Optional[int]:
-    """Rank 0 hosts the store unless torchrun's agent does."""
-    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
-
-
 def _stop_at_exit(ref: "weakref.ref[Comm]") -> None:
     comm = ref()
     if comm is not None:
@@ -87,13 +82,14 @@ class Comm:
 
     def __init__(self, topology: Topology, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  dead_after_s: Optional[float] = None, store: Optional[dist.Store] = None,
-                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = -1) -> None:
+                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = 0) -> None:
         """``timeout_s``: how long a rank may make no progress while others wait for it;
         ``dead_after_s`` (default min(10, timeout_s)): how long its heartbeat may stop;
         ``namespace``: the purpose of this handle; the n-th Comm of a namespace on each rank
         meets the n-th of the same namespace on every other rank (module docstring);
         ``store_host_rank``: the rank whose process hosts the store (named when the store
-        is lost); default 0, or None under torchrun (its agent hosts the store)."""
+        is lost); None when no rank does (torchrun's agent): ``init_distributed()`` returns
+        it as ``LaunchEnv.store_host_rank`` (this module reads no environment)."""
         if not dist.is_initialized():
             raise TopologyError("torch.distributed is not initialised; call "
                                 "pploader.dist.bootstrap.init_distributed() first")
@@ -116,7 +112,7 @@ class Comm:
         self._expected_closers = topology.world_size
         self._concluded_failure = False
         self._abort_after_s: Optional[float] = None
-        self.store_host_rank = _default_store_host() if store_host_rank == -1 else store_host_rank
+        self.store_host_rank = store_host_rank
         self.cancel = threading.Event()
         self._closed = threading.Event()
         self.touch()
