@@ -10,50 +10,81 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.1.0"
 
-#: public name -> the submodule defining it
+#: public name -> the submodule defining it (docs/integration.md, "Public API", lists the
+#: same names; tests/test_public_api.py checks both). Everything else stays reachable
+#: through its subpackage (pploader.planning.plan.plan_rank, ...).
 _EXPORTS: dict[str, str] = {
-    "CheckpointIndex": "planning.checkpoint", "TensorEntry": "planning.checkpoint",
-    "open_checkpoint": "planning.checkpoint", "parse_header": "planning.checkpoint",
-    "CheckpointError": "errors", "ConfigError": "errors", "NotReadyError": "errors",
-    "PlanError": "errors", "PPLoaderError": "errors", "RankFailure": "errors",
-    "ReadError": "errors", "TopologyError": "errors",
-    "StageWindow": "planning.partition", "balanced_windows": "planning.partition", "even_windows": "planning.partition",
-    "explicit_windows": "planning.partition",
-    "RankPlan": "planning.plan", "ReadItem": "planning.plan", "make_windows": "planning.plan", "plan_all": "planning.plan",
-    "plan_mtp": "planning.plan", "plan_rank": "planning.plan",
-    "Reader": "io.read", "ReadStats": "io.read", "is_borrowed": "io.read", "owned": "io.read",
-    "ModelSpec": "planning.spec", "load_spec": "planning.spec", "spec_from_config": "planning.spec",
-    "StagePlan": "stage", "StageResult": "stage", "iter_mtp_weights": "stage",
-    "iter_stage_weights": "stage", "load_stage": "stage", "plan_stage": "stage",
+    # who: the ranks, the process group, fail-together steps
     "Topology": "planning.topology",
-    "FusedTarget": "families.fused",
-    "LayerOrderWarning": "bind.layerwise", "LayerTracker": "bind.layerwise",
-    "LayerwiseReport": "bind.layerwise", "load_layerwise": "bind.layerwise",
-    "BindResult": "bind.place", "NameMap": "bind.place", "load_stage_into": "bind.place",
-    "bind_derived": "bind.postprocess", "ensure_ready": "bind.postprocess", "is_ready": "bind.postprocess",
-    "run_post_processing": "bind.postprocess",
-    "ReloadResult": "bind.reload", "reload_from_disk": "bind.reload",
-    "EngineSplit": "planning.partition", "check_engine_window": "planning.partition",
-    "engine_layer_counts": "planning.partition", "engine_windows": "planning.partition",
-    "get_pp_indices": "planning.partition", "NameRule": "bind.names", "MissingLayer": "bind.stage_layers",
-    "is_placeholder": "bind.stage_layers", "make_stage_layers": "bind.stage_layers",
-    "ReadBackend": "io.backend", "ReadOptions": "io.backend", "open_backend": "io.registry",
+    "init_distributed": "dist.bootstrap",
+    "Comm": "dist.comm",
+    "run_guarded": "dist.comm",
+    # the job: the agreed sequence every rank runs; the job's plan
+    "load_pipeline_stage": "job",
+    "StageLoadOptions": "job",
+    "StageLoad": "job",
+    "plan_job": "job",
+    "JobPlan": "job",
+    # one stage: plan it, stream it, load it
+    "plan_stage": "stage",
+    "StagePlan": "stage",
+    "StageWindow": "planning.partition",
+    "iter_stage_weights": "stage",
+    "load_stage": "stage",
+    "StageResult": "stage",
+    "iter_mtp_weights": "stage",
+    "owned": "io.read",
+    "is_borrowed": "io.read",
+    # engines: their windows; placeholders for other stages' layers
+    "EngineSplit": "planning.partition",
+    "get_pp_indices": "planning.partition",
+    "check_engine_window": "planning.partition",
+    "make_stage_layers": "bind.stage_layers",
+    "MissingLayer": "bind.stage_layers",
+    # into a module: bind, post-process, reload, layerwise
+    "load_stage_into": "bind.place",
+    "BindResult": "bind.place",
+    "LoadRecord": "bind.place",
+    "NameMap": "bind.names",
+    "NameRule": "bind.names",
+    "bind_derived": "bind.postprocess",
+    "reload_from_disk": "bind.reload",
+    "ReloadResult": "bind.reload",
+    "load_layerwise": "bind.layerwise",
+    "LayerwiseReport": "bind.layerwise",
+    "LayerTracker": "bind.layerwise",
+    "LayerOrderWarning": "bind.layerwise",
+    "is_ready": "bind.postprocess",
+    "ensure_ready": "bind.postprocess",
+    # cache pools
+    "PoolOptions": "cache.sizing",
+    "CacheDtypes": "cache.geometry",
+    "CachePools": "cache.pools",
+    "build_rank_pools": "cache.pools",
+    # errors (pploader.errors has them all)
+    "PPLoaderError": "errors",
+    "ConfigError": "errors",
+    "CheckpointError": "errors",
+    "PlanError": "errors",
+    "ReadError": "errors",
+    "MemoryBudgetError": "errors",
+    "TopologyError": "errors",
+    "NotReadyError": "errors",
+    "RankFailure": "errors",
 }
 
 __all__ = [
-    "__version__", "CheckpointIndex", "TensorEntry", "open_checkpoint", "parse_header",
-    "CheckpointError", "ConfigError", "NotReadyError", "PlanError", "PPLoaderError", "RankFailure",
-    "ReadError", "TopologyError", "StageWindow", "balanced_windows", "even_windows",
-    "explicit_windows", "RankPlan", "ReadItem", "make_windows", "plan_all", "plan_mtp",
-    "plan_rank", "Reader", "ReadStats", "is_borrowed", "owned", "ModelSpec", "load_spec",
-    "spec_from_config", "StagePlan", "StageResult", "iter_mtp_weights", "iter_stage_weights",
-    "load_stage", "plan_stage", "Topology", "FusedTarget", "LayerOrderWarning", "LayerTracker",
-    "LayerwiseReport", "load_layerwise", "BindResult", "NameMap", "load_stage_into",
-    "bind_derived", "ensure_ready", "is_ready", "run_post_processing", "ReloadResult",
-    "reload_from_disk", "EngineSplit", "check_engine_window", "engine_layer_counts",
-    "engine_windows", "get_pp_indices", "NameRule", "MissingLayer", "is_placeholder",
-    "make_stage_layers", "ReadBackend", "ReadOptions", "open_backend",
-]  # == _EXPORTS (tests/test_cli_mistakes.py checks)
+    "__version__", "Topology", "init_distributed", "Comm", "run_guarded", "load_pipeline_stage",
+    "StageLoadOptions", "StageLoad", "plan_job", "JobPlan", "plan_stage", "StagePlan",
+    "StageWindow", "iter_stage_weights", "load_stage", "StageResult", "iter_mtp_weights",
+    "owned", "is_borrowed", "EngineSplit", "get_pp_indices", "check_engine_window",
+    "make_stage_layers", "MissingLayer", "load_stage_into", "BindResult", "LoadRecord",
+    "NameMap", "NameRule", "bind_derived", "reload_from_disk", "ReloadResult", "load_layerwise",
+    "LayerwiseReport", "LayerTracker", "LayerOrderWarning", "is_ready", "ensure_ready",
+    "PoolOptions", "CacheDtypes", "CachePools", "build_rank_pools", "PPLoaderError",
+    "ConfigError", "CheckpointError", "PlanError", "ReadError", "MemoryBudgetError",
+    "TopologyError", "NotReadyError", "RankFailure",
+]  # == ["__version__", *_EXPORTS] (tests/test_public_api.py checks)
 
 
 def __getattr__(name: str) -> Any:
@@ -70,24 +101,22 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
-    from .planning.checkpoint import CheckpointIndex, TensorEntry, open_checkpoint, parse_header
-    from .errors import (CheckpointError, ConfigError, NotReadyError, PlanError,
-                         PPLoaderError, RankFailure, ReadError, TopologyError)
-    from .families.fused import FusedTarget
-    from .bind.layerwise import LayerOrderWarning, LayerTracker, LayerwiseReport, load_layerwise
-    from .planning.partition import StageWindow, balanced_windows, even_windows, explicit_windows
-    from .bind.place import BindResult, NameMap, load_stage_into
-    from .planning.plan import RankPlan, ReadItem, make_windows, plan_all, plan_mtp, plan_rank
-    from .bind.postprocess import bind_derived, ensure_ready, is_ready, run_post_processing
-    from .io.read import Reader, ReadStats, is_borrowed, owned
-    from .io.backend import ReadBackend, ReadOptions
-    from .io.registry import open_backend
-    from .bind.reload import ReloadResult, reload_from_disk
-    from .planning.spec import ModelSpec, load_spec, spec_from_config
+    from .planning.topology import Topology
+    from .dist.bootstrap import init_distributed
+    from .dist.comm import Comm, run_guarded
+    from .job import JobPlan, StageLoad, StageLoadOptions, load_pipeline_stage, plan_job
     from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights,
                         load_stage, plan_stage)
-    from .planning.topology import Topology
-    from .planning.partition import (EngineSplit, check_engine_window, engine_layer_counts,
-                                     engine_windows, get_pp_indices)
-    from .bind.names import NameRule
-    from .bind.stage_layers import MissingLayer, is_placeholder, make_stage_layers
+    from .planning.partition import EngineSplit, StageWindow, check_engine_window, get_pp_indices
+    from .io.read import is_borrowed, owned
+    from .bind.stage_layers import MissingLayer, make_stage_layers
+    from .bind.place import BindResult, LoadRecord, load_stage_into
+    from .bind.names import NameMap, NameRule
+    from .bind.postprocess import bind_derived, ensure_ready, is_ready
+    from .bind.reload import ReloadResult, reload_from_disk
+    from .bind.layerwise import LayerOrderWarning, LayerTracker, LayerwiseReport, load_layerwise
+    from .cache.sizing import PoolOptions
+    from .cache.geometry import CacheDtypes
+    from .cache.pools import CachePools, build_rank_pools
+    from .errors import (CheckpointError, ConfigError, MemoryBudgetError, NotReadyError,
+                         PlanError, PPLoaderError, RankFailure, ReadError, TopologyError)

@@ -16,16 +16,15 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
-from .errors import ConfigError, PlanError, PPLoaderError, RankFailure, UsageError
-from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, EngineSplit
+from . import EngineSplit, PlanError, PPLoaderError, RankFailure
+from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .dist.comm import Comm
-    from .stage import StagePlan
+    from . import Comm, PoolOptions, StageLoad, StagePlan, StageResult
     from .testing.faults import Fault
 
 from .cli_args import (_DEFAULT_EXCHANGE_COST, _DEFAULT_WINDOW_MIB, _LOG_LEVELS,  # noqa: F401
-                       _env_rank, build_parser)
+                       ENGINE_PARTITION_ENV, ENGINES, _env_rank, build_parser)
 
 __all__ = ["main", "build_parser"]
 
@@ -48,48 +47,16 @@ def _tp_read_kwargs(args: argparse.Namespace) -> dict:
     return kw
 
 
-def _auto_memory(device: object) -> int:
-    from .errors import PlanError
-    from .cache.pools import device_memory
-    if device is None:
-        raise PlanError("--device-memory auto applies to `pploader load` (pools on a GPU); "
-                        "give bytes here, e.g. --device-memory 80G")
-    return device_memory(device)  # type: ignore[arg-type]
-
-
-def _load_partition(args: argparse.Namespace, pp: int, device: object) -> object:
-    """``balanced`` with --tokens/--requests weighs each layer's cache too: resolve it to layer
-    counts here so that load places exactly the windows `pploader plan` printed."""
-    if args.partition != "balanced" or (args.tokens is None and args.requests is None):
-        return _engine_partition(args.partition)
-    from .planning.checkpoint import open_checkpoint
-    from .planning.plan import make_windows
-    from .cache.pools import cache_costs
-    from .planning.spec import load_spec
-    roots = args.allow_root
-    spec = load_spec(args.model, allowed_roots=roots)
-    index = open_checkpoint(args.model, allowed_roots=roots)
-    costs = cache_costs(spec, args.tp, _pool_options(args, device))  # type: ignore[arg-type]
-    return [w.num_layers for w in make_windows(spec, index, pp, "balanced", cache_bytes=costs)]
-
-
-def _pool_options(args: argparse.Namespace, device: object = None) -> object:
-    from .cache.geometry import CacheDtypes, parse_dtype
-    from .cache.pools import PoolOptions
+def _pool_options(args: argparse.Namespace) -> "PoolOptions":
+    """The pool options; ``--device-memory auto`` (-1) is left to the load (the pool device's
+    memory, StageLoadOptions.pool_memory_from_device)."""
+    from . import CacheDtypes, PoolOptions
     mem = args.device_memory
     return PoolOptions(
         tokens=args.tokens, requests=args.requests, budget_bytes=args.cache_budget,
-        device_bytes=_auto_memory(device) if mem == -1 else mem,
-        memory_fraction=args.memory_fraction,
+        device_bytes=None if mem == -1 else mem, memory_fraction=args.memory_fraction,
         mamba_ratio=args.mamba_ratio, page_size=args.page_size,
-        dtypes=CacheDtypes(kv=parse_dtype(args.kv_dtype) if args.kv_dtype else None,
-                           ssm=parse_dtype(args.ssm_dtype) if args.ssm_dtype else None))
-
-
-def _pipeline_pools(reports: Sequence[dict]) -> Optional[dict]:
-    from .cache.pools import pipeline_capacity
-    caps = [r["pools"]["capacity"] for r in reports if r.get("pools")]
-    return pipeline_capacity(caps) if caps else None
+        dtypes=CacheDtypes.of(kv=args.kv_dtype, ssm=args.ssm_dtype))
 
 
 def _setup_logging(rank: Optional[int]) -> None:
@@ -116,61 +83,17 @@ def _quiet_torch_logs() -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from .planning.checkpoint import open_checkpoint
-    from .planning.dtypes import dtype_casts
-    from .planning.plan import plan_all
-    from .cache.pools import cache_costs, format_pools, plan_pools
-    from .report import plan_table
-    from .planning.spec import load_spec
-
-    spec = load_spec(args.model, allowed_roots=args.allow_root)
-    index = open_checkpoint(args.model, allowed_roots=args.allow_root)
-    opts = _pool_options(args)
-    partition = _engine_partition(args.partition)
-    plans = plan_all(spec, index, args.pp, args.tp, args.ep,
-                     partition=partition,  # type: ignore[arg-type]
-                     cache_bytes=cache_costs(spec, args.tp, opts),  # type: ignore[arg-type]
-                     **_tp_read_kwargs(args))
-    for plan in plans:  # the dtype policy, as `load` applies it (rejections, warnings)
-        dtype_casts(spec, plan)
-    summaries = [p.summary() for p in plans]
-    try:
-        pools, pipeline = plan_pools(spec, index, plans, opts)  # type: ignore[arg-type]
-    except (ConfigError, PlanError) as exc:  # e.g. a generic model's unknown layer kind
-        pools, pipeline = [{} for _ in plans], {"unavailable": exc.detail}
-    for summary, pool in zip(summaries, pools):
-        summary["pools"] = pool
-    if args.json:
-        print(json.dumps({"model": str(args.model), "architecture": spec.architecture,
-                          "family": spec.family.name, "num_layers": spec.num_layers,
-                          "pp": args.pp, "tp": args.tp, "ep": args.ep,
-                          "partition": _partition_label(partition), "ranks": summaries,
-                          "pipeline_pools": pipeline}, indent=1))
-    else:
-        print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
-              f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
-        print(plan_table(summaries))
-        if args.tp > 1:
-            from .planning.redistribute import methods_table
-            print("\nTP slice reads per rank (tensors / bytes read; redistribute: row shares "
-                  "+ all-to-all when loaded with a Comm):")
-            print(methods_table(summaries))
-        if "unavailable" in pipeline:
-            print(f"\ncache pools: not derivable for this model: {pipeline['unavailable']}")
-            return 0
-        print("\ncache pools (per rank; its own layers only):")
-        print(format_pools(summaries))
-        bal = pipeline["balance"]
-        print(f"stage bytes (weights + cache at {bal['target_tokens']} tokens, "
-              f"{bal['target_requests']} requests): max/mean {bal['chosen']['max_over_mean']} "
-              f"({_partition_label(partition)}) vs {bal['even']['max_over_mean']} (even)")
+    """``pploader plan``: every rank's plan and cache pools, from the headers."""
+    from . import plan_job
+    if args.device_memory == -1:
+        raise PlanError("--device-memory auto applies to `pploader load` (pools on a GPU); "
+                        "give bytes here, e.g. --device-memory 80G")
+    job = plan_job(args.model, args.pp, args.tp, args.ep,
+                   partition=_engine_partition(args.partition),  # type: ignore[arg-type]
+                   pools=_pool_options(args), allowed_roots=args.allow_root,
+                   **_tp_read_kwargs(args))
+    print(json.dumps(job.to_json(), indent=1) if args.json else job.text())
     return 0
-
-
-def _partition_label(partition: object) -> str:
-    if isinstance(partition, (list, tuple)):
-        return ",".join(str(n) for n in partition)
-    return str(partition)
 
 
 def _check_backend(backend: Optional[str]) -> None:
@@ -210,24 +133,22 @@ def _fault_from_env() -> Optional["Fault"]:
     return fault_from_env()
 
 
-def _with_fault(fault: Optional["Fault"], rank: int,
-                on_progress: Callable[[int], None]) -> Callable[[int], None]:
-    """``on_progress``, wrapped by the fault injector only when a test set a fault."""
+def _fault_hook(fault: Optional["Fault"], rank: int) -> Optional[Callable[[int], None]]:
+    """The progress callback through which the test-only fault fires; None without one."""
     if fault is None:
-        return on_progress
+        return None
     from .testing.faults import with_fault
-    return with_fault(fault, rank, on_progress)
+    return with_fault(fault, rank, lambda nbytes: None)
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    """``pploader load`` on every rank: plan, agree, load, agree, report (docs/launch.md).
+    """``pploader load`` on every rank: plan, agree, load, agree, report (docs/launch.md),
+    through :func:`pploader.load_pipeline_stage`.
 
     Any rank failing, hanging or dying makes every rank print the combined error and exit 1;
     when every failing rank found a mistake in the input while planning, each exits 2.
     """
-    from .dist.bootstrap import init_distributed
-    from .dist.comm import Comm
-    from .planning.topology import Topology
+    from . import Comm, Topology, init_distributed
     import torch.distributed as dist
 
     fault = _fault_from_env()  # test-only hook, None unless PPLOADER_FAULT is set
@@ -239,9 +160,11 @@ def cmd_load(args: argparse.Namespace) -> int:
         raise _StartFailure(f"could not start torch.distributed: {first}") from None
     _setup_logging(launch.rank)
     topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
-    comm = Comm(topo, timeout_s=args.timeout)
+    comm = Comm(topo, timeout_s=args.timeout, namespace="pploader-load",
+                store_host_rank=launch.store_host_rank)
+    comm.watch_failures(abort_after_s=min(10.0, args.timeout))  # a rank left behind exits
     try:
-        reports = _load_agreed(args, comm, _with_fault(fault, topo.rank, comm.progress_adder()))
+        loaded = _load(args, comm, launch.local_rank, fault)
     except RankFailure as exc:
         if exc.input_only:  # every failing rank found a mistake in the input while planning
             first = exc.first().removeprefix(f"rank {topo.rank}: ")  # own rank: in the prefix
@@ -256,15 +179,10 @@ def cmd_load(args: argparse.Namespace) -> int:
             print(json.dumps({"model": str(args.model), "launcher": launch.source,
                               "backend": launch.backend, "world_size": launch.world_size,
                               "pp": topo.pp_size, "tp": topo.tp_size, "ep": topo.ep_size,
-                              "ranks": reports, "pipeline_pools": _pipeline_pools(reports)},
-                             indent=1))
+                              "ranks": loaded.reports,
+                              "pipeline_pools": loaded.pipeline_pools}, indent=1))
         else:
-            from .report import format_table
-            print(format_table(reports))
-            if not args.no_pools:
-                from .cache.pools import format_pools
-                print("\ncache pools (per rank; its own layers only):")
-                print(format_pools(reports))
+            print(loaded.table(pools=not args.no_pools))
         sys.stdout.flush()
     dist.destroy_process_group()
     comm.close()
@@ -275,82 +193,56 @@ class _StartFailure(Exception):
     """torch.distributed could not start (exit 1: the job, not the input, failed)."""
 
 
-def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], None]
-                 ) -> list[dict]:
-    """Plan, agree, load, agree (called on all ranks); every rank's report, in rank order."""
-    from .cache.pools import pool_device
-    from .report import ProgressBar
-    from .stage import load_stage, plan_stage
+def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
+          fault: Optional["Fault"]) -> "StageLoad":
+    """The options of ``pploader load`` -> :func:`pploader.load_pipeline_stage` (all ranks)."""
+    from . import StageLoadOptions, load_pipeline_stage
 
     topo = comm.topology
-    cancel = comm.watch_failures(abort_after_s=min(10.0, args.timeout))
-    staged: Optional["StagePlan"] = None
-    error: Optional[BaseException] = None
-    report: Optional[dict] = None
-    device = pools_on = None
-    partition: object = args.partition
+    partition = _engine_partition(args.partition)
     try:
-        device, pools_on = pool_device(args.device), pool_device(args.pool_device)
-        partition = _load_partition(args, topo.pp_size, pools_on)
-        staged = plan_stage(args.model, topo, allowed_roots=args.allow_root,
-                            partition=partition,  # type: ignore[arg-type]
-                            **_tp_read_kwargs(args))
+        pools, pool_error = _pool_options(args), None
+    except PPLoaderError as exc:  # e.g. an unknown --kv-dtype: refused in the planning step,
+        pools, pool_error = None, exc  # agreed like any input mistake
+    options = StageLoadOptions(
+        partition=partition, allowed_roots=args.allow_root,  # type: ignore[arg-type]
+        device=args.device, local_rank=local_rank, window_bytes=args.window_bytes,
+        threads=args.threads, memory_budget_bytes=args.memory_budget,
+        read_once=args.read_once, ranks_per_node=_ranks_per_node(args),
+        io_backend=args.io_backend, pools=pools, build_pools=not args.no_pools,
+        pool_device=args.pool_device, pool_memory_from_device=args.device_memory == -1,
+        progress_bar=not args.no_progress and (args.progress or sys.stderr.isatty()),
+        **_tp_read_kwargs(args))
+
+    def check_input(staged: "StagePlan") -> None:
+        if pool_error is not None:
+            raise pool_error
         largest = staged.plan.largest_item_bytes
         if args.window_bytes is not None and args.window_bytes < largest:
             raise UsageError(f"--window-bytes {args.window_bytes} is smaller than this stage's "
                              f"largest tensor ({largest} bytes): give --window-bytes {largest} "
                              "or more, or leave the option out")
-        if not args.no_pools:  # pool options are input too: refuse them before loading
-            _pool_options(args, pools_on)
-    except PPLoaderError as exc:  # agreed on below
-        error = exc.on_rank(topo.rank)
-    except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = exc
-    planned = comm.agree(error, None if staged is None else staged.plan.read_bytes
-                         if args.read_once or args.read_once_node
-                         else staged.plan.planned_read_bytes)
-    show = not args.no_progress and topo.rank == 0 and (args.progress or sys.stderr.isatty())
-    with ProgressBar(sum(planned), comm.progress_total, enabled=show):
-        try:
-            assert staged is not None and device is not None  # else the agreement raised
-            result = load_stage(staged, window_bytes=args.window_bytes, threads=args.threads,
-                                device=device, cancel=cancel, on_progress=add,
-                                memory_budget_bytes=args.memory_budget,
-                                comm=comm, read_once=args.read_once,
-                                io_backend=args.io_backend,
-                                **_node_kwargs(args, topo.rank, topo.world_size, partition))
-            add.flush()  # type: ignore[attr-defined]
-            if args.save_loaded:
-                from safetensors.torch import save_file
-                Path(args.save_loaded).mkdir(parents=True, exist_ok=True)
-                names = {i.target: i.name for i in result.plan.items}
-                save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
-                          str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
-            report = result.report.to_json()
-            if not args.no_pools:  # this stage's cache pools, after its weights (docs/pools.md)
-                from .cache.pools import build_rank_pools
-                report["pools"] = build_rank_pools(staged.spec, staged.plan, _pool_options(
-                    args, pools_on), device=pools_on).report()  # type: ignore[arg-type]
-        except Exception as exc:  # noqa: BLE001 - agreed on below
-            error = exc
-        reports = comm.agree(error, report)
-    return reports
+
+    def save_loaded(result: "StageResult") -> None:
+        from safetensors.torch import save_file
+        Path(args.save_loaded).mkdir(parents=True, exist_ok=True)
+        names = {i.target: i.name for i in result.plan.items}
+        save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
+                  str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
+
+    return load_pipeline_stage(args.model, comm, options, check_plan=check_input,
+                               after_load=save_loaded if args.save_loaded else None,
+                               on_progress=_fault_hook(fault, topo.rank))
 
 
-def _node_kwargs(args: argparse.Namespace, rank: int, world_size: int,
-                 partition: object) -> dict:
-    """``--read-once-node``: this rank's node = $LOCAL_WORLD_SIZE consecutive ranks (how
-    torchrun, srun and mpiexec number ranks per node)."""
+def _ranks_per_node(args: argparse.Namespace) -> Optional[int]:
+    """``--read-once-node``: the ranks per node from the launcher ($LOCAL_WORLD_SIZE, or
+    Slurm's / Open MPI's), 0 when none says (the load then refuses it on every rank)."""
     if not args.read_once_node:
-        return {}
-    from .errors import PlanError
+        return None
     local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") \
         or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    if not local or not local.isdigit() or world_size % int(local):
-        raise PlanError(f"--read-once-node needs the ranks per node ($LOCAL_WORLD_SIZE, got "
-                        f"{local!r}) dividing the world of {world_size}", rank=rank)
-    first = rank - rank % int(local)
-    return {"node_ranks": range(first, first + int(local)), "partition": partition}
+    return int(local) if local and local.isdigit() else 0
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

@@ -10,7 +10,7 @@ import os
 from typing import NoReturn, Optional
 
 from .io.registry import AUTO, backend_names, backends_help
-from .planning.partition import ENGINES, parse_partition
+from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
 
 __all__ = ["build_parser"]
 

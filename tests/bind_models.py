@@ -11,7 +11,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pploader import StagePlan, Topology, bind_derived, open_checkpoint, plan_rank
+from pploader import StagePlan, Topology, bind_derived
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_rank
 from pploader.families.base import Family, Layout, ShardRule
 from pploader.families.common import (attention_rules, attention_tensors, globals_tensors,
                                       llama_globals, mlp_tensors, vocab_rules)

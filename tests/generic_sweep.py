@@ -129,7 +129,8 @@ def _checkpoint(model_type: str, arch: str, out: Path) -> torch.nn.Module:
 
 def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
     """Plans of every rank, loads them, checks coverage and bytes; returns tensors read."""
-    from pploader import Reader, plan_all
+    from pploader.io.read import Reader
+    from pploader.planning.plan import plan_all
     plans = plan_all(spec, index, pp, 1, ep)
     seen: dict[str, set[int]] = {}
     total = 0
@@ -185,7 +186,10 @@ def _forward(arch: str, path: Path) -> str:
 
 def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) -> dict[str, Any]:
     """One architecture end to end; a dict with result exact / refused / not built / error."""
-    from pploader import PPLoaderError, load_spec, open_checkpoint, plan_all
+    from pploader import PPLoaderError
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.plan import plan_all
+    from pploader.planning.spec import load_spec
     from pploader.cli import main as cli_main
     from helpers import reference_tensors
     row: dict[str, Any] = {"model_type": model_type, "architecture": arch}

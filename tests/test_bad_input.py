@@ -25,8 +25,10 @@ from safetensors.torch import load_file, save_file
 
 from helpers import make_model, pploader_cmd, reference_tensors, run, run_ranks, tiny_config, \
     torchrun_cmd
-from pploader import (CheckpointError, ConfigError, PlanError, RankFailure, ReadError, Reader,
-                      Topology, load_stage, open_checkpoint, parse_header, plan_stage)
+from pploader import (CheckpointError, ConfigError, PlanError, RankFailure, ReadError, Topology,
+                      load_stage, plan_stage)
+from pploader.io.read import Reader
+from pploader.planning.checkpoint import open_checkpoint, parse_header
 from pploader.planning.checkpoint import INDEX_NAME
 from pploader.planning.dtypes import DTYPE_POLICY, dtype_action
 from pploader.errors import MemoryBudgetError

@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pploader import Reader, Topology, is_borrowed, owned, plan_stage
+from pploader import Topology, is_borrowed, owned, plan_stage
+from pploader.io.read import Reader
 
 from helpers import reference_tensors
 

@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from pploader import CheckpointError, open_checkpoint, parse_header
+from pploader import CheckpointError
+from pploader.planning.checkpoint import open_checkpoint, parse_header
 from pploader.planning.checkpoint import DTYPES
 
 DTYPE_LIST = [dt for dt, _ in DTYPES.values()]

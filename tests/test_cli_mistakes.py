@@ -495,7 +495,8 @@ def test_public_api_lists_and_lazy_exports_agree() -> None:
 def test_same_size_rewrite_restoring_mtime_is_detected(tmp_path: Path) -> None:
     """A shard rewritten in place (same size) with its mtime put back still fails the load:
     ctime cannot be reset."""
-    from pploader import ReadError, Reader, Topology, plan_stage
+    from pploader import ReadError, Topology, plan_stage
+    from pploader.io.read import Reader
     model = make_model(tmp_path / "m")
     plan = plan_stage(model, Topology(1)).plan
     shard = model / plan.files[-1]

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import pploader
-from pploader import (EngineSplit, MissingLayer, NameMap, NameRule, PlanError, Topology,
-                      check_engine_window, engine_windows, even_windows, get_pp_indices,
-                      iter_stage_weights, load_stage_into, make_stage_layers, plan_stage,
-                      reload_from_disk)
+from pploader import (EngineSplit, LoadRecord, MissingLayer, NameMap, NameRule, PlanError,
+                      Topology, check_engine_window, get_pp_indices, iter_stage_weights,
+                      load_stage_into, make_stage_layers, plan_stage, reload_from_disk)
+from pploader.planning.partition import engine_layer_counts, engine_windows, even_windows
 from pploader.cli import main as cli_main
 from pploader.planning.plan import make_windows
 from pploader.planning.spec import spec_from_config
@@ -102,17 +102,17 @@ def test_partition_variable_text() -> None:
     assert [w.num_layers for w in make_windows(spec, None, 4, split)] == [16, 15, 15, 15]  # type: ignore[arg-type]
     assert str(split) == "sglang (SGLANG_PP_LAYER_PARTITION=16,15,15,15)"
     with pytest.raises(PlanError, match=r"VLLM_PP_LAYER_PARTITION='4,4' has 2 stages but pp is 3"):
-        pploader.engine_layer_counts("vllm", 8, 3, "4,4")
+        engine_layer_counts("vllm", 8, 3, "4,4")
     with pytest.raises(PlanError, match=r"sums to 9 but the model has 8 layers"):
-        pploader.engine_layer_counts("sglang", 8, 3, "3,3,3")
+        engine_layer_counts("sglang", 8, 3, "3,3,3")
     with pytest.raises(PlanError, match="comma-separated"):
-        pploader.engine_layer_counts("sglang", 8, 2, "4;4")
+        engine_layer_counts("sglang", 8, 2, "4;4")
     with pytest.raises(PlanError, match="unknown engine 'trt'"):
         EngineSplit("trt")
     with pytest.raises(PlanError, match=r"gives stage 0 no layer"):
         make_windows(spec, None, 2, EngineSplit("vllm", "0,61"))  # type: ignore[arg-type]
-    assert pploader.engine_layer_counts("vllm", 3, 4) == [1, 1, 1, 0]   # as vLLM splits it
-    assert pploader.engine_layer_counts("sglang", 3, 4) == [0, 1, 1, 1]
+    assert engine_layer_counts("vllm", 3, 4) == [1, 1, 1, 0]   # as vLLM splits it
+    assert engine_layer_counts("sglang", 3, 4) == [0, 1, 1, 1]
     with pytest.raises(PlanError, match="pp_rank 4 is not in"):
         get_pp_indices(8, 4, 4)
 
@@ -159,13 +159,13 @@ def test_cli_plan_partition_sglang_and_vllm(deep_model: Path, capsys: pytest.Cap
 
 def test_cli_load_resolves_the_engine_split(tiny_llama: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    from pploader.cli import _load_partition, build_parser
+    from pploader.cli import _engine_partition, build_parser
     args = build_parser().parse_args(["load", "--model", str(tiny_llama), "--partition",
                                       "sglang"])
     monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
-    assert _load_partition(args, 3, None) == EngineSplit("sglang")
+    assert _engine_partition(args.partition) == EngineSplit("sglang")
     monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,1,6")
-    assert _load_partition(args, 3, None) == EngineSplit("sglang", "1,1,6")
+    assert _engine_partition(args.partition) == EngineSplit("sglang", "1,1,6")
 
 
 @pytest.mark.slow
@@ -355,18 +355,24 @@ def test_sglang_window_disagreement_is_an_error(tiny_llama: Path) -> None:
 
 # ---- docs/integration.md: a hand-written engine --------------------------------------------
 
-def hand_stage(model_dir: Path, pp_rank: int, pp_size: int) -> HandStage:
+def hand_stage_loaded(model_dir: Path, pp_rank: int, pp_size: int
+                      ) -> tuple[HandStage, LoadRecord]:
+    """A hand-written stage loaded from ``model_dir``, and its record (for reloads)."""
     staged = plan_stage(model_dir, Topology(pp_size, rank=pp_rank), partition="sglang")
     stage = HandStage(CFG, staged.plan.window)          # placeholders outside the window
     result = load_stage_into(stage, staged, names=HAND_NAMES)  # strict: all or an error
     assert result.missing == () and result.unexpected == ()
-    return stage
+    return stage, result.record
+
+
+def hand_stage(model_dir: Path, pp_rank: int, pp_size: int) -> HandStage:
+    return hand_stage_loaded(model_dir, pp_rank, pp_size)[0]
 
 
 def test_hand_written_engine(tiny_llama: Path, tmp_path: Path) -> None:
     ids = torch.arange(10)
     want = run_pipeline([hand_stage(tiny_llama, 0, 1)], ids)
-    stages = [hand_stage(tiny_llama, r, 3) for r in range(3)]
+    stages, records = zip(*(hand_stage_loaded(tiny_llama, r, 3) for r in range(3)))
     assert [(s.window.start_layer, s.window.end_layer) for s in stages] == \
         [(0, 2), (2, 5), (5, 8)]
     assert torch.equal(run_pipeline(stages, ids), want)
@@ -376,8 +382,8 @@ def test_hand_written_engine(tiny_llama: Path, tmp_path: Path) -> None:
     # reload keeps the names (and the window): a second checkpoint, written in place
     second = make_model(tmp_path / "second", seed=1)
     ptr = stages[1].blocks[3].attn.qkv.w.data_ptr()
-    for stage in stages:
-        reload_from_disk(stage, second)
+    for stage, record in zip(stages, records):
+        reload_from_disk(stage, second, record=record)
     assert stages[1].blocks[3].attn.qkv.w.data_ptr() == ptr
     assert torch.equal(run_pipeline(stages, ids),
                        run_pipeline([hand_stage(second, 0, 1)], ids))
@@ -386,9 +392,9 @@ def test_hand_written_engine(tiny_llama: Path, tmp_path: Path) -> None:
 def test_hand_written_engine_layerwise(tiny_llama: Path, tmp_path: Path) -> None:
     """load_layerwise through the same name rules: a stream of the second checkpoint."""
     second = make_model(tmp_path / "second", seed=2)
-    stage = hand_stage(tiny_llama, 1, 3)
+    stage, record = hand_stage_loaded(tiny_llama, 1, 3)
     staged = plan_stage(second, Topology(3, rank=1), partition="sglang")
-    report = pploader.load_layerwise(stage, iter_stage_weights(staged))
+    report = pploader.load_layerwise(stage, iter_stage_weights(staged), record=record)
     assert report.peak_buffered_layers <= 1
     ref = reference_tensors(second)
     assert torch.equal(stage.blocks[2].ffn.down.w, ref["model.layers.2.mlp.down_proj.weight"])

@@ -20,8 +20,11 @@ import torch
 from safetensors.torch import save_file
 
 from helpers import CONFIGS, make_model, reference_tensors
-from pploader import (CheckpointIndex, ConfigError, PlanError, Reader, RankPlan, load_spec,
-                      open_checkpoint, plan_all, spec_from_config)
+from pploader import ConfigError, PlanError
+from pploader.io.read import Reader
+from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
+from pploader.planning.plan import RankPlan, plan_all
+from pploader.planning.spec import load_spec, spec_from_config
 from pploader.families import supported_architectures
 
 COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
@@ -516,7 +519,8 @@ def test_tp2_fused_gate_up_reference_slices(checkpoints: Checkpoints, references
 def test_deepseek_mtp_draft_with_ep(checkpoints: Checkpoints, references: Any, fmt: str) -> None:
     """The appended MTP layers of a transformers-written DeepSeek-V3 (both namings): plan_mtp
     with EP=2 streams layer k renamed to layer 0, only the rank's experts (fused: its slab)."""
-    from pploader import Topology, plan_mtp
+    from pploader import Topology
+    from pploader.planning.plan import plan_mtp
     path = checkpoints("deepseek_v3", fmt)
     spec, index, ref = load_spec(path), open_checkpoint(path), references(path)
     n, e = spec.num_layers, spec.num_experts

@@ -17,7 +17,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from fuzz_headers import check_accepted, run_fuzz
-from pploader import PPLoaderError, parse_header, plan_all, spec_from_config
+from pploader import PPLoaderError
+from pploader.planning.checkpoint import parse_header
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import spec_from_config
 from pploader.planning.checkpoint import (DTYPES, CheckpointIndex, FileIdentity, ShardHeader,
                                           TensorEntry, _safe_relpath)
 from pploader.errors import CheckpointError

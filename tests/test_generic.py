@@ -14,7 +14,9 @@ import pytest
 from helpers import CONFIGS, make_model
 from test_families import CASES, VARIANTS, IDS, Checkpoints  # noqa: F401 - shared fixtures
 from test_families import checkpoints  # noqa: F401 - the session fixture
-from pploader import CheckpointIndex, load_spec, open_checkpoint, plan_all, spec_from_config
+from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec, spec_from_config
 from pploader.families import generic
 from pploader.planning.spec import ModelSpec
 

@@ -24,8 +24,11 @@ from safetensors.torch import save_file
 
 from helpers import ROOT, reference_tensors
 from test_generic import assert_same_plans
-from pploader import (ConfigError, PlanError, Reader, load_spec, open_checkpoint, plan_all,
-                      spec_from_config)
+from pploader import ConfigError, PlanError
+from pploader.io.read import Reader
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec, spec_from_config
 from pploader.families import generic
 
 TINY = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,

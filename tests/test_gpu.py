@@ -9,8 +9,9 @@ import torch
 
 from bind_models import MOE_CONFIG, MoEStage, TinyLM, make_moe, param_ptrs, plan_moe
 from helpers import make_model, run_ranks, tiny_config
-from pploader import (RankFailure, Reader, Topology, load_stage, load_stage_into, plan_stage,
+from pploader import (LoadRecord, RankFailure, Topology, load_stage, load_stage_into, plan_stage,
                       reload_from_disk)
+from pploader.io.read import Reader
 from pploader.dist.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
@@ -219,12 +220,17 @@ def device_loads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
-def _stage(model_dir: Path, topo: Topology, device: str, dtype: torch.dtype) -> TinyLM:
+def _stage_loaded(model_dir: Path, topo: Topology, device: str, dtype: torch.dtype
+                  ) -> tuple[TinyLM, LoadRecord]:
     staged = plan_stage(model_dir, topo)
     module = TinyLM(tiny_config(), staged.plan.window, tp=topo.tp_size, dtype=dtype,
                     device="meta")
-    load_stage_into(module, staged, device=device, allow_cast=dtype != torch.bfloat16)
-    return module
+    result = load_stage_into(module, staged, device=device, allow_cast=dtype != torch.bfloat16)
+    return module, result.record
+
+
+def _stage(model_dir: Path, topo: Topology, device: str, dtype: torch.dtype) -> TinyLM:
+    return _stage_loaded(model_dir, topo, device, dtype)[0]
 
 
 def _same(gpu: torch.nn.Module, cpu: torch.nn.Module) -> None:
@@ -245,13 +251,13 @@ def test_load_stage_into_cuda_equals_cpu_and_reload_keeps_pointers(
     twice keeps every data_ptr (derived parameters included)."""
     topo = Topology(pp, tp, rank=rank)
     n_items = len(plan_stage(tiny_llama, topo).plan.items)
-    gpu = _stage(tiny_llama, topo, "cuda:0", dtype)
+    gpu, record = _stage_loaded(tiny_llama, topo, "cuda:0", dtype)
     _same(gpu, _stage(tiny_llama, topo, "cpu", dtype))
     assert sum(device_loads) == (n_items if dtype == torch.bfloat16 else 0)
     ptrs = param_ptrs(gpu)
     other = make_model(tmp_path_factory.mktemp("other"), seed=5)
     for src in (other, tiny_llama):
-        reload_from_disk(gpu, src)
+        record = reload_from_disk(gpu, src, record=record).record
         assert param_ptrs(gpu) == ptrs
         _same(gpu, _stage(src, topo, "cpu", dtype))
 

@@ -203,7 +203,7 @@ def _embedded(rank: int, world: int, model: str) -> dict[str, Any]:
     result = load_stage(staged, cancel=comm.watch_failures())
     counts = comm.agree(None, len(result.state_dict))
     comm.close()
-    again = Comm(topo, timeout_s=30)  # a second handle on the same group: its own namespace
+    again = Comm(topo, timeout_s=30)  # a second handle: the next generation of its namespace
     echoed = again.agree(None, f"second-{rank}")
     again.close()
     ref = reference_tensors(Path(model))

@@ -89,3 +89,29 @@ def test_help_and_plan_import_no_tooling(tmp_path: Path) -> None:
 def test_bench_listed_the_same_without_importing_it() -> None:
     from pploader.cli import build_parser
     assert build_parser(bench=False).format_help() == build_parser().format_help()
+
+
+#: the modules that implement a command (besides the public API, the CLI may import these)
+COMMAND_MODULES = ("pploader.cli_args", "pploader.errors", "pploader.tiny", "pploader.pickled",
+                   "pploader.planning.files", "pploader.bench.command", "pploader.testing.faults")
+
+
+def test_cli_imports_only_the_public_api_and_command_modules() -> None:
+    """Issue 14: ``cli.py`` uses what an embedder uses (``pploader.<public name>``) plus the
+    command modules above, lazy imports and ``TYPE_CHECKING`` blocks included."""
+    import pploader
+    public = {f"pploader.{name}" for name in pploader.__all__}
+    path = PKG / "cli.py"
+    tree = ast.parse(path.read_text())
+    found = []
+    for node in ast.walk(tree):  # every import, TYPE_CHECKING blocks and lazy ones included
+        if isinstance(node, ast.ImportFrom) and node.level:
+            base = "pploader" + (f".{node.module}" if node.module else "")
+            found += [base] if node.module else [f"{base}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pploader"):
+            found.append(node.module)  # type: ignore[arg-type]
+        elif isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name.startswith("pploader")]
+    assert found, "no pploader import found in cli.py (the test reads the wrong file?)"
+    bad = [m for m in found if m not in public and not m.startswith(COMMAND_MODULES)]
+    assert not bad, f"cli.py imports internals: {sorted(set(bad))}"

@@ -15,8 +15,10 @@ import pytest
 import torch
 
 from helpers import CONFIGS, make_model, reference_tensors, run
-from pploader import (PlanError, Topology, iter_mtp_weights, load_spec, open_checkpoint,
-                      plan_all, plan_mtp)
+from pploader import PlanError, Topology, iter_mtp_weights
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all, plan_mtp
+from pploader.planning.spec import load_spec
 from pploader.tiny import write_checkpoint
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")

@@ -7,8 +7,11 @@ from pathlib import Path
 import pytest
 
 from helpers import make_model, pploader_cmd, run, tiny_config
-from pploader import (PlanError, Topology, balanced_windows, even_windows, explicit_windows,
-                      load_spec, open_checkpoint, plan_all)
+from pploader import PlanError, Topology
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.partition import balanced_windows, even_windows, explicit_windows
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec
 
 
 def test_even_windows_cover_all_layers_remainder_to_middle() -> None:

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from helpers import CONFIGS, make_model, run, run_ranks, tiny_config, torchrun_cmd
-from pploader import ConfigError, PlanError, even_windows, spec_from_config
+from pploader import ConfigError, PlanError
+from pploader.planning.partition import even_windows
+from pploader.planning.spec import spec_from_config
 from pploader.families import FAMILIES, Family
 from pploader.families.base import LAYER_KINDS, Layout
 from pploader.cache.geometry import KIND_CACHES, CacheDtypes, layer_cache, model_cache
@@ -563,7 +565,8 @@ def test_plan_json_pools_cover_every_layer_once(tiny_hybrid: Path,
 
 def test_plan_balanced_with_cache_target_matches_make_windows(
         tiny_hybrid: Path, capsys: pytest.CaptureFixture) -> None:
-    from pploader import load_spec, open_checkpoint
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.spec import load_spec
     from pploader.planning.plan import make_windows
     spec, index = load_spec(tiny_hybrid), open_checkpoint(tiny_hybrid)
     out = _plan_json(capsys, "--model", str(tiny_hybrid), "--pp", "3", "--partition",

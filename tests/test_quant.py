@@ -20,8 +20,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from helpers import reference_tensors, tiny_config
-from pploader import (ConfigError, PlanError, Reader, Topology, load_spec,
-                      load_stage, open_checkpoint, plan_all, plan_stage, spec_from_config)
+from pploader import ConfigError, PlanError, Topology, load_stage, plan_stage
+from pploader.io.read import Reader
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec, spec_from_config
 from pploader.planning.quant import expected_tensors, scheme_from_config
 from pploader.tiny import write_checkpoint
 from test_tp import _bytes, llama_rule, ref_reassemble, ref_shard

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pploader import (CheckpointError, NotReadyError, PlanError, RankFailure, Topology,
+from pploader import (CheckpointError, LoadRecord, NotReadyError, PlanError, RankFailure, Topology,
                       is_ready, load_stage_into, plan_stage, reload_from_disk)
 from pploader.tiny import write_checkpoint
 
@@ -28,12 +28,18 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return make_model(root / "a", seed=1), make_model(root / "b", seed=2)
 
 
-def fresh(model_dir: Path, dtype: torch.dtype = torch.bfloat16, **kw: object) -> TinyLM:
+def loaded(model_dir: Path, dtype: torch.dtype = torch.bfloat16,
+           **kw: object) -> tuple[TinyLM, LoadRecord]:
+    """A module loaded from ``model_dir`` and the record a reload takes."""
     topo = Topology(1)
     module = TinyLM(CFG, plan_stage(model_dir, topo).plan.window, dtype=dtype, device="meta",
                     **kw)  # type: ignore[arg-type]
-    load_stage_into(module, model_dir, topo, allow_cast=dtype != torch.bfloat16)
-    return module
+    result = load_stage_into(module, model_dir, topo, allow_cast=dtype != torch.bfloat16)
+    return module, result.record
+
+
+def fresh(model_dir: Path, dtype: torch.dtype = torch.bfloat16, **kw: object) -> TinyLM:
+    return loaded(model_dir, dtype, **kw)[0]
 
 
 def out(model: TinyLM) -> torch.Tensor:
@@ -45,7 +51,7 @@ def out(model: TinyLM) -> torch.Tensor:
 def test_reload_twice_in_place(ckpts: tuple[Path, Path], dtype: torch.dtype) -> None:
     """bf16 modules take the read-straight-into path; float32 ones the borrowed-copy path."""
     a, b = ckpts
-    model = fresh(a, dtype)
+    model, record = loaded(a, dtype)
     norm = model.model.layers["0"].input_layernorm
     down = model.model.layers["0"].mlp.down_proj
     assert norm.interleaved is norm.weight                  # aliased: same Parameter
@@ -54,7 +60,8 @@ def test_reload_twice_in_place(ckpts: tuple[Path, Path], dtype: torch.dtype) -> 
     out_a = out(model)
     assert torch.equal(out_a, out(fresh(a, dtype)))
     for src in (b, a, b):
-        result = reload_from_disk(model, src)
+        result = reload_from_disk(model, src, record=record)
+        record = result.record
         assert torch.equal(out(model), out(fresh(src, dtype)))
         assert param_ptrs(model) == ptrs and storage_bytes(model) == nbytes
         assert "model.layers.0.mlp.down_proj" in result.processed
@@ -69,10 +76,10 @@ def test_reload_twice_in_place(ckpts: tuple[Path, Path], dtype: torch.dtype) -> 
 def test_post_process_that_breaks_sources_fails_before_writing(
         ckpts: tuple[Path, Path], mlp: type, what: str) -> None:
     a, b = ckpts
-    model = fresh(a, mlp=mlp)
+    model, record = loaded(a, mlp=mlp)
     before = checksum(model)
     with pytest.raises(PlanError, match=what) as err:
-        reload_from_disk(model, b)
+        reload_from_disk(model, b, record=record)
     msg = str(err.value)
     assert "model.layers.0.mlp.gate_up_proj.weight" in msg and "nothing was written" in msg
     assert "bind_derived" in msg
@@ -90,17 +97,17 @@ def _truncate_last_shard(src: Path, dst: Path) -> str:
 def test_reload_from_truncated_checkpoint_changes_nothing(ckpts: tuple[Path, Path],
                                                           tmp_path: Path) -> None:
     a, b = ckpts
-    model = fresh(a)
+    model, record = loaded(a)
     before, ptrs = checksum(model), param_ptrs(model)
     name = _truncate_last_shard(b, tmp_path / "bad")
     with pytest.raises(CheckpointError, match=name):
-        reload_from_disk(model, tmp_path / "bad")
+        reload_from_disk(model, tmp_path / "bad", record=record)
     assert checksum(model) == before and param_ptrs(model) == ptrs and is_ready(model)
 
 
 def test_fault_midway_marks_not_ready_then_restores(ckpts: tuple[Path, Path]) -> None:
     a, b = ckpts
-    model = fresh(a)
+    model, record = loaded(a)
     seen = []
 
     def fault(nbytes: int) -> None:
@@ -109,17 +116,27 @@ def test_fault_midway_marks_not_ready_then_restores(ckpts: tuple[Path, Path]) ->
             raise OSError("injected I/O fault")
 
     with pytest.raises(NotReadyError, match="reload_from_disk failed after writing started"):
-        reload_from_disk(model, b, on_progress=fault)
+        reload_from_disk(model, b, record=record, on_progress=fault)
     assert not is_ready(model)
     with pytest.raises(NotReadyError, match="injected I/O fault"):
         out(model)  # never silently mixed
-    reload_from_disk(model, b)  # the documented restore path
+    reload_from_disk(model, b, record=record)  # the documented restore path
     assert is_ready(model) and torch.equal(out(model), out(fresh(b)))
 
 
-def test_reload_needs_a_loaded_model(ckpts: tuple[Path, Path]) -> None:
+def test_reload_needs_the_record_of_this_modules_load(ckpts: tuple[Path, Path]) -> None:
+    """The record is the caller's (nothing is kept on the module): no record, or another
+    module's record, is refused before any write."""
+    a, b = ckpts
     with pytest.raises(PlanError, match="load_stage_into"):
-        reload_from_disk(TinyLM(CFG, plan_stage(ckpts[0], Topology(1)).plan.window), ckpts[1])
+        reload_from_disk(TinyLM(CFG, plan_stage(a, Topology(1)).plan.window), b,
+                         record=None)  # type: ignore[arg-type]
+    _, record = loaded(a)
+    other = fresh(a)
+    before = checksum(other)
+    with pytest.raises(PlanError, match="replaced by a new tensor"):
+        reload_from_disk(other, b, record=record)
+    assert checksum(other) == before and is_ready(other)
 
 
 # ---- two ranks (gloo): validation agreed before any write; faults mark every rank ----------
@@ -131,12 +148,12 @@ def _two_rank_reload(rank: int, world: int, a: str, b: str, truncated: str,
     comm = Comm(topo, timeout_s=30)
     staged = plan_stage(a, topo)
     model = TinyLM(CFG, staged.plan.window, device="meta")
-    load_stage_into(model, staged, comm=comm)
+    record = load_stage_into(model, staged, comm=comm).record
     before, ptrs = checksum(model), param_ptrs(model)
     errors = {}
     for label, src in (("truncated", truncated), ("shape", reshaped)):
         try:
-            reload_from_disk(model, src, comm=comm)
+            reload_from_disk(model, src, record=record, comm=comm)
         except RankFailure as exc:
             errors[label] = str(exc)
         assert checksum(model) == before and param_ptrs(model) == ptrs and is_ready(model)
@@ -145,11 +162,11 @@ def _two_rank_reload(rank: int, world: int, a: str, b: str, truncated: str,
         def fault(nbytes: int) -> None:
             raise OSError("injected fault on rank 1")
     try:
-        reload_from_disk(model, b, comm=comm, on_progress=fault)
+        reload_from_disk(model, b, record=record, comm=comm, on_progress=fault)
     except NotReadyError as exc:
         errors["midway"] = str(exc)
     ready_after_fault = is_ready(model)
-    reload_from_disk(model, b, comm=comm)
+    reload_from_disk(model, b, record=record, comm=comm)
     fresh_b = TinyLM(CFG, staged.plan.window, device="meta")
     load_stage_into(fresh_b, b, topo, comm=comm)
     comm.close()

@@ -25,7 +25,10 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from helpers import make_model, reference_tensors, run_ranks, tiny_config
-from pploader import PlanError, Topology, load_spec, open_checkpoint, plan_all
+from pploader import PlanError, Topology
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec
 from pploader.planning.checkpoint import FileIdentity, parse_header
 from pploader.families.base import ShardRule
 from pploader.planning.partition import StageWindow

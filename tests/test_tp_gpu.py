@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from helpers import make_model, run_ranks, tiny_config
-from pploader import Reader, Topology, load_stage, plan_stage
+from pploader import Topology, load_stage, plan_stage
+from pploader.io.read import Reader
 from pploader.dist.comm import Comm
 
 pytestmark = [pytest.mark.gpu,

@@ -17,7 +17,10 @@ import pytest
 import torch
 
 from helpers import make_model, reference_tensors, run_ranks, tiny_config
-from pploader import PlanError, Topology, load_spec, open_checkpoint, plan_all
+from pploader import PlanError, Topology
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec
 from pploader.planning.plan import make_windows, plan_rank
 from pploader.planning.redistribute import piece_selection, read_methods, rows_in
 

@@ -1,7 +1,7 @@
 """Layerwise loading from any ``(name, tensor)`` stream (e.g. weights pushed by a trainer).
 
 Each layer's pieces are buffered until the layer is complete; then they are written in place
-into the model (the slots ``load_stage_into`` recorded), the layer's modules are
+into the model (the slots of the ``LoadRecord`` that ``load_stage_into`` returned), the layer's modules are
 post-processed, and the buffer is freed. A stream ordered by layer therefore buffers at most
 one layer. When two or more layers hold buffered pieces at once, :class:`LayerTracker` warns
 once with their names and the buffered MB: order the stream by layer to avoid it.
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..errors import NotReadyError, PlanError
-from .place import LoadRecord, Slot, load_record, module_tensors
+from .place import LoadRecord, Slot, module_tensors
 from .postprocess import mark_not_ready, mark_ready, not_ready_reason, run_post_processing
 from ..io.read import owned
 from .reload import check_destinations
@@ -94,18 +94,18 @@ def _subtree(group: str, slot: Slot, record: LoadRecord) -> Optional[str]:
 
 
 def load_layerwise(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]], *,
-                   strict: bool = True, process: bool = True,
+                   record: LoadRecord, strict: bool = True, process: bool = True,
                    tracker: Optional[LayerTracker] = None) -> LayerwiseReport:
     """Write a ``(name, tensor)`` stream into ``model`` layer by layer, in place.
 
-    ``model`` must have been loaded by ``load_stage_into`` (its record gives every name's
-    slot). Strict: a name the stage does not hold, or a stream that ends before every stage
+    ``record``: what loaded ``model`` (``load_stage_into(...).record``, or the latest
+    ``ReloadResult.record``); it gives every name's slot. Strict: a name the stage does not hold, or a stream that ends before every stage
     tensor arrived, raises PlanError. From the first write until the stream is complete the
     model is marked not ready (a failed stream leaves layers of two checkpoints).
     """
-    record = load_record(model)
-    if record is None:
-        raise PlanError("load_layerwise needs a model loaded by pploader.load_stage_into")
+    if not isinstance(record, LoadRecord):
+        raise PlanError("load_layerwise needs the LoadRecord of the load "
+                        f"(record=load_stage_into(...).record), got {type(record).__name__}")
     check_destinations(model, record)
     tracker = tracker if tracker is not None else LayerTracker()
     slots = record.binding.slots

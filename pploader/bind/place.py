@@ -12,7 +12,10 @@ device or on its target device). Phases, so that nothing is written unless every
    from the device's read backend (io/registry.py: positional reads on CPU, a pinned ring and
    asynchronous H2D copies on CUDA); anything else (casts, strided slices) through a borrowed
    ring and one ``copy_``.
-4. record what was filled (for ``reload_from_disk``), run ``process_weights_after_loading``.
+4. record what was filled (``BindResult.record``: the caller keeps it and passes it to
+   ``reload_from_disk`` / ``load_layerwise``), run ``process_weights_after_loading``.
+
+Both agreements are :func:`pploader.dist.comm.run_guarded` steps.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ import torch
 from torch import nn
 
 from ..planning.checkpoint import DTYPES
-from ..errors import NotReadyError, PlanError, PPLoaderError
+from ..errors import NotReadyError, PlanError
 from ..families.base import Family
 from ..families.fused import FusedMatch, match_fused
 from .names import NameMap, NameRule
@@ -38,14 +41,14 @@ from ..planning.spec import ModelSpec
 from ..stage import StagePlan, plan_stage
 from .stage_layers import placeholder_problems
 from ..planning.topology import Topology
+from ..dist.comm import run_guarded
 from .write import module_tensors, write_binding
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
 
 __all__ = ["NameMap", "NameRule", "Slot", "Binding", "BindResult", "TensorSnapshot", "LoadRecord",
-           "module_tensors", "bind_stage", "write_binding", "load_stage_into", "load_record",
-           "agree_or_raise", "commit_writes"]
+           "module_tensors", "bind_stage", "write_binding", "load_stage_into", "commit_writes"]
 
 #: the default name mapping: module names are checkpoint names
 _SAME_NAMES = NameMap()
@@ -145,7 +148,9 @@ class TensorSnapshot:
 
 @dataclass(frozen=True)
 class LoadRecord:
-    """What ``load_stage_into`` did, kept on the module so a reload can redo it in place."""
+    """What ``load_stage_into`` did (``BindResult.record``), so that a reload can redo it in
+    place: the caller keeps it and passes it to ``reload_from_disk`` / ``load_layerwise``
+    (``ReloadResult.record`` is the record after a reload)."""
 
     family: Family
     num_layers: int
@@ -170,11 +175,7 @@ class BindResult:
     processed: tuple[str, ...]
     plan: RankPlan
     stats: ReadStats
-
-
-def load_record(model: nn.Module) -> Optional[LoadRecord]:
-    """The record ``load_stage_into`` left on ``model`` (None if it was not loaded by it)."""
-    return model.__dict__.get("_pploader_record")
+    record: LoadRecord  # pass it to reload_from_disk / load_layerwise
 
 
 # ---- binding -----------------------------------------------------------------------------
@@ -365,45 +366,29 @@ def _materialise(module: nn.Module, binding: Binding, device: Union[str, torch.d
                     table[key] = new[id(value)]  # type: ignore[assignment]
 
 
-def agree_or_raise(comm: Optional["Comm"], error: Optional[BaseException],
-                   rank: Optional[int]) -> None:
-    """Without a comm, raise ``error``; with one, every rank raises the combined error."""
-    if isinstance(error, PPLoaderError) and rank is not None:
-        error.on_rank(rank)
-    if comm is None:
-        if error is not None:
-            raise error
-        return
-    try:
-        comm.agree(error)
-    except PPLoaderError as failure:
-        raise failure from error
-
-
 def commit_writes(model: nn.Module, binding: Binding, plan: RankPlan, *, action: str,
                   comm: Optional["Comm"], process: bool,
                   after_write: Optional[Callable[[], None]] = None,
                   **reader: object) -> tuple[ReadStats, tuple[str, ...]]:
-    """Write, record, post-process; ``model`` is marked not ready from the first write until
-    every rank succeeded, so a fault midway can never leave silently mixed weights."""
+    """Write, post-process, agree (one ``run_guarded`` step); ``model`` is marked not ready
+    from the first write until every rank succeeded, so a fault midway can never leave
+    silently mixed weights."""
     rank = plan.topology.rank
     mark_not_ready(model, f"{action} in progress (or interrupted) on rank {rank}")
-    error: Optional[BaseException] = None
-    stats, processed = ReadStats(), tuple[str, ...]()
-    try:
+
+    def write() -> tuple[ReadStats, tuple[str, ...]]:
         stats = write_binding(model, binding, plan, **reader)  # type: ignore[arg-type]
         if after_write is not None:
             after_write()
-        if process:
-            processed = tuple(run_post_processing(model))
-    except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
-        error = exc
+        return stats, tuple(run_post_processing(model)) if process else ()
+
     try:
-        agree_or_raise(comm, error, rank)
+        stats, processed = run_guarded(comm, write, rank=rank)
     except Exception as exc:  # noqa: BLE001
         reason = (f"{action} failed after writing started ({type(exc).__name__}: {exc}); the "
-                  "weights may mix two checkpoints. Restore them with reload_from_disk(model, "
-                  "<a good checkpoint>) on every rank of the job")
+                  "weights may mix two checkpoints. Restore them on every rank of the job: "
+                  "reload_from_disk(model, <a good checkpoint>, record=...) after a reload, "
+                  "load_stage_into again after a load")
         mark_not_ready(model, reason)
         raise NotReadyError(reason, rank=rank) from exc
     mark_ready(model)
@@ -430,8 +415,8 @@ def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str]
     rank: Optional[int] = comm.rank if comm is not None else (
         model.plan.topology.rank if isinstance(model, StagePlan)
         else topology.rank if topology is not None else None)
-    error: Optional[BaseException] = None
-    try:
+
+    def prepare() -> tuple[StagePlan, Binding]:
         if isinstance(model, StagePlan):
             staged = model
         elif topology is None:
@@ -440,23 +425,23 @@ def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str]
             staged = plan_stage(model, topology, partition=partition, strict=strict)
         binding = bind_stage(module, staged, names=names, ignore=ignore, allow_cast=allow_cast)
         binding.check(strict, rank)
-    except Exception as exc:  # noqa: BLE001 - agreed on below
-        error = exc
-    agree_or_raise(comm, error, rank)
+        return staged, binding
+
+    staged, binding = run_guarded(comm, prepare, rank=rank)  # every rank bound, or none
     _materialise(module, binding, device)
     snapshots: dict[str, TensorSnapshot] = {}
 
-    def record() -> None:
+    def snapshot() -> None:  # after the writes, before post-processing may alias anything
         tensors = module_tensors(module)
         snapshots.update({n: TensorSnapshot.of(tensors[n]) for n in binding.params})
-        plan = staged.plan
-        module.__dict__["_pploader_record"] = LoadRecord(
-            staged.spec.family, staged.spec.num_layers, plan.topology, plan.window,
-            plan.experts, names, tuple(ignore), allow_cast, strict, binding, snapshots)
 
     stats, processed = commit_writes(
         module, binding, staged.plan, action="load_stage_into", comm=comm, process=process,
-        after_write=record, window_bytes=window_bytes, threads=threads, on_progress=on_progress,
+        after_write=snapshot, window_bytes=window_bytes, threads=threads, on_progress=on_progress,
         io_backend=io_backend)
+    plan = staged.plan
+    record = LoadRecord(staged.spec.family, staged.spec.num_layers, plan.topology, plan.window,
+                        plan.experts, names, tuple(ignore), allow_cast, strict, binding,
+                        snapshots)
     return BindResult(binding.missing, binding.unexpected, binding.params, processed,
-                      staged.plan, stats)
+                      staged.plan, stats, record)

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..errors import NotReadyError, PlanError
+from .module_state import find_module_state, module_state
 
 __all__ = ["PostProcessed", "bind_derived", "derived_names", "run_post_processing",
            "is_ready", "not_ready_reason", "ensure_ready", "mark_not_ready", "mark_ready"]
@@ -39,11 +40,8 @@ def _broadcasts(shape: torch.Size, to: torch.Size) -> bool:
 
 
 def _derived(module: nn.Module) -> dict[str, str]:
-    table = module.__dict__.get("_pploader_derived")
-    if table is None:
-        table = {}
-        module.__dict__["_pploader_derived"] = table
-    return table
+    """The derived names of ``module`` (bind/module_state.py: kept with the module)."""
+    return module_state(module).derived
 
 
 def bind_derived(module: nn.Module, name: str, source: str,
@@ -100,7 +98,8 @@ def derived_names(model: nn.Module) -> set[str]:
     """Qualified names of every derived parameter bound with :func:`bind_derived`."""
     out = set()
     for prefix, mod in model.named_modules():
-        for name in mod.__dict__.get("_pploader_derived", {}):
+        state = find_module_state(mod)
+        for name in (state.derived if state is not None else ()):
             out.add(f"{prefix}.{name}" if prefix else name)
     return out
 
@@ -125,27 +124,34 @@ def run_post_processing(model: nn.Module, *, under: Optional[str] = None,
 # ---- ready state -------------------------------------------------------------------------
 
 def _raise_not_ready(module: nn.Module, args: tuple) -> None:
-    raise NotReadyError(module.__dict__.get("_pploader_not_ready", "not ready"))
+    reason = not_ready_reason(module)
+    if reason is not None:
+        raise NotReadyError(reason)
 
 
 def mark_not_ready(model: nn.Module, reason: str) -> None:
     """Mark ``model`` unusable: ``forward`` raises NotReadyError(reason) until restored."""
-    model.__dict__["_pploader_not_ready"] = reason
-    if "_pploader_not_ready_hook" not in model.__dict__:
-        model.__dict__["_pploader_not_ready_hook"] = \
-            model.register_forward_pre_hook(_raise_not_ready)
+    state = module_state(model)
+    state.not_ready = reason
+    if state.not_ready_hook is None:
+        state.not_ready_hook = model.register_forward_pre_hook(_raise_not_ready)
 
 
 def mark_ready(model: nn.Module) -> None:
     """Clear a not-ready mark (done by a successful reload)."""
-    model.__dict__.pop("_pploader_not_ready", None)
-    hook = model.__dict__.pop("_pploader_not_ready_hook", None)
-    if hook is not None:
-        hook.remove()
+    state = find_module_state(model)
+    if state is None:
+        return
+    state.not_ready = None
+    if state.not_ready_hook is not None:
+        state.not_ready_hook.remove()
+        state.not_ready_hook = None
 
 
 def not_ready_reason(model: nn.Module) -> Optional[str]:
-    return model.__dict__.get("_pploader_not_ready")
+    """Why ``model`` is marked not ready (None: ready)."""
+    state = find_module_state(model)
+    return state.not_ready if state is not None else None
 
 
 def is_ready(model: nn.Module) -> bool:

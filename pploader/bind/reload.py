@@ -1,14 +1,15 @@
 """Hot reload in place: validate and agree everywhere first, then overwrite the same storage.
 
-``reload_from_disk(model, checkpoint_dir)`` is called on every rank of a job whose stage
-modules were loaded by ``load_stage_into``. Order (nothing is written before step 3):
+``reload_from_disk(model, checkpoint_dir, record=...)`` is called on every rank of a job whose
+stage modules were loaded by ``load_stage_into`` (``record``: its ``BindResult.record``, or the
+``ReloadResult.record`` of the previous reload). Order (nothing is written before step 3):
 
 1. every rank plans its stage from the new checkpoint (headers, names, shapes, dtypes and
    quantization companions through the family template), binds it to the module and checks
    each destination is still the tensor ``load_stage_into`` filled (same data_ptr, shape,
    strides, dtype): a post-process that deleted, replaced or reshaped a source fails here;
-2. the ranks agree (``Comm.agree``): any failure anywhere -> every rank raises the combined
-   error and the weights are untouched;
+2. the ranks agree (steps 1 and 3 are each one ``run_guarded`` step): any failure anywhere ->
+   every rank raises the combined error and the weights are untouched;
 3. bytes are written in place (every parameter keeps its ``data_ptr``, so captured CUDA
    graphs stay valid), streamed with the reader's bounded window, then post-processing
    re-runs. A fault in this step leaves the model marked not ready (``forward`` raises
@@ -26,12 +27,12 @@ from torch import nn
 
 from ..planning.checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError
-from .place import (LoadRecord, agree_or_raise, bind_stage, commit_writes, load_record,
-                    module_tensors)
+from .place import Binding, LoadRecord, bind_stage, commit_writes, module_tensors
 from ..planning.plan import RankPlan, plan_rank
 from ..io.read import ReadStats
 from ..planning.spec import read_config, spec_from_config
 from ..stage import StagePlan
+from ..dist.comm import run_guarded
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
@@ -43,11 +44,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class ReloadResult:
-    """What a reload wrote: the plan, the reader's stats and the modules post-processed."""
+    """What a reload wrote: the plan, the reader's stats, the modules post-processed, and the
+    record to pass to the next reload (the new checkpoint's binding, the same destinations)."""
 
     plan: RankPlan
     stats: ReadStats
     processed: tuple[str, ...]
+    record: LoadRecord
 
 
 def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
@@ -88,23 +91,26 @@ def check_destinations(model: nn.Module, record: LoadRecord) -> None:
 
 
 def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
-                     comm: Optional["Comm"] = None, process: bool = True,
+                     record: LoadRecord, comm: Optional["Comm"] = None, process: bool = True,
                      window_bytes: Optional[int] = None, threads: int = 1,
                      allowed_roots: Sequence[str] = (),
                      on_progress: Optional[Callable[[int], None]] = None) -> ReloadResult:
     """Reload ``model``'s stage from ``checkpoint_dir`` in place (called on every rank).
 
-    Raises before any write when any rank's validation fails (RankFailure with a ``comm``,
-    else the PlanError / CheckpointError itself); raises NotReadyError, and leaves the model
-    marked not ready, when writing fails midway on any rank.
+    ``record``: what loaded ``model`` (``BindResult.record`` of ``load_stage_into``, or the
+    previous ``ReloadResult.record``). Raises before any write when any rank's validation
+    fails (RankFailure with a ``comm``, else the PlanError / CheckpointError itself); raises
+    NotReadyError, and leaves the model marked not ready, when writing fails midway on any
+    rank.
     """
-    record = load_record(model)
-    rank = comm.rank if comm is not None else (record.topology.rank if record else None)
-    error: Optional[BaseException] = None
-    try:
-        if record is None:
-            raise PlanError("reload_from_disk needs a model loaded by pploader.load_stage_into "
-                            "(its record names the stage, the names and the destinations)")
+    rank = comm.rank if comm is not None else (
+        record.topology.rank if isinstance(record, LoadRecord) else None)
+
+    def validate() -> tuple[StagePlan, Binding]:
+        if not isinstance(record, LoadRecord):
+            raise PlanError("reload_from_disk needs the LoadRecord of the load "
+                            "(record=load_stage_into(...).record): it names the stage, the "
+                            f"names and the destinations; got {type(record).__name__}")
         check_destinations(model, record)
         staged = plan_reload(record, checkpoint_dir, allowed_roots=allowed_roots)
         binding = bind_stage(model, staged, names=record.names, ignore=record.ignore,
@@ -115,14 +121,13 @@ def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
             raise PlanError("the new checkpoint fills tensors the first load did not: "
                             + ", ".join(unknown[:8]) + "; reload writes only in place",
                             tensor=unknown[0], rank=rank)
-    except Exception as exc:  # noqa: BLE001 - agreed on below, before any write
-        error = exc
-    agree_or_raise(comm, error, rank)
+        return staged, binding
+
+    staged, binding = run_guarded(comm, validate, rank=rank)  # before any write
     logger.info("rank %s: reloading %d tensor(s) in place from %s", rank,
                 len(binding.params), checkpoint_dir)
-    model.__dict__["_pploader_record"] = replace(record, binding=binding)  # type: ignore[arg-type, type-var]
     stats, processed = commit_writes(
         model, binding, staged.plan, action="reload_from_disk", comm=comm, process=process,
         window_bytes=window_bytes, threads=threads, on_progress=on_progress)
     logger.info("rank %s: reloaded %d bytes in %.3f s", rank, stats.read_bytes, stats.seconds)
-    return ReloadResult(staged.plan, stats, processed)
+    return ReloadResult(staged.plan, stats, processed, replace(record, binding=binding))

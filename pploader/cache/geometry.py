@@ -97,6 +97,12 @@ class CacheDtypes:
     conv: Optional[torch.dtype] = None
     ssm: Optional[torch.dtype] = None
 
+    @classmethod
+    def of(cls, *, kv: Optional[str] = None, conv: Optional[str] = None,
+           ssm: Optional[str] = None) -> "CacheDtypes":
+        """From dtype names (``"bfloat16"``; None = default), as the CLI's options give them."""
+        return cls(*(parse_dtype(n) if n else None for n in (kv, conv, ssm)))
+
     def resolve(self, spec: "ModelSpec") -> tuple[torch.dtype, torch.dtype, torch.dtype]:
         """(kv, conv, ssm) dtypes for ``spec``."""
         ssm = self.ssm

@@ -17,7 +17,6 @@ docs/pools.md shows the layouts and worked numbers.
 """
 from __future__ import annotations
 
-import os
 from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 
 import torch
@@ -220,10 +219,11 @@ def build_rank_pools(spec: "ModelSpec", plan: "RankPlan", opts: PoolOptions, *,
     return CachePools(geom, cap, device=device)
 
 
-def pool_device(name: Optional[str] = None) -> torch.device:
-    """``name``, else ``cuda:$LOCAL_RANK`` when this process has a GPU, else cpu
-    (``cuda`` without an index also means this rank's local GPU). A device this process
-    does not have is a PlanError naming it."""
+def pool_device(name: Optional[str] = None, *, local_rank: int = 0) -> torch.device:
+    """``name``, else ``cuda:<local_rank>`` when this process has a GPU, else cpu (``cuda``
+    without an index also means this rank's local GPU). ``local_rank``: this rank's index on
+    its node, from the caller (the CLI takes it from the launcher; library code reads no
+    environment). A device this process does not have is a PlanError naming it."""
     try:
         dev = torch.device(name) if name else None
     except (RuntimeError, ValueError):
@@ -241,8 +241,7 @@ def pool_device(name: Optional[str] = None) -> torch.device:
     if dev is not None and not (dev.type == "cuda" and dev.index is None):
         return dev
     if dev is not None or torch.cuda.is_available():
-        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) %
-                            torch.cuda.device_count())
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
 
 

@@ -43,6 +43,8 @@ class LaunchEnv:
 
     ``master_port == 0`` (MPI without ``MASTER_PORT``) means rank 0 picks a free port and
     broadcasts it through mpi4py. ``backend`` and ``device`` are set by init_distributed.
+    ``store_host_rank``: the rank whose process hosts the job's store (None: torchrun's agent
+    does, ``TORCHELASTIC_USE_AGENT_STORE``); pass it to ``Comm(store_host_rank=...)``.
     """
 
     source: str
@@ -53,6 +55,7 @@ class LaunchEnv:
     master_port: int
     backend: str = ""
     device: str = "cpu"
+    store_host_rank: Optional[int] = 0
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -298,13 +301,16 @@ def init_distributed(*, backend: Optional[str] = None, timeout_s: float = 60.0,
     store connection and the group's collectives (NCCL's 10-minute default is never used).
     """
     env = os.environ if env is None else env
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store_host = None if agent_store else 0
     if dist.is_initialized():  # the host application chose the group and the device
         device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
         return LaunchEnv("existing", dist.get_rank(), dist.get_world_size(),
-                         _local_rank_from_env(env), "", 0, str(dist.get_backend()), device)
+                         _local_rank_from_env(env), "", 0, str(dist.get_backend()), device,
+                         store_host)
     launch = detect_launch(env)
     launch = replace(launch, backend=choose_backend(launch.local_rank, backend, env),
-                     device=_device(launch.local_rank))
+                     device=_device(launch.local_rank), store_host_rank=store_host)
     timeout = timedelta(seconds=timeout_s)
     if launch.source == "torchrun":
         # env:// honours torchrun's agent-hosted store (TORCHELASTIC_USE_AGENT_STORE)

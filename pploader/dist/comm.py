@@ -13,12 +13,17 @@ job has) with bounded polling, never through a collective that could block forev
   for ``timeout_s`` while others wait for it is hung (silent).
 
 Tensor traffic uses the process groups built once in ``__init__``.
-All ranks must construct their Comm objects in the same order (as with ``new_group``).
+
+Which Comm of one rank talks to which Comm of another is explicit: a Comm's keys live under
+its ``namespace`` (default ``"pploader"``: name it after the call's purpose, e.g.
+``"vllm-reload"``) and that namespace's generation on this rank, counted in the job's store:
+the n-th Comm of namespace N on one rank meets the n-th Comm of N on every other rank. Comms of
+different namespaces may be built in any order; nothing is counted per process. (Process
+subgroups are still built with ``new_group``, which torch requires in the same order.)
 """
 from __future__ import annotations
 
 import atexit
-import itertools
 import json
 import logging
 import os
@@ -31,25 +36,21 @@ from typing import Any, Callable, Iterable, Optional, TypeVar
 import torch
 import torch.distributed as dist
 
-from ..errors import RankFailure, TopologyError
+from ..errors import PPLoaderError, RankFailure, TopologyError
 from ..planning.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "run_guarded"]
+__all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "DEFAULT_NAMESPACE",
+           "run_guarded", "run_agreed"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEAD_AFTER_S = 10.0
 _BEAT_S = 0.5
 _CANCELLED = "cancelled: another rank failed"
 _STORE_ERRORS = (RuntimeError, OSError)  # DistStoreError / DistNetworkError are RuntimeErrors
-_SEQUENCE = itertools.count()  # per process: Comm #n of this process talks to Comm #n elsewhere
+DEFAULT_NAMESPACE = "pploader"
 T = TypeVar("T")
-
-
-def _default_store_host() -> Optional[int]:
-    """Rank 0 hosts the store unless torchrun's agent does."""
-    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
 
 
 def _stop_at_exit(ref: "weakref.ref[Comm]") -> None:
@@ -81,11 +82,14 @@ class Comm:
 
     def __init__(self, topology: Topology, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  dead_after_s: Optional[float] = None, store: Optional[dist.Store] = None,
-                 namespace: Optional[str] = None, store_host_rank: Optional[int] = -1) -> None:
+                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = 0) -> None:
         """``timeout_s``: how long a rank may make no progress while others wait for it;
         ``dead_after_s`` (default min(10, timeout_s)): how long its heartbeat may stop;
+        ``namespace``: the purpose of this handle; the n-th Comm of a namespace on each rank
+        meets the n-th of the same namespace on every other rank (module docstring);
         ``store_host_rank``: the rank whose process hosts the store (named when the store
-        is lost); default 0, or None under torchrun (its agent hosts the store)."""
+        is lost); None when no rank does (torchrun's agent): ``init_distributed()`` returns
+        it as ``LaunchEnv.store_host_rank`` (this module reads no environment)."""
         if not dist.is_initialized():
             raise TopologyError("torch.distributed is not initialised; call "
                                 "pploader.dist.bootstrap.init_distributed() first")
@@ -99,13 +103,16 @@ class Comm:
         self.dead_after_s = float(min(DEFAULT_DEAD_AFTER_S, timeout_s)
                                   if dead_after_s is None else dead_after_s)
         base = store if store is not None else dist.distributed_c10d._get_default_store()
-        prefix = namespace if namespace is not None else f"pploader/{next(_SEQUENCE)}"
-        self.store = dist.PrefixStore(prefix + "/", base)
+        if not isinstance(namespace, str) or not namespace.strip("/"):
+            raise TopologyError(f"Comm namespace must be a non-empty name, got {namespace!r}")
+        generation = base.add(f"pploader-namespaces/{namespace}/{topology.rank}", 1) - 1
+        self.namespace = f"{namespace}/{generation}"
+        self.store = dist.PrefixStore(self.namespace + "/", base)
         self._gen = 0
         self._expected_closers = topology.world_size
         self._concluded_failure = False
         self._abort_after_s: Optional[float] = None
-        self.store_host_rank = _default_store_host() if store_host_rank == -1 else store_host_rank
+        self.store_host_rank = store_host_rank
         self.cancel = threading.Event()
         self._closed = threading.Event()
         self.touch()
@@ -390,13 +397,41 @@ class Comm:
         dist.recv(tensor, src)
 
 
-def run_guarded(comm: Comm, fn: Callable[[], T]) -> T:
-    """Run ``fn`` on every rank; if any rank fails, every rank raises one RankFailure."""
+def run_agreed(comm: Optional[Comm], fn: Callable[[], T],
+               share: Optional[Callable[[T], Any]] = None, *,
+               rank: Optional[int] = None) -> tuple[T, list[Any]]:
+    """Run one step of a fail-together sequence on every rank (called on all ranks, in the
+    same order): ``fn()``, then one agreement round.
+
+    If any rank's ``fn`` raised, went silent or died, every rank raises the same RankFailure
+    (chained from its own error, if it had one). Else every rank gets ``fn``'s result and
+    every rank's ``share(result)`` (JSON-able; None without ``share``), in rank order.
+    A PPLoaderError from ``fn`` is tagged with ``rank`` (default: the comm's) first. Without a
+    ``comm`` (one process): ``fn``'s own error, or ``(result, [share(result)])``.
+    """
+    rank = rank if rank is not None else comm.rank if comm is not None else None
     error: Optional[BaseException] = None
     result: Optional[T] = None
+    payload: Any = None
     try:
         result = fn()
+        payload = share(result) if share is not None else None
     except Exception as exc:  # noqa: BLE001 - reported to every rank, then re-raised
+        if isinstance(exc, PPLoaderError) and rank is not None:
+            exc.on_rank(rank)
+        if comm is None:
+            raise
         error = exc
-    comm.agree(error)
-    return result  # type: ignore[return-value]
+    if comm is None:
+        return result, [payload]  # type: ignore[return-value]
+    try:
+        shared = comm.agree(error, payload)
+    except RankFailure as failure:
+        raise failure from error
+    return result, shared  # type: ignore[return-value]
+
+
+def run_guarded(comm: Optional[Comm], fn: Callable[[], T], *, rank: Optional[int] = None) -> T:
+    """Run ``fn`` on every rank; if any rank fails, every rank raises one RankFailure
+    (:func:`run_agreed` without payloads; without a ``comm``, ``fn`` alone)."""
+    return run_agreed(comm, fn, rank=rank)[0]

@@ -47,6 +47,7 @@ from ..planning.checkpoint import DTYPES
 from ..errors import PlanError, PPLoaderError, RankFailure
 from ..planning.plan import ReadItem
 from ..io.read import Reader
+from ..bind.module_state import find_module_state, module_state
 from ..stage import StagePlan, plan_stage
 from ..planning.topology import Topology
 
@@ -326,7 +327,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
                           range_cost_bytes=self.range_cost_bytes)
         state.report = _report(state, reader, seconds, rchar0, rchar1)
-        model._pploader_state = state  # type: ignore[assignment]
+        module_state(model).engine_load = state  # travels with the model (bind/module_state.py)
         _LAST["load"] = state.report
         logger.info("pploader %s: layers [%d, %d) read %d bytes (ideal %d, headers %d) in "
                     "%.2f s, tp_mode=%s", topology.describe(), staged.plan.window.start_layer,
@@ -411,12 +412,13 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
     """
     from ..dist.comm import Comm
     model = _model_of(worker)
-    state: Optional[LoadState] = getattr(model, "_pploader_state", None)
+    found = find_module_state(model)
+    state: Optional[LoadState] = found.engine_load if found is not None else None
     if state is None:
         return {"ok": False, "rank": None, "error": "this engine was not loaded with "
                 "load_format='pploader'", "written": False}
     topology = state.topology
-    comm = Comm(topology, timeout_s=timeout_s)
+    comm = Comm(topology, timeout_s=timeout_s, namespace="pploader-vllm-reload")
     try:
         return _reload_agreed(worker, model, state, str(checkpoint_dir), comm)
     finally:
@@ -425,36 +427,34 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
 
 def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_dir: str,
                    comm: Any) -> dict[str, Any]:
+    from ..dist.comm import run_guarded
     topology = state.topology
-    error: Optional[BaseException] = None
-    weights: Optional[Callable[[], Iterator[tuple[str, torch.Tensor]]]] = None
-    reader: Optional[Reader] = None
     rchar0, start = _rchar(), time.perf_counter()
-    try:  # phase 1: plan, validate and read everything; nothing written yet
+
+    def read_all() -> tuple[StagePlan, Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+        """Phase 1: plan, validate and read everything; nothing written yet."""
         staged = plan_engine_stage(checkpoint_dir, topology, state.partition, state.tp_mode,
                                    model, range_cost_bytes=state.range_cost_bytes)
         _same_layout(state.staged, staged, topology.rank)
-        reader, weights = read_stage(staged, state.tp_mode)
-    except Exception as exc:  # noqa: BLE001 - any failure here must be agreed, not raised
-        error = exc
-        weights = None
-    try:
-        comm.agree(error)  # every worker gets the same RankFailure if any failed
+        return (staged, *read_stage(staged, state.tp_mode))
+
+    try:  # every worker gets the same RankFailure if any failed
+        staged, reader, weights = run_guarded(comm, read_all)
     except PPLoaderError as exc:
         failures = getattr(exc, "failures", None) or {topology.rank: str(exc)}
+        own = exc.__cause__  # this worker's own error, if it had one
         failed = {"ok": False, "rank": topology.rank, "error": str(exc), "written": False,
                   "failures": {str(r): m for r, m in failures.items()},
-                  "own_error": None if error is None else f"{type(error).__name__}: {error}"}
+                  "own_error": None if own is None else f"{type(own).__name__}: {own}"}
         _LAST["reload_error"] = failed
         logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
                      topology.describe(), exc)
         return failed
-    assert reader is not None and weights is not None
     rchar1, read_seconds = _rchar(), time.perf_counter() - start
     try:  # phase 2: every worker validated and read its stage; write in place
         worker.model_runner.reload_weights(weights_iterator=weights(),
                                            is_checkpoint_format=True)
-        weights = None
+        del weights  # the held bytes go now
         if state.tp_mode == "placed" and topology.tp_size > 1:
             check_no_unread(model, topology.rank)
     except Exception as exc:  # noqa: BLE001

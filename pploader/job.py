@@ -1,0 +1,309 @@
+"""A job's load, one rank's part: the agreed sequence every rank runs, and the job's plan.
+
+:func:`load_pipeline_stage` is what ``pploader load`` runs on every rank, and what an embedder
+with a process group calls instead of rebuilding it::
+
+    plan this rank's stage ──► agree ──► load it (+ its cache pools) ──► agree
+
+Each arrow is one :func:`pploader.dist.comm.run_agreed` step: if any rank fails a step (bad
+input, a bad file, an I/O error, a hang, a death), every rank raises the same
+:class:`~pploader.errors.RankFailure`, naming each failing rank and its error, and no rank
+goes on to the next step. Nothing here reads the environment: the caller resolves who it is
+(``Comm`` / ``Topology``, ``StageLoadOptions.local_rank``) and which options apply.
+
+:func:`plan_job` is the job's plan without launching it (``pploader plan``): every rank's
+plan and cache pools from the headers, pure.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
+
+from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capacity, plan_pools
+from .errors import ConfigError, PlanError
+from .planning.checkpoint import open_checkpoint
+from .planning.dtypes import dtype_casts
+from .planning.plan import DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_all
+from .planning.shard import DEFAULT_RANGE_COST_BYTES
+from .planning.spec import ModelSpec, load_spec
+from .report import ProgressBar, format_table, plan_table
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
+    from .cache.pools import CachePools
+    from .dist.comm import Comm
+    from .stage import StagePlan, StageResult
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["StageLoadOptions", "StageLoad", "load_pipeline_stage", "JobPlan", "plan_job"]
+
+Device = Union[str, "torch.device", None]
+
+
+@dataclass(frozen=True)
+class StageLoadOptions:
+    """How one rank loads its stage in :func:`load_pipeline_stage` (every field has the
+    CLI's default; docs/usage.md lists the matching ``pploader load`` options).
+
+    Planning: ``partition`` (even | balanced | vllm | sglang | an ``EngineSplit`` | layer
+    counts; ``balanced`` with ``pools`` giving ``tokens``/``requests`` weighs each layer's
+    cache too), ``allowed_roots``, ``range_cost_bytes``, ``exchange_cost``,
+    ``exchange_batch_bytes`` (see :func:`pploader.plan_stage`).
+
+    Loading: ``device`` (None = ``cuda:<local_rank>`` when this process has a GPU, else cpu),
+    ``local_rank`` (this rank's index on its node), ``window_bytes``, ``threads``,
+    ``memory_budget_bytes``, ``read_once``, ``io_backend`` (see :func:`pploader.load_stage`),
+    ``ranks_per_node`` (read once per node: consecutive ranks form a node, as torchrun, srun
+    and mpiexec number them; None = off).
+
+    Pools: ``pools`` (how to size them; None = no pools), ``build_pools`` (False: size
+    nothing, allocate nothing; ``pools`` still sets a cache-aware ``balanced`` target),
+    ``pool_device`` (None as for ``device``), ``pool_memory_from_device`` (size the pools
+    from the pool device's total memory: ``PoolOptions.device_bytes`` = that memory).
+    ``progress_bar``: rank 0 draws the job's bytes on stderr.
+    """
+
+    partition: Partition = "even"
+    allowed_roots: Sequence[str] = ()
+    range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES
+    exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST
+    exchange_batch_bytes: Optional[int] = None
+    device: Device = None
+    local_rank: int = 0
+    window_bytes: Optional[int] = None
+    threads: Optional[int] = None
+    memory_budget_bytes: Optional[int] = None
+    read_once: bool = False
+    ranks_per_node: Optional[int] = None
+    io_backend: Optional[str] = None
+    pools: Optional[PoolOptions] = None
+    build_pools: bool = True
+    pool_device: Device = None
+    pool_memory_from_device: bool = False
+    progress_bar: bool = False
+
+
+@dataclass
+class StageLoad:
+    """This rank's loaded stage, and what every rank agreed on.
+
+    ``result``: this rank's tensors, plan, stats and report; ``pools``: its cache pools (None
+    without ``StageLoadOptions.pools``); ``reports``: every rank's report (JSON, with
+    ``"pools"``), in rank order; ``planned_bytes``: every rank's planned read bytes."""
+
+    staged: "StagePlan"
+    result: "StageResult"
+    pools: Optional["CachePools"]
+    reports: list[dict]
+    planned_bytes: list[int]
+    device: "torch.device"
+
+    @property
+    def pipeline_pools(self) -> Optional[dict]:
+        """Pipeline-wide pool limits (the minimum over stages), None without pools."""
+        caps = [r["pools"]["capacity"] for r in self.reports if r.get("pools")]
+        return pipeline_capacity(caps) if caps else None
+
+    def table(self, *, pools: bool = True) -> str:
+        """The per-rank table ``pploader load`` prints (and the pools table, when built)."""
+        text = format_table(self.reports)
+        if pools and any(r.get("pools") for r in self.reports):
+            text += "\n\ncache pools (per rank; its own layers only):\n" + format_pools(self.reports)
+        return text
+
+
+@dataclass(frozen=True)
+class _Planned:
+    staged: "StagePlan"
+    partition: Partition            # resolved (a cache-aware balance as layer counts)
+    device: "torch.device"
+    pool_device: "torch.device"
+    pools: Optional[PoolOptions]    # None: no pools to build
+    node_ranks: Optional[range]     # read once per node: this rank's node
+
+
+def load_pipeline_stage(model_dir: os.PathLike | str, comm: "Comm",
+                        options: Optional[StageLoadOptions] = None, *,
+                        check_plan: Optional[Callable[["StagePlan"], None]] = None,
+                        after_load: Optional[Callable[["StageResult"], None]] = None,
+                        on_progress: Optional[Callable[[int], None]] = None) -> StageLoad:
+    """Plan, agree, load (+ pools), agree: this rank's stage of ``model_dir`` (called on every
+    rank of ``comm``'s job, each with its own options; all ranks return, or all raise).
+
+    ``check_plan(staged)``: the caller's own checks of the plan, run in the planning step
+    (raise a PPLoaderError to refuse it: it is agreed like any planning error).
+    ``after_load(result)``: runs in the load step, before the pools (e.g. saving the tensors).
+    ``on_progress(nbytes)``: called as bytes arrive, besides the job's progress counter.
+    Failures: :class:`~pploader.errors.RankFailure` on every rank (``input_only`` when every
+    failing rank found a mistake in the input while planning).
+    """
+    from .dist.comm import run_agreed
+
+    options = options if options is not None else StageLoadOptions()
+    topology = comm.topology
+    planned, planned_bytes = run_agreed(
+        comm, lambda: _plan(model_dir, topology, options, check_plan),
+        share=lambda p: p.staged.plan.read_bytes if options.read_once or p.node_ranks
+        is not None else p.staged.plan.planned_read_bytes)
+    job_progress = comm.progress_adder()
+
+    def progress(nbytes: int) -> None:
+        job_progress(nbytes)
+        if on_progress is not None:
+            on_progress(nbytes)
+
+    def load() -> tuple["StageResult", Optional["CachePools"], dict]:
+        from .stage import load_stage
+        result = load_stage(planned.staged, window_bytes=options.window_bytes,
+                            threads=options.threads, device=planned.device, cancel=comm.cancel,
+                            on_progress=progress, memory_budget_bytes=options.memory_budget_bytes,
+                            comm=comm, read_once=options.read_once,
+                            node_ranks=planned.node_ranks, partition=planned.partition,
+                            io_backend=options.io_backend)
+        job_progress.flush()  # type: ignore[attr-defined]
+        if after_load is not None:
+            after_load(result)
+        report = result.report.to_json()
+        pools = None
+        if planned.pools is not None:  # this stage's cache pools, after its weights
+            from .cache.pools import build_rank_pools
+            pools = build_rank_pools(planned.staged.spec, planned.staged.plan, planned.pools,
+                                     device=planned.pool_device)
+            report["pools"] = pools.report()
+        return result, pools, report
+
+    show = options.progress_bar and comm.rank == 0
+    with ProgressBar(sum(planned_bytes), comm.progress_total, enabled=show):
+        (result, pools, _), reports = run_agreed(comm, load, share=lambda done: done[2])
+    return StageLoad(planned.staged, result, pools, reports, planned_bytes, planned.device)
+
+
+def _plan(model_dir: os.PathLike | str, topology: Any, options: StageLoadOptions,
+          check_plan: Optional[Callable[["StagePlan"], None]]) -> _Planned:
+    """The planning step: devices, the partition, the plan, the pool options (all input)."""
+    from .cache.pools import device_memory, pool_device
+    from .stage import plan_stage
+    device = pool_device(_device_name(options.device), local_rank=options.local_rank)
+    pools_on = pool_device(_device_name(options.pool_device), local_rank=options.local_rank)
+    pools = options.pools if options.build_pools else None
+    if pools is not None and options.pool_memory_from_device:
+        pools = replace(pools, device_bytes=device_memory(pools_on))
+    partition = _cache_aware_partition(model_dir, topology.pp_size, topology.tp_size, options)
+    staged = plan_stage(model_dir, topology, allowed_roots=options.allowed_roots,
+                        partition=partition, range_cost_bytes=options.range_cost_bytes,
+                        exchange_cost=options.exchange_cost,
+                        exchange_batch_bytes=options.exchange_batch_bytes)
+    if check_plan is not None:
+        check_plan(staged)
+    return _Planned(staged, partition, device, pools_on, pools,
+                    _node_ranks(options.ranks_per_node, topology.rank, topology.world_size))
+
+
+def _node_ranks(per_node: Optional[int], rank: int, world_size: int) -> Optional[range]:
+    if per_node is None:
+        return None
+    if per_node < 1 or world_size % per_node:
+        raise PlanError(f"read once per node needs the ranks per node dividing the world of "
+                        f"{world_size}, got {per_node} (pploader load takes $LOCAL_WORLD_SIZE)",
+                        rank=rank)
+    first = rank - rank % per_node
+    return range(first, first + per_node)
+
+
+def _device_name(device: Device) -> Optional[str]:
+    return None if device is None else str(device)
+
+
+def _cache_aware_partition(model_dir: os.PathLike | str, pp: int, tp: int,
+                           options: StageLoadOptions) -> Partition:
+    """``balanced`` with a pool target (tokens / requests) weighs each layer's cache too:
+    resolved to layer counts, the windows ``plan_job`` shows for the same options."""
+    pools = options.pools
+    if options.partition != "balanced" or pools is None or (pools.tokens is None
+                                                             and pools.requests is None):
+        return options.partition
+    spec = load_spec(model_dir, allowed_roots=options.allowed_roots)
+    index = open_checkpoint(model_dir, allowed_roots=options.allowed_roots)
+    costs = cache_costs(spec, tp, pools)
+    return [w.num_layers for w in make_windows(spec, index, pp, "balanced", cache_bytes=costs)]
+
+
+# ---- the job's plan, without launching it ------------------------------------------------
+
+@dataclass
+class JobPlan:
+    """Every rank's plan and cache pools (``pploader plan``); pure, from the headers."""
+
+    model: str
+    spec: ModelSpec
+    pp: int
+    tp: int
+    ep: int
+    partition: Partition
+    plans: list[RankPlan]
+    summaries: list[dict]           # RankPlan.summary() + "pools", per rank
+    pipeline_pools: dict            # limits and balance, or {"unavailable": why}
+
+    def to_json(self) -> dict[str, Any]:
+        return {"model": self.model, "architecture": self.spec.architecture,
+                "family": self.spec.family.name, "num_layers": self.spec.num_layers,
+                "pp": self.pp, "tp": self.tp, "ep": self.ep,
+                "partition": _partition_label(self.partition), "ranks": self.summaries,
+                "pipeline_pools": self.pipeline_pools}
+
+    def text(self) -> str:
+        """The readable form ``pploader plan`` prints."""
+        spec = self.spec
+        out = [f"{self.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} "
+               f"layers, pp {self.pp} x ep {self.ep} x tp {self.tp}", plan_table(self.summaries)]
+        if self.tp > 1:
+            from .planning.redistribute import methods_table
+            out.append("\nTP slice reads per rank (tensors / bytes read; redistribute: row "
+                       "shares + all-to-all when loaded with a Comm):")
+            out.append(methods_table(self.summaries))
+        pipeline = self.pipeline_pools
+        if "unavailable" in pipeline:
+            out.append(f"\ncache pools: not derivable for this model: {pipeline['unavailable']}")
+            return "\n".join(out)
+        out.append("\ncache pools (per rank; its own layers only):")
+        out.append(format_pools(self.summaries))
+        bal = pipeline["balance"]
+        out.append(f"stage bytes (weights + cache at {bal['target_tokens']} tokens, "
+                   f"{bal['target_requests']} requests): max/mean "
+                   f"{bal['chosen']['max_over_mean']} ({_partition_label(self.partition)}) vs "
+                   f"{bal['even']['max_over_mean']} (even)")
+        return "\n".join(out)
+
+
+def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
+             partition: Partition = "even", pools: Optional[PoolOptions] = None,
+             allowed_roots: Sequence[str] = (), **plan_options: Any) -> JobPlan:
+    """Every rank's plan (``plan_all``, the dtype policy applied as a load applies it) and
+    cache pools (``pools``: how to size them, default ``PoolOptions()``), for a job of ``pp``
+    x ``ep`` x ``tp`` ranks; ``plan_options``:
+    ``range_cost_bytes``, ``exchange_cost``, ``exchange_batch_bytes``. Pure: headers only."""
+    pools = pools if pools is not None else PoolOptions()
+    spec = load_spec(model_dir, allowed_roots=allowed_roots)
+    index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
+    plans = plan_all(spec, index, pp, tp, ep, partition=partition,
+                     cache_bytes=cache_costs(spec, tp, pools), **plan_options)
+    for plan in plans:  # the dtype policy, as a load applies it (rejections, warnings)
+        dtype_casts(spec, plan)
+    summaries = [p.summary() for p in plans]
+    try:
+        rows, pipeline = plan_pools(spec, index, plans, pools)
+    except (ConfigError, PlanError) as exc:  # e.g. a generic model's unknown layer kind
+        rows, pipeline = [{} for _ in plans], {"unavailable": exc.detail}
+    for summary, row in zip(summaries, rows):
+        summary["pools"] = row
+    return JobPlan(str(model_dir), spec, pp, tp, ep, partition, plans, summaries, pipeline)
+
+
+def _partition_label(partition: object) -> str:
+    if isinstance(partition, (list, tuple)):
+        return ",".join(str(n) for n in partition)
+    return str(partition)
