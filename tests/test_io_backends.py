@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from helpers import make_model, reference_tensors, tiny_config
-from pploader import (ReadBackend, ReadError, ReadOptions, Reader, Topology, is_borrowed,
-                      load_stage, open_backend, plan_stage)
-from pploader.io.registry import BACKENDS, BackendInfo, select_backend
+from pploader import ReadError, Topology, is_borrowed, load_stage, plan_stage
+from pploader.io.backend import ReadBackend, ReadOptions
+from pploader.io.read import Reader
+from pploader.io.registry import BACKENDS, BackendInfo, open_backend, select_backend
 
 CPU_BACKENDS = [b.name for b in BACKENDS if "cpu" in b.devices]
 BIG_RANGE_COST = 1 << 30  # strided slices read as covering boxes: gather items
