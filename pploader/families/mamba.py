@@ -15,14 +15,16 @@ from ..errors import ConfigError
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView, cfg, cfg_opt
 from .cache_dims import CacheDims
 from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors, int_opt,
-                     mamba1_dims, mamba1_rules, mamba1_tensors, mamba2_rules, mamba2_tensors, mlp_biased,
+                     mamba1_dims, mamba1_rules, mamba1_tensors, mamba2_rules, mamba2_tensors,
+                     mlp_biased,
                      num_experts_of)
 from .common import attention_rules, attention_tensors, globals_tensors, mlp_rules, vocab_rules
 from .fused import QKV, expert_fusions, gate_up, stacked_renames
 from .moe import FUSED_MARKER
 
 
-__all__ = ["FAMILIES", "JAMBA", "BAMBA", "FALCON_H1", "final_layernorm_globals", "bamba_mamba2_dims"]
+__all__ = ["FAMILIES", "JAMBA", "BAMBA", "FALCON_H1", "final_layernorm_globals",
+           "bamba_mamba2_dims"]
 
 
 def final_layernorm_globals() -> tuple[GlobalRule, ...]:

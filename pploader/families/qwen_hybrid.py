@@ -18,8 +18,8 @@ from typing import Mapping
 from ..errors import ConfigError
 from .base import CheckpointFormat, Family, GlobalRule, Layout, SpecView, cfg, cfg_opt
 from .cache_dims import CacheDims
-from .blocks import (Shapes, gdn_dims, assemble, expert_rules, gdn_rules, gdn_tensors, kinds_from_names,
-                     num_experts_of)
+from .blocks import (Shapes, assemble, expert_rules, gdn_dims, gdn_rules, gdn_tensors,
+                     kinds_from_names, num_experts_of)
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
 from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
