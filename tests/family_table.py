@@ -382,7 +382,8 @@ ROWS: tuple[Row, ...] = (
     # Phi-3: q/k/v and gate/up packed on disk. qkv_proj = [q 4 heads x 16; k 2 x 16; v 2 x 16],
     # each part halved by heads; gate_up_proj = [gate 128; up 128], each half halved
     Row("phi3", "phi3", "tiny-phi3", ("full_attention",) * 4, case="phi3",
-        overrides=dict(num_hidden_layers=4), fused=_phi3, pools=TINY_DENSE,
+        overrides=dict(num_hidden_layers=4, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        fused=_phi3, pools=TINY_DENSE,
         tp_slices={"self_attn.qkv_proj.weight": lambda t, r: segments(t, r, [64, 32, 32]),
                    "self_attn.o_proj.weight": row_halves,
                    "mlp.gate_up_proj.weight": lambda t, r: segments(t, r, [128, 128]),

@@ -314,6 +314,52 @@ def test_tp2_shards_equal_reference_slices(row: Row, tiny_checkpoints: Callable[
     assert checked == set(row.tp_slices)
 
 
+def _load_stage_rank(rank: int, world: int, models: list[str]) -> dict[str, dict]:
+    """One rank of PP=2 x TP=2: its stage of each model, loaded plain and with a Comm (read
+    once + TP row shares exchanged where the plan chose it); tensors as raw bytes."""
+    from pploader import Topology, load_stage, plan_stage
+    from pploader.dist.comm import Comm
+    topo = Topology.for_world(world, rank, pp=2, tp=2)
+    comm = Comm(topo, timeout_s=60)
+    out = {}
+    for model in models:
+        staged = plan_stage(model, topo)
+        plain = load_stage(staged)
+        shared = load_stage(staged, comm=comm, read_once=True)
+        out[model] = {"tp_rank": topo.tp_rank,
+                      "names": {i.target: i.name for i in staged.plan.items},
+                      "plain": {k: v.contiguous().view(torch.uint8).numpy().tobytes()
+                                for k, v in plain.state_dict.items()},
+                      "shared": {k: v.contiguous().view(torch.uint8).numpy().tobytes()
+                                 for k, v in shared.state_dict.items()}}
+    comm.agree(None)
+    comm.close()
+    return out
+
+
+@pytest.mark.slow
+def test_pp2_tp2_distributed_loads_equal_reference_slices(
+        tiny_checkpoints: Callable[[str], Path], references: Callable[[Path], dict]) -> None:
+    """Four gloo ranks (PP=2 x TP=2) load every TP row's tiny checkpoint, plain and through a
+    Comm (read once, row shares exchanged); both equal the table's slices of ``safe_open``."""
+    from helpers import run_ranks
+    paths = {r.family: tiny_checkpoints(r.tiny) for r in TP_ROWS}  # type: ignore[arg-type]
+    results = run_ranks(_load_stage_rank, 4, [str(p) for p in paths.values()], timeout_s=240)
+    for row in TP_ROWS:
+        ref, checked = references(paths[row.family]), set()
+        for res in (r[str(paths[row.family])] for r in results):
+            assert res["plain"] == res["shared"], row.family
+            assert set(res["plain"]) == set(res["names"])
+            for target, raw in res["plain"].items():
+                name = res["names"][target]
+                for suffix, slicer in row.tp_slices.items():
+                    if name.endswith("." + suffix):
+                        want = slicer(ref[name], res["tp_rank"]).contiguous()
+                        assert raw == want.view(torch.uint8).numpy().tobytes(), (row.family, name)
+                        checked.add(suffix)
+        assert checked == set(row.tp_slices), row.family
+
+
 @pytest.mark.slow
 def test_tp2_fused_gate_up_reference_slices(hf_checkpoints: HfCheckpoints,
                                             references: Any) -> None:
