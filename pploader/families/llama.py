@@ -53,4 +53,4 @@ QWEN3 = Family(
     template=lambda spec: dense_template(spec, qk_norm=True, optional_bias=True))
 
 #: this module's families (found by families/__init__.py)
-FAMILIES = (FAMILY, QWEN3, QWEN2,)
+FAMILIES = (FAMILY, QWEN3, QWEN2)

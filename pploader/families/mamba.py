@@ -178,4 +178,4 @@ FALCON_H1 = Family(
     fused_targets=(QKV, gate_up("feed_forward.")))
 
 #: this module's families (found by families/__init__.py)
-FAMILIES = (JAMBA, BAMBA, FALCON_H1,)
+FAMILIES = (JAMBA, BAMBA, FALCON_H1)

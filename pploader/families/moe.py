@@ -120,4 +120,4 @@ MIXTRAL = Family(
                               (("template", lambda s: _mixtral_template(s, fused=True)),)),))
 
 #: this module's families (found by families/__init__.py)
-FAMILIES = (QWEN3_MOE, MIXTRAL,)
+FAMILIES = (QWEN3_MOE, MIXTRAL)

@@ -209,4 +209,4 @@ QWEN3_5_MOE_VL = Family(
     formats=_fused(lambda s: _vl_template(s, fused=True)))
 
 #: this module's families (found by families/__init__.py)
-FAMILIES = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL,)
+FAMILIES = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL)
