@@ -405,3 +405,31 @@ def test_deepseek_mtp_draft_with_ep(hf_checkpoints: HfCheckpoints, references: A
                 assert torch.equal(got[item.target], want), item.name
             union |= set(plan.tensors)
         assert union == {name for name in index.weight_map if _layer(name) == n + k}
+
+
+# ---- names and sizes the families own (the planner and the cache only ask) -----------------
+
+def test_families_name_their_head_and_quant_companions() -> None:
+    from pploader.families.base import GlobalRule, QuantNaming
+    for fam in FAMILIES:  # every head rule is one exact name, the one its pattern matches
+        head = fam.head_name()
+        rule = next(r for r in fam.globals if r.role == "head")
+        assert head is not None and re.fullmatch(rule.pattern, head), fam.name
+    assert GlobalRule(r"lm_head\.weight", "last", "head").name == "lm_head.weight"
+    assert GlobalRule(r"model\.visual\..+", "first").name is None  # a pattern, not a name
+    naming = QuantNaming()
+    assert naming.companion("m.q_proj.weight", "weight_scale_inv") == "m.q_proj.weight_scale_inv"
+    assert naming.weight_of("m.o.weight_scale_2", ["weight_scale", "weight_scale_2"]) == \
+        ("m.o.weight", "weight_scale_2")
+    assert naming.weight_of("m.o.bias", ["weight_scale"]) is None
+    assert naming.module_of("m.o.weight") == "m.o" and not naming.is_weight("m.o.bias")
+
+
+def test_registry_finds_family_modules() -> None:
+    """Every family module's ``FAMILIES`` is registered (no list to edit); model types route."""
+    from pploader.families import MODEL_TYPES, find_family, phi3
+    assert phi3.PHI3 in FAMILIES and MODEL_TYPES["phi3"] == {"phi3"}
+    assert find_family({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"})[0].name \
+        == "phi3"
+    assert find_family({"architectures": ["LlamaForCausalLM"], "model_type": "mistral"})[0] \
+        .name == "llama"

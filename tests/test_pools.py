@@ -80,6 +80,22 @@ def test_dtypes_are_configurable_and_kinds_are_all_known() -> None:
     assert set(LAYER_KINDS) - {"unknown"} <= set(KIND_CACHES)  # unknown: refused by design
 
 
+def test_cache_sizes_come_from_the_family() -> None:
+    """geometry.py reads no config key: a family declaring no mamba2 sizes gets a clear error
+    even when the config has every mamba2 key; the hand-written family's own reader is used."""
+    from pploader.families.cache_dims import CacheDims
+    config, kinds, _ = CASES["nemotron_h"]
+    fam = Family(name="attention-only", architectures=("Toy",), cache_dims=CacheDims(),
+                 layout=lambda c: Layout(len(kinds), tuple(kinds)))
+    spec = spec_from_config({**config, "dtype": "bfloat16"}, family=fam)
+    with pytest.raises(ConfigError, match="declares no mamba2 sizes"):
+        layer_cache(spec, 0)
+    assert layer_cache(spec, 2).kv is not None  # GQA needs only the head counts
+    bamba = spec_from_config(tiny_config("tiny-bamba"))
+    assert bamba.family.cache_dims.mamba2 is not None
+    assert bamba.family.cache_dims.of_mamba2(bamba).d_state == 16
+
+
 def test_geometry_errors_are_clear() -> None:
     config, kinds, _ = CASES["nemotron_h"]
     with pytest.raises(PlanError, match="mamba heads = 8 is not divisible by tp=3"):

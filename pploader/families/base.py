@@ -126,6 +126,11 @@ class GlobalRule:
     role: str = "other"          # "embed" | "head" | "final_norm" | "vision" | "other"
     name: Optional[str] = None   # the tensor's name when the rule matches exactly one
 
+    def __post_init__(self) -> None:
+        if self.name is None and not re.search(r"(?<!\\)[.*+?()\[\]{}|^$]", self.pattern):
+            # a pattern without unescaped metacharacters matches exactly one name: that one
+            object.__setattr__(self, "name", re.sub(r"\\(.)", r"\1", self.pattern))
+
     @classmethod
     def exact(cls, name: str, placement: str, role: str = "other") -> "GlobalRule":
         """A rule for the one tensor ``name`` (pattern and name both known)."""
