@@ -40,7 +40,6 @@ LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_atten
 STRAY_BUFFERS = r"(.+\.)?rotary_emb\.inv_freq"
 
 
-
 class SpecView(Protocol):
     """What a family reads of a ``planning.spec.ModelSpec`` (which satisfies it): the config
     and the layout the family derived from it. Read-only."""
