@@ -5,12 +5,12 @@ For every family (and both expert namings: per-expert, the default, and fused 3-
 shapes; for PP 1-4 x EP 1-2 every tensor is planned by exactly one stage, no rank plans a byte
 of another stage's layer or of a non-local expert, and a real load through ``Reader`` is
 bitwise equal to ``safe_open``. The expectations below come from the names themselves (layer
-and expert ids parsed by the test), not from the family code under test.
+and expert ids parsed by the test) and from the family table (tests/family_table.py), not from
+the family code under test.
 """
 from __future__ import annotations
 
 import json
-import logging
 import re
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -19,149 +19,15 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import CONFIGS, make_model, reference_tensors
+from family_expect import halves, segments
+from family_table import IDS, ROWS, TINY_ROWS, VARIANTS, HfCheckpoints, Row
+from helpers import CONFIGS, tiny_config
 from pploader import ConfigError, PlanError
 from pploader.io.read import Reader
 from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
 from pploader.planning.plan import RankPlan, plan_all
 from pploader.planning.spec import load_spec, spec_from_config
-from pploader.families import supported_architectures
-
-COMMON = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=8, intermediate_size=64, max_position_embeddings=64)
-MOE = dict(num_experts_per_tok=2, moe_intermediate_size=16)
-GDN = dict(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8,
-           linear_value_head_dim=8, linear_conv_kernel_dim=4)
-MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
-              mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)
-
-#: case -> (model_type, config overrides, has a fused-expert naming)
-CASES: dict[str, tuple[str, dict[str, Any], bool]] = {
-    "llama": ("llama", dict(num_hidden_layers=4), False),
-    "qwen3_tied": ("qwen3", dict(num_hidden_layers=4, tie_word_embeddings=True), False),
-    "qwen3_moe": ("qwen3_moe", dict(num_hidden_layers=4, num_experts=4, mlp_only_layers=[1],
-                                    **MOE), True),
-    "mixtral_bf16": ("mixtral", dict(num_hidden_layers=4, num_local_experts=4,
-                                     num_experts_per_tok=2, dtype="bfloat16"), True),
-    "deepseek_v3": ("deepseek_v3", dict(
-        num_hidden_layers=4, num_key_value_heads=4, n_routed_experts=4, n_shared_experts=1,
-        first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, n_group=2, topk_group=1, num_nextn_predict_layers=2,
-        **MOE), True),
-    "qwen3_next": ("qwen3_next", dict(num_hidden_layers=4, num_experts=4, mlp_only_layers=[2],
-                                      shared_expert_intermediate_size=16, **MOE, **GDN), True),
-    "qwen3_5": ("qwen3_5_text", dict(num_hidden_layers=4, **GDN), False),
-    "qwen3_5_moe": ("qwen3_5_moe_text", dict(num_hidden_layers=4, num_experts=4,
-                                             shared_expert_intermediate_size=16, **MOE, **GDN),
-                    True),
-    "qwen3_5_moe_vl": ("qwen3_5_moe", {}, True),
-    "jamba": ("jamba", dict(num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
-                            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                            expert_layer_offset=1, mamba_d_state=4, mamba_d_conv=4,
-                            mamba_expand=2, mamba_dt_rank=4), True),
-    "nemotron_h": ("nemotron_h", dict(
-        layers_block_type=["mamba", "attention", "moe", "mlp", "mamba"], n_routed_experts=4,
-        n_shared_experts=1, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16,
-        num_experts_per_tok=2, mamba_num_heads=4, mamba_head_dim=8, n_groups=2,
-        ssm_state_size=8, chunk_size=8), True),
-    "bamba": ("bamba", dict(num_hidden_layers=4, attn_layer_indices=[1, 3], **MAMBA2), False),
-    "falcon_h1": ("falcon_h1", dict(num_hidden_layers=4, mamba_d_ssm=64, **MAMBA2), False),
-    "granitemoehybrid_tied": ("granitemoehybrid", dict(
-        num_hidden_layers=4, layer_types=["mamba", "attention", "mamba", "attention"],
-        num_local_experts=4, num_experts_per_tok=2, shared_intermediate_size=32,
-        tie_word_embeddings=True, **MAMBA2), True),
-}
-VARIANTS = [(c, "original") for c in CASES] + [(c, "fused") for c, v in CASES.items() if v[2]]
-IDS = [f"{c}-{f}" for c, f in VARIANTS]
-
-
-def _vl_model() -> torch.nn.Module:
-    from transformers.models.qwen3_5_moe import (Qwen3_5MoeConfig,
-                                                 Qwen3_5MoeForConditionalGeneration)
-    text = dict(COMMON, num_hidden_layers=4, num_experts=4, shared_expert_intermediate_size=16,
-                layer_types=["linear_attention", "full_attention"] * 2, dtype="float32",
-                **MOE, **GDN)
-    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=32,
-                  patch_size=4, num_position_embeddings=16, temporal_patch_size=2,
-                  spatial_merge_size=2)
-    return Qwen3_5MoeForConditionalGeneration(Qwen3_5MoeConfig(text_config=text,
-                                                               vision_config=vision))
-
-
-def _build(case: str) -> torch.nn.Module:
-    import transformers
-    transformers.logging.set_verbosity_error()
-    logging.getLogger("transformers").setLevel(logging.ERROR)
-    torch.manual_seed(0)
-    if case == "qwen3_5_moe_vl":
-        return _vl_model()
-    model_type, overrides, _ = CASES[case]
-    kw = {**COMMON, "dtype": "float32", **overrides}
-    config = transformers.AutoConfig.for_model(model_type, **kw)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=getattr(torch, kw["dtype"]))
-
-
-def _append_mtp(model_dir: Path, num_layers: int, num_mtp: int) -> None:
-    """Add DeepSeek-style MTP layers ``num_layers + k`` (transformers does not save them): a
-    copy of the last decoder layer's tensors plus enorm/hnorm/eh_proj/shared_head/embed_tokens,
-    in a shard of their own, registered in the index."""
-    index_path = model_dir / "model.safetensors.index.json"
-    index = json.loads(index_path.read_text())
-    ref = reference_tensors(model_dir)
-    hidden = ref["model.norm.weight"].shape[0]
-    vocab = ref["model.embed_tokens.weight"].shape[0]
-    last = f"model.layers.{num_layers - 1}."
-    gen = torch.Generator().manual_seed(1)
-    for k in range(num_mtp):
-        prefix = f"model.layers.{num_layers + k}."
-        tensors = {prefix + n[len(last):]: torch.randn(t.shape, generator=gen)
-                   for n, t in ref.items() if n.startswith(last)}
-        for name, shape in {"enorm.weight": (hidden,), "hnorm.weight": (hidden,),
-                            "eh_proj.weight": (hidden, 2 * hidden),
-                            "shared_head.norm.weight": (hidden,),
-                            "shared_head.head.weight": (vocab, hidden),
-                            "embed_tokens.weight": (vocab, hidden)}.items():
-            tensors[prefix + name] = torch.randn(shape, generator=gen)
-        fname = f"model-mtp-{k}.safetensors"
-        save_file(tensors, str(model_dir / fname), metadata={"format": "pt"})
-        index["weight_map"].update({n: fname for n in tensors})
-    index_path.write_text(json.dumps(index))
-
-
-class Checkpoints:
-    """Each family's tiny checkpoint, built by transformers on first use, once per session."""
-
-    def __init__(self, root: Path) -> None:
-        self.root, self.dirs = root, {}
-
-    def __call__(self, case: str, fmt: str) -> Path:
-        key = (case, fmt)
-        if key not in self.dirs:
-            model = _build(case)
-            for f in ("original", "fused") if CASES[case][2] else ("original",):
-                out = self.root / f"{case}-{f}"
-                model.save_pretrained(out, save_original_format=f == "original",
-                                      max_shard_size="40KB")
-                if case == "deepseek_v3":
-                    _append_mtp(out, CASES[case][1]["num_hidden_layers"], 2)
-                self.dirs[(case, f)] = out
-        return self.dirs[key]
-
-
-@pytest.fixture(scope="session")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
-    return Checkpoints(tmp_path_factory.mktemp("families"))
-
-
-@pytest.fixture(scope="session")
-def references() -> Callable[[Path], dict[str, torch.Tensor]]:
-    cache: dict[Path, dict[str, torch.Tensor]] = {}
-
-    def get(path: Path) -> dict[str, torch.Tensor]:
-        if path not in cache:
-            cache[path] = reference_tensors(path)
-        return cache[path]
-    return get
+from pploader.families import FAMILIES, supported_architectures
 
 
 # ---- what a name is, parsed by the test -------------------------------------------------------
@@ -213,8 +79,8 @@ def _layouts(num_layers: int, moe: bool) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,fmt", VARIANTS, ids=IDS)
-def test_template_equals_checkpoint(checkpoints: Checkpoints, case: str, fmt: str) -> None:
-    path = checkpoints(case, fmt)
+def test_template_equals_checkpoint(hf_checkpoints: HfCheckpoints, case: str, fmt: str) -> None:
+    path = hf_checkpoints(case, fmt)
     spec, index = load_spec(path), open_checkpoint(path)
     resolved = spec.for_checkpoint(index.weight_map)
     assert resolved.family.format == ("transformers" if fmt == "fused" else "original")
@@ -225,15 +91,16 @@ def test_template_equals_checkpoint(checkpoints: Checkpoints, case: str, fmt: st
     assert {n: tuple(s) for n, s in template.items()} == have
     if fmt == "fused":  # the fused naming really stacks experts
         assert any(_FUSED.search(n) for n in have) and not any(_EXPERT.search(n) for n in have)
-    elif spec.num_experts and case != "granitemoehybrid_tied":
+    elif spec.num_experts and case != "granitemoehybrid_tied":  # granite: 3-D on disk
         assert any(_EXPERT.search(n) for n in have)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,fmt", VARIANTS, ids=IDS)
-def test_stages_partition_checkpoint_and_load_bitwise(checkpoints: Checkpoints, references: Any,
-                                                      case: str, fmt: str) -> None:
-    path = checkpoints(case, fmt)
+def test_stages_partition_checkpoint_and_load_bitwise(hf_checkpoints: HfCheckpoints,
+                                                      references: Any, case: str,
+                                                      fmt: str) -> None:
+    path = hf_checkpoints(case, fmt)
     spec, index = load_spec(path), open_checkpoint(path)
     ref = references(path)
     n, e = spec.num_layers, spec.num_experts
@@ -291,9 +158,9 @@ def test_stages_partition_checkpoint_and_load_bitwise(checkpoints: Checkpoints, 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,fmt", VARIANTS, ids=IDS)
-def test_tp2_plans_build(checkpoints: Checkpoints, case: str, fmt: str) -> None:
+def test_tp2_plans_build(hf_checkpoints: HfCheckpoints, case: str, fmt: str) -> None:
     """TP=2 (x EP=2 for MoE) plans every family without error; split tensors halve."""
-    path = checkpoints(case, fmt)
+    path = hf_checkpoints(case, fmt)
     spec, index = load_spec(path), open_checkpoint(path)
     ep = 2 if spec.num_experts else 1
     plans = plan_all(spec, index, 2, 2, ep)
@@ -358,9 +225,9 @@ def test_layouts_from_config_fields() -> None:
 
 
 @pytest.mark.slow
-def test_mixed_namings_fail_strictly(checkpoints: Checkpoints, tmp_path: Path) -> None:
+def test_mixed_namings_fail_strictly(hf_checkpoints: HfCheckpoints, tmp_path: Path) -> None:
     """A fused checkpoint with one stray per-expert tensor is not silently accepted."""
-    src = checkpoints("qwen3_moe", "fused")
+    src = hf_checkpoints("qwen3_moe", "fused")
     for f in src.iterdir():
         (tmp_path / f.name).write_bytes(f.read_bytes())
     save_file({"model.layers.0.mlp.experts.0.up_proj.weight": torch.zeros(16, 32)},
@@ -372,18 +239,30 @@ def test_mixed_namings_fail_strictly(checkpoints: Checkpoints, tmp_path: Path) -
         plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 1)
 
 
-BUNDLED = sorted(p.stem for p in CONFIGS.glob("tiny-*.json"))
+def test_family_table_covers_every_family() -> None:
+    """One row per registered family and per bundled tiny config: a family added without its
+    row (or a tiny config without a family row) fails here."""
+    assert sorted(r.family for r in ROWS) == sorted(f.name for f in FAMILIES)
+    bundled = sorted(p.stem for p in CONFIGS.glob("tiny-*.json"))
+    assert sorted(r.tiny for r in TINY_ROWS) == bundled  # type: ignore[type-var]
+
+
+@pytest.mark.parametrize("row", TINY_ROWS, ids=[r.family for r in TINY_ROWS])
+def test_tiny_config_layout_equals_table(row: Row) -> None:
+    """The family reads the tiny config's layer kinds and experts as the table states them."""
+    spec = spec_from_config(tiny_config(row.tiny))  # type: ignore[arg-type]
+    assert spec.family.name == row.family
+    assert spec.layer_kinds == row.kinds and spec.num_experts == row.experts
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", BUNDLED)
-def test_bundled_tiny_config_matches_transformers(name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("row", TINY_ROWS, ids=[r.family for r in TINY_ROWS])
+def test_bundled_tiny_config_matches_transformers(row: Row, tmp_path: Path) -> None:
     """Each bundled tiny config's template (what ``make-tiny`` writes) has the exact names and
     shapes transformers writes for that config (DeepSeek: plus the MTP layers it drops)."""
     import transformers
     transformers.logging.set_verbosity_error()
-    raw = json.loads((CONFIGS / f"{name}.json").read_text())
-    raw.pop("pploader_tiny")
+    raw = tiny_config(row.tiny)  # type: ignore[arg-type]
     spec = spec_from_config(raw)
     kwargs = {k: v for k, v in raw.items() if k not in ("architectures", "model_type")}
     config = transformers.AutoConfig.for_model(raw["model_type"], **kwargs)
@@ -397,12 +276,10 @@ def test_bundled_tiny_config_matches_transformers(name: str, tmp_path: Path) -> 
     assert bool(mtp) == bool(spec.num_mtp_layers)
 
 
-def test_bundled_demo_plans_pp4_ep2(tmp_path: Path) -> None:
+def test_bundled_demo_plans_pp4_ep2(tiny_checkpoints: Callable[[str], Path]) -> None:
     """The demo model (tiny-qwen3_5_moe: GDN + full attention, routed + shared experts) plans
     at PP=4 x EP=2 with every rank reading only its own layers and experts."""
-    raw = json.loads((CONFIGS / "tiny-qwen3_5_moe.json").read_text())
-    raw.pop("pploader_tiny")
-    path = make_model(tmp_path, raw, shard_bytes=200_000)
+    path = tiny_checkpoints("tiny-qwen3_5_moe")
     spec, index = load_spec(path), open_checkpoint(path)
     assert set(spec.layer_kinds) == {"gdn", "full_attention"} and spec.num_experts >= 4
     assert spec.num_layers == 8 and len(spec.moe_layers) == 8
@@ -414,93 +291,84 @@ def test_bundled_demo_plans_pp4_ep2(tmp_path: Path) -> None:
         assert any("shared_expert." in n for n in plan.tensors)
 
 
-# ---- TP shard rules against reference slicing written here -----------------------------------
+# ---- TP shard rules against the table's reference slices ------------------------------------
 
-def _halves(t: torch.Tensor, r: int, dim: int = 0) -> torch.Tensor:
-    return t.chunk(2, dim)[r]
-
-
-def _segments(t: torch.Tensor, r: int, sizes: list[int], replicate: tuple[int, ...] = (),
-              dim: int = 0) -> torch.Tensor:
-    """Each segment halved on its own (or, when listed in ``replicate``, kept whole)."""
-    parts = t.split(sizes, dim)
-    return torch.cat([p if i in replicate else _halves(p, r, dim) for i, p in enumerate(parts)],
-                     dim)
+TP_ROWS = [r for r in TINY_ROWS if r.tp_slices]
 
 
-#: bundled tiny config -> {component suffix: reference slice of TP rank r of 2}
-_TP_REFERENCE: dict[str, dict[str, Callable[[torch.Tensor, int], torch.Tensor]]] = {
-    # Mamba2, 8 heads x 16, 1 group x 16 state (< tp: B and C replicated), d_inner 128
-    "tiny-bamba": {
-        "mamba.in_proj.weight": lambda t, r: _segments(t, r, [128, 128, 16, 16, 8], (2, 3)),
-        "mamba.conv1d.weight": lambda t, r: _segments(t, r, [128, 16, 16], (1, 2)),
-        "mamba.conv1d.bias": lambda t, r: _segments(t, r, [128, 16, 16], (1, 2)),
-        "mamba.A_log": _halves, "mamba.D": _halves, "mamba.dt_bias": _halves,
-        "mamba.norm.weight": _halves, "mamba.out_proj.weight": lambda t, r: _halves(t, r, 1),
-        "self_attn.k_proj.weight": _halves, "feed_forward.down_proj.weight":
-            lambda t, r: _halves(t, r, 1), "input_layernorm.weight": lambda t, r: t},
-    # Mamba2 with 2 groups: B and C split by group
-    "tiny-nemotron_h": {
-        "mixer.in_proj.weight": lambda t, r: _segments(t, r, [128, 128, 32, 32, 8]),
-        "mixer.conv1d.weight": lambda t, r: _segments(t, r, [128, 32, 32]),
-        "mixer.experts.3.up_proj.weight": _halves,
-        "mixer.experts.3.down_proj.weight": lambda t, r: _halves(t, r, 1)},
-    # GDN, Qwen3.5 naming: [q; k; v] blocks (2 k heads x 16, 4 v heads x 16)
-    "tiny-qwen3_5": {
-        "linear_attn.in_proj_qkv.weight": lambda t, r: _segments(t, r, [32, 32, 64]),
-        "linear_attn.conv1d.weight": lambda t, r: _segments(t, r, [32, 32, 64]),
-        "linear_attn.in_proj_z.weight": _halves, "linear_attn.in_proj_b.weight": _halves,
-        "linear_attn.A_log": _halves, "linear_attn.norm.weight": lambda t, r: t,
-        "linear_attn.out_proj.weight": lambda t, r: _halves(t, r, 1),
-        "self_attn.q_proj.weight": _halves, "self_attn.o_proj.weight":
-            lambda t, r: _halves(t, r, 1)},
-    # GDN, Qwen3-Next naming: qkvz / ba interleaved per key-head group -> whole groups
-    "tiny-qwen3_next": {
-        "linear_attn.in_proj_qkvz.weight": _halves, "linear_attn.in_proj_ba.weight": _halves,
-        "mlp.shared_expert_gate.weight": lambda t, r: t, "mlp.gate.weight": lambda t, r: t},
-    # MLA: low-rank inputs replicated, per-head projections split
-    "tiny-deepseek_v3": {
-        "self_attn.q_a_proj.weight": lambda t, r: t, "self_attn.kv_a_proj_with_mqa.weight":
-            lambda t, r: t, "self_attn.q_b_proj.weight": _halves,
-        "self_attn.kv_b_proj.weight": _halves, "self_attn.o_proj.weight":
-            lambda t, r: _halves(t, r, 1), "mlp.shared_experts.gate_proj.weight": _halves},
-    # Mamba1: in_proj = [x; z], x_proj row-parallel
-    "tiny-jamba": {
-        "mamba.in_proj.weight": lambda t, r: _segments(t, r, [128, 128]),
-        "mamba.x_proj.weight": lambda t, r: _halves(t, r, 1), "mamba.dt_proj.weight": _halves,
-        "mamba.A_log": _halves, "mamba.dt_layernorm.weight": lambda t, r: t},
-    # GraniteMoeHybrid fused experts: input_linear [E, 2I, H] = [gate; up] on dim 1
-    "tiny-granitemoehybrid": {
-        "block_sparse_moe.input_linear.weight": lambda t, r: _segments(t, r, [32, 32], dim=1),
-        "block_sparse_moe.output_linear.weight": lambda t, r: _halves(t, r, 2),
-        "shared_mlp.input_linear.weight": lambda t, r: _segments(t, r, [64, 64]),
-        "shared_mlp.output_linear.weight": lambda t, r: _halves(t, r, 1)},
-}
-
-
-@pytest.mark.parametrize("name", sorted(_TP_REFERENCE))
-def test_tp2_shards_equal_reference_slices(name: str, tmp_path: Path) -> None:
-    raw = json.loads((CONFIGS / f"{name}.json").read_text())
-    raw.pop("pploader_tiny")
-    path = make_model(tmp_path, raw, shard_bytes=200_000)
-    spec, index, ref = load_spec(path), open_checkpoint(path), reference_tensors(path)
+@pytest.mark.parametrize("row", TP_ROWS, ids=[r.family for r in TP_ROWS])
+def test_tp2_shards_equal_reference_slices(row: Row, tiny_checkpoints: Callable[[str], Path],
+                                           references: Callable[[Path], dict]) -> None:
+    """PP=2 x TP=2: every rank's load (``Reader``) of each listed component is bitwise the
+    table's slice of the ``safe_open`` tensor."""
+    path = tiny_checkpoints(row.tiny)  # type: ignore[arg-type]
+    spec, index, ref = load_spec(path), open_checkpoint(path), references(path)
     checked: set[str] = set()
-    for plan in plan_all(spec, index, 1, 2, 1):
+    for plan in plan_all(spec, index, 2, 2, 1):
         got = dict(Reader(plan))
         for item in plan.items:
-            for suffix, slicer in _TP_REFERENCE[name].items():
+            for suffix, slicer in row.tp_slices.items():
                 if item.name.endswith("." + suffix):
                     want = slicer(ref[item.name], plan.topology.tp_rank)
-                    assert torch.equal(got[item.target], want), (item.name, plan.topology.rank)
+                    assert torch.equal(got[item.target].view(torch.uint8),
+                                       want.contiguous().view(torch.uint8)), \
+                        (item.name, plan.topology.rank)
                     checked.add(suffix)
-    assert checked == set(_TP_REFERENCE[name])
+    assert checked == set(row.tp_slices)
+
+
+def _load_stage_rank(rank: int, world: int, models: list[str]) -> dict[str, dict]:
+    """One rank of PP=2 x TP=2: its stage of each model, loaded plain and with a Comm (read
+    once + TP row shares exchanged where the plan chose it); tensors as raw bytes."""
+    from pploader import Topology, load_stage, plan_stage
+    from pploader.dist.comm import Comm
+    topo = Topology.for_world(world, rank, pp=2, tp=2)
+    comm = Comm(topo, timeout_s=60)
+    out = {}
+    for model in models:
+        staged = plan_stage(model, topo)
+        plain = load_stage(staged)
+        shared = load_stage(staged, comm=comm, read_once=True)
+        out[model] = {"tp_rank": topo.tp_rank,
+                      "names": {i.target: i.name for i in staged.plan.items},
+                      "plain": {k: v.contiguous().view(torch.uint8).numpy().tobytes()
+                                for k, v in plain.state_dict.items()},
+                      "shared": {k: v.contiguous().view(torch.uint8).numpy().tobytes()
+                                 for k, v in shared.state_dict.items()}}
+    comm.agree(None)
+    comm.close()
+    return out
 
 
 @pytest.mark.slow
-def test_tp2_fused_gate_up_reference_slices(checkpoints: Checkpoints, references: Any) -> None:
+def test_pp2_tp2_distributed_loads_equal_reference_slices(
+        tiny_checkpoints: Callable[[str], Path], references: Callable[[Path], dict]) -> None:
+    """Four gloo ranks (PP=2 x TP=2) load every TP row's tiny checkpoint, plain and through a
+    Comm (read once, row shares exchanged); both equal the table's slices of ``safe_open``."""
+    from helpers import run_ranks
+    paths = {r.family: tiny_checkpoints(r.tiny) for r in TP_ROWS}  # type: ignore[arg-type]
+    results = run_ranks(_load_stage_rank, 4, [str(p) for p in paths.values()], timeout_s=240)
+    for row in TP_ROWS:
+        ref, checked = references(paths[row.family]), set()
+        for res in (r[str(paths[row.family])] for r in results):
+            assert res["plain"] == res["shared"], row.family
+            assert set(res["plain"]) == set(res["names"])
+            for target, raw in res["plain"].items():
+                name = res["names"][target]
+                for suffix, slicer in row.tp_slices.items():
+                    if name.endswith("." + suffix):
+                        want = slicer(ref[name], res["tp_rank"]).contiguous()
+                        assert raw == want.view(torch.uint8).numpy().tobytes(), (row.family, name)
+                        checked.add(suffix)
+        assert checked == set(row.tp_slices), row.family
+
+
+@pytest.mark.slow
+def test_tp2_fused_gate_up_reference_slices(hf_checkpoints: HfCheckpoints,
+                                            references: Any) -> None:
     """transformers' fused experts: gate_up_proj [E, 2I, H] = [gate; up] halves on dim 1,
     down_proj [E, H, I] halves on dim 2; with EP=2 on top, the rank's expert block too."""
-    path = checkpoints("qwen3_moe", "fused")
+    path = hf_checkpoints("qwen3_moe", "fused")
     spec, index, ref = load_spec(path), open_checkpoint(path), references(path)
     for plan in plan_all(spec, index, 1, 2, 2):
         got = dict(Reader(plan))
@@ -509,19 +377,20 @@ def test_tp2_fused_gate_up_reference_slices(checkpoints: Checkpoints, references
         for item in plan.items:
             full = ref[item.name][e0:e1]
             if item.name.endswith("experts.gate_up_proj"):
-                assert torch.equal(got[item.target], _segments(full, t.tp_rank, [16, 16], dim=1))
+                assert torch.equal(got[item.target], segments(full, t.tp_rank, [16, 16], dim=1))
             elif item.name.endswith("experts.down_proj"):
-                assert torch.equal(got[item.target], _halves(full, t.tp_rank, 2))
+                assert torch.equal(got[item.target], halves(full, t.tp_rank, 2))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("fmt", ["original", "fused"])
-def test_deepseek_mtp_draft_with_ep(checkpoints: Checkpoints, references: Any, fmt: str) -> None:
+def test_deepseek_mtp_draft_with_ep(hf_checkpoints: HfCheckpoints, references: Any,
+                                    fmt: str) -> None:
     """The appended MTP layers of a transformers-written DeepSeek-V3 (both namings): plan_mtp
     with EP=2 streams layer k renamed to layer 0, only the rank's experts (fused: its slab)."""
     from pploader import Topology
     from pploader.planning.plan import plan_mtp
-    path = checkpoints("deepseek_v3", fmt)
+    path = hf_checkpoints("deepseek_v3", fmt)
     spec, index, ref = load_spec(path), open_checkpoint(path), references(path)
     n, e = spec.num_layers, spec.num_experts
     for k in range(spec.num_mtp_layers):
@@ -540,3 +409,31 @@ def test_deepseek_mtp_draft_with_ep(checkpoints: Checkpoints, references: Any, f
                 assert torch.equal(got[item.target], want), item.name
             union |= set(plan.tensors)
         assert union == {name for name in index.weight_map if _layer(name) == n + k}
+
+
+# ---- names and sizes the families own (the planner and the cache only ask) -----------------
+
+def test_families_name_their_head_and_quant_companions() -> None:
+    from pploader.families.base import GlobalRule, QuantNaming
+    for fam in FAMILIES:  # every head rule is one exact name, the one its pattern matches
+        head = fam.head_name()
+        rule = next(r for r in fam.globals if r.role == "head")
+        assert head is not None and re.fullmatch(rule.pattern, head), fam.name
+    assert GlobalRule(r"lm_head\.weight", "last", "head").name == "lm_head.weight"
+    assert GlobalRule(r"model\.visual\..+", "first").name is None  # a pattern, not a name
+    naming = QuantNaming()
+    assert naming.companion("m.q_proj.weight", "weight_scale_inv") == "m.q_proj.weight_scale_inv"
+    assert naming.weight_of("m.o.weight_scale_2", ["weight_scale", "weight_scale_2"]) == \
+        ("m.o.weight", "weight_scale_2")
+    assert naming.weight_of("m.o.bias", ["weight_scale"]) is None
+    assert naming.module_of("m.o.weight") == "m.o" and not naming.is_weight("m.o.bias")
+
+
+def test_registry_finds_family_modules() -> None:
+    """Every family module's ``FAMILIES`` is registered (no list to edit); model types route."""
+    from pploader.families import MODEL_TYPES, find_family, phi3
+    assert phi3.PHI3 in FAMILIES and MODEL_TYPES["phi3"] == {"phi3"}
+    assert find_family({"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"})[0].name \
+        == "phi3"
+    assert find_family({"architectures": ["LlamaForCausalLM"], "model_type": "mistral"})[0] \
+        .name == "llama"

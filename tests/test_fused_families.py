@@ -6,16 +6,16 @@ module whose fused tensors are named as a serving stack names them (vLLM): ``qkv
 ``gate_up_proj``, MLA's ``fused_qkv_a_proj``, Qwen3.5's ``in_proj_qkvz`` / ``in_proj_ba``,
 stacked experts ``w13_weight`` / ``w2_weight`` [E_local, ...].
 
-What is independent of the code under test: the fusion table of each case (which checkpoint
-pieces make which fused tensor, in which order), the local experts of an EP rank and the TP
-slicing of every piece (written here from the architecture, applied to ``safe_open`` tensors).
+What is independent of the code under test: the fusions of each family (tests/family_table.py,
+``Row.fused``: which checkpoint pieces make which fused tensor, in which order), the local
+experts of an EP rank and the TP slicing of every piece (tests/family_expect.py, written from
+the architecture, applied to ``safe_open`` tensors).
 The module is built from the plan's local shapes plus that table, so a family that does not
 declare a fusion leaves the fused tensor missing and its pieces unexpected.
 """
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -24,191 +24,29 @@ import torch
 from torch import nn
 
 from bind_models import one_thread  # noqa: F401 - autouse fixture
-from bind_models import tp_cols, tp_rows
-from helpers import make_model, reference_tensors, tiny_config
+from family_expect import Case, local_experts
+from family_table import BY_FAMILY, ROWS
+from helpers import reference_tensors, tiny_config
 from pploader import Topology, load_stage_into, plan_stage
 from pploader.planning.checkpoint import DTYPES
 from pploader.families import find_family
 from pploader.families.fused import match_fused
 from pploader.tiny import write_checkpoint
 
-Slicer = Callable[[torch.Tensor, Topology], torch.Tensor]
 LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.\d+\.)(?P<component>.+)$")
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep), all at pp=2
 
-
-# ---- TP / EP slicing of the reference tensors (the architecture's rules, written here) ------
-
-def rows(units: int = 0) -> Slicer:
-    """Column-parallel: dim 0 split by ``units`` (heads; 0 = rows), replicated below tp."""
-    return lambda t, topo: tp_rows(t, topo.tp_rank, topo.tp_size, units or None)
-
-
-def cols() -> Slicer:
-    return lambda t, topo: tp_cols(t, topo.tp_rank, topo.tp_size)
-
-
-def replicated() -> Slicer:
-    return lambda t, topo: t
-
-
-def segment_rows(sizes: tuple[int, ...], units: tuple[int, ...]) -> Slicer:
-    """Several parts along dim 0, each split on its own; the rank's pieces concatenated."""
-    def f(t: torch.Tensor, topo: Topology) -> torch.Tensor:
-        assert sum(sizes) == t.shape[0]
-        parts = t.split(list(sizes))
-        return torch.cat([tp_rows(p, topo.tp_rank, topo.tp_size, u) for p, u in zip(parts, units)])
-    return f
-
-
-def local_experts(num_experts: int, topo: Topology) -> range:
-    """EP rank r holds the contiguous block [r*E/ep, (r+1)*E/ep)."""
-    return range(topo.ep_rank * num_experts // topo.ep_size,
-                 (topo.ep_rank + 1) * num_experts // topo.ep_size)
-
-
-def stacked_gate_up(num_experts: int, inter: int) -> Slicer:
-    """3-D [E, 2I, H] = [gate; up] on dim 1: local experts, then each half split by tp."""
-    def f(t: torch.Tensor, topo: Topology) -> torch.Tensor:
-        e = local_experts(num_experts, topo)
-        gate, up = t[e.start:e.stop].split([inter, inter], dim=1)
-        return torch.cat([gate.chunk(topo.tp_size, 1)[topo.tp_rank],
-                          up.chunk(topo.tp_size, 1)[topo.tp_rank]], dim=1)
-    return f
-
-
-def stacked_down(num_experts: int) -> Slicer:
-    """3-D [E, H, I]: local experts, then I split by tp."""
-    def f(t: torch.Tensor, topo: Topology) -> torch.Tensor:
-        e = local_experts(num_experts, topo)
-        return t[e.start:e.stop].chunk(topo.tp_size, 2)[topo.tp_rank]
-    return f
-
-
-def attention(cfg: Mapping, prefix: str = r"self_attn\.") -> tuple[tuple[str, Slicer], ...]:
-    return ((prefix + r"q_proj\.weight", rows(cfg["num_attention_heads"])),
-            (prefix + r"[kv]_proj\.weight", rows(cfg["num_key_value_heads"])))
-
-
-def per_expert(prefix: str, col: str = "gate_proj|up_proj", row: str = "down_proj"
-               ) -> tuple[tuple[str, Slicer], ...]:
-    return ((prefix + rf"\d+\.({col})\.weight", rows()),
-            (prefix + rf"\d+\.({row})\.weight", cols()))
-
-
-QKV = ("self_attn.qkv_proj.weight",
-       ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"))
-
-
-def gate_up(prefix: str) -> tuple[str, tuple[str, ...]]:
-    return (f"{prefix}gate_up_proj.weight",
-            (f"{prefix}gate_proj.weight", f"{prefix}up_proj.weight"))
-
-
-def experts(prefix: str, gate: str = "gate_proj", up: str = "up_proj", down: str = "down_proj"
-            ) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``{e}``: one row of the stacked tensor per local expert."""
-    w13 = tuple(f"{prefix}{{e}}.{n}.weight" for n in (gate, up) if n)
-    return ((prefix + "w13_weight", w13), (prefix + "w2_weight", (f"{prefix}{{e}}.{down}.weight",)))
-
-
-# ---- the cases ----------------------------------------------------------------------------------
-
-@dataclass(frozen=True)
-class Case:
-    config: str
-    num_experts: int
-    fusions: tuple[tuple[str, tuple[str, ...]], ...]  # fused tensor <- pieces, in slice order
-    slicers: tuple[tuple[str, Slicer], ...]            # component regex -> reference slicing
-
-
-def gdn(cfg: Mapping) -> tuple[tuple, tuple]:
-    """Qwen3.5's split GDN projections: (fusions, slicers)."""
-    nk, nv = cfg["linear_num_key_heads"], cfg["linear_num_value_heads"]
-    kd, vd = nk * cfg["linear_key_head_dim"], nv * cfg["linear_value_head_dim"]
-    return ((("linear_attn.in_proj_qkvz.weight",
-              ("linear_attn.in_proj_qkv.weight", "linear_attn.in_proj_z.weight")),
-             ("linear_attn.in_proj_ba.weight",
-              ("linear_attn.in_proj_b.weight", "linear_attn.in_proj_a.weight"))),
-            ((r"linear_attn\.in_proj_qkv\.weight", segment_rows((kd, kd, vd), (nk, nk, nv))),
-             (r"linear_attn\.in_proj_[zba]\.weight", rows(nv))))
+#: families with a ``fused`` entry in the table (llama / qwen2 / qwen3: tests/test_place.py)
+FAMILIES = [r.family for r in ROWS if r.fused is not None and r.tiny]
 
 
 def make_case(name: str) -> Case:
-    cfg = tiny_config(f"tiny-{name}")
+    """The table's fused targets and reference slicing for the family's tiny config."""
+    row = BY_FAMILY[name]
+    cfg = tiny_config(row.tiny)  # type: ignore[arg-type]
     cfg = cfg.get("text_config", cfg)
-    e = int(cfg.get("num_experts") or cfg.get("num_local_experts") or cfg.get("n_routed_experts")
-            or 0)
-    mlp = ((r"mlp\.(gate|up)_proj\.weight", rows()),)
-    shared = ((r"mlp\.shared_experts?\.(gate|up)_proj\.weight", rows()),)
-    if name == "qwen3_moe":
-        inter = cfg["moe_intermediate_size"]
-        return Case(name, e, (QKV, gate_up("mlp."), *experts("mlp.experts."),
-                              ("mlp.experts.w13_weight", ("mlp.experts.gate_up_proj",)),
-                              ("mlp.experts.w2_weight", ("mlp.experts.down_proj",))),
-                    attention(cfg) + mlp + per_expert(r"mlp\.experts\.")
-                    + ((r"mlp\.experts\.gate_up_proj", stacked_gate_up(e, inter)),
-                       (r"mlp\.experts\.down_proj", stacked_down(e))))
-    if name == "mixtral":  # w1 = gate, w3 = up, w2 = down
-        return Case(name, e, (QKV, *experts("block_sparse_moe.experts.", "w1", "w3", "w2")),
-                    attention(cfg) + per_expert(r"block_sparse_moe\.experts\.", "w1|w3", "w2"))
-    if name == "deepseek_v3":  # MLA: the two replicated low-rank inputs fuse; q_b / kv_b do not
-        return Case(name, e, (("self_attn.fused_qkv_a_proj.weight",
-                               ("self_attn.q_a_proj.weight",
-                                "self_attn.kv_a_proj_with_mqa.weight")),
-                              gate_up("mlp."), gate_up("mlp.shared_experts."),
-                              *experts("mlp.experts.")),
-                    ((r"self_attn\.(q_a_proj|kv_a_proj_with_mqa)\.weight", replicated()),)
-                    + mlp + shared + per_expert(r"mlp\.experts\."))
-    if name in ("qwen3_5_moe", "qwen3_5_moe_vl"):  # gated q ([q, gate] per head), split GDN
-        fusions, slicers = gdn(cfg)
-        return Case(name, e, (QKV, *fusions, gate_up("mlp.shared_expert."),
-                              *experts("mlp.experts.")),
-                    attention(cfg) + slicers + shared + per_expert(r"mlp\.experts\."))
-    if name == "qwen3_5":
-        fusions, slicers = gdn(cfg)
-        return Case(name, e, (QKV, gate_up("mlp."), *fusions), attention(cfg) + slicers + mlp)
-    if name == "qwen3_next":  # GDN in_proj_qkvz / ba stored fused already
-        return Case(name, e, (QKV, gate_up("mlp."), gate_up("mlp.shared_expert."),
-                              *experts("mlp.experts.")),
-                    attention(cfg) + mlp + shared + per_expert(r"mlp\.experts\."))
-    if name in ("bamba", "falcon_h1"):
-        return Case(name, e, (QKV, gate_up("feed_forward.")),
-                    attention(cfg) + ((r"feed_forward\.(gate|up)_proj\.weight", rows()),))
-    if name == "jamba":  # attention every 4th layer, experts every other, Mamba1 unfused
-        return Case(name, e, (QKV, gate_up("feed_forward."), *experts("feed_forward.experts.")),
-                    attention(cfg) + ((r"feed_forward\.(gate|up)_proj\.weight", rows()),)
-                    + per_expert(r"feed_forward\.experts\."))
-    if name == "nemotron_h":  # ungated experts: w13 holds up alone
-        return Case(name, e, (("mixer.qkv_proj.weight", tuple(f"mixer.{n}_proj.weight"
-                                                             for n in "qkv")),
-                              *experts("mixer.experts.", gate="")),
-                    attention(cfg, r"mixer\.") + per_expert(r"mixer\.experts\.", "up_proj"))
-    if name == "granitemoehybrid":  # experts 3-D on disk: renamed into w13 / w2
-        inter = cfg["intermediate_size"]
-        return Case(name, e, (QKV, ("block_sparse_moe.experts.w13_weight",
-                                    ("block_sparse_moe.input_linear.weight",)),
-                              ("block_sparse_moe.experts.w2_weight",
-                               ("block_sparse_moe.output_linear.weight",))),
-                    attention(cfg)
-                    + ((r"block_sparse_moe\.input_linear\.weight", stacked_gate_up(e, inter)),
-                       (r"block_sparse_moe\.output_linear\.weight", stacked_down(e))))
-    raise KeyError(name)
-
-
-FAMILIES = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3_5_moe", "qwen3_5_moe_vl", "qwen3_5",
-            "qwen3_next", "jamba", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid"]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            made[name] = make_model(tmp_path_factory.mktemp(name), tiny_config(f"tiny-{name}"))
-        return made[name]
-    return get
+    fusions, slicers = row.fused(cfg, row.experts)  # type: ignore[misc]
+    return Case(name, row.experts, fusions, slicers)
 
 
 # ---- module factory and expectations -------------------------------------------------------
@@ -306,8 +144,9 @@ def test_declared_fusions_cover_the_cases() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", FAMILIES)
-def test_family_binds_fused_and_stacked(checkpoints: Callable[[str], Path], name: str) -> None:
-    case, path = make_case(name), checkpoints(name)
+def test_family_binds_fused_and_stacked(tiny_checkpoints: Callable[[str], Path],
+                                        name: str) -> None:
+    case, path = make_case(name), tiny_checkpoints(f"tiny-{name}")
     ref = reference_tensors(path)
     exercised: set[str] = set()
     for tp, ep in TOPOLOGIES:
@@ -322,11 +161,11 @@ def test_family_binds_fused_and_stacked(checkpoints: Callable[[str], Path], name
 
 @pytest.mark.slow
 def test_qwen3_moe_both_namings_fill_the_same_stacked_module(
-        checkpoints: Callable[[str], Path], tmp_path: Path) -> None:
+        tiny_checkpoints: Callable[[str], Path], tmp_path: Path) -> None:
     """transformers' own naming (3-D ``mlp.experts.gate_up_proj`` / ``down_proj``, written
     here from the per-expert tensors) fills ``w13_weight`` / ``w2_weight`` exactly as the
     per-expert naming does."""
-    case, per_expert_dir = make_case("qwen3_moe"), checkpoints("qwen3_moe")
+    case, per_expert_dir = make_case("qwen3_moe"), tiny_checkpoints("tiny-qwen3_moe")
     ref = reference_tensors(per_expert_dir)
     cfg = tiny_config("tiny-qwen3_moe")
     stacked: dict[str, torch.Tensor] = {}

@@ -1,7 +1,7 @@
 """The generic family (transformers' meta model) against the hand-written families.
 
-For every hand-written family (each case of tests/test_families.py, both expert namings, and
-each bundled tiny config): the generic family, built from the same config.json, plans exactly
+For every hand-written family (each build case of tests/family_table.py, both expert namings,
+and each bundled tiny config): the generic family, built from the same config.json, plans exactly
 the same reads per rank (tensor, target, file, byte ranges, shape) for PP 1-4 x EP 1-2.
 """
 from __future__ import annotations
@@ -11,9 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import CONFIGS, make_model
-from test_families import CASES, VARIANTS, IDS, Checkpoints  # noqa: F401 - shared fixtures
-from test_families import checkpoints  # noqa: F401 - the session fixture
+from family_table import IDS, TINY_ROWS, VARIANTS, HfCheckpoints, Row
+from helpers import make_model, tiny_config
 from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec, spec_from_config
@@ -45,16 +44,14 @@ def assert_same_plans(path: Path, *, tp: int = 1) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("case,fmt", VARIANTS, ids=IDS)
-def test_generic_plans_equal_hand_written(checkpoints: Checkpoints, case: str, fmt: str) -> None:
-    assert_same_plans(checkpoints(case, fmt))
+def test_generic_plans_equal_hand_written(hf_checkpoints: HfCheckpoints, case: str,
+                                          fmt: str) -> None:
+    assert_same_plans(hf_checkpoints(case, fmt))
 
 
-BUNDLED = sorted(p.stem for p in CONFIGS.glob("tiny-*.json"))
-
-
-@pytest.mark.parametrize("name", BUNDLED)
-def test_generic_plans_equal_hand_written_bundled(name: str, tmp_path: Path) -> None:
-    """The bundled tiny configs (checkpoints written from the hand-written templates)."""
-    raw = json.loads((CONFIGS / f"{name}.json").read_text())
-    raw.pop("pploader_tiny")
-    assert_same_plans(make_model(tmp_path, raw, shard_bytes=30_000))
+@pytest.mark.parametrize("row", TINY_ROWS, ids=[r.family for r in TINY_ROWS])
+def test_generic_plans_equal_hand_written_bundled(row: Row, tmp_path: Path) -> None:
+    """The bundled tiny configs (checkpoints written from the hand-written templates; small
+    shards, so layers straddle shard boundaries)."""
+    assert_same_plans(make_model(tmp_path, tiny_config(row.tiny),  # type: ignore[arg-type]
+                                 shard_bytes=30_000))

@@ -11,7 +11,8 @@ from typing import Callable, Mapping, Sequence
 import pytest
 import torch
 
-from helpers import CONFIGS, make_model, run, run_ranks, tiny_config, torchrun_cmd
+from family_table import BF16, BY_FAMILY, F32, ROWS, TINY_ROWS, Geometry, Row
+from helpers import run, run_ranks, tiny_config, torchrun_cmd
 from pploader import ConfigError, PlanError
 from pploader.planning.partition import even_windows
 from pploader.planning.spec import spec_from_config
@@ -24,7 +25,6 @@ from pploader.cache.pools import (CachePools, PageAllocator, PoolError, SlotAllo
                                   stage_geometry, budget_from_memory)
 from pploader.planning.spec import ModelSpec
 
-BF16, F32 = 2, 4
 
 
 def toy_spec(config: Mapping, kinds: Sequence[str]) -> ModelSpec:
@@ -34,94 +34,12 @@ def toy_spec(config: Mapping, kinds: Sequence[str]) -> ModelSpec:
     return spec_from_config({**config, "dtype": config.get("dtype", "bfloat16")}, family=fam)
 
 
-# ---- hand-written configs (transformers 5.24 key names) and their numbers by hand -------------
-# Each case: config, layer kinds, {tp: {kind: (kv bytes/token, {state: shape})}}.
-ATTN = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "vocab_size": 64}
-CASES: dict[str, tuple[dict, tuple[str, ...], dict]] = {
-    # GQA: K+V = 2 parts x kv_heads_local x 16 x bf16; kv 2 < tp 4 -> one head replicated
-    "llama": (dict(ATTN), ("full_attention",) * 4, {
-        1: {"full_attention": (2 * 2 * 16 * BF16, {})},
-        2: {"full_attention": (2 * 1 * 16 * BF16, {})},
-        4: {"full_attention": (2 * 1 * 16 * BF16, {})}}),
-    # MLA: latent 32 + rope 8 = 40 per token, the same on every TP rank
-    "deepseek_v3": ({**ATTN, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 16,
-                     "v_head_dim": 16}, ("mla",) * 4, {
-        1: {"mla": (40 * BF16, {})}, 2: {"mla": (40 * BF16, {})}, 4: {"mla": (40 * BF16, {})}}),
-    # nemotron_h: heads 8 x head_dim 8 = 64, groups 2, d_state 16, K 4; mlp layers: no cache
-    # conv_dim = 64 + 2*2*16 = 128 | tp2: 32 + 2*1*16 = 64 | tp4: 16 + 2*1*16 = 48 (groups repl.)
-    "nemotron_h": ({**ATTN, "mamba_num_heads": 8, "mamba_head_dim": 8, "ssm_state_size": 16,
-                    "n_groups": 2, "conv_kernel": 4, "expand": 2},
-                   ("mamba2", "mlp", "full_attention", "mamba2"), {
-        1: {"mamba2": (0, {"conv": (128, 3), "ssm": (8, 8, 16)}), "mlp": (0, {}),
-            "full_attention": (128, {})},
-        2: {"mamba2": (0, {"conv": (64, 3), "ssm": (4, 8, 16)}), "mlp": (0, {}),
-            "full_attention": (64, {})},
-        4: {"mamba2": (0, {"conv": (48, 3), "ssm": (2, 8, 16)}), "mlp": (0, {}),
-            "full_attention": (64, {})}}),
-    # bamba: d_head "auto" = expand 2 x hidden 32 / heads 8 = 8; groups 1 (replicated at tp2)
-    # conv_dim = 64 + 2*1*16 = 96 | tp2: 32 + 32 = 64
-    "bamba": ({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "vocab_size": 64, "mamba_n_heads": 8, "mamba_d_head": "auto", "mamba_expand": 2,
-               "mamba_n_groups": 1, "mamba_d_state": 16, "mamba_d_conv": 4},
-              ("mamba2", "full_attention"), {
-        1: {"mamba2": (0, {"conv": (96, 3), "ssm": (8, 8, 16)}),
-            "full_attention": (2 * 2 * 8 * BF16, {})},
-        2: {"mamba2": (0, {"conv": (64, 3), "ssm": (4, 8, 16)}),
-            "full_attention": (2 * 1 * 8 * BF16, {})}}),
-    # falcon_h1: every layer attention AND mamba2; d_ssm 48 / 6 heads = 8; groups 2, d_state 8
-    # conv_dim = 48 + 2*2*8 = 80 | tp2: 24 + 2*1*8 = 40
-    "falcon_h1": ({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-                   "vocab_size": 64, "mamba_d_ssm": 48, "mamba_n_heads": 6, "mamba_d_head": 8,
-                   "mamba_n_groups": 2, "mamba_d_state": 8, "mamba_d_conv": 4,
-                   "mamba_expand": 2}, ("hybrid_attention_mamba2",) * 3, {
-        1: {"hybrid_attention_mamba2": (2 * 2 * 8 * BF16, {"conv": (80, 3), "ssm": (6, 8, 8)})},
-        2: {"hybrid_attention_mamba2": (2 * 1 * 8 * BF16, {"conv": (40, 3), "ssm": (3, 8, 8)})}}),
-    # jamba (mamba1): d_inner = 2 x 32 = 64, d_state 8, K 4
-    "jamba": ({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-               "vocab_size": 64, "mamba_expand": 2, "mamba_d_state": 8, "mamba_d_conv": 4},
-              ("mamba1", "mamba1", "full_attention", "mamba1"), {
-        1: {"mamba1": (0, {"conv": (64, 3), "ssm": (64, 8)}), "full_attention": (64, {})},
-        2: {"mamba1": (0, {"conv": (32, 3), "ssm": (32, 8)}), "full_attention": (32, {})}}),
-    # qwen3_next (gdn): Hk 2 x dk 8, Hv 4 x dv 8: conv_dim = 2*2*8 + 4*8 = 64
-    # tp2: 2*1*8 + 2*8 = 32 | tp4: Hk 2 < 4 replicated: 2*1*8 + 1*8 = 24
-    "qwen3_next": ({"hidden_size": 32, "num_attention_heads": 4, "num_key_value_heads": 2,
-                    "head_dim": 8, "vocab_size": 64, "linear_num_key_heads": 2,
-                    "linear_key_head_dim": 8, "linear_num_value_heads": 4,
-                    "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4},
-                   ("gdn", "gdn", "gdn", "full_attention"), {
-        1: {"gdn": (0, {"conv": (64, 3), "temporal": (4, 8, 8)}), "full_attention": (64, {})},
-        2: {"gdn": (0, {"conv": (32, 3), "temporal": (2, 8, 8)}), "full_attention": (32, {})},
-        4: {"gdn": (0, {"conv": (24, 3), "temporal": (1, 8, 8)}), "full_attention": (32, {})}}),
-}
-# granitemoehybrid uses bamba's keys (mamba_n_heads, mamba_d_head, ...): same numbers;
-# qwen3_5 / qwen3_5_moe use qwen3_next's linear_* keys: same numbers
-CASES["granitemoehybrid"] = CASES["bamba"]
-CASES["qwen3_5"] = CASES["qwen3_5_moe"] = CASES["qwen3_next"]
-
+# ---- hand configs and numbers by hand: the family table (tests/family_table.py) -------------
+#: family -> (config, layer kinds, {tp: {kind: (kv bytes/token, {state: shape})}})
+CASES: dict[str, Geometry] = {r.family: r.geometry for r in ROWS if r.geometry is not None}
 #: the fields each real family reads its layer kinds from (pploader/families), so that the same
 #: hand configs also go through the real family code: kinds must come out as written above
-REAL: dict[str, dict] = {
-    "llama": {"architectures": ["LlamaForCausalLM"], "num_hidden_layers": 4},
-    "deepseek_v3": {"architectures": ["DeepseekV3ForCausalLM"], "num_hidden_layers": 4,
-                    "first_k_dense_replace": 1, "n_routed_experts": 4},
-    "nemotron_h": {"architectures": ["NemotronHForCausalLM"],
-                   "layers_block_type": ["mamba", "mlp", "attention", "mamba"]},
-    "bamba": {"architectures": ["BambaForCausalLM"], "num_hidden_layers": 2,
-              "attn_layer_indices": [1]},
-    "falcon_h1": {"architectures": ["FalconH1ForCausalLM"], "num_hidden_layers": 3},
-    "jamba": {"architectures": ["JambaForCausalLM"], "num_hidden_layers": 4,
-              "attn_layer_period": 4, "attn_layer_offset": 2, "expert_layer_period": 2,
-              "expert_layer_offset": 1, "num_experts": 4},
-    "granitemoehybrid": {"architectures": ["GraniteMoeHybridForCausalLM"],
-                         "num_hidden_layers": 2, "layer_types": ["mamba", "attention"],
-                         "num_local_experts": 4},
-    **{name: {"architectures": [arch], "num_hidden_layers": 4, "num_experts": 4,
-              "layer_types": ["linear_attention"] * 3 + ["full_attention"]}
-       for name, arch in (("qwen3_next", "Qwen3NextForCausalLM"),
-                          ("qwen3_5", "Qwen3_5ForCausalLM"),
-                          ("qwen3_5_moe", "Qwen3_5MoeForCausalLM"))},
-}
+REAL: dict[str, Mapping] = {r.family: r.real_fields for r in ROWS if r.geometry is not None}
 _FAMILY_NAMES = {f.name for f in FAMILIES}
 
 
@@ -164,6 +82,22 @@ def test_dtypes_are_configurable_and_kinds_are_all_known() -> None:
     assert set(LAYER_KINDS) - {"unknown"} <= set(KIND_CACHES)  # unknown: refused by design
 
 
+def test_cache_sizes_come_from_the_family() -> None:
+    """geometry.py reads no config key: a family declaring no mamba2 sizes gets a clear error
+    even when the config has every mamba2 key; the hand-written family's own reader is used."""
+    from pploader.families.cache_dims import CacheDims
+    config, kinds, _ = CASES["nemotron_h"]
+    fam = Family(name="attention-only", architectures=("Toy",), cache_dims=CacheDims(),
+                 layout=lambda c: Layout(len(kinds), tuple(kinds)))
+    spec = spec_from_config({**config, "dtype": "bfloat16"}, family=fam)
+    with pytest.raises(ConfigError, match="declares no mamba2 sizes"):
+        layer_cache(spec, 0)
+    assert layer_cache(spec, 2).kv is not None  # GQA needs only the head counts
+    bamba = spec_from_config(tiny_config("tiny-bamba"))
+    assert bamba.family.cache_dims.mamba2 is not None
+    assert bamba.family.cache_dims.of_mamba2(bamba).d_state == 16
+
+
 def test_geometry_errors_are_clear() -> None:
     config, kinds, _ = CASES["nemotron_h"]
     with pytest.raises(PlanError, match="mamba heads = 8 is not divisible by tp=3"):
@@ -177,18 +111,7 @@ def test_geometry_errors_are_clear() -> None:
 
 
 # ---- the same geometry, checked against transformers' own mixers (independent source) --------
-_HF = {  # family -> (config class, mixer class, layer kind its mixer serves)
-    "nemotron_h": ("nemotron_h.NemotronHConfig", "nemotron_h.NemotronHMamba2Mixer"),
-    "bamba": ("bamba.BambaConfig", "bamba.BambaMixer"),
-    "falcon_h1": ("falcon_h1.FalconH1Config", "falcon_h1.FalconH1Mixer"),
-    "granitemoehybrid": ("granitemoehybrid.GraniteMoeHybridConfig",
-                         "granitemoehybrid.GraniteMoeHybridMambaLayer"),
-    "jamba": ("jamba.JambaConfig", "jamba.JambaMambaMixer"),
-    "qwen3_next": ("qwen3_next.Qwen3NextConfig", "qwen3_next.Qwen3NextGatedDeltaNet"),
-    "qwen3_5": ("qwen3_5.Qwen3_5TextConfig", "qwen3_5.Qwen3_5GatedDeltaNet"),
-    "qwen3_5_moe": ("qwen3_5_moe.Qwen3_5MoeTextConfig", "qwen3_5_moe.Qwen3_5MoeGatedDeltaNet"),
-}
-_HF["qwen3_5_vl"], _HF["qwen3_5_moe_vl"] = _HF["qwen3_5"], _HF["qwen3_5_moe"]  # text_config
+_HF = {r.family: r.hf_mixer for r in ROWS if r.hf_mixer is not None}  # config, mixer classes
 
 
 def _hf_class(dotted: str) -> type:
@@ -210,8 +133,7 @@ def hf_state_shapes(family: str, config: Mapping) -> dict[str, tuple[int, ...]]:
     return {"conv": (m.conv_dim, k - 1), "ssm": (m.num_heads, m.head_dim, m.ssm_state_size)}
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "falcon_h1", "granitemoehybrid",
-                                    "jamba", "qwen3_next"])
+@pytest.mark.parametrize("family", sorted(set(CASES) & set(_HF)))
 def test_hand_configs_agree_with_transformers_mixers(family: str) -> None:
     config, kinds, _ = CASES[family]
     spec = toy_spec(config, kinds)
@@ -220,21 +142,9 @@ def test_hand_configs_agree_with_transformers_mixers(family: str) -> None:
     assert got == hf_state_shapes(family, {**config, "num_hidden_layers": len(kinds)})
 
 
-def _tiny_family_configs() -> list[tuple[str, dict]]:
-    out = []
-    for fam in FAMILIES:
-        path = CONFIGS / f"tiny-{fam.name}.json"
-        if path.exists():
-            cfg = json.loads(path.read_text())
-            cfg.pop("pploader_tiny", None)
-            out.append((fam.name, cfg))
-    return out
-
-
-@pytest.mark.parametrize("family,config", _tiny_family_configs(),
-                         ids=[n for n, _ in _tiny_family_configs()])
-def test_bundled_tiny_configs_agree_with_transformers(family: str, config: dict) -> None:
-    spec = spec_from_config(config)
+@pytest.mark.parametrize("row", TINY_ROWS, ids=[r.family for r in TINY_ROWS])
+def test_bundled_tiny_configs_agree_with_transformers(row: Row) -> None:
+    spec = spec_from_config(tiny_config(row.tiny))  # type: ignore[arg-type]
     caches = model_cache(spec)
     for c in caches:
         if c.kv is not None and c.kv.parts == ("k", "v"):
@@ -242,10 +152,10 @@ def test_bundled_tiny_configs_agree_with_transformers(family: str, config: dict)
         if c.kv is not None and c.kv.parts == ("latent",):
             assert c.kv.head_dim == spec.int("kv_lora_rank") + spec.int("qk_rope_head_dim")
     stateful = [c for c in caches if c.states]
-    if family in _HF:
-        assert stateful, f"{family}: no state layers found"
+    if row.hf_mixer is not None:
+        assert stateful, f"{row.family}: no state layers found"
         assert {s.name: s.shape for s in stateful[0].states} == \
-            hf_state_shapes(family, dict(spec.config))
+            hf_state_shapes(row.family, dict(spec.config))
     else:
         assert not stateful
 
@@ -465,48 +375,13 @@ def test_real_jamba_cache_aware_balance_beats_even_and_weights_only(pp: int) -> 
     assert score["cache"] < score["even"] and score["cache"] < score["weights"]
 
 
-# ---- the bundled tiny configs, by hand ------------------------------------------------------
-#: tiny-<family>.json -> (model dtype bytes, {tp: {kind: (kv bytes/token, {state: shape})}}),
-#: written from the config text. GQA everywhere: 2 kv heads x head_dim 16 x (K, V).
-_GQA = {1: 2 * 2 * 16 * BF16, 2: 2 * 1 * 16 * BF16}
-# GDN: Hk 2 x dk 16, Hv 4 x dv 16, K 4: conv_dim = 2*2*16 + 4*16 = 128 (tp2: 2*1*16 + 2*16 = 64),
-# temporal [Hv, dv, dk] = [4, 16, 16] (tp2: [2, 16, 16])
-_GDN = (BF16, {1: {"full_attention": (_GQA[1], {}),
-                   "gdn": (0, {"conv": (128, 3), "temporal": (4, 16, 16)})},
-               2: {"full_attention": (_GQA[2], {}),
-                   "gdn": (0, {"conv": (64, 3), "temporal": (2, 16, 16)})}})
-# bamba / granitemoehybrid: 8 heads x d_head 16 = 128, 1 group, d_state 16:
-# conv_dim = 128 + 2*1*16 = 160 (tp2: 64 + 2*1*16 = 96, the group replicated)
-_BAMBA = (BF16, {tp: {"full_attention": (_GQA[tp], {}),
-                      "mamba2": (0, {"conv": (160 if tp == 1 else 96, 3),
-                                     "ssm": (8 // tp, 16, 16)})} for tp in (1, 2)})
-_DENSE = (BF16, {tp: {"full_attention": (_GQA[tp], {})} for tp in (1, 2)})
-TINY: dict[str, tuple[int, dict]] = {
-    "llama": _DENSE, "qwen3": _DENSE, "qwen3_moe": _DENSE, "mixtral": _DENSE,
-    "qwen3_next": _GDN, "qwen3_5": _GDN, "qwen3_5_moe": _GDN, "qwen3_5_moe_vl": _GDN,
-    "bamba": _BAMBA, "granitemoehybrid": _BAMBA,
-    # MLA: kv_lora_rank 32 + qk_rope_head_dim 8 = 40 x bf16, not split by TP
-    "deepseek_v3": (BF16, {1: {"mla": (80, {})}, 2: {"mla": (80, {})}}),
-    # nemotron_h: 8 heads x 16 = 128, n_groups 2, d_state 16: conv_dim = 128 + 2*2*16 = 192
-    # (tp2: 64 + 2*1*16 = 96); MLP / MoE blocks: no cache
-    "nemotron_h": (BF16, {tp: {"full_attention": (_GQA[tp], {}), "mlp": (0, {}),
-                               "mamba2": (0, {"conv": (192 if tp == 1 else 96, 3),
-                                              "ssm": (8 // tp, 16, 16)})} for tp in (1, 2)}),
-    # jamba: d_inner = expand 2 x hidden 64 = 128, d_state 16, K 4
-    "jamba": (BF16, {tp: {"full_attention": (_GQA[tp], {}),
-                          "mamba1": (0, {"conv": (128 // tp, 3), "ssm": (128 // tp, 16)})}
-                     for tp in (1, 2)}),
-    # falcon_h1 (float32 model): every layer K+V (2 x 2 x 16 x 4 B) and mamba2 with
-    # d_ssm 128 = 8 heads x 16, 1 group, d_state 16: conv_dim 160 (tp2: 96)
-    "falcon_h1": (F32, {tp: {"hybrid_attention_mamba2": (
-        2 * (2 // tp) * 16 * F32, {"conv": (160 if tp == 1 else 96, 3), "ssm": (8 // tp, 16, 16)})}
-        for tp in (1, 2)}),
-}
+# ---- the bundled tiny configs, by hand (the table's ``pools``) ------------------------------
+TINY: dict[str, tuple[int, dict]] = {r.family: r.pools for r in TINY_ROWS if r.pools is not None}
 
 
 @pytest.mark.parametrize("family", sorted(TINY))
 def test_bundled_tiny_config_by_hand(family: str) -> None:
-    spec = spec_from_config(tiny_config(f"tiny-{family}"))
+    spec = spec_from_config(tiny_config(BY_FAMILY[family].tiny))  # type: ignore[arg-type]
     itemsize, expected = TINY[family]
     assert spec.dtype.itemsize == itemsize
     for tp, per_kind in expected.items():
@@ -522,15 +397,15 @@ def test_bundled_tiny_config_by_hand(family: str) -> None:
 
 
 def test_every_bundled_tiny_family_has_hand_numbers() -> None:
-    bundled = {n for n, _ in _tiny_family_configs()}
-    assert bundled <= set(TINY), f"add hand-written numbers for {sorted(bundled - set(TINY))}"
+    missing = sorted(r.family for r in TINY_ROWS if r.pools is None)
+    assert not missing, f"add hand-written cache numbers (Row.pools) for {missing}"
 
 
 # ---- pploader plan --json / pploader load ----------------------------------------------------
 @pytest.fixture(scope="module")
-def tiny_hybrid(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def tiny_hybrid(tiny_checkpoints: Callable[[str], Path]) -> Path:
     """tiny-qwen3_5_moe: [gdn, gdn, gdn, full_attention] x 2, routed + shared experts."""
-    return make_model(tmp_path_factory.mktemp("tiny-hybrid"), tiny_config("tiny-qwen3_5_moe"))
+    return tiny_checkpoints("tiny-qwen3_5_moe")
 
 
 def _plan_json(capsys: pytest.CaptureFixture, *args: str) -> dict:

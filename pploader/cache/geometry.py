@@ -15,8 +15,12 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
 - ``hybrid_attention_mamba2`` (Falcon-H1): both the GQA pages and the mamba2 state.
 
 State tensors get a leading request-slot dim in the pool: ``[max_requests, *shape]``.
-Default dtypes: KV and conv in the model dtype, ssm / temporal in float32 (or the config's
-``mamba_ssm_cache_dtype``); every one can be overridden with :class:`CacheDtypes`.
+Default dtypes: KV and conv in the model dtype, ssm / temporal in float32 (or the dtype the
+config asks for, e.g. ``mamba_ssm_cache_dtype``); every one can be overridden with
+:class:`CacheDtypes`.
+
+The sizes of each mixer (heads, groups, state, kernel...) come from the model's family
+(``Family.cache_dims``, pploader/families/cache_dims.py): this module reads no config key.
 """
 from __future__ import annotations
 
@@ -32,37 +36,9 @@ from ..planning.partition import StageWindow
 if TYPE_CHECKING:  # pragma: no cover
     from ..planning.spec import ModelSpec
 
-__all__ = ["CONFIG_KEYS", "KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache",
+__all__ = ["KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache",
            "layer_cache", "model_cache", "local_units", "parse_dtype", "dtype_name",
            "StageCacheGeometry", "stage_geometry", "layer_cache_bytes"]
-
-#: Config keys of each cache quantity; the first key present wins. Checked against the
-#: transformers 5.24 config classes (and the mixers' own attributes, see tests/test_pools.py):
-#: NemotronHConfig (mamba_num_heads, mamba_head_dim, ssm_state_size, n_groups, conv_kernel),
-#: BambaConfig / GraniteMoeHybridConfig (mamba_n_heads, mamba_d_head, mamba_d_state,
-#: mamba_n_groups, mamba_d_conv, mamba_expand), FalconH1Config (the same + mamba_d_ssm),
-#: JambaConfig (mamba_d_state, mamba_d_conv, mamba_expand), Qwen3Next / Qwen3_5(Moe)TextConfig
-#: (linear_*), DeepseekV3Config (kv_lora_rank, qk_rope_head_dim).
-CONFIG_KEYS: Mapping[str, tuple[str, ...]] = {
-    "mamba2.num_heads": ("mamba_num_heads", "mamba_n_heads"),
-    "mamba2.head_dim": ("mamba_head_dim", "mamba_d_head"),     # may be "auto"
-    "mamba2.d_state": ("ssm_state_size", "mamba_d_state"),
-    "mamba2.n_groups": ("n_groups", "mamba_n_groups"),
-    "mamba2.conv_kernel": ("conv_kernel", "mamba_d_conv"),
-    "mamba2.d_inner": ("mamba_d_ssm",),                       # falcon_h1; else expand * hidden
-    "mamba2.expand": ("mamba_expand", "expand"),
-    "mamba1.d_state": ("mamba_d_state",),
-    "mamba1.conv_kernel": ("mamba_d_conv",),
-    "mamba1.expand": ("mamba_expand",),
-    "gdn.num_key_heads": ("linear_num_key_heads",),
-    "gdn.key_head_dim": ("linear_key_head_dim",),
-    "gdn.num_value_heads": ("linear_num_value_heads",),
-    "gdn.value_head_dim": ("linear_value_head_dim",),
-    "gdn.conv_kernel": ("linear_conv_kernel_dim",),
-    "mla.kv_lora_rank": ("kv_lora_rank",),
-    "mla.rope_head_dim": ("qk_rope_head_dim",),
-    "ssm_cache_dtype": ("mamba_ssm_cache_dtype",),
-}
 
 #: Which caches each layer kind (families.base.LAYER_KINDS) carries, in order. ``mlp`` blocks
 #: (NemotronH's MLP / MoE layers) have no sequence mixer, hence no cache. A kind missing here
@@ -107,7 +83,7 @@ class CacheDtypes:
         """(kv, conv, ssm) dtypes for ``spec``."""
         ssm = self.ssm
         if ssm is None:
-            ssm = parse_dtype(str(_opt(spec.config, "ssm_cache_dtype") or "float32"))
+            ssm = parse_dtype(spec.family.cache_dims.ssm_dtype(spec) or "float32")
         return self.kv or spec.dtype, self.conv or spec.dtype, ssm
 
 
@@ -176,21 +152,6 @@ class LayerCache:
                 "states": {s.name: s.to_json() for s in self.states}}
 
 
-def _opt(config: Mapping, quantity: str) -> object:
-    for key in CONFIG_KEYS[quantity]:
-        if config.get(key) is not None:
-            return config[key]
-    return None
-
-
-def _int(config: Mapping, quantity: str, kind: str) -> int:
-    value = _opt(config, quantity)
-    if value is None:
-        raise ConfigError(f"{kind} cache geometry needs {quantity}: config.json lacks "
-                          + " / ".join(CONFIG_KEYS[quantity]), file="config.json")
-    return int(value)  # type: ignore[call-overload]
-
-
 def local_units(units: int, tp: int, what: str) -> int:
     """Units (heads, groups) one TP rank holds: ``units / tp``, or 1 when ``units < tp``
     (replicated) -- the same rule as the weights' shard rules."""
@@ -218,47 +179,33 @@ def _gqa(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
 
 
 def _mla(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
-    c = spec.config
-    latent = _int(c, "mla.kv_lora_rank", "mla") + _int(c, "mla.rope_head_dim", "mla")
-    return KVLayout(("latent",), 1, latent, dt[0])
+    d = spec.family.cache_dims.of_mla(spec)
+    return KVLayout(("latent",), 1, d.kv_lora_rank + d.rope_head_dim, dt[0])
 
 
 def _mamba2(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
-    c = spec.config
-    heads = _int(c, "mamba2.num_heads", "mamba2")
-    head_dim_raw = _opt(c, "mamba2.head_dim")
-    if head_dim_raw is None or head_dim_raw == "auto":
-        d_inner = _opt(c, "mamba2.d_inner")
-        if d_inner is None:
-            d_inner = _int(c, "mamba2.expand", "mamba2") * spec.hidden_size
-        head_dim = int(d_inner) // heads  # type: ignore[call-overload]
-    else:
-        head_dim = int(head_dim_raw)  # type: ignore[call-overload]
-    d_state = _int(c, "mamba2.d_state", "mamba2")
-    heads_local = _split(heads, tp, "mamba heads")
-    groups = local_units(_int(c, "mamba2.n_groups", "mamba2"), tp, "mamba n_groups")
-    conv_dim = heads_local * head_dim + 2 * groups * d_state
-    k = _int(c, "mamba2.conv_kernel", "mamba2")
-    return (StateTensor("conv", (conv_dim, k - 1), dt[1]),
-            StateTensor("ssm", (heads_local, head_dim, d_state), dt[2]))
+    d = spec.family.cache_dims.of_mamba2(spec)
+    heads_local = _split(d.n_heads, tp, "mamba heads")
+    groups = local_units(d.n_groups, tp, "mamba n_groups")
+    conv_dim = heads_local * d.head_dim + 2 * groups * d.d_state
+    return (StateTensor("conv", (conv_dim, d.conv_kernel - 1), dt[1]),
+            StateTensor("ssm", (heads_local, d.head_dim, d.d_state), dt[2]))
 
 
 def _mamba1(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
-    c = spec.config
-    d_inner = _split(_int(c, "mamba1.expand", "mamba1") * spec.hidden_size, tp, "mamba d_inner")
-    k, d_state = _int(c, "mamba1.conv_kernel", "mamba1"), _int(c, "mamba1.d_state", "mamba1")
-    return (StateTensor("conv", (d_inner, k - 1), dt[1]),
-            StateTensor("ssm", (d_inner, d_state), dt[2]))
+    d = spec.family.cache_dims.of_mamba1(spec)
+    d_inner = _split(d.d_inner, tp, "mamba d_inner")
+    return (StateTensor("conv", (d_inner, d.conv_kernel - 1), dt[1]),
+            StateTensor("ssm", (d_inner, d.d_state), dt[2]))
 
 
 def _gdn(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
-    c = spec.config
-    hk = local_units(_int(c, "gdn.num_key_heads", "gdn"), tp, "linear key heads")
-    hv = local_units(_int(c, "gdn.num_value_heads", "gdn"), tp, "linear value heads")
-    dk, dv = _int(c, "gdn.key_head_dim", "gdn"), _int(c, "gdn.value_head_dim", "gdn")
-    k = _int(c, "gdn.conv_kernel", "gdn")
-    return (StateTensor("conv", (2 * hk * dk + hv * dv, k - 1), dt[1]),
-            StateTensor("temporal", (hv, dv, dk), dt[2]))
+    d = spec.family.cache_dims.of_gdn(spec)
+    hk = local_units(d.num_k_heads, tp, "linear key heads")
+    hv = local_units(d.num_v_heads, tp, "linear value heads")
+    return (StateTensor("conv", (2 * hk * d.k_head_dim + hv * d.v_head_dim,
+                                 d.conv_kernel - 1), dt[1]),
+            StateTensor("temporal", (hv, d.v_head_dim, d.k_head_dim), dt[2]))
 
 
 _KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {

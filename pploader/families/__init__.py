@@ -1,39 +1,45 @@
-"""Registry of model families: architecture name -> Family data."""
+"""Registry of model families: architecture name -> Family data.
+
+Every module of this package that defines ``FAMILIES`` (a tuple of Family values) is a family
+module; the registry is built from them at import, so adding a family is adding one module
+(docs/families.md, "Adding a family"). The other modules are the shared building blocks.
+"""
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from typing import Mapping
 
 from ..errors import ConfigError
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, TensorRole
-from . import deepseek, granite, llama, mamba, moe, nemotron_h, qwen_hybrid
 
 __all__ = ["CheckpointFormat", "Family", "GlobalRule", "Layout", "ShardRule", "TensorRole",
-           "FAMILIES", "find_family", "supported_architectures"]
-
-#: Every family pploader supports. Add yours here (see docs/families.md).
-FAMILIES: tuple[Family, ...] = (
-    llama.FAMILY, llama.QWEN3, llama.QWEN2,
-    moe.QWEN3_MOE, moe.MIXTRAL, deepseek.DEEPSEEK_V3,
-    qwen_hybrid.QWEN3_NEXT, qwen_hybrid.QWEN3_5, qwen_hybrid.QWEN3_5_MOE,
-    qwen_hybrid.QWEN3_5_VL, qwen_hybrid.QWEN3_5_MOE_VL,
-    mamba.JAMBA, mamba.BAMBA, mamba.FALCON_H1, nemotron_h.NEMOTRON_H, granite.GRANITE_MOE_HYBRID,
-)
+           "FAMILIES", "MODEL_TYPES", "find_family", "supported_architectures"]
 
 
-#: The transformers ``model_type`` values each hand-written family was written for. A config
-#: naming a family's architecture with another ``model_type`` (transformers reuses classes:
-#: ``exaone`` saves through ``LlamaForCausalLM`` with its own names) goes to the generic family.
-MODEL_TYPES: Mapping[str, frozenset[str]] = {
-    "llama": frozenset({"llama", "mistral"}), "qwen2": frozenset({"qwen2"}),
-    "qwen3": frozenset({"qwen3"}), "qwen3_moe": frozenset({"qwen3_moe"}),
-    "mixtral": frozenset({"mixtral"}), "deepseek_v3": frozenset({"deepseek_v3"}),
-    "qwen3_next": frozenset({"qwen3_next"}), "qwen3_5": frozenset({"qwen3_5_text", "qwen3_5"}),
-    "qwen3_5_moe": frozenset({"qwen3_5_moe_text", "qwen3_5_moe"}),
-    "qwen3_5_vl": frozenset({"qwen3_5"}), "qwen3_5_moe_vl": frozenset({"qwen3_5_moe"}),
-    "jamba": frozenset({"jamba"}), "bamba": frozenset({"bamba"}),
-    "falcon_h1": frozenset({"falcon_h1"}), "nemotron_h": frozenset({"nemotron_h"}),
-    "granitemoehybrid": frozenset({"granitemoehybrid"}),
-}
+def _discover() -> tuple[Family, ...]:
+    """The ``FAMILIES`` of every module of this package, by module name (stable order)."""
+    found: list[Family] = []
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        found.extend(getattr(module, "FAMILIES", ()))
+    names = [f.name for f in found]
+    doubled = sorted({n for n in names if names.count(n) > 1})
+    if doubled:
+        raise ImportError(f"pploader.families: family names declared twice: {doubled}")
+    return tuple(found)
+
+
+#: Every hand-written family pploader supports (one module each or a few per module).
+FAMILIES: tuple[Family, ...] = _discover()
+
+#: The transformers ``model_type`` values each hand-written family was written for
+#: (``Family.model_types``). A config naming a family's architecture with another ``model_type``
+#: (transformers reuses classes: ``exaone`` saves through ``LlamaForCausalLM`` with its own
+#: names) goes to the generic family.
+MODEL_TYPES: Mapping[str, frozenset[str]] = {f.name: f.model_types for f in FAMILIES}
 
 
 def supported_architectures() -> list[str]:
@@ -50,8 +56,7 @@ def find_family(config: Mapping) -> tuple[Family, str]:
     model_type = config.get("model_type")
     for arch in archs:
         for fam in FAMILIES:
-            if arch in fam.architectures and (
-                    model_type is None or model_type in MODEL_TYPES.get(fam.name, (model_type,))):
+            if fam.accepts(arch, model_type):
                 return fam, arch
     return _generic(config, archs[0])
 

@@ -1,25 +1,33 @@
 """The shape of model knowledge: a Family is data (patterns, rules, config readers).
 
-The planner never looks at tensor names itself; it asks the family to classify them.
-Adding an architecture = adding one module under ``families/`` with a ``FAMILY`` value and
-registering it in ``families/__init__.py`` (see docs/families.md, "Adding a family").
+The planner never looks at tensor names itself; it asks the family to classify them, to name
+them (the head a tied embedding is read as, a quantized weight's scale companions) and to size
+the cache of its mixers (``cache_dims``). Adding an architecture = adding one module under
+``families/`` whose ``FAMILIES`` tuple lists its Family values; ``families/__init__.py`` finds
+it (see docs/families.md, "Adding a family").
+
+Families see the model through :class:`SpecView`, the part of ``planning.spec.ModelSpec`` they
+read (a Protocol: no import of the planner, so no import cycle).
 """
 from __future__ import annotations
 
+import builtins
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Optional, Protocol, Union
 
 from ..errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
+    import torch
+
+    from .cache_dims import CacheDims
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Template",
-           "CheckpointFormat", "LAYER_KINDS", "cfg", "cfg_opt"]
+           "CheckpointFormat", "QuantNaming", "SpecView", "LAYER_KINDS", "cfg", "cfg_opt"]
 
 #: The layer kinds pploader knows (cache geometry and shard rules key on these). ``mlp`` is a
 #: block with no sequence mixer (NemotronH's MLP / MoE layers): no cache. ``sliding_attention``
@@ -31,8 +39,63 @@ LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_atten
 #: Non-parameter buffers some old exporters saved (rotary tables): known, never read (logged).
 STRAY_BUFFERS = r"(.+\.)?rotary_emb\.inv_freq"
 
+
+class SpecView(Protocol):
+    """What a family reads of a ``planning.spec.ModelSpec`` (which satisfies it): the config
+    and the layout the family derived from it. Read-only."""
+
+    @property
+    def architecture(self) -> str: ...
+
+    @property
+    def config(self) -> Mapping[str, object]: ...
+
+    @property
+    def full_config(self) -> Mapping[str, object]: ...
+
+    @property
+    def num_layers(self) -> builtins.int: ...
+
+    @property
+    def layer_kinds(self) -> tuple[str, ...]: ...
+
+    @property
+    def moe_layers(self) -> frozenset[builtins.int]: ...
+
+    @property
+    def num_experts(self) -> builtins.int: ...
+
+    @property
+    def num_mtp_layers(self) -> builtins.int: ...
+
+    @property
+    def dtype(self) -> "torch.dtype": ...
+
+    @property
+    def tie_word_embeddings(self) -> bool: ...
+
+    @property
+    def hidden_size(self) -> builtins.int: ...
+
+    @property
+    def vocab_size(self) -> builtins.int: ...
+
+    @property
+    def num_heads(self) -> builtins.int: ...
+
+    @property
+    def num_kv_heads(self) -> builtins.int: ...
+
+    @property
+    def head_dim(self) -> builtins.int: ...
+
+    def get(self, *keys: str) -> object: ...
+
+    def int(self, *keys: str) -> builtins.int: ...
+
+
 #: name -> shape of every tensor a checkpoint of this config holds (the strict expected set).
-Template = Callable[["ModelSpec"], Mapping[str, tuple[int, ...]]]
+Template = Callable[[SpecView], Mapping[str, tuple[int, ...]]]
 
 
 @dataclass(frozen=True)
@@ -60,6 +123,17 @@ class GlobalRule:
     pattern: str                 # regex, full match on the checkpoint name
     placement: str               # "first" | "last"
     role: str = "other"          # "embed" | "head" | "final_norm" | "vision" | "other"
+    name: Optional[str] = None   # the tensor's name when the rule matches exactly one
+
+    def __post_init__(self) -> None:
+        if self.name is None and not re.search(r"(?<!\\)[.*+?()\[\]{}|^$]", self.pattern):
+            # a pattern without unescaped metacharacters matches exactly one name: that one
+            object.__setattr__(self, "name", re.sub(r"\\(.)", r"\1", self.pattern))
+
+    @classmethod
+    def exact(cls, name: str, placement: str, role: str = "other") -> "GlobalRule":
+        """A rule for the one tensor ``name`` (pattern and name both known)."""
+        return cls(re.escape(name), placement, role, name)
 
 
 @dataclass(frozen=True)
@@ -77,8 +151,8 @@ class ShardRule:
 
     pattern: str
     dim: Optional[int]
-    segments: Optional[Callable[["ModelSpec"], tuple[int, ...]]] = None
-    units: Optional[Callable[["ModelSpec"], Union[int, tuple[int, ...]]]] = None
+    segments: Optional[Callable[[SpecView], tuple[int, ...]]] = None
+    units: Optional[Callable[[SpecView], Union[int, tuple[int, ...]]]] = None
     pad: bool = False
 
 
@@ -107,6 +181,39 @@ class CheckpointFormat:
 
 
 @dataclass(frozen=True)
+class QuantNaming:
+    """How a quantized weight's companions are named: a weight ``<module>.<weight>`` travels
+    with ``<module>.<suffix>`` for each companion suffix (``weight_scale_inv``, ``input_scale``...;
+    the suffixes come from the quantization scheme, planning/quant.py). The planner asks the
+    family's naming instead of cutting names itself."""
+
+    weight: str = "weight"
+
+    def is_weight(self, name: str) -> bool:
+        return name == self.weight or name.endswith("." + self.weight)
+
+    def companion(self, weight: str, suffix: str) -> str:
+        """The name of weight ``weight``'s companion ``suffix``."""
+        return weight[:len(weight) - len(self.weight)] + suffix
+
+    def weight_of(self, name: str, suffixes: Iterable[str]) -> Optional[tuple[str, str]]:
+        """``(weight name, suffix)`` when ``name`` is a companion (longest suffix first)."""
+        for suffix in sorted(suffixes, key=len, reverse=True):
+            if name == suffix or name.endswith("." + suffix):
+                return name[:len(name) - len(suffix)] + self.weight, suffix
+        return None
+
+    def module_of(self, name: str) -> str:
+        """The module of weight ``name`` (``a.b.weight`` -> ``a.b``); other names unchanged."""
+        return name[:-len(self.weight) - 1] if name.endswith("." + self.weight) else name
+
+
+def _config_cache_dims() -> "CacheDims":
+    from .cache_dims import CONFIG_CACHE_DIMS
+    return CONFIG_CACHE_DIMS
+
+
+@dataclass(frozen=True)
 class Family:
     """Everything pploader knows about one architecture family, as data."""
 
@@ -127,6 +234,11 @@ class Family:
     ignore_pattern: Optional[str] = STRAY_BUFFERS  # known non-parameters, never read (logged)
     config_defaults: Mapping[str, object] = field(default_factory=dict)  # for keys config.json
     #   lacks under the standard name (generic: transformers' aliases, e.g. n_head)
+    model_types: frozenset[str] = frozenset()    # config ``model_type``s it was written for
+    #   (empty: any); another model_type naming the architecture goes to the generic family
+    cache_dims: "CacheDims" = field(default_factory=_config_cache_dims)  # mixer sizes for the
+    #   cache geometry (default: read by the known config-key aliases, families/cache_dims.py)
+    quant_naming: QuantNaming = QuantNaming()    # companion names of quantized weights
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def for_checkpoint(self, names: Iterable[str]) -> "Family":
@@ -199,6 +311,15 @@ class Family:
             if self._re(rule.pattern).fullmatch(component):
                 return rule
         return None
+
+    def head_name(self) -> Optional[str]:
+        """The name of the output head (the name a tied embedding is read as), or None."""
+        return next((r.name for r in self.globals if r.role == "head"), None)
+
+    def accepts(self, architecture: str, model_type: Optional[object]) -> bool:
+        """True when this family was written for ``architecture`` under ``model_type``."""
+        return architecture in self.architectures and (
+            model_type is None or not self.model_types or model_type in self.model_types)
 
     def layer_name(self, layer: int, component: str) -> str:
         """Checkpoint name of ``component`` in ``layer`` (inverse of the layer prefix)."""

@@ -12,13 +12,11 @@ Experts are split by TP inside each expert (EP chooses which experts a rank hold
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 from ..errors import ConfigError
-from .base import ShardRule, cfg_opt
+from .base import ShardRule, SpecView, cfg_opt
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
 __all__ = ["Shapes", "expert_tensors", "expert_rules", "Mamba2Dims", "mamba2_tensors",
            "mamba2_rules", "Mamba1Dims", "mamba1_dims", "mamba1_tensors", "mamba1_rules",
@@ -32,7 +30,7 @@ def prefixed(prefix: str, tensors: Mapping[str, tuple[int, ...]]) -> Shapes:
     return {prefix + k: tuple(v) for k, v in tensors.items()}
 
 
-def assemble(spec: "ModelSpec", globals_: Shapes, layer: Callable[[int], Shapes],
+def assemble(spec: SpecView, globals_: Shapes, layer: Callable[[int], Shapes],
              prefix: str = "model.layers.", layers: Optional[range] = None) -> Shapes:
     """A whole checkpoint template: globals + ``{prefix}{i}.{component}`` of every layer."""
     out = dict(globals_)
@@ -101,7 +99,7 @@ def expert_tensors(prefix: str, num_experts: int, hidden: int, inter: int, *, fu
     return out
 
 
-def expert_rules(prefix: str, inter: Callable[["ModelSpec"], int], *, gated: bool = True,
+def expert_rules(prefix: str, inter: Callable[[SpecView], int], *, gated: bool = True,
                  col: str = "gate_proj|up_proj", row: str = "down_proj",
                  fused_col: str = "gate_up_proj", fused_row: str = "down_proj"
                  ) -> tuple[ShardRule, ...]:
@@ -172,7 +170,7 @@ def mamba2_tensors(d: Mamba2Dims, hidden: int, *, conv_bias: bool, in_bias: bool
     return prefixed(prefix, out)
 
 
-def mamba2_rules(prefix: str, dims: Callable[["ModelSpec"], Mamba2Dims]) -> tuple[ShardRule, ...]:
+def mamba2_rules(prefix: str, dims: Callable[[SpecView], Mamba2Dims]) -> tuple[ShardRule, ...]:
     """in_proj by heads (z, x, dt) and groups (B, C; replicated when groups < tp), conv the same
     over [x, B, C], per-head params and the gated norm by heads, out_proj row-parallel."""
     return (
@@ -196,7 +194,7 @@ class Mamba1Dims:
     conv_kernel: int
 
 
-def mamba1_dims(spec: "ModelSpec") -> Mamba1Dims:
+def mamba1_dims(spec: SpecView) -> Mamba1Dims:
     hidden = spec.hidden_size
     rank = spec.config.get("mamba_dt_rank", "auto")
     dt_rank = -(-hidden // 16) if rank in (None, "auto") else int(rank)  # type: ignore[call-overload]
@@ -204,7 +202,7 @@ def mamba1_dims(spec: "ModelSpec") -> Mamba1Dims:
                       spec.int("mamba_d_state"), dt_rank, spec.int("mamba_d_conv"))
 
 
-def mamba1_tensors(spec: "ModelSpec", prefix: str = "mamba.") -> Shapes:
+def mamba1_tensors(spec: SpecView, prefix: str = "mamba.") -> Shapes:
     d, h = mamba1_dims(spec), spec.hidden_size
     out: Shapes = {"in_proj.weight": (2 * d.d_inner, h),
                    "conv1d.weight": (d.d_inner, 1, d.conv_kernel),
@@ -225,7 +223,7 @@ def mamba1_tensors(spec: "ModelSpec", prefix: str = "mamba.") -> Shapes:
 def mamba1_rules(prefix: str) -> tuple[ShardRule, ...]:
     """in_proj = [x, z] split per part; channels of conv / dt / A / D split; x_proj and out_proj
     row-parallel; the dt/B/C layernorms replicated."""
-    def halves(s: "ModelSpec") -> tuple[int, int]:
+    def halves(s: SpecView) -> tuple[int, int]:
         return (mamba1_dims(s).d_inner,) * 2
     return (ShardRule(prefix + r"in_proj\.(weight|bias)", 0, segments=halves),
             ShardRule(prefix + r"(conv1d\.(weight|bias)|dt_proj\.(weight|bias)|A_log|D)", 0),
@@ -259,13 +257,13 @@ class GdnDims:
         return (self.num_k_heads, self.num_k_heads, self.num_v_heads)
 
 
-def gdn_dims(spec: "ModelSpec") -> GdnDims:
+def gdn_dims(spec: SpecView) -> GdnDims:
     return GdnDims(spec.int("linear_num_key_heads"), spec.int("linear_num_value_heads"),
                    spec.int("linear_key_head_dim"), spec.int("linear_value_head_dim"),
                    spec.int("linear_conv_kernel_dim"))
 
 
-def gdn_tensors(spec: "ModelSpec", *, split_proj: bool, prefix: str = "linear_attn.") -> Shapes:
+def gdn_tensors(spec: SpecView, *, split_proj: bool, prefix: str = "linear_attn.") -> Shapes:
     """Qwen3-Next packs [q, k, v, z] per key-head group in ``in_proj_qkvz`` and [b, a] in
     ``in_proj_ba``; Qwen3.5 stores ``in_proj_qkv`` ([q; k; v] blocks), ``in_proj_z/b/a``."""
     d, h = gdn_dims(spec), spec.hidden_size

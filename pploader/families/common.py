@@ -1,12 +1,10 @@
 """Building blocks shared by families: standard globals, attention/MLP templates and rules."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-from .base import GlobalRule, Layout, ShardRule, cfg
+from .base import GlobalRule, Layout, ShardRule, SpecView, cfg
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
 __all__ = ["llama_globals", "attention_tensors", "mlp_tensors", "attention_rules",
            "mlp_rules", "vocab_rules", "uniform_layout", "globals_tensors"]
@@ -14,13 +12,12 @@ __all__ = ["llama_globals", "attention_tensors", "mlp_tensors", "attention_rules
 
 def llama_globals(prefix: str = "model.", head: str = "lm_head.weight") -> tuple[GlobalRule, ...]:
     """embed on the first stage; final norm and head on the last."""
-    p = prefix.replace(".", r"\.")
-    return (GlobalRule(p + r"embed_tokens\.weight", "first", "embed"),
-            GlobalRule(p + r"norm\.weight", "last", "final_norm"),
-            GlobalRule(head.replace(".", r"\."), "last", "head"))
+    return (GlobalRule.exact(prefix + "embed_tokens.weight", "first", "embed"),
+            GlobalRule.exact(prefix + "norm.weight", "last", "final_norm"),
+            GlobalRule.exact(head, "last", "head"))
 
 
-def globals_tensors(spec: "ModelSpec", prefix: str = "model.",
+def globals_tensors(spec: SpecView, prefix: str = "model.",
                     head: str = "lm_head.weight") -> dict[str, tuple[int, ...]]:
     out = {prefix + "embed_tokens.weight": (spec.vocab_size, spec.hidden_size),
            prefix + "norm.weight": (spec.hidden_size,)}
@@ -34,7 +31,7 @@ def uniform_layout(config: Mapping) -> Layout:
     return Layout(n, ("full_attention",) * n)
 
 
-def attention_tensors(spec: "ModelSpec", *, bias: bool = False, o_bias: bool = False,
+def attention_tensors(spec: SpecView, *, bias: bool = False, o_bias: bool = False,
                       qk_norm: bool = False, prefix: str = "self_attn.") -> dict[str, tuple]:
     h, d = spec.hidden_size, spec.head_dim
     q, kv = spec.num_heads * d, spec.num_kv_heads * d
@@ -57,11 +54,11 @@ def mlp_tensors(hidden: int, inter: int, prefix: str = "mlp.",
             f"{prefix}{dn}.weight": (hidden, inter)}
 
 
-def _kv_heads(spec: "ModelSpec") -> int:
+def _kv_heads(spec: SpecView) -> int:
     return spec.num_kv_heads
 
 
-def _q_heads(spec: "ModelSpec") -> int:
+def _q_heads(spec: SpecView) -> int:
     return spec.num_heads
 
 

@@ -9,18 +9,17 @@ MTP layers; official checkpoints do. Main-model stages never read them (placemen
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import Any, Mapping
 
-from .base import CheckpointFormat, Family, Layout, ShardRule, cfg, cfg_opt
+from .base import CheckpointFormat, Family, Layout, ShardRule, SpecView, cfg, cfg_opt
+from .cache_dims import CacheDims, mla_dims
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
 from .common import globals_tensors, llama_globals, mlp_rules, mlp_tensors, vocab_rules
 from .fused import GATE_UP, FusedTarget, expert_fusions, gate_up
 from .moe import FUSED_MARKER, STACKED_3D
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["DEEPSEEK_V3", "mla_tensors", "MLA_RULES", "FUSED_QKV_A"]
+__all__ = ["FAMILIES", "DEEPSEEK_V3", "mla_tensors", "MLA_RULES", "FUSED_QKV_A"]
 
 
 def _layout(config: Mapping) -> Layout:
@@ -32,7 +31,7 @@ def _layout(config: Mapping) -> Layout:
                   int(cfg_opt(config, "num_nextn_predict_layers", 0)))  # type: ignore[arg-type]
 
 
-def mla_tensors(spec: "ModelSpec", prefix: str = "self_attn.") -> Shapes:
+def mla_tensors(spec: SpecView, prefix: str = "self_attn.") -> Shapes:
     """Multi-head latent attention: low-rank q (or a plain q_proj), compressed kv + rope key."""
     h, nh = spec.hidden_size, spec.num_heads
     nope, rope = spec.int("qk_nope_head_dim"), spec.int("qk_rope_head_dim")
@@ -55,7 +54,7 @@ def mla_tensors(spec: "ModelSpec", prefix: str = "self_attn.") -> Shapes:
     return {prefix + k: s for k, s in out.items()}
 
 
-def _heads(spec: "ModelSpec") -> int:
+def _heads(spec: SpecView) -> int:
     return spec.num_heads
 
 
@@ -72,7 +71,7 @@ FUSED_QKV_A = FusedTarget("self_attn.fused_qkv_a_proj.{p}",
                           ("self_attn.q_a_proj.{p}", "self_attn.kv_a_proj_with_mqa.{p}"))
 
 
-def _decoder_layer(spec: "ModelSpec", layer: int, fused: bool) -> Shapes:
+def _decoder_layer(spec: SpecView, layer: int, fused: bool) -> Shapes:
     h = spec.hidden_size
     out: Shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                    **mla_tensors(spec)}
@@ -89,14 +88,14 @@ def _decoder_layer(spec: "ModelSpec", layer: int, fused: bool) -> Shapes:
     return out
 
 
-def _mtp_extras(spec: "ModelSpec") -> Shapes:
+def _mtp_extras(spec: SpecView) -> Shapes:
     h, vocab = spec.hidden_size, spec.vocab_size
     return {"embed_tokens.weight": (vocab, h), "enorm.weight": (h,), "hnorm.weight": (h,),
             "eh_proj.weight": (h, 2 * h), "shared_head.norm.weight": (h,),
             "shared_head.head.weight": (vocab, h)}
 
 
-def _template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+def _template(spec: SpecView, fused: bool = False) -> Shapes:
     """Main layers, then MTP layers ``num_layers .. num_layers + num_mtp_layers - 1``."""
     def layer(i: int) -> Shapes:
         out = _decoder_layer(spec, i, fused)
@@ -107,12 +106,13 @@ def _template(spec: "ModelSpec", fused: bool = False) -> Shapes:
                     layers=range(spec.num_layers + spec.num_mtp_layers))
 
 
-def _moe_inter(spec: "ModelSpec") -> int:
+def _moe_inter(spec: SpecView) -> int:
     return spec.int("moe_intermediate_size")
 
 
 DEEPSEEK_V3 = Family(
     name="deepseek_v3", architectures=("DeepseekV3ForCausalLM",), layout=_layout,
+    model_types=frozenset({"deepseek_v3"}), cache_dims=CacheDims(mla=mla_dims),
     globals=llama_globals(), expert_pattern=r"mlp\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules()
@@ -125,3 +125,6 @@ DEEPSEEK_V3 = Family(
                    *STACKED_3D),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _template(s, fused=True)),)),))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (DEEPSEEK_V3,)

@@ -20,14 +20,12 @@ from __future__ import annotations
 import json
 import re
 from functools import lru_cache
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
-from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule
+from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
 
@@ -81,17 +79,17 @@ def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
     """The Family fields that change with the naming: prefix, globals, experts, rules."""
     globals_: list[GlobalRule] = []
     for name in naming.first:
-        globals_.append(GlobalRule(re.escape(name), "first",
-                                   "embed" if name == naming.embed else "other"))
+        globals_.append(GlobalRule.exact(name, "first",
+                                         "embed" if name == naming.embed else "other"))
     for name in naming.last:
-        globals_.append(GlobalRule(re.escape(name), "last",
-                                   "head" if name == naming.head else "other"))
+        globals_.append(GlobalRule.exact(name, "last",
+                                         "head" if name == naming.head else "other"))
     if naming.head and naming.head not in naming.template:  # tied: the head's name, never read
-        globals_.append(GlobalRule(re.escape(naming.head), "last", "head"))
+        globals_.append(GlobalRule.exact(naming.head, "last", "head"))
     template = dict(naming.template)
     head, head_shape = naming.head, naming.head_shape
 
-    def template_of(spec: "ModelSpec") -> Mapping[str, tuple[int, ...]]:
+    def template_of(spec: SpecView) -> Mapping[str, tuple[int, ...]]:
         if head and head not in template and not spec.tie_word_embeddings:
             return {**template, head: head_shape}  # tied config, head stored: read as head
         return template
@@ -155,19 +153,19 @@ def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str
 
 # ---- TP rules ---------------------------------------------------------------------------------
 
-def _refuse(component: str, reason: str) -> Callable[["ModelSpec"], tuple[int, ...]]:
-    def refuse(spec: "ModelSpec") -> tuple[int, ...]:
+def _refuse(component: str, reason: str) -> Callable[[SpecView], tuple[int, ...]]:
+    def refuse(spec: SpecView) -> tuple[int, ...]:
         raise PlanError(f"tensor parallelism refused for {spec.architecture} (generic family): "
                         f"no unambiguous split for {component}: {reason}; run with tp=1 or add "
                         "a hand-written family (docs/families.md)")  # plan_rank names the tensor
     return refuse
 
 
-def _heads(spec: "ModelSpec") -> int:
+def _heads(spec: SpecView) -> int:
     return spec.num_heads
 
 
-def _kv_heads(spec: "ModelSpec") -> int:
+def _kv_heads(spec: SpecView) -> int:
     return spec.num_kv_heads
 
 

@@ -9,19 +9,18 @@ transformers' own naming (``save_original_format=False``) ``block_sparse_moe.exp
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-from .base import CheckpointFormat, Family, Layout, ShardRule, cfg, cfg_opt
+from .base import CheckpointFormat, Family, Layout, ShardRule, SpecView, cfg, cfg_opt
+from .cache_dims import CacheDims
 from .blocks import Shapes, assemble, expert_rules, kinds_from_names, mamba2_rules, mamba2_tensors
 from .common import attention_rules, attention_tensors, globals_tensors, llama_globals, vocab_rules
 from .mamba import bamba_mamba2_dims
 from .fused import QKV, stacked_renames
 from .moe import FUSED_MARKER
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["GRANITE_MOE_HYBRID"]
+__all__ = ["FAMILIES", "GRANITE_MOE_HYBRID"]
 
 _KINDS = {"mamba": "mamba2", "linear_attention": "mamba2", "attention": "full_attention",
           "full_attention": "full_attention"}
@@ -36,7 +35,7 @@ def _layout(config: Mapping) -> Layout:
     return Layout(n, kinds, frozenset(range(n)) if experts > 0 else frozenset(), max(experts, 0))
 
 
-def _template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+def _template(spec: SpecView, fused: bool = False) -> Shapes:
     c, h = spec.config, spec.hidden_size
     inter, shared = spec.int("intermediate_size"), spec.int("shared_intermediate_size")
     bias = bool(cfg_opt(c, "attention_bias", False))
@@ -67,16 +66,17 @@ def _template(spec: "ModelSpec", fused: bool = False) -> Shapes:
     return assemble(spec, globals_tensors(spec), layer)
 
 
-def _inter(spec: "ModelSpec") -> int:
+def _inter(spec: SpecView) -> int:
     return spec.int("intermediate_size")
 
 
-def _shared_halves(spec: "ModelSpec") -> tuple[int, int]:
+def _shared_halves(spec: SpecView) -> tuple[int, int]:
     return (spec.int("shared_intermediate_size"),) * 2
 
 
 GRANITE_MOE_HYBRID = Family(
     name="granitemoehybrid", architectures=("GraniteMoeHybridForCausalLM",), layout=_layout,
+    model_types=frozenset({"granitemoehybrid"}), cache_dims=CacheDims(mamba2=bamba_mamba2_dims),
     globals=llama_globals(),
     fused_expert_pattern=r"block_sparse_moe\.(input_linear\.weight|output_linear\.weight"
                          r"|experts\.gate_up_proj|experts\.down_proj)",
@@ -97,3 +97,6 @@ GRANITE_MOE_HYBRID = Family(
                                     "block_sparse_moe.experts.")),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _template(s, fused=True)),)),))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (GRANITE_MOE_HYBRID,)

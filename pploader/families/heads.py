@@ -7,12 +7,10 @@ fewer than TP ranks, which no engine runs; this check refuses it with a message 
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 from ..errors import PlanError
+from .base import SpecView
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
 __all__ = ["check_tp_heads", "ATTENTION_KINDS"]
 
@@ -20,7 +18,7 @@ __all__ = ["check_tp_heads", "ATTENTION_KINDS"]
 ATTENTION_KINDS = ("full_attention", "hybrid_attention_mamba2", "mla")
 
 
-def check_tp_heads(spec: "ModelSpec", tp_size: int) -> None:
+def check_tp_heads(spec: SpecView, tp_size: int) -> None:
     """Raise PlanError when ``tp_size`` cannot split the model's attention heads."""
     if tp_size <= 1:
         return

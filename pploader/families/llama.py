@@ -4,21 +4,19 @@ Llama and Qwen3 read the optional biases of their configs: ``attention_bias`` (q
 projections) and ``mlp_bias`` (gate, up, down; Llama only), as transformers builds them."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
-from .base import Family
+from .base import Family, SpecView
+from .cache_dims import CacheDims
 from .blocks import mlp_biased
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, uniform_layout, vocab_rules)
 from .fused import GATE_UP, QKV
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["FAMILY", "QWEN2", "QWEN3", "dense_template"]
+__all__ = ["FAMILIES", "FAMILY", "QWEN2", "QWEN3", "dense_template"]
 
 
-def dense_template(spec: "ModelSpec", *, bias: bool = False, qk_norm: bool = False,
+def dense_template(spec: SpecView, *, bias: bool = False, qk_norm: bool = False,
                    optional_bias: bool = False) -> dict:
     """``optional_bias``: biases as the config's ``attention_bias`` / ``mlp_bias`` say."""
     h = spec.hidden_size
@@ -38,15 +36,21 @@ _FUSED = (QKV, GATE_UP)  # used when the module has qkv_proj / gate_up_proj
 
 FAMILY = Family(
     name="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    model_types=frozenset({"llama", "mistral"}), cache_dims=CacheDims(),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, optional_bias=True))
 
 QWEN2 = Family(
     name="qwen2", architectures=("Qwen2ForCausalLM",),
+    model_types=frozenset({"qwen2"}), cache_dims=CacheDims(),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, bias=True))
 
 QWEN3 = Family(
     name="qwen3", architectures=("Qwen3ForCausalLM",),
+    model_types=frozenset({"qwen3"}), cache_dims=CacheDims(),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, qk_norm=True, optional_bias=True))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (FAMILY, QWEN3, QWEN2)

@@ -9,36 +9,37 @@ All three end with ``model.final_layernorm``. Jamba places attention where
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from ..errors import ConfigError
-from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, cfg, cfg_opt
+from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView, cfg, cfg_opt
+from .cache_dims import CacheDims
 from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors, int_opt,
-                     mamba1_rules, mamba1_tensors, mamba2_rules, mamba2_tensors, mlp_biased,
+                     mamba1_dims, mamba1_rules, mamba1_tensors, mamba2_rules, mamba2_tensors,
+                     mlp_biased,
                      num_experts_of)
 from .common import attention_rules, attention_tensors, globals_tensors, mlp_rules, vocab_rules
 from .fused import QKV, expert_fusions, gate_up, stacked_renames
 from .moe import FUSED_MARKER
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["JAMBA", "BAMBA", "FALCON_H1", "final_layernorm_globals", "bamba_mamba2_dims"]
+__all__ = ["FAMILIES", "JAMBA", "BAMBA", "FALCON_H1", "final_layernorm_globals",
+           "bamba_mamba2_dims"]
 
 
 def final_layernorm_globals() -> tuple[GlobalRule, ...]:
-    return (GlobalRule(r"model\.embed_tokens\.weight", "first", "embed"),
-            GlobalRule(r"model\.final_layernorm\.weight", "last", "final_norm"),
-            GlobalRule(r"lm_head\.weight", "last", "head"))
+    return (GlobalRule.exact("model.embed_tokens.weight", "first", "embed"),
+            GlobalRule.exact("model.final_layernorm.weight", "last", "final_norm"),
+            GlobalRule.exact("lm_head.weight", "last", "head"))
 
 
-def _globals_tensors(spec: "ModelSpec") -> Shapes:
+def _globals_tensors(spec: SpecView) -> Shapes:
     out = globals_tensors(spec)
     out["model.final_layernorm.weight"] = out.pop("model.norm.weight")
     return out
 
 
-def bamba_mamba2_dims(spec: "ModelSpec") -> Mamba2Dims:
+def bamba_mamba2_dims(spec: SpecView) -> Mamba2Dims:
     """Mamba2 sizes from ``mamba_*`` keys (Bamba, GraniteMoeHybrid, Falcon-H1's ``mamba_d_ssm``)."""
     c = spec.config
     d_inner = int_opt(c, "mamba_d_ssm", 0) or int_opt(c, "mamba_expand", 2) * spec.hidden_size
@@ -49,12 +50,12 @@ def bamba_mamba2_dims(spec: "ModelSpec") -> Mamba2Dims:
                       spec.int("mamba_d_state"), int_opt(c, "mamba_d_conv", 4))
 
 
-def _attention(spec: "ModelSpec") -> Shapes:
+def _attention(spec: SpecView) -> Shapes:
     bias = bool(spec.config.get("attention_bias", False))
     return attention_tensors(spec, bias=bias, o_bias=bias)
 
 
-def _ff(spec: "ModelSpec") -> Shapes:
+def _ff(spec: SpecView) -> Shapes:
     return mlp_biased(spec.hidden_size, spec.int("intermediate_size"), "feed_forward.",
                       bias=bool(spec.config.get("mlp_bias", False)))
 
@@ -75,7 +76,7 @@ def _jamba_layout(config: Mapping) -> Layout:
     return Layout(n, kinds, moe, experts if moe else 0)
 
 
-def _jamba_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+def _jamba_template(spec: SpecView, fused: bool = False) -> Shapes:
     h = spec.hidden_size
 
     def layer(i: int) -> Shapes:
@@ -92,12 +93,13 @@ def _jamba_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
     return assemble(spec, _globals_tensors(spec), layer)
 
 
-def _dense_inter(spec: "ModelSpec") -> int:
+def _dense_inter(spec: SpecView) -> int:
     return spec.int("intermediate_size")
 
 
 JAMBA = Family(
     name="jamba", architectures=("JambaForCausalLM",), layout=_jamba_layout,
+    model_types=frozenset({"jamba"}), cache_dims=CacheDims(mamba1=mamba1_dims),
     globals=final_layernorm_globals(), expert_pattern=r"feed_forward\.experts\.(\d+)\..+",
     fused_expert_pattern=r"feed_forward\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules() + attention_rules() + mamba1_rules(r"mamba\.")
@@ -118,7 +120,7 @@ def _bamba_layout(config: Mapping) -> Layout:
     return Layout(n, tuple("full_attention" if i in attn else "mamba2" for i in range(n)))
 
 
-def _mamba2(spec: "ModelSpec", *, out_bias_key: str = "mamba_proj_bias", norm: bool = True
+def _mamba2(spec: SpecView, *, out_bias_key: str = "mamba_proj_bias", norm: bool = True
             ) -> Shapes:
     c = spec.config
     return mamba2_tensors(bamba_mamba2_dims(spec), spec.hidden_size,
@@ -127,7 +129,7 @@ def _mamba2(spec: "ModelSpec", *, out_bias_key: str = "mamba_proj_bias", norm: b
                           out_bias=bool(cfg_opt(c, out_bias_key, False)), norm=norm)
 
 
-def _bamba_template(spec: "ModelSpec") -> Shapes:
+def _bamba_template(spec: SpecView) -> Shapes:
     h = spec.hidden_size
 
     def layer(i: int) -> Shapes:
@@ -138,12 +140,15 @@ def _bamba_template(spec: "ModelSpec") -> Shapes:
     return assemble(spec, _globals_tensors(spec), layer)
 
 
+_MAMBA2_CACHE = CacheDims(mamba2=bamba_mamba2_dims)
+
 _MAMBA_FF_RULES = (vocab_rules() + attention_rules() + mamba2_rules(r"mamba\.", bamba_mamba2_dims)
                    + mlp_rules(r"feed_forward\.")
                    + (ShardRule(r"feed_forward\.(gate_proj|up_proj)\.bias", 0),))
 
 BAMBA = Family(
     name="bamba", architectures=("BambaForCausalLM",), layout=_bamba_layout,
+    model_types=frozenset({"bamba"}), cache_dims=_MAMBA2_CACHE,
     globals=final_layernorm_globals(), shard_rules=_MAMBA_FF_RULES, template=_bamba_template,
     fused_targets=(QKV, gate_up("feed_forward.")))
 
@@ -155,7 +160,7 @@ def _falcon_layout(config: Mapping) -> Layout:
     return Layout(n, ("hybrid_attention_mamba2",) * n)
 
 
-def _falcon_template(spec: "ModelSpec") -> Shapes:
+def _falcon_template(spec: SpecView) -> Shapes:
     h = spec.hidden_size
     norm = bool(spec.config.get("mamba_rms_norm", False))
 
@@ -168,5 +173,9 @@ def _falcon_template(spec: "ModelSpec") -> Shapes:
 
 FALCON_H1 = Family(
     name="falcon_h1", architectures=("FalconH1ForCausalLM",), layout=_falcon_layout,
+    model_types=frozenset({"falcon_h1"}), cache_dims=_MAMBA2_CACHE,
     globals=final_layernorm_globals(), shard_rules=_MAMBA_FF_RULES, template=_falcon_template,
     fused_targets=(QKV, gate_up("feed_forward.")))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (JAMBA, BAMBA, FALCON_H1)

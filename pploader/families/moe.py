@@ -8,18 +8,18 @@ expert, ``mlp.experts.N.{gate,up,down}_proj.weight`` (Mixtral:
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
-from .base import CheckpointFormat, Family, Layout, cfg, cfg_opt
+from .base import CheckpointFormat, Family, Layout, SpecView, cfg, cfg_opt
+from .cache_dims import CacheDims
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
 from .fused import GATE_UP, QKV, expert_fusions, stacked_renames
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "qwen_moe_layers", "qwen_experts"]
+__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "qwen_moe_layers",
+           "qwen_experts"]
 
 #: A transformers-format checkpoint: some layer holds fused 3-D experts.
 FUSED_MARKER = r"\.experts\.gate_up_proj$"
@@ -44,7 +44,7 @@ def _qwen3_moe_layout(config: Mapping) -> Layout:
                   num_experts_of(config, "num_experts", "num_local_experts"))
 
 
-def qwen_experts(spec: "ModelSpec", *, fused: bool, prefix: str = "mlp.") -> Shapes:
+def qwen_experts(spec: SpecView, *, fused: bool, prefix: str = "mlp.") -> Shapes:
     """Router + routed experts of a Qwen MoE block (``mlp.gate`` / ``mlp.experts``)."""
     h = spec.hidden_size
     return {prefix + "gate.weight": (spec.num_experts, h),
@@ -52,7 +52,7 @@ def qwen_experts(spec: "ModelSpec", *, fused: bool, prefix: str = "mlp.") -> Sha
                              spec.int("moe_intermediate_size"), fused=fused)}
 
 
-def _qwen3_moe_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+def _qwen3_moe_template(spec: SpecView, fused: bool = False) -> Shapes:
     h = spec.hidden_size
     bias = bool(spec.config.get("attention_bias", False))
 
@@ -67,12 +67,13 @@ def _qwen3_moe_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
     return assemble(spec, globals_tensors(spec), layer)
 
 
-def _moe_inter(spec: "ModelSpec") -> int:
+def _moe_inter(spec: SpecView) -> int:
     return spec.int("moe_intermediate_size")
 
 
 QWEN3_MOE = Family(
     name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), layout=_qwen3_moe_layout,
+    model_types=frozenset({"qwen3_moe"}), cache_dims=CacheDims(),
     globals=llama_globals(), expert_pattern=r"mlp\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules() + attention_rules() + expert_rules(r"mlp\.experts\.", _moe_inter)
@@ -88,7 +89,7 @@ def _mixtral_layout(config: Mapping) -> Layout:
                   num_experts_of(config, "num_local_experts", "num_experts"))
 
 
-def _mixtral_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
+def _mixtral_template(spec: SpecView, fused: bool = False) -> Shapes:
     h, inter = spec.hidden_size, spec.int("intermediate_size")
     block = "mlp." if fused else "block_sparse_moe."
 
@@ -100,12 +101,13 @@ def _mixtral_template(spec: "ModelSpec", fused: bool = False) -> Shapes:
     return assemble(spec, globals_tensors(spec), layer)
 
 
-def _dense_inter(spec: "ModelSpec") -> int:
+def _dense_inter(spec: SpecView) -> int:
     return spec.int("intermediate_size")
 
 
 MIXTRAL = Family(
     name="mixtral", architectures=("MixtralForCausalLM",), layout=_mixtral_layout,
+    model_types=frozenset({"mixtral"}), cache_dims=CacheDims(),
     globals=llama_globals(), expert_pattern=r"block_sparse_moe\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules() + attention_rules()
@@ -116,3 +118,6 @@ MIXTRAL = Family(
                    *STACKED_3D),  # transformers' naming moves the block to ``mlp.``
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
                               (("template", lambda s: _mixtral_template(s, fused=True)),)),))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (QWEN3_MOE, MIXTRAL)

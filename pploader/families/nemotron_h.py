@@ -12,19 +12,18 @@ MLP and MoE blocks have no sequence mixer (layer kind ``mlp``, no cache). MTP bl
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from ..errors import ConfigError
-from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, cfg_opt
+from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView, cfg_opt
+from .cache_dims import CacheDims
 from .blocks import (Mamba2Dims, Shapes, assemble, expert_rules, expert_tensors,
                      kinds_from_names, mamba2_rules, mamba2_tensors, mlp_biased, num_experts_of)
 from .common import attention_rules, attention_tensors
 from .fused import expert_fusions, qkv, stacked_renames
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["NEMOTRON_H", "block_types"]
+__all__ = ["FAMILIES", "NEMOTRON_H", "block_types"]
 
 _BLOCKS = {"mamba": "mamba", "linear_attention": "mamba", "M": "mamba",
            "attention": "attention", "full_attention": "attention", "*": "attention",
@@ -52,13 +51,13 @@ def _layout(config: Mapping) -> Layout:
     return Layout(len(blocks), tuple(_KIND[b] for b in blocks), moe, experts if moe else 0)
 
 
-def _dims(spec: "ModelSpec") -> Mamba2Dims:
+def _dims(spec: SpecView) -> Mamba2Dims:
     heads, head_dim = spec.int("mamba_num_heads"), spec.int("mamba_head_dim")
     return Mamba2Dims(heads * head_dim, heads, head_dim, spec.int("n_groups"),
                       spec.int("ssm_state_size"), spec.int("conv_kernel"))
 
 
-def _template(spec: "ModelSpec", prefix: str = "backbone.", fused: bool = False) -> Shapes:
+def _template(spec: SpecView, prefix: str = "backbone.", fused: bool = False) -> Shapes:
     c, h = spec.config, spec.hidden_size
     blocks = block_types(c)
     mlp_bias = bool(cfg_opt(c, "mlp_bias", False))
@@ -98,9 +97,10 @@ def _template(spec: "ModelSpec", prefix: str = "backbone.", fused: bool = False)
 
 
 def _globals(prefix: str) -> tuple[GlobalRule, ...]:
-    return (GlobalRule(prefix + r"embeddings\.weight", "first", "embed"),
-            GlobalRule(prefix + r"norm_f\.weight", "last", "final_norm"),
-            GlobalRule(r"lm_head\.weight", "last", "head"))
+    """``prefix``: the layer prefix's text (``backbone.`` or ``model.``)."""
+    return (GlobalRule.exact(prefix + "embeddings.weight", "first", "embed"),
+            GlobalRule.exact(prefix + "norm_f.weight", "last", "final_norm"),
+            GlobalRule.exact("lm_head.weight", "last", "head"))
 
 
 def _rules(prefix: str) -> tuple[ShardRule, ...]:
@@ -115,7 +115,8 @@ def _rules(prefix: str) -> tuple[ShardRule, ...]:
 
 NEMOTRON_H = Family(
     name="nemotron_h", architectures=("NemotronHForCausalLM",), layout=_layout,
-    layer_prefix=r"backbone\.layers\.(\d+)\.", globals=_globals(r"backbone\."),
+    model_types=frozenset({"nemotron_h"}), cache_dims=CacheDims(mamba2=_dims),
+    layer_prefix=r"backbone\.layers\.(\d+)\.", globals=_globals("backbone."),
     expert_pattern=r"mixer\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mixer\.experts\.(up_proj|down_proj)",
     shard_rules=_rules(r"backbone\."), template=_template,
@@ -124,6 +125,9 @@ NEMOTRON_H = Family(
                    *stacked_renames("mixer.experts.up_proj", "mixer.experts.down_proj",
                                     "mixer.experts.")),
     formats=(CheckpointFormat("transformers", r"^model\.", (
-        ("layer_prefix", r"model\.layers\.(\d+)\."), ("globals", _globals(r"model\.")),
+        ("layer_prefix", r"model\.layers\.(\d+)\."), ("globals", _globals("model.")),
         ("shard_rules", _rules(r"model\.")),
         ("template", lambda s: _template(s, "model.", fused=True)))),))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (NEMOTRON_H,)

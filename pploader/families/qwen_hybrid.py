@@ -13,21 +13,20 @@ does.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Mapping
+from typing import Mapping
 
 from ..errors import ConfigError
-from .base import CheckpointFormat, Family, GlobalRule, Layout, cfg, cfg_opt
-from .blocks import (Shapes, assemble, expert_rules, gdn_rules, gdn_tensors, kinds_from_names,
-                     num_experts_of)
+from .base import CheckpointFormat, Family, GlobalRule, Layout, SpecView, cfg, cfg_opt
+from .cache_dims import CacheDims
+from .blocks import (Shapes, assemble, expert_rules, gdn_dims, gdn_rules, gdn_tensors,
+                     kinds_from_names, num_experts_of)
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
 from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
 from .moe import FUSED_MARKER, STACKED_3D, qwen_experts, qwen_moe_layers
 
-if TYPE_CHECKING:  # pragma: no cover
-    from ..planning.spec import ModelSpec
 
-__all__ = ["QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
+__all__ = ["FAMILIES", "QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
            "vision_tensors", "GDN_FUSED"]
 
 _KINDS = {"linear_attention": "gdn", "full_attention": "full_attention"}
@@ -60,7 +59,7 @@ def _layout_all_moe(config: Mapping) -> Layout:
     return Layout(n, _kinds(config, n), frozenset(range(n)) if experts else frozenset(), experts)
 
 
-def _gated_attention(spec: "ModelSpec") -> Shapes:
+def _gated_attention(spec: SpecView) -> Shapes:
     """Full attention with an output gate: q_proj packs [q, gate] per head (2 x head_dim)."""
     bias = bool(spec.config.get("attention_bias", False))
     out = attention_tensors(spec, bias=bias, o_bias=bias, qk_norm=True)
@@ -71,14 +70,14 @@ def _gated_attention(spec: "ModelSpec") -> Shapes:
     return out
 
 
-def _shared_expert(spec: "ModelSpec") -> Shapes:
+def _shared_expert(spec: SpecView) -> Shapes:
     h = spec.hidden_size
     return {**mlp_tensors(h, spec.int("shared_expert_intermediate_size"),
                           prefix="mlp.shared_expert."),
             "mlp.shared_expert_gate.weight": (1, h)}
 
 
-def _hybrid_template(spec: "ModelSpec", *, split_proj: bool, fused: bool,
+def _hybrid_template(spec: SpecView, *, split_proj: bool, fused: bool,
                      prefix: str = "model.", head: str = "lm_head.weight") -> Shapes:
     h = spec.hidden_size
 
@@ -120,7 +119,7 @@ def vision_tensors(vision: Mapping, prefix: str = "model.visual.") -> Shapes:
     return {prefix + k: s for k, s in out.items()}
 
 
-def _vl_template(spec: "ModelSpec", *, fused: bool) -> Shapes:
+def _vl_template(spec: SpecView, *, fused: bool) -> Shapes:
     out = _hybrid_template(spec, split_proj=True, fused=fused, prefix="model.language_model.")
     vision = spec.full_config.get("vision_config")
     if not isinstance(vision, Mapping):
@@ -129,7 +128,7 @@ def _vl_template(spec: "ModelSpec", *, fused: bool) -> Shapes:
     return out
 
 
-def _moe_inter(spec: "ModelSpec") -> int:
+def _moe_inter(spec: SpecView) -> int:
     return spec.int("moe_intermediate_size")
 
 
@@ -146,6 +145,7 @@ _EXPERTS = dict(expert_pattern=r"mlp\.experts\.(\d+)\..+",
 #: ``mtp.pre_fc_norm_*``, ``mtp.layers.N.*``) that transformers does not write: known, so strict
 #: planning accepts it, and never read by the main model's stages (no draft selection yet).
 _MTP = r"mtp\..+"
+_GDN_CACHE = CacheDims(gdn=gdn_dims)
 
 
 #: Qwen3.5's split GDN projections -> vLLM's ``in_proj_qkvz`` ([q; k; v] then z, each as the
@@ -164,6 +164,7 @@ def _fused(template: object) -> tuple[CheckpointFormat, ...]:
 
 QWEN3_NEXT = Family(
     name="qwen3_next", architectures=("Qwen3NextForCausalLM",), layout=_layout_next,
+    model_types=frozenset({"qwen3_next"}), cache_dims=_GDN_CACHE,
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP, fused_targets=_MOE_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=False, fused=False),
@@ -171,12 +172,14 @@ QWEN3_NEXT = Family(
 
 QWEN3_5 = Family(
     name="qwen3_5", architectures=("Qwen3_5ForCausalLM",), layout=_layout_dense,
+    model_types=frozenset({"qwen3_5_text", "qwen3_5"}), cache_dims=_GDN_CACHE,
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
     fused_targets=_DENSE_FUSED + GDN_FUSED,
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False))
 
 QWEN3_5_MOE = Family(
     name="qwen3_5_moe", architectures=("Qwen3_5MoeForCausalLM",), layout=_layout_all_moe,
+    model_types=frozenset({"qwen3_5_moe_text", "qwen3_5_moe"}), cache_dims=_GDN_CACHE,
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP,
     fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
@@ -189,6 +192,7 @@ _VL_GLOBALS = llama_globals("model.language_model.") + (
 
 QWEN3_5_VL = Family(
     name="qwen3_5_vl", architectures=("Qwen3_5ForConditionalGeneration",),
+    model_types=frozenset({"qwen3_5"}), cache_dims=_GDN_CACHE,
     layout=_layout_dense, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
     shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
     mtp_pattern=_MTP, fused_targets=_DENSE_FUSED + GDN_FUSED,
@@ -196,9 +200,13 @@ QWEN3_5_VL = Family(
 
 QWEN3_5_MOE_VL = Family(
     name="qwen3_5_moe_vl", architectures=("Qwen3_5MoeForConditionalGeneration",),
+    model_types=frozenset({"qwen3_5_moe"}), cache_dims=_GDN_CACHE,
     layout=_layout_all_moe, layer_prefix=_VL_PREFIX + r"layers\.(\d+)\.", globals=_VL_GLOBALS,
     shard_rules=_rules(_VL_PREFIX), text_config_key="text_config",
     mtp_pattern=_MTP, fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _vl_template(s, fused=False),
     formats=_fused(lambda s: _vl_template(s, fused=True)))
+
+#: this module's families (found by families/__init__.py)
+FAMILIES = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL)

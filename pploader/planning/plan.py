@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from ..errors import PlanError
-from ..families.base import TensorRole
+from ..families.base import Family, TensorRole
 from ..families.heads import check_tp_heads
 from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, engine_windows,
                         even_windows, explicit_windows)
@@ -257,7 +257,8 @@ def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topo
             raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
                             f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
                             file=entry.file, tensor=entry.name, rank=topo.rank)
-        wrole = replace(role, component=role.component[:-len(comp.suffix)] + "weight")
+        wcomp = scheme.weight_of(role.component)  # the family's naming, not string cutting
+        wrole = replace(role, component=wcomp[0] if wcomp is not None else role.component)
         wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
         return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
     if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
@@ -298,7 +299,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         # holding both reads it once; the model ties the head to it)
         for name, role in roles.others.items():
             if role.role == "embed":
-                reads.append((name, role, _head_name(spec)))
+                reads.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
     index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
     if strict:
@@ -368,11 +369,13 @@ def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
     return item
 
 
-def _head_name(spec: ModelSpec) -> str:
-    for rule in spec.family.globals:
-        if rule.role == "head":
-            return rule.pattern.replace("\\", "")
-    raise PlanError(f"{spec.family.name} ties embeddings but declares no head tensor")
+def _head_name(family: Family) -> str:
+    """The name the tied embedding is read as: the family's head (it owns names)."""
+    head = family.head_name()
+    if head is None:
+        raise PlanError(f"{family.name} ties embeddings but declares no head tensor by name "
+                        "(GlobalRule.exact(..., role='head'))")
+    return head
 
 
 def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window: StageWindow,

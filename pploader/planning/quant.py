@@ -1,12 +1,15 @@
 """Quantized checkpoints: the scheme from config.json and the companion tensors of weights.
 
-A quantized weight ``<module>.weight`` travels with companions named by replacing its final
-``weight``: ``weight_scale_inv`` (FP8 block-scaled, DeepSeek-V3 style), ``weight_scale`` (FP8
-per-tensor / per-channel, NVFP4 group scales), ``weight_scale_2`` and ``input_scale`` (scalars).
+A quantized weight ``<module>.weight`` travels with companions: ``weight_scale_inv`` (FP8
+block-scaled, DeepSeek-V3 style), ``weight_scale`` (FP8 per-tensor / per-channel, NVFP4 group
+scales), ``weight_scale_2`` and ``input_scale`` (scalars). The scheme gives the companions'
+suffixes, dtypes and blocks; how they are *named* next to a weight is the family's
+(``Family.quant_naming``, families/base.py: by default the final ``weight`` replaced by the
+suffix), so this module never cuts or glues a tensor name itself.
 
-Families stay unaware: their templates give the *logical* weight shape ``[..., N, K]`` and
-this module derives the stored weight shape (NVFP4 packs two values per byte: ``[N, K/2]``)
-and every companion's name and shape. Which weights are quantized is read from the
+Families' templates give the *logical* weight shape ``[..., N, K]``; this module derives the
+stored weight shape (NVFP4 packs two values per byte: ``[N, K/2]``) and every companion's
+shape. Which weights are quantized is read from the
 checkpoint's headers (a weight stored in the scheme's dtype is quantized and *must* have its
 companions; one stored in the model dtype, e.g. a router gate, is not), or, without headers,
 from the config's ignore list.
@@ -21,10 +24,11 @@ from __future__ import annotations
 import fnmatch
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError, PlanError
+from ..families.base import QuantNaming
 from .shard import Interval, Selection
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -34,7 +38,6 @@ __all__ = ["Companion", "QuantScheme", "scheme_from_config", "quant_scheme", "ex
            "expected_tensors", "same_shape", "QUANT_CONFIG_KEYS"]
 
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
-_WEIGHT = "weight"
 Block = Optional[int]  # elements per scale entry along a dim; None = one entry for the dim
 
 
@@ -65,28 +68,27 @@ class QuantScheme:
     companions: tuple[Companion, ...]
     pack: int = 1                      # logical values per stored element along the last dim
     ignore: tuple[str, ...] = ()       # config's modules kept unquantized (names, globs, re:)
+    naming: QuantNaming = QuantNaming()  # the family's companion naming (quant_scheme(spec))
 
     # ---- names ---------------------------------------------------------------------------
     def companion_names(self, weight: str) -> dict[str, Companion]:
         """``{name: companion}`` of a quantized weight named ``weight``."""
-        stem = weight[:-len(_WEIGHT)]
-        return {stem + c.suffix: c for c in self.companions}
+        return {self.naming.companion(weight, c.suffix): c for c in self.companions}
 
     def weight_of(self, name: str) -> Optional[tuple[str, Companion]]:
         """``(weight name, companion)`` when ``name`` is a companion's name, else None."""
-        for c in sorted(self.companions, key=lambda c: -len(c.suffix)):
-            if name == c.suffix or name.endswith("." + c.suffix):
-                return name[:-len(c.suffix)] + _WEIGHT, c
-        return None
+        found = self.naming.weight_of(name, [c.suffix for c in self.companions])
+        if found is None:
+            return None
+        return found[0], next(c for c in self.companions if c.suffix == found[1])
 
     def is_quantized(self, name: str, dtype: Optional[str], ndim: int) -> bool:
         """A weight (name ends in ``weight``, >= 2 dims) stored in the scheme's dtype."""
-        return (dtype == self.weight_dtype and ndim >= 2
-                and (name == _WEIGHT or name.endswith("." + _WEIGHT)))
+        return dtype == self.weight_dtype and ndim >= 2 and self.naming.is_weight(name)
 
     def ignored(self, name: str) -> bool:
         """True when the config's ignore list names the module of weight ``name``."""
-        module = name[:-len(_WEIGHT) - 1] if name.endswith("." + _WEIGHT) else name
+        module = self.naming.module_of(name)
         for pat in self.ignore:
             if pat.startswith("re:"):
                 if re.fullmatch(pat[3:], module) or re.fullmatch(pat[3:], name):
@@ -251,8 +253,12 @@ def scheme_from_config(config: Mapping) -> Optional[QuantScheme]:
 
 
 def quant_scheme(spec: "ModelSpec") -> Optional[QuantScheme]:
-    """The scheme of a ModelSpec (config.json top level first, then the text config)."""
-    return scheme_from_config(spec.full_config) or scheme_from_config(spec.config)
+    """The scheme of a ModelSpec (config.json top level first, then the text config), naming
+    companions as the spec's family does."""
+    scheme = scheme_from_config(spec.full_config) or scheme_from_config(spec.config)
+    if scheme is None or scheme.naming == spec.family.quant_naming:
+        return scheme
+    return replace(scheme, naming=spec.family.quant_naming)
 
 
 # ---- templates ----------------------------------------------------------------------------

@@ -86,8 +86,7 @@ class ModelSpec:
         spec = self if not self.family.formats else replace(
             self, family=self.family.for_checkpoint(names))
         if spec.tie_word_embeddings:
-            head = next((r.pattern.replace("\\", "") for r in spec.family.globals
-                         if r.role == "head"), None)
+            head = spec.family.head_name()
             if head is not None and head in names:
                 logger.info("%s: tie_word_embeddings is set but the checkpoint stores %s; it is "
                             "read as the head (as transformers does)", spec.architecture, head)

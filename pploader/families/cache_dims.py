@@ -1,0 +1,156 @@
+"""What the cache geometry needs from a family: the sizes of each sequence mixer, from config.json.
+
+``pploader.cache.geometry`` turns sizes into cache shapes (KV pages, conv / ssm / temporal
+state) without knowing a config key; each family says where its sizes come from through a
+:class:`CacheDims` (``Family.cache_dims``). Hand-written families pass the same readers their
+templates and shard rules use (``bamba_mamba2_dims``, ``mamba1_dims``, ``gdn_dims``...), so a
+mixer's weights and its cache can never disagree. Any other family (the generic one, a toy
+family in a test) gets :data:`CONFIG_CACHE_DIMS`, which reads the key aliases of the
+transformers 5.24 config classes listed in :data:`CONFIG_KEYS`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional, TypeVar
+
+from ..errors import ConfigError
+from .base import SpecView
+from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
+
+__all__ = ["MlaDims", "CacheDims", "CONFIG_KEYS", "CONFIG_CACHE_DIMS", "mla_dims",
+           "config_mamba2_dims", "ssm_cache_dtype"]
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Multi-head latent attention's cached latent: compressed kv + the rope key."""
+
+    kv_lora_rank: int
+    rope_head_dim: int
+
+
+def mla_dims(spec: SpecView) -> MlaDims:
+    return MlaDims(spec.int("kv_lora_rank"), spec.int("qk_rope_head_dim"))
+
+
+#: Config keys of each cache quantity; the first key present wins. Checked against the
+#: transformers 5.24 config classes (and the mixers' own attributes, see tests/test_pools.py):
+#: NemotronHConfig (mamba_num_heads, mamba_head_dim, ssm_state_size, n_groups, conv_kernel),
+#: BambaConfig / GraniteMoeHybridConfig (mamba_n_heads, mamba_d_head, mamba_d_state,
+#: mamba_n_groups, mamba_d_conv, mamba_expand), FalconH1Config (the same + mamba_d_ssm),
+#: JambaConfig (mamba_d_state, mamba_d_conv, mamba_expand), Qwen3Next / Qwen3_5(Moe)TextConfig
+#: (linear_*), DeepseekV3Config (kv_lora_rank, qk_rope_head_dim).
+CONFIG_KEYS: Mapping[str, tuple[str, ...]] = {
+    "mamba2.num_heads": ("mamba_num_heads", "mamba_n_heads"),
+    "mamba2.head_dim": ("mamba_head_dim", "mamba_d_head"),     # may be "auto"
+    "mamba2.d_state": ("ssm_state_size", "mamba_d_state"),
+    "mamba2.n_groups": ("n_groups", "mamba_n_groups"),
+    "mamba2.conv_kernel": ("conv_kernel", "mamba_d_conv"),
+    "mamba2.d_inner": ("mamba_d_ssm",),                       # falcon_h1; else expand * hidden
+    "mamba2.expand": ("mamba_expand", "expand"),
+    "mamba1.d_state": ("mamba_d_state",),
+    "mamba1.conv_kernel": ("mamba_d_conv",),
+    "mamba1.expand": ("mamba_expand",),
+    "gdn.num_key_heads": ("linear_num_key_heads",),
+    "gdn.key_head_dim": ("linear_key_head_dim",),
+    "gdn.num_value_heads": ("linear_num_value_heads",),
+    "gdn.value_head_dim": ("linear_value_head_dim",),
+    "gdn.conv_kernel": ("linear_conv_kernel_dim",),
+    "mla.kv_lora_rank": ("kv_lora_rank",),
+    "mla.rope_head_dim": ("qk_rope_head_dim",),
+    "ssm_cache_dtype": ("mamba_ssm_cache_dtype",),
+}
+
+
+def _opt(config: Mapping, quantity: str) -> object:
+    for key in CONFIG_KEYS[quantity]:
+        if config.get(key) is not None:
+            return config[key]
+    return None
+
+
+def _int(config: Mapping, quantity: str) -> int:
+    value = _opt(config, quantity)
+    if value is None:
+        kind = quantity.split(".")[0]
+        raise ConfigError(f"{kind} cache geometry needs {quantity}: config.json lacks "
+                          + " / ".join(CONFIG_KEYS[quantity]), file="config.json")
+    return int(value)  # type: ignore[call-overload]
+
+
+def config_mamba2_dims(spec: SpecView) -> Mamba2Dims:
+    c = spec.config
+    heads = _int(c, "mamba2.num_heads")
+    head_dim_raw = _opt(c, "mamba2.head_dim")
+    if head_dim_raw is None or head_dim_raw == "auto":
+        d_inner = _opt(c, "mamba2.d_inner")
+        if d_inner is None:
+            d_inner = _int(c, "mamba2.expand") * spec.hidden_size
+        head_dim = int(d_inner) // heads  # type: ignore[call-overload]
+    else:
+        head_dim = int(head_dim_raw)  # type: ignore[call-overload]
+    d_state = _int(c, "mamba2.d_state")
+    groups = _int(c, "mamba2.n_groups")
+    return Mamba2Dims(heads * head_dim, heads, head_dim, groups, d_state,
+                      _int(c, "mamba2.conv_kernel"))
+
+
+def _config_mamba1_dims(spec: SpecView) -> Mamba1Dims:
+    c = spec.config
+    return Mamba1Dims(_int(c, "mamba1.expand") * spec.hidden_size, _int(c, "mamba1.d_state"),
+                      0, _int(c, "mamba1.conv_kernel"))
+
+
+def _config_gdn_dims(spec: SpecView) -> GdnDims:
+    c = spec.config
+    return GdnDims(_int(c, "gdn.num_key_heads"), _int(c, "gdn.num_value_heads"),
+                   _int(c, "gdn.key_head_dim"), _int(c, "gdn.value_head_dim"),
+                   _int(c, "gdn.conv_kernel"))
+
+
+def _config_mla_dims(spec: SpecView) -> MlaDims:
+    return MlaDims(_int(spec.config, "mla.kv_lora_rank"), _int(spec.config, "mla.rope_head_dim"))
+
+
+def ssm_cache_dtype(spec: SpecView) -> Optional[str]:
+    """The ssm / temporal state dtype the config asks for (None: the default, float32)."""
+    value = _opt(spec.config, "ssm_cache_dtype")
+    return None if value is None else str(value)
+
+
+@dataclass(frozen=True)
+class CacheDims:
+    """Where one family's mixer sizes come from (None: the family has no such mixer).
+    ``pploader.cache.geometry`` calls these; it never reads a config key itself."""
+
+    mla: Optional[Callable[[SpecView], MlaDims]] = None
+    mamba1: Optional[Callable[[SpecView], Mamba1Dims]] = None
+    mamba2: Optional[Callable[[SpecView], Mamba2Dims]] = None
+    gdn: Optional[Callable[[SpecView], GdnDims]] = None
+    ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
+
+    def of_mla(self, spec: SpecView) -> MlaDims:
+        return _read(self.mla, "mla", spec)
+
+    def of_mamba1(self, spec: SpecView) -> Mamba1Dims:
+        return _read(self.mamba1, "mamba1", spec)
+
+    def of_mamba2(self, spec: SpecView) -> Mamba2Dims:
+        return _read(self.mamba2, "mamba2", spec)
+
+    def of_gdn(self, spec: SpecView) -> GdnDims:
+        return _read(self.gdn, "gdn", spec)
+
+
+def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView) -> T:
+    if reader is None:
+        raise ConfigError(f"{spec.architecture}: its family declares no {mixer} sizes for the "
+                          f"cache geometry (Family.cache_dims.{mixer})", file="config.json")
+    return reader(spec)
+
+
+#: The default: every mixer's sizes by the known config-key aliases (CONFIG_KEYS).
+CONFIG_CACHE_DIMS = CacheDims(mla=_config_mla_dims, mamba1=_config_mamba1_dims,
+                              mamba2=config_mamba2_dims, gdn=_config_gdn_dims)
