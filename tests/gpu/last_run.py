@@ -8,7 +8,9 @@ that run, so a change to the GPU path cannot land without a GPU run.
 
 The GPU-path sources (``gpu_path_sources``), defined here and nowhere else:
 - every ``pploader/**/*.py`` whose text matches ``GPU_PATH_PATTERN`` (``cuda``,
-  ``DeviceLoader``, ``PinnedRing``, ``nccl``, ``pin_memory``), except the benchmark modules
+  ``DeviceLoader``, ``PinnedRing``, ``nccl``, ``pin_memory``; ``open_backend(``: a call or
+  definition that may dispatch to the CUDA read backend; ``def materialise(``: the shared step
+  that backend runs on device tensors), except the benchmark modules
   (``bench*.py``, ``*_bench.py``: ``pytest -m gpu`` does not run them; their numbers live in
   docs/benchmarks-gpu.md);
 - the GPU tests and their fixtures: ``tests/test_gpu.py``, ``tests/bind_models.py``,
@@ -35,7 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 LAST_RUN = Path(__file__).resolve().parent / "LAST_RUN"
-GPU_PATH_PATTERN = re.compile(r"cuda|DeviceLoader|PinnedRing|nccl|pin_memory")
+GPU_PATH_PATTERN = re.compile(
+    r"cuda|DeviceLoader|PinnedRing|nccl|pin_memory|open_backend\(|def materialise\(")
 GPU_TESTS = ("tests/test_gpu.py", "tests/bind_models.py", "tests/conftest.py",
              "tests/gpu/last_run.py")
 MIN_GPUS = 2
