@@ -190,7 +190,8 @@ def test_not_a_transformers_architecture_is_refused_clearly() -> None:
 
 
 def test_transformers_imported_only_for_the_generic_family() -> None:
-    code = ("import sys, json; import pploader; from pploader import spec_from_config; "
+    code = ("import sys, json; import pploader; "
+            "from pploader.planning.spec import spec_from_config; "
             "cfg = json.load(open('configs/models/tiny-llama.json')); cfg.pop('pploader_tiny'); "
             "spec_from_config(cfg); print('transformers' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
