@@ -57,20 +57,14 @@ __all__ = ["PassThrough", "HFStage", "StageBoundary", "stage_skeleton", "load_st
            "pipeline_forward"]
 
 
-class PassThrough(nn.Module):
-    """Stands in for a decoder layer another stage owns. Holds no parameters.
+class _Stub(nn.Module):
+    """Stands in for a module another stage owns: no parameters, no state dict; attribute
+    reads it cannot answer go to the (meta, unregistered) original, so the model's own code
+    (``layer.attention_type``, weight initialisers reading ``module.weight``) still works."""
 
-    Before this stage's first layer it returns the previous stage's last layer output (set by
-    :meth:`HFStage.forward` through :meth:`replay`), so the loop code between layers sees a real
-    layer output; the inputs of the first owned layer are then replaced by the captured ones.
-    Attributes it lacks are read from the (meta, unregistered) original layer.
-    """
-
-    def __init__(self, original: nn.Module, layer_idx: int) -> None:
+    def __init__(self, original: nn.Module) -> None:
         super().__init__()
         self._original_ref = (original,)  # a tuple: not a submodule, no params, no state_dict
-        self.layer_idx = layer_idx
-        self._replay: list[Any] = []
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -80,6 +74,41 @@ class PassThrough(nn.Module):
             if ref is None:
                 raise
             return getattr(ref[0], name)
+
+
+class _Dropped(_Stub):
+    """A last-stage module (final norm, head) on an earlier stage: never run there (the stage
+    stops before the next stage's first layer); passes its input through if it is."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+class _Absent(_Stub):
+    """A first-stage module beside the text model (a vision tower) on a later stage."""
+
+    def __init__(self, original: nn.Module, path: str) -> None:
+        super().__init__(original)
+        self.path = path
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise PPLoaderError(f"{self.path} lives on the first pipeline stage; multimodal inputs "
+                            "must be embedded there")
+
+
+class PassThrough(_Stub):
+    """Stands in for a decoder layer another stage owns. Holds no parameters.
+
+    Before this stage's first layer it returns the previous stage's last layer output (set by
+    :meth:`HFStage.forward` through :meth:`replay`), so the loop code between layers sees a real
+    layer output; the inputs of the first owned layer are then replaced by the captured ones.
+    Attributes it lacks are read from the (meta, unregistered) original layer.
+    """
+
+    def __init__(self, original: nn.Module, layer_idx: int) -> None:
+        super().__init__(original)
+        self.layer_idx = layer_idx
+        self._replay: list[Any] = []
 
     def replay(self, output: Any) -> None:
         """Return ``output`` from now on (``None``: clear)."""
@@ -188,18 +217,6 @@ def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
-class _Absent(nn.Module):
-    """A first-stage module (e.g. a vision tower) on a later stage: holds nothing."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PPLoaderError(f"{self.path} lives on the first pipeline stage; multimodal inputs "
-                            "must be embedded there")
-
-
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
     parent, _, name = path.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, name, module)
@@ -239,7 +256,7 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         for path in anatomy.embed_aliases:
             _set(model, path, zero)
         for path in anatomy.first_globals:
-            _set(model, path, _Absent(path))
+            _set(model, path, _Absent(model.get_submodule(path), path))
         for path in anatomy.pre_layers:  # run, but the next layer's inputs are replaced
             if path in anatomy.embed_aliases:
                 continue
@@ -250,7 +267,7 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         done: list[str] = []
         for path in anatomy.last_globals + ((anatomy.head,) if anatomy.head else ()):
             if not any(path == d or path.startswith(d + ".") for d in done):
-                _set(model, path, nn.Identity())
+                _set(model, path, _Dropped(model.get_submodule(path)))
                 done.append(path)
     return model, anatomy
 
