@@ -252,7 +252,10 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)  # a tied parameter: its first (source) name
-    embed_key = names.get(id(embed_param))
+    # the embedding's saved name: a tied copy registered earlier (CamemBERT's
+    # ``lm_head.decoder``) is removed on save, the tie source stays
+    embed_key = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                      if p is embed_param and n in state), names.get(id(embed_param)))
     head_key = None
     if head_mod is not None and getattr(head_mod, "weight", None) is not None:
         aliases = [n for n, p in model.named_parameters(remove_duplicate=False)

@@ -35,7 +35,7 @@ import os
 import threading
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -193,7 +193,9 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
         return depth
     embed_path = max(aliases, key=shared_depth)  # the alias closest to the layers
     lca_depth = shared_depth(embed_path)
-    first, beside, last = [], [], []
+    first: list[str] = []
+    beside: list[str] = []
+    last: list[str] = []
     for depth in range(len(parts)):
         parent, child = ".".join(parts[:depth]), parts[depth]
         module = model.get_submodule(parent)
@@ -252,7 +254,9 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         if not window.owns(i):
             layers[i] = PassThrough(layers[i], i)
     if not window.has_embed:
-        zero = _ZeroEmbedding(text.hidden_size, dtype)
+        weight = getattr(model.get_submodule(anatomy.embed), "weight", None)
+        width = weight.shape[-1] if isinstance(weight, torch.Tensor) else text.hidden_size
+        zero = _ZeroEmbedding(width, dtype)  # ELECTRA, RemBERT: embedding narrower than hidden
         for path in anatomy.embed_aliases:
             _set(model, path, zero)
         for path in anatomy.first_globals:
