@@ -8,25 +8,41 @@ Called on every rank of a PP job (TP = EP = 1: transformers modules are not TP-s
 How a stage is built (all model knowledge comes from transformers itself):
 
 - the full model is instantiated on the ``meta`` device (no memory);
+- the decoder layers are the model's one list of ``num_hidden_layers`` modules; every module
+  off the path from the root to that list is placed by where its parent's ``forward`` first
+  uses it (before the child leading to the layers: first stage, after: last; registration
+  order where the forward does not name it), at every level: BERT-style models keep the
+  embedding block in ``bert.embeddings`` and the layers in ``bert.encoder.layer``;
 - decoder layers outside ``[start_layer, end_layer)`` become :class:`PassThrough` modules: no
-  parameters, same return convention, attribute reads fall through to the meta original (the
-  model's own code reads ``layer.attention_type`` and the like);
-- off the first stage the input embedding becomes a zero source (the received hidden states are
-  injected at the first owned layer, so whatever the model does between embedding and layers —
-  Falcon-H1's ``embedding_multiplier`` for one — happens on the first stage only); the text
-  model's other parameter-holding children registered before the layers (position embeddings,
-  embedding norms: first-stage tensors) become zero-filled placeholders there, whose output is
-  likewise replaced; off the last stage the head and the text model's parameter-holding
-  children registered after the layers (final norm) become ``nn.Identity``;
+  parameters, attribute reads fall through to the meta original (the model's own code reads
+  ``layer.attention_type`` and the like);
+- off the first stage the input embedding (every attribute holding it) becomes a zero source
+  as wide as the embedding, the other first-stage modules of the text model (position
+  embeddings, embedding norms, projections) zero-filled placeholders, those beside it (vision
+  towers) absent; off the last stage the last-stage modules (final norm, head, BERT's ``cls``)
+  are dropped;
 - pploader plans and reads only this stage's tensors; transformers' own checkpoint conversion
   (renames, per-expert tensors stacked into fused 3-D params) places them, exactly as
-  ``from_pretrained`` would; non-persistent buffers (``rotary_emb.inv_freq``, Falcon-H1's
-  ``mup_vector``) are recomputed by the model's own initialiser, never loaded;
+  ``from_pretrained`` would; ties whose both ends are on the stage are applied;
+  non-persistent buffers (``rotary_emb.inv_freq``, Falcon-H1's ``mup_vector``) are recomputed
+  by the model's own initialiser, never loaded;
 - strict by default: a parameter left on ``meta`` or a read tensor the model does not take is a
   :class:`~pploader.errors.PlanError` naming the tensors.
 
-Position ids, masks and rotary tables are recomputed on every stage from ``input_ids``; only
-hidden states travel between stages, through :class:`~pploader.dist.comm.Comm` ``send``/``recv``.
+Every stage runs the model's own forward from ``input_ids`` (masks, positions and rotary
+tables are computed locally); hooks on the decoder layers do the rest. A non-last stage stops
+before layer ``end_layer`` and returns a :class:`StageBoundary`: everything the layer loop hands
+that layer (positional and keyword arguments: hidden states, and whatever state the model
+threads between layers) plus the last layer's output. The next stage's pass-throughs return
+that output, the inputs of its first layer are replaced by the captured ones, and captured
+tensors replace their local counterparts wherever later layers receive the same object (a
+value computed once before the loop from the embedding). So any model whose parent forward
+calls the layers in order is split exactly. Refused with a :class:`~pploader.errors.PPLoaderError`:
+a forward that runs a layer of an earlier stage after a later one (Dory's layer loops across
+a boundary). Not detected: loop state derived from an earlier stage's intermediate layer
+outputs other than the last (no transformers model found in the sweep does this).
+Boundaries travel through :class:`~pploader.dist.comm.Comm` ``send``/``recv``
+(``hf_boundary.py``): masks and rotary tables too, not only hidden states.
 """
 from __future__ import annotations
 
@@ -48,7 +64,7 @@ from ..planning.plan import Partition, RankPlan, make_windows, plan_rank
 from ..io.read import Reader, ReadStats
 from ..planning.spec import ModelSpec, load_spec
 from ..planning.topology import Topology
-from .hf_boundary import StageBoundary, map_tensors, pair_tensors, recv_boundary, send_boundary
+from .hf_boundary import StageBoundary, StageDone, StageRun, recv_boundary, send_boundary
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
@@ -119,14 +135,6 @@ class PassThrough(_Stub):
             raise PPLoaderError(f"decoder layer {self.layer_idx} belongs to another pipeline "
                                 "stage; run the stage through HFStage.forward")
         return self._replay[0]
-
-
-class _StageDone(Exception):
-    """Raised before the next stage's first layer: the rest of the model is not run here."""
-
-    def __init__(self, boundary: StageBoundary) -> None:
-        super().__init__("stage done")
-        self.boundary = boundary
 
 
 class _ZeroEmbedding(nn.Module):
@@ -373,7 +381,7 @@ class HFStage:
         if boundary is not None and boundary.layer != w.start_layer:
             raise PPLoaderError(f"stage {w.pp_rank} starts at layer {w.start_layer}; the boundary "
                                 f"received is for layer {boundary.layer}", rank=self.topology.rank)
-        run = _Run(w, boundary, self.topology.rank)
+        run = StageRun(w, boundary, self.topology.rank)
         handles = []
         for i, layer in enumerate(self.layers):
             handles.append(layer.register_forward_pre_hook(
@@ -385,7 +393,7 @@ class HFStage:
             self.layers[i].replay(replay)
         try:
             out = self.model(input_ids=input_ids, use_cache=False, **kwargs)
-        except _StageDone as done:
+        except StageDone as done:
             return done.boundary
         finally:
             for h in handles:
@@ -396,57 +404,6 @@ class HFStage:
             raise PPLoaderError(f"stage {w.pp_rank}: the model's forward never ran layer "
                                 f"{w.end_layer}", rank=self.topology.rank)
         return out.logits
-
-
-class _Run:
-    """Per-forward bookkeeping of the layer hooks of one stage."""
-
-    def __init__(self, window: StageWindow, boundary: Optional[StageBoundary], rank: int) -> None:
-        self.window, self.boundary, self.rank = window, boundary, rank
-        self.ran_owned = False
-        self.last_output: Any = None
-        # local tensor id -> (local tensor, received tensor): the captured value replaces the
-        # locally computed one wherever later layers receive the same object
-        self.received: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None
-
-    def _error(self, message: str) -> PPLoaderError:
-        w = self.window
-        return PPLoaderError(f"stage {w.pp_rank} (layers {w.start_layer}-{w.end_layer - 1}): "
-                             f"{message}", rank=self.rank)
-
-    def before(self, idx: int, _module: nn.Module, args: tuple, kwargs: dict
-               ) -> Optional[tuple[tuple, dict]]:
-        w = self.window
-        if idx < w.start_layer:
-            if self.ran_owned:
-                raise self._error(f"layer {idx} runs again after layer {w.start_layer}: the "
-                                  "model revisits its layers, a pipeline boundary at layer "
-                                  f"{w.start_layer} cannot reproduce it")
-            return None
-        if idx >= w.end_layer:
-            if idx != w.end_layer or not self.ran_owned:
-                raise self._error(f"layer {idx} runs before this stage's layers are done")
-            raise _StageDone(StageBoundary.capture(idx, args, kwargs, self.last_output))
-        self.ran_owned = True
-        if self.boundary is None:
-            return None
-        if self.received is None:
-            if idx != w.start_layer:
-                raise self._error(f"the first layer run is {idx}, not {w.start_layer}")
-            new_args, new_kwargs = self.boundary.inputs(args, kwargs)
-            self.received = {id(a): (a, b) for a, b in pair_tensors((args, kwargs),
-                                                                    (new_args, new_kwargs))
-                             if a is not b}
-            return new_args, new_kwargs
-        received = self.received
-
-        def swap(t: torch.Tensor) -> torch.Tensor:
-            hit = received.get(id(t))
-            return hit[1] if hit is not None and hit[0] is t else t
-        return map_tensors(args, swap), map_tensors(kwargs, swap)
-
-    def after(self, _idx: int, _module: nn.Module, _args: tuple, output: Any) -> None:
-        self.last_output = output
 
 
 def build_stage(model_dir: os.PathLike | str, topology: Topology, *,

@@ -17,22 +17,28 @@ its own value at the same place (``{"local": type}``).
 On the wire (:func:`send_boundary` / :func:`recv_boundary`, through ``Comm.send``/``recv``):
 an int64 pair (layout bytes, payload bytes), the UTF-8 layout, then all tensors' bytes in one
 uint8 buffer. Nothing is unpickled.
+
+:class:`StageRun` is the per-forward state of the decoder-layer hooks that capture a boundary
+(before layer ``end_layer``), inject one (at ``start_layer``) and refuse layer orders a
+pipeline cannot reproduce.
 """
 from __future__ import annotations
 
 import json
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 
 from ..errors import PPLoaderError
+from ..planning.partition import StageWindow
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
 
-__all__ = ["StageBoundary", "send_boundary", "recv_boundary"]
+__all__ = ["StageBoundary", "StageRun", "StageDone", "send_boundary", "recv_boundary"]
 
 _SCALARS = (type(None), bool, int, float, str)
 
@@ -139,6 +145,65 @@ def pair_tensors(local: Any, received: Any) -> list[tuple[torch.Tensor, torch.Te
     if type(local) is dict and type(received) is dict:
         return [p for k in local if k in received for p in pair_tensors(local[k], received[k])]
     return []
+
+
+class StageDone(Exception):
+    """Raised before the next stage's first layer: the rest of the model is not run here."""
+
+    def __init__(self, boundary: StageBoundary) -> None:
+        super().__init__("stage done")
+        self.boundary = boundary
+
+
+class StageRun:
+    """Per-forward bookkeeping of the layer hooks of one stage."""
+
+    def __init__(self, window: StageWindow, boundary: Optional[StageBoundary], rank: int) -> None:
+        self.window, self.boundary, self.rank = window, boundary, rank
+        self.ran_owned = False
+        self.last_output: Any = None
+        # local tensor id -> (local tensor, received tensor): the captured value replaces the
+        # locally computed one wherever later layers receive the same object
+        self.received: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None
+
+    def _error(self, message: str) -> PPLoaderError:
+        w = self.window
+        return PPLoaderError(f"stage {w.pp_rank} (layers {w.start_layer}-{w.end_layer - 1}): "
+                             f"{message}", rank=self.rank)
+
+    def before(self, idx: int, _module: nn.Module, args: tuple, kwargs: dict
+               ) -> Optional[tuple[tuple, dict]]:
+        w = self.window
+        if idx < w.start_layer:
+            if self.ran_owned:
+                raise self._error(f"layer {idx} runs again after layer {w.start_layer}: the "
+                                  "model revisits its layers, a pipeline boundary at layer "
+                                  f"{w.start_layer} cannot reproduce it")
+            return None
+        if idx >= w.end_layer:
+            if idx != w.end_layer or not self.ran_owned:
+                raise self._error(f"layer {idx} runs before this stage's layers are done")
+            raise StageDone(StageBoundary.capture(idx, args, kwargs, self.last_output))
+        self.ran_owned = True
+        if self.boundary is None:
+            return None
+        if self.received is None:
+            if idx != w.start_layer:
+                raise self._error(f"the first layer run is {idx}, not {w.start_layer}")
+            new_args, new_kwargs = self.boundary.inputs(args, kwargs)
+            self.received = {id(a): (a, b) for a, b in pair_tensors((args, kwargs),
+                                                                    (new_args, new_kwargs))
+                             if a is not b}
+            return new_args, new_kwargs
+        received = self.received
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            hit = received.get(id(t))
+            return hit[1] if hit is not None and hit[0] is t else t
+        return map_tensors(args, swap), map_tensors(kwargs, swap)
+
+    def after(self, _idx: int, _module: nn.Module, _args: tuple, output: Any) -> None:
+        self.last_output = output
 
 
 def send_boundary(comm: "Comm", boundary: StageBoundary, dst: int, device: torch.device) -> None:
