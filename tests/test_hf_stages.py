@@ -150,3 +150,22 @@ def test_boundary_wire_round_trip() -> None:
     assert isinstance(out, tuple) and torch.equal(out[0], hidden) and out[1].dtype == torch.float16
     with pytest.raises(PPLoaderError, match="cache.*object"):
         got.inputs((torch.zeros(1), None), {})  # nothing local to take the cache from
+
+
+@pytest.mark.parametrize("model_type,first,last", [
+    # the head module is registered before the encoder: placed by RobertaForCausalLM.forward
+    ("camembert", "roberta.embeddings.word_embeddings.weight", "lm_head.dense.weight"),
+    # embeddings registered after the encoder, used before it by CpmAntModel.forward
+    ("cpmant", "cpmant.input_embedding.weight", "cpmant.encoder.output_layernorm.weight"),
+])
+def test_first_and_last_stage_from_every_ancestors_forward(model_type: str, first: str,
+                                                          last: str) -> None:
+    """The generic family places modules off the path to the layer list by where each
+    ancestor's forward uses them, and names the embedding by its saved (tie source) name."""
+    from pploader.families.hf_meta import derive
+    config = generic_sweep.tiny_config(model_type)
+    config.architectures = [generic_sweep.causal_lm_types()[model_type]]
+    naming = derive(config.to_dict()).namings[0]
+    assert first in naming.first and first not in naming.last
+    assert last in naming.last and last not in naming.first
+    assert naming.embed == first
