@@ -209,13 +209,14 @@ class StageRun:
 def send_boundary(comm: "Comm", boundary: StageBoundary, dst: int, device: torch.device) -> None:
     """Send ``boundary`` to rank ``dst`` (three point-to-point messages)."""
     layout = torch.frombuffer(bytearray(boundary.layout.encode()), dtype=torch.uint8).to(device)
-    parts = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in boundary.tensors]
+    parts = [t.detach().to(device).contiguous().reshape(-1).view(torch.uint8)
+             for t in boundary.tensors]
     payload = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8, device=device)
     comm.send(torch.tensor([layout.numel(), payload.numel()], dtype=torch.int64, device=device),
               dst)
     comm.send(layout, dst)
     if payload.numel():
-        comm.send(payload.to(device), dst)
+        comm.send(payload, dst)
 
 
 def recv_boundary(comm: "Comm", src: int, device: torch.device) -> StageBoundary:
