@@ -69,8 +69,8 @@ from .hf_boundary import StageBoundary, StageDone, StageRun, recv_boundary, send
 if typing.TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
 
-__all__ = ["PassThrough", "HFStage", "StageBoundary", "stage_skeleton", "load_stage_weights", "build_stage",
-           "pipeline_forward"]
+__all__ = ["PassThrough", "HFStage", "StageBoundary", "stage_skeleton", "load_stage_weights",
+           "build_stage", "pipeline_forward"]
 
 
 class _Stub(nn.Module):
