@@ -218,7 +218,11 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     keys = list(state)
     lp = layers_path + "."
     first_layer_pos = next((i for i, k in enumerate(keys) if k.startswith(lp)), len(keys))
-    order = forward_order(model, layers_path)
+    order: dict[str, str] = {}  # the layer list's parent first, then each ancestor's forward
+    parts = layers_path.split(".")
+    for depth in range(len(parts), 0, -1):
+        for path, side in forward_order(model, ".".join(parts[:depth])).items():
+            order.setdefault(path, side)
     stage_of = {k: next((v for m, v in order.items() if k.startswith(m + ".")),
                         "first" if pos < first_layer_pos else "last")
                 for pos, k in enumerate(keys) if not k.startswith(lp)}
@@ -248,12 +252,17 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)  # a tied parameter: its first (source) name
-    embed_key = names.get(id(embed_param))
+    # the embedding's saved name: a tied copy registered earlier (CamemBERT's
+    # ``lm_head.decoder``) is removed on save, the tie source stays
+    embed_key = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                      if p is embed_param and n in state), names.get(id(embed_param)))
     head_key = None
     if head_mod is not None and getattr(head_mod, "weight", None) is not None:
-        head_key = next((n for n, p in model.named_parameters(remove_duplicate=False)
-                         if p is head_mod.weight and not n.startswith(layers_path)
-                         and n != embed_key), None)
+        aliases = [n for n, p in model.named_parameters(remove_duplicate=False)
+                   if p is head_mod.weight and not n.startswith(layers_path) and n != embed_key]
+        own = {f"{n}.weight" for n, m in model.named_modules(remove_duplicate=False)
+               if m is head_mod}  # the head's own name, not another tied copy's (ProphetNet)
+        head_key = next((n for n in aliases if n in own), aliases[0] if aliases else None)
 
     namings = []
     for fmt in ("original", "transformers"):

@@ -8,230 +8,223 @@ Called on every rank of a PP job (TP = EP = 1: transformers modules are not TP-s
 How a stage is built (all model knowledge comes from transformers itself):
 
 - the full model is instantiated on the ``meta`` device (no memory);
+- the decoder layers are the model's one list of ``num_hidden_layers`` modules; every module
+  off the path from the root to that list is placed by where its parent's ``forward`` first
+  uses it (before the child leading to the layers: first stage, after: last; registration
+  order where the forward does not name it), at every level: BERT-style models keep the
+  embedding block in ``bert.embeddings`` and the layers in ``bert.encoder.layer``;
 - decoder layers outside ``[start_layer, end_layer)`` become :class:`PassThrough` modules: no
-  parameters, same return convention, attribute reads fall through to the meta original (the
-  model's own code reads ``layer.attention_type`` and the like);
-- off the first stage the input embedding becomes a zero source (the received hidden states are
-  injected at the first owned layer, so whatever the model does between embedding and layers —
-  Falcon-H1's ``embedding_multiplier`` for one — happens on the first stage only); the text
-  model's other parameter-holding children registered before the layers (position embeddings,
-  embedding norms: first-stage tensors) become zero-filled placeholders there, whose output is
-  likewise replaced; off the last stage the head and the text model's parameter-holding
-  children registered after the layers (final norm) become ``nn.Identity``;
+  parameters, attribute reads fall through to the meta original (the model's own code reads
+  ``layer.attention_type`` and the like);
+- off the first stage the input embedding (every attribute holding it) becomes a zero source
+  as wide as the embedding, the other first-stage modules of the text model (position
+  embeddings, embedding norms, projections) zero-filled placeholders, those beside it (vision
+  towers) absent; off the last stage the last-stage modules (final norm, head, BERT's ``cls``)
+  are dropped;
 - pploader plans and reads only this stage's tensors; transformers' own checkpoint conversion
   (renames, per-expert tensors stacked into fused 3-D params) places them, exactly as
-  ``from_pretrained`` would; non-persistent buffers (``rotary_emb.inv_freq``, Falcon-H1's
-  ``mup_vector``) are recomputed by the model's own initialiser, never loaded;
+  ``from_pretrained`` would; ties whose both ends are on the stage are applied;
+  non-persistent buffers (``rotary_emb.inv_freq``, Falcon-H1's ``mup_vector``) are recomputed
+  by the model's own initialiser, never loaded;
 - strict by default: a parameter left on ``meta`` or a read tensor the model does not take is a
   :class:`~pploader.errors.PlanError` naming the tensors.
 
-Position ids, masks and rotary tables are recomputed on every stage from ``input_ids``; only
-hidden states travel between stages, through :class:`~pploader.dist.comm.Comm` ``send``/``recv``.
+Every stage runs the model's own forward from ``input_ids`` (masks, positions and rotary
+tables are computed locally); hooks on the decoder layers do the rest. A non-last stage stops
+before layer ``end_layer`` and returns a :class:`StageBoundary`: everything the layer loop hands
+that layer (positional and keyword arguments: hidden states, and whatever state the model
+threads between layers) plus the last layer's output. The next stage's pass-throughs return
+that output, the inputs of its first layer are replaced by the captured ones, and captured
+tensors replace their local counterparts wherever later layers receive the same object (a
+value computed once before the loop from the embedding). So any model whose parent forward
+calls the layers in order is split exactly. Refused with a :class:`~pploader.errors.PPLoaderError`:
+a forward that runs a layer of an earlier stage after a later one (Dory's layer loops across
+a boundary). Not detected: loop state derived from an earlier stage's intermediate layer
+outputs other than the last (no transformers model found in the sweep does this).
+Boundaries travel through :class:`~pploader.dist.comm.Comm` ``send``/``recv``
+(``hf_boundary.py``): masks and rotary tables too, not only hidden states.
 """
 from __future__ import annotations
 
-import ast
-import inspect
+import functools
 import os
-import textwrap
 import threading
 import typing
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from ..planning.checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
-from ..families.hf_meta import forward_order
+from ..families.hf_meta import _layers_path, forward_order
 from ..planning.partition import StageWindow
 from ..planning.plan import Partition, RankPlan, make_windows, plan_rank
 from ..io.read import Reader, ReadStats
 from ..planning.spec import ModelSpec, load_spec
 from ..planning.topology import Topology
+from .hf_boundary import StageBoundary, StageDone, StageRun, recv_boundary, send_boundary
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
 
-__all__ = ["PassThrough", "HFStage", "stage_skeleton", "load_stage_weights", "build_stage",
-           "pipeline_forward"]
+__all__ = ["PassThrough", "HFStage", "StageBoundary", "stage_skeleton", "load_stage_weights",
+           "build_stage", "pipeline_forward"]
 
 
-class PassThrough(nn.Module):
-    """Stands in for a decoder layer another stage owns: returns its hidden states unchanged.
+class _Stub(nn.Module):
+    """Stands in for a module another stage owns: no parameters, no state dict; attribute
+    reads it cannot answer go to the (meta, unregistered) original, so the model's own code
+    (``layer.attention_type``, weight initialisers reading ``module.weight``) still works."""
 
-    Holds no parameters. ``tuple_len`` > 0 mimics layers returning ``(hidden, extra, ...)``.
-    Attributes it lacks are read from the (meta, unregistered) original layer.
-    """
-
-    def __init__(self, original: nn.Module, layer_idx: int) -> None:
+    def __init__(self, original: nn.Module) -> None:
         super().__init__()
-        self.__dict__["_original"] = original  # not a submodule: no params, no state_dict
-        self.layer_idx = layer_idx
-        self.tuple_len = _tuple_len(type(original).forward)
+        self._original_ref = (original,)  # a tuple: not a submodule, no params, no state_dict
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            original = self.__dict__.get("_original")
-            if original is None:
+            ref = vars(self).get("_original_ref")
+            if ref is None:
                 raise
-            return getattr(original, name)
+            return getattr(ref[0], name)
+
+
+class _Dropped(_Stub):
+    """A last-stage module (final norm, head) on an earlier stage: never run there (the stage
+    stops before the next stage's first layer); passes its input through if it is."""
+
+    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
+        return hidden
+
+
+class _Absent(_Stub):
+    """A first-stage module beside the text model (a vision tower) on a later stage."""
+
+    def __init__(self, original: nn.Module, path: str) -> None:
+        super().__init__(original)
+        self.path = path
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        return (hidden,) + (None,) * (self.tuple_len - 1) if self.tuple_len else hidden
+        raise PPLoaderError(f"{self.path} lives on the first pipeline stage; multimodal inputs "
+                            "must be embedded there")
 
 
-def _tuple_len(forward: Callable) -> int:
-    """How many elements a layer's forward returns (0: a bare tensor).
+class PassThrough(_Stub):
+    """Stands in for a decoder layer another stage owns. Holds no parameters.
 
-    Read from the ``return`` statements of its source (annotations are not reliable: some
-    layers are annotated ``tuple[...]`` and return a tensor); the annotation is the fallback
-    when there is no source. A wrong guess cannot corrupt results: a pass-through's output is
-    either replaced at the first owned layer or never computed (see ``HFStage.forward``).
+    Before this stage's first layer it returns the previous stage's last layer output (set by
+    :meth:`HFStage.forward` through :meth:`replay`), so the loop code between layers sees a real
+    layer output; the inputs of the first owned layer are then replaced by the captured ones.
+    Attributes it lacks are read from the (meta, unregistered) original layer.
     """
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(forward)))
-    except (OSError, TypeError, SyntaxError):
-        tree = None
-    if tree is not None and tree.body and isinstance(tree.body[0], ast.FunctionDef):
-        fn = tree.body[0]
-        tuples: dict[str, int] = {}
-        lens = []
-        for node in _own_nodes(fn):
-            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
-                for tgt in node.targets:
-                    if isinstance(tgt, ast.Name):
-                        tuples[tgt.id] = len(node.value.elts)
-            if isinstance(node, ast.Return) and node.value is not None:
-                if isinstance(node.value, ast.Tuple):
-                    lens.append(len(node.value.elts))
-                elif isinstance(node.value, ast.Name):
-                    lens.append(tuples.get(node.value.id, 0))
-        if lens:
-            return max(lens)
-    ann = inspect.signature(forward).return_annotation
-    if isinstance(ann, str):
-        text = ann.replace(" ", "")
-        if not text.startswith(("tuple[", "Tuple[")):
-            return 0
-        depth, parts = 0, 1
-        for ch in text[text.index("[") + 1:-1]:
-            depth += ch == "["
-            depth -= ch == "]"
-            parts += ch == "," and depth == 0
-        return parts
-    return len(typing.get_args(ann)) if typing.get_origin(ann) is tuple else 0
 
+    def __init__(self, original: nn.Module, layer_idx: int) -> None:
+        super().__init__(original)
+        self.layer_idx = layer_idx
+        self._replay: list[Any] = []
 
-def _own_nodes(fn: ast.FunctionDef) -> list[ast.AST]:
-    """The AST nodes of ``fn``'s body in source order, not descending into nested functions."""
-    out: list[ast.AST] = []
-    stack: list[ast.AST] = list(reversed(fn.body))
-    while stack:
-        node = stack.pop()
-        out.append(node)
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            stack.extend(reversed(list(ast.iter_child_nodes(node))))
-    return out
+    def replay(self, output: Any) -> None:
+        """Return ``output`` from now on (``None``: clear)."""
+        self._replay[:] = [] if output is None else [output]
 
-
-class _StageDone(Exception):
-    """Raised by the hook on a non-last stage's last layer: the rest of the model is not run."""
-
-    def __init__(self, hidden: torch.Tensor) -> None:
-        super().__init__("stage done")
-        self.hidden = hidden
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._replay:
+            raise PPLoaderError(f"decoder layer {self.layer_idx} belongs to another pipeline "
+                                "stage; run the stage through HFStage.forward")
+        return self._replay[0]
 
 
 class _ZeroEmbedding(nn.Module):
-    """Input embedding of a non-first stage: zeros of the right shape (replaced at the first
-    owned layer by the hidden states received from the previous stage)."""
+    """Input embedding of a non-first stage: zeros of the right shape (the inputs of the first
+    owned layer are replaced by those received from the previous stage).
+
+    ``weight`` is an empty buffer: models that read the embedding's device or dtype find them.
+    """
 
     def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
         self.hidden_size, self.dtype = hidden_size, dtype
+        self.register_buffer("weight", torch.empty(0, hidden_size, dtype=dtype), persistent=False)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype,
                            device=input_ids.device)
 
 
 @dataclass(frozen=True)
 class _Anatomy:
-    """Where the stage-relevant modules of a transformers model live (dotted paths)."""
+    """Where the stage-relevant modules of a transformers model live (dotted paths).
 
-    text_model: str      # owns the input embedding and the decoder layers
+    Modules off the path from the root to the layer list are placed by where their parent's
+    ``forward`` first uses them (before the child leading to the layers: first stage; after:
+    last), falling back to registration order."""
+
+    text_model: str      # the lowest common ancestor of the input embedding and the layers
     embed: str
     layers: str
     head: Optional[str]
-    last_globals: tuple[str, ...]   # parameter-holding children of the text model after the layers
-    first_globals: tuple[str, ...]  # parameter-holding modules beside the text model (vision)
-    pre_layers: tuple[str, ...] = ()  # children of the text model between embedding and layers
-                                      # (position embeddings, embedding norms): first stage
+    last_globals: tuple[str, ...]   # last-stage modules (final norm; BERT's ``cls``), not the head
+    first_globals: tuple[str, ...]  # first-stage modules beside the text model (vision)
+    pre_layers: tuple[str, ...] = ()  # first-stage modules in the text model run before the
+                                      # layers (embedding norms, positions; BERT's embeddings)
+    embed_aliases: tuple[str, ...] = ()  # every attribute path holding the input embedding
+
+
+def _join(parent: str, name: str) -> str:
+    return f"{parent}.{name}" if parent else name
 
 
 def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
-    names = {id(m): n for n, m in model.named_modules()}
     embed = model.get_input_embeddings()  # type: ignore[operator]
+    aliases = tuple(n for n, m in model.named_modules(remove_duplicate=False) if m is embed)
+    try:
+        layers = _layers_path(model, num_layers)
+    except ConfigError as exc:
+        raise ConfigError(f"{type(model).__name__}: cannot find the list of {num_layers} decoder "
+                          f"layers ({exc})") from None
+    if not aliases:
+        raise ConfigError(f"{type(model).__name__}: the input embedding is not a submodule")
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    for path, module in model.named_modules():
-        children = dict(module.named_children())
-        if not any(c is embed for c in children.values()):
-            continue
-        lists = [n for n, c in children.items()
-                 if isinstance(c, nn.ModuleList) and len(c) == num_layers]
-        if len(lists) != 1:
-            break
-        prefix = path + "." if path else ""
-        order = list(children)
-        at = order.index(lists[0])
-        others = [n for n in order if children[n] is not embed and n != lists[0]
-                  and _has_params(children[n])]
-        called = forward_order(model, prefix + lists[0])  # run before / after the layers
+    head_path = next((n for n, m in model.named_modules() if m is head), None) \
+        if head is not None else None
+    parts = layers.split(".")
 
-        def stage(n: str) -> str:
-            return called.get(prefix + n, "first" if order.index(n) < at else "last")
-        last = tuple(prefix + n for n in others if stage(n) == "last")
-        pre = tuple(prefix + n for n in others if stage(n) == "first")
-        head_path = names.get(id(head)) if head is not None else None
-        return _Anatomy(path, names[id(embed)], prefix + lists[0], head_path, last,
-                        _beside(model, path, head_path), pre)
-    raise ConfigError(f"{type(model).__name__}: cannot find a module holding both the input "
-                      f"embedding and a list of {num_layers} decoder layers")
+    def shared_depth(path: str) -> int:
+        depth = 0
+        for a, b in zip(path.split("."), parts):
+            if a != b:
+                break
+            depth += 1
+        return depth
+    embed_path = max(aliases, key=shared_depth)  # the alias closest to the layers
+    lca_depth = shared_depth(embed_path)
+    first: list[str] = []
+    beside: list[str] = []
+    last: list[str] = []
+    for depth in range(len(parts)):
+        parent, child = ".".join(parts[:depth]), parts[depth]
+        module = model.get_submodule(parent)
+        called = forward_order(model, _join(parent, child))
+        order = [n for n, _ in module.named_children()]
+        for name, sub in module.named_children():
+            path = _join(parent, name)
+            if name == child or path == head_path or not _has_params(sub):
+                continue
+            holds_embed = any(a == path or a.startswith(path + ".") for a in aliases)
+            side = called.get(path, "first" if order.index(name) < order.index(child) else "last")
+            if holds_embed or side == "first":
+                (first if holds_embed or depth >= lca_depth else beside).append(path)
+            else:
+                last.append(path)
+    return _Anatomy(".".join(parts[:lca_depth]), embed_path, layers, head_path, tuple(last),
+                    tuple(beside), tuple(first), aliases)
 
 
 def _has_params(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
-
-
-def _beside(model: nn.Module, text_path: str, head_path: Optional[str]) -> tuple[str, ...]:
-    """Parameter-holding children of the text model's ancestors, other than the path down to
-    it and the head: a VL model's vision tower and projector (first-stage tensors)."""
-    out, parts = [], text_path.split(".") if text_path else []
-    for depth in range(len(parts)):
-        ancestor = ".".join(parts[:depth])
-        module = model.get_submodule(ancestor)
-        for name, child in module.named_children():
-            path = f"{ancestor}.{name}" if ancestor else name
-            if name != parts[depth] and path != head_path and _has_params(child):
-                out.append(path)
-    return tuple(out)
-
-
-class _Absent(nn.Module):
-    """A first-stage module (e.g. a vision tower) on a later stage: holds nothing."""
-
-    def __init__(self, path: str) -> None:
-        super().__init__()
-        self.path = path
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PPLoaderError(f"{self.path} lives on the first pipeline stage; multimodal inputs "
-                            "must be embedded there")
 
 
 def _set(model: nn.Module, path: str, module: nn.Module) -> None:
@@ -269,16 +262,25 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         if not window.owns(i):
             layers[i] = PassThrough(layers[i], i)
     if not window.has_embed:
-        _set(model, anatomy.embed, _ZeroEmbedding(text.hidden_size, dtype))
+        weight = getattr(model.get_submodule(anatomy.embed), "weight", None)
+        width = weight.shape[-1] if isinstance(weight, torch.Tensor) else text.hidden_size
+        zero = _ZeroEmbedding(width, dtype)  # ELECTRA, RemBERT: embedding narrower than hidden
+        for path in anatomy.embed_aliases:
+            _set(model, path, zero)
         for path in anatomy.first_globals:
-            _set(model, path, _Absent(path))
-        for path in anatomy.pre_layers:  # run, but their output is replaced at the first layer
-            model.get_submodule(path).to_empty(device="cpu").requires_grad_(False)
-            for tensor in model.get_submodule(path).state_dict().values():
+            _set(model, path, _Absent(model.get_submodule(path), path))
+        for path in anatomy.pre_layers:  # run, but the next layer's inputs are replaced
+            if path in anatomy.embed_aliases:
+                continue
+            module = model.get_submodule(path).to_empty(device="cpu").requires_grad_(False)
+            for tensor in module.state_dict().values():
                 tensor.zero_()
     if not window.has_head:
+        done: list[str] = []
         for path in anatomy.last_globals + ((anatomy.head,) if anatomy.head else ()):
-            _set(model, path, nn.Identity())
+            if not any(path == d or path.startswith(d + ".") for d in done):
+                _set(model, path, _Dropped(model.get_submodule(path)))
+                done.append(path)
     return model, anatomy
 
 
@@ -302,6 +304,7 @@ def load_stage_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *,
             hf_logging.enable_progress_bar()
     if window.has_embed and window.has_head and getattr(model.config, "tie_word_embeddings", False):
         model.tie_weights()
+    _tie_local(model)
     for key, buf in list(model.named_buffers()):
         if buf.is_meta and key not in model.state_dict():  # non-persistent: recomputed below
             parent, _, name = key.rpartition(".")
@@ -318,6 +321,20 @@ def load_stage_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *,
             if unexpected else "", "; ".join(errors[:3])]))
         raise PlanError(f"stage {window.pp_rank} (layers {window.start_layer}-"
                         f"{window.end_layer - 1}): {detail}", rank=rank)
+
+
+def _tie_local(model: nn.Module) -> None:
+    """Tie the pairs of ``all_tied_weights_keys`` whose both ends are on this stage and whose
+    target was not loaded (ProphetNet's decoder embedding is a tied copy of the wrapper's)."""
+    for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        try:
+            target_param, source_param = model.get_parameter(target), model.get_parameter(source)
+        except AttributeError:  # one end replaced on this stage
+            continue
+        if target_param.is_meta and not source_param.is_meta:
+            parent, _, name = target.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            owner._parameters[name] = source_param
 
 
 @dataclass
@@ -347,36 +364,46 @@ class HFStage:
         return sum(p.numel() * p.element_size() for p in self.model.parameters() if not p.is_meta)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, hidden_states: Optional[torch.Tensor] = None,
-                **kwargs: Any) -> torch.Tensor:
-        """Logits on the last stage; elsewhere the hidden states after this stage's layers.
+    def forward(self, input_ids: torch.Tensor, boundary: Optional[StageBoundary] = None,
+                **kwargs: Any) -> "torch.Tensor | StageBoundary":
+        """Logits on the last stage; elsewhere the :class:`StageBoundary` for the next stage.
 
-        ``hidden_states`` (from the previous stage) is required off the first stage.
+        ``boundary`` (the previous stage's result) is required exactly off the first stage.
+        The model's own forward runs on every stage (masks, positions, rotary tables are
+        recomputed from ``input_ids`` and ``kwargs``); hooks on the decoder layers stop it
+        before the next stage's first layer and, on a later stage, replace the inputs of this
+        stage's first layer with the captured ones.
         """
         w = self.window
-        if (hidden_states is None) != w.has_embed:
-            raise ValueError(f"stage {w.pp_rank}: hidden_states must be given exactly when the "
+        if (boundary is None) != w.has_embed:
+            raise ValueError(f"stage {w.pp_rank}: a boundary must be given exactly when the "
                              "stage has no embedding")
-        first, last = self.layers[w.start_layer], self.layers[w.end_layer - 1]
-
-        def inject(_m: nn.Module, args: tuple, kw: dict) -> tuple[tuple, dict]:
-            if "hidden_states" in kw:
-                return args, {**kw, "hidden_states": hidden_states}
-            return (hidden_states,) + tuple(args[1:]), kw
-
-        def stop(_m: nn.Module, _args: tuple, out: Any) -> None:
-            raise _StageDone(out[0] if isinstance(out, tuple) else out)
-
-        handles = [] if w.has_head else [last.register_forward_hook(stop)]
-        if hidden_states is not None:
-            handles.append(first.register_forward_pre_hook(inject, with_kwargs=True))
+        if boundary is not None and boundary.layer != w.start_layer:
+            raise PPLoaderError(f"stage {w.pp_rank} starts at layer {w.start_layer}; the boundary "
+                                f"received is for layer {boundary.layer}", rank=self.topology.rank)
+        run = StageRun(w, boundary, self.topology.rank)
+        handles = []
+        for i, layer in enumerate(self.layers):
+            handles.append(layer.register_forward_pre_hook(
+                functools.partial(run.before, i), with_kwargs=True))
+            if w.owns(i):
+                handles.append(layer.register_forward_hook(functools.partial(run.after, i)))
+        replay = boundary.output() if boundary is not None else None
+        for i in range(w.start_layer):
+            self.layers[i].replay(replay)
         try:
-            return self.model(input_ids=input_ids, use_cache=False, **kwargs).logits
-        except _StageDone as done:
-            return done.hidden
+            out = self.model(input_ids=input_ids, use_cache=False, **kwargs)
+        except StageDone as done:
+            return done.boundary
         finally:
             for h in handles:
                 h.remove()
+            for i in range(w.start_layer):
+                self.layers[i].replay(None)
+        if not w.has_head:
+            raise PPLoaderError(f"stage {w.pp_rank}: the model's forward never ran layer "
+                                f"{w.end_layer}", rank=self.topology.rank)
+        return out.logits
 
 
 def build_stage(model_dir: os.PathLike | str, topology: Topology, *,
@@ -418,17 +445,17 @@ def pipeline_forward(stage: HFStage, input_ids: torch.Tensor, comm: "Comm",
                      **kwargs: Any) -> Optional[torch.Tensor]:
     """One forward pass through the pipeline (called on every rank, same ``input_ids``).
 
-    Stage k receives hidden states from stage k-1, runs its layers and sends to stage k+1;
-    the last stage returns the logits, the others None.
+    Stage k receives the :class:`StageBoundary` from stage k-1, runs its layers and sends its
+    own to stage k+1; the last stage returns the logits, the others None.
     """
     t = stage.topology
-    hidden = None
+    boundary = None
     if not stage.window.has_embed:
-        hidden = torch.empty(*input_ids.shape, stage.hidden_size, dtype=stage.dtype,
-                             device=stage.device)
-        comm.recv(hidden, t.rank_of(t.pp_rank - 1))
-    out = stage.forward(input_ids, hidden, **kwargs)
+        boundary = recv_boundary(comm, t.rank_of(t.pp_rank - 1), stage.device)
+    out = stage.forward(input_ids, boundary, **kwargs)
     if stage.window.has_head:
+        assert isinstance(out, torch.Tensor)
         return out
-    comm.send(out.contiguous(), t.rank_of(t.pp_rank + 1))
+    assert isinstance(out, StageBoundary)
+    send_boundary(comm, out, t.rank_of(t.pp_rank + 1), stage.device)
     return None
