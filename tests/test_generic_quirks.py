@@ -209,3 +209,19 @@ def test_hand_written_family_only_for_its_model_type() -> None:
     assert spec.family.name == "generic:exaone"
     assert spec.family.layer_prefix == r"transformer\.h\.(\d+)\."
     assert spec_from_config(dict(config, model_type="llama")).family.name == "llama"
+
+
+def test_integer_buffers_the_model_fixes_are_loaded_as_stored() -> None:
+    """An integer tensor is refused in a float model unless the model itself keeps that tensor
+    as an integer (``Family.native_dtypes``, from the meta model: DeepSeek-V4's router table
+    ``ffn.gate.tid2eid`` is int64 in a float32 model)."""
+    from pploader.planning.dtypes import dtype_action
+    assert dtype_action("I64", "F32") is None
+    assert dtype_action("I64", "F32", native="I64") == "keep"
+    assert dtype_action("I32", "F32", native="I64") is None
+    from transformers import AutoConfig
+    hf = AutoConfig.for_model("deepseek_v4", vocab_size=128, hidden_size=64, num_hidden_layers=2)
+    config = {**hf.to_dict(), "architectures": ["DeepseekV4ForCausalLM"]}
+    native = generic.family_for(config).native_dtypes
+    assert native and set(native.values()) == {"I64"}
+    assert any(name.endswith("ffn.gate.tid2eid") for name in native), sorted(native)[:4]

@@ -239,6 +239,9 @@ class Family:
     cache_dims: "CacheDims" = field(default_factory=_config_cache_dims)  # mixer sizes for the
     #   cache geometry (default: read by the known config-key aliases, families/cache_dims.py)
     quant_naming: QuantNaming = QuantNaming()    # companion names of quantized weights
+    native_dtypes: Mapping[str, str] = field(default_factory=dict)  # tensor name -> the
+    #   safetensors dtype the model itself gives it whatever config.json's dtype (integer
+    #   buffers such as a router's lookup table); stored so, it is loaded as stored
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def for_checkpoint(self, names: Iterable[str]) -> "Family":

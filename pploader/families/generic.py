@@ -71,8 +71,16 @@ def _family(meta: MetaModel) -> Family:
                         "vocab_size", "num_hidden_layers")}
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
                   layout=lambda _config: layout, mtp_pattern=mtp_pattern,
-                  config_defaults=aliases,
+                  config_defaults=aliases, native_dtypes=_integer_dtypes(meta),
                   formats=tuple(formats), **fields)
+
+
+def _integer_dtypes(meta: MetaModel) -> dict[str, str]:
+    """Tensors the meta model keeps as integers or bools whatever the model dtype (e.g.
+    DeepSeek-V4's ``ffn.gate.tid2eid``): name -> safetensors dtype code, for the dtype policy."""
+    codes = {"int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
+             "bool": "BOOL"}
+    return {name: codes[d] for name, d in meta.dtypes.items() if d in codes}
 
 
 def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:

@@ -269,14 +269,16 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         namings.append(_naming(fmt, model, state, keys, layer_of, reps, signature, lp,
                                stage_of, per_layer_experts, num_experts, embed_key,
                                head_key))
-    full = {k: tuple(v.shape) for k, v in revert_weight_conversion(model, dict(state)).items()}
+    reverted = revert_weight_conversion(model, dict(state))
+    full = {k: tuple(v.shape) for k, v in reverted.items()}
     if dict(namings[0].template) != full:
         diff = sorted(set(full) ^ set(namings[0].template))[:4]
         raise ConfigError(f"per-tensor derivation of the saved names disagrees with "
                           f"save_pretrained's conversion (e.g. {diff})", file="config.json")
     if dict(namings[1].template) == dict(namings[0].template):
         namings = namings[:1]
-    dtypes = {k: str(v.dtype).replace("torch.", "") for k, v in state.items()}
+    dtypes = {k: str(v.dtype).replace("torch.", "")  # the model's names and the saved ones
+              for k, v in (*state.items(), *reverted.items())}
     layer_params = tuple(tuple((rel, tuple(state[k].shape)) for k, (j, rel) in layer_of.items()
                                if j == i) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,

@@ -3,6 +3,8 @@
 One small table decides, before anything is allocated or read:
 
 - same dtype                                  -> loaded as stored
+- the dtype the model itself gives that tensor (``Family.native_dtypes``: integer buffers
+  such as a router's lookup table, whatever config.json's dtype) -> loaded as stored
 - (stored, expected) in :data:`DTYPE_POLICY`  -> ``"cast"`` (exact widenings only) or
   ``"keep"`` (float32 tensors in a 16-bit model, e.g. norms, Mamba ``A_log``, router biases
   that checkpoints store in full precision on purpose: passed through, the consumer decides)
@@ -57,9 +59,11 @@ def is_quantized(spec: "ModelSpec") -> bool:
     return any(spec.config.get(k) or spec.full_config.get(k) for k in _QUANT_KEYS)
 
 
-def dtype_action(stored: str, expected: str, *, quantized: bool = False) -> Optional[str]:
-    """``"keep"``, ``"cast"`` or None (rejected) for a tensor stored as ``stored``."""
-    if stored == expected:
+def dtype_action(stored: str, expected: str, *, quantized: bool = False,
+                 native: Optional[str] = None) -> Optional[str]:
+    """``"keep"``, ``"cast"`` or None (rejected) for a tensor stored as ``stored``
+    (``native``: the dtype the model's own tensor of that name has, if fixed)."""
+    if stored == expected or stored == native:
         return "keep"
     if quantized and stored in QUANT_STORAGE:
         return "keep"
@@ -77,15 +81,18 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
     """
     expected = dtype_code(spec.dtype)
     quantized = is_quantized(spec)
+    native = spec.family.native_dtypes
     casts: dict[str, torch.dtype] = {}
     rejected, kept = [], []
     for item in plan.items:
-        action = dtype_action(item.dtype, expected, quantized=quantized)
+        action = dtype_action(item.dtype, expected, quantized=quantized,
+                              native=native.get(item.name))
         if action is None:
             rejected.append(item)
         elif action == "cast":
             casts[item.target] = DTYPES[expected][0]
-        elif item.dtype != expected and not (quantized and item.dtype in QUANT_STORAGE):
+        elif item.dtype != expected and item.dtype != native.get(item.name) \
+                and not (quantized and item.dtype in QUANT_STORAGE):
             kept.append(item)
     if rejected:
         first = rejected[0]
