@@ -40,9 +40,22 @@ def _engine_partition(partition: object) -> object:
     return partition
 
 
-def _tp_read_kwargs(args: argparse.Namespace) -> dict:
-    kw: dict = {"exchange_cost": args.exchange_cost,
-                "exchange_batch_bytes": args.exchange_batch}
+def _auto_exchange_cost(args: argparse.Namespace) -> tuple[float, float]:
+    """``--exchange-cost auto``: (cost, resident fraction) from the shards' page-cache
+    residency and the device kind (io/exchange.py)."""
+    from .io.exchange import auto_exchange_cost
+    from .planning.checkpoint import open_checkpoint
+    index = open_checkpoint(args.model, allowed_roots=args.allow_root)
+    device = str(getattr(args, "device", None) or "cpu").partition(":")[0]
+    return auto_exchange_cost([str(p) for p in index.paths.values()], device)
+
+
+def _tp_read_kwargs(args: argparse.Namespace, exchange_cost: Optional[float] = None) -> dict:
+    """The TP read options as planning kwargs; ``exchange_cost`` resolves ``auto``."""
+    cost = args.exchange_cost
+    if cost == "auto":
+        cost = exchange_cost if exchange_cost is not None else _auto_exchange_cost(args)[0]
+    kw: dict = {"exchange_cost": cost, "exchange_batch_bytes": args.exchange_batch}
     if args.range_cost is not None:
         kw["range_cost_bytes"] = args.range_cost
     return kw
@@ -127,10 +140,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
     index = open_checkpoint(args.model, allowed_roots=args.allow_root)
     opts = _pool_options(args)
     partition = _engine_partition(args.partition)
+    auto = _auto_exchange_cost(args) if args.exchange_cost == "auto" else None
     plans = plan_all(spec, index, args.pp, args.tp, args.ep,
                      partition=partition,  # type: ignore[arg-type]
                      cache_bytes=cache_costs(spec, args.tp, opts),  # type: ignore[arg-type]
-                     **_tp_read_kwargs(args))
+                     **_tp_read_kwargs(args, auto[0] if auto else None))
+    exchange = None if auto is None else {"exchange_cost": auto[0], "device": args.device,
+                                          "resident_fraction": round(auto[1], 4)}
     for plan in plans:  # the dtype policy, as `load` applies it (rejections, warnings)
         dtype_casts(spec, plan)
     summaries = [p.summary() for p in plans]
@@ -145,13 +161,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
                           "family": spec.family.name, "num_layers": spec.num_layers,
                           "pp": args.pp, "tp": args.tp, "ep": args.ep,
                           "partition": _partition_label(partition), "ranks": summaries,
-                          "pipeline_pools": pipeline}, indent=1))
+                          "exchange_cost_auto": exchange, "pipeline_pools": pipeline},
+                         indent=1))
     else:
         print(f"{args.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} layers, "
               f"pp {args.pp} x ep {args.ep} x tp {args.tp}")
         print(plan_table(summaries))
         if args.tp > 1:
             from .planning.redistribute import methods_table
+            if exchange is not None:
+                print(f"\n--exchange-cost auto: {exchange['exchange_cost']} (shards "
+                      f"{exchange['resident_fraction']:.0%} in the page cache, device "
+                      f"{exchange['device']})")
             print("\nTP slice reads per rank (tensors / bytes read; redistribute: row shares "
                   "+ all-to-all when loaded with a Comm):")
             print(methods_table(summaries))
@@ -271,6 +292,25 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agreed_exchange_cost(args: argparse.Namespace, comm: "Comm") -> Optional[float]:
+    """``--exchange-cost auto`` on every rank: each measures, all take rank 0's value (every
+    rank of a TP group must plan the same exchange). None when not auto."""
+    if args.exchange_cost != "auto":
+        return None
+    error: Optional[BaseException] = None
+    cost: Optional[float] = None
+    try:
+        from .cache.pools import pool_device
+        kind = str(pool_device(args.device)).partition(":")[0]
+        from .io.exchange import auto_exchange_cost
+        from .planning.checkpoint import open_checkpoint
+        index = open_checkpoint(args.model, allowed_roots=args.allow_root)
+        cost = auto_exchange_cost([str(p) for p in index.paths.values()], kind)[0]
+    except Exception as exc:  # noqa: BLE001 - agreed on below
+        error = exc
+    return float(comm.agree(error, cost)[0])
+
+
 class _StartFailure(Exception):
     """torch.distributed could not start (exit 1: the job, not the input, failed)."""
 
@@ -289,12 +329,13 @@ def _load_agreed(args: argparse.Namespace, comm: "Comm", add: Callable[[int], No
     report: Optional[dict] = None
     device = pools_on = None
     partition: object = args.partition
+    auto = _agreed_exchange_cost(args, comm)  # an agreement of its own, before planning
     try:
         device, pools_on = pool_device(args.device), pool_device(args.pool_device)
         partition = _load_partition(args, topo.pp_size, pools_on)
         staged = plan_stage(args.model, topo, allowed_roots=args.allow_root,
                             partition=partition,  # type: ignore[arg-type]
-                            **_tp_read_kwargs(args))
+                            **_tp_read_kwargs(args, auto))
         largest = staged.plan.largest_item_bytes
         if args.window_bytes is not None and args.window_bytes < largest:
             raise UsageError(f"--window-bytes {args.window_bytes} is smaller than this stage's "

@@ -250,13 +250,38 @@ class _ThreadComm:
         self.group.barrier.wait()
 
 
-def _exchange_in_threads(plans: list) -> list[dict[str, torch.Tensor]]:
+def _exchange_in_threads(plans: list, group_bytes: Optional[int] = None,
+                         readers_out: Optional[list] = None) -> list[dict[str, torch.Tensor]]:
     from concurrent.futures import ThreadPoolExecutor
     from pploader.io.exchange import ExchangeReader
     group = _ThreadGroup(len(plans))
-    readers = [ExchangeReader(p, _ThreadComm(group, p.topology)) for p in plans]  # type: ignore
+    readers = [ExchangeReader(p, _ThreadComm(group, p.topology),  # type: ignore[arg-type]
+                              group_bytes=group_bytes) for p in plans]
+    if readers_out is not None:
+        readers_out += readers
     with ThreadPoolExecutor(len(plans)) as pool:
         return list(pool.map(lambda r: dict(r), readers))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_merged_groups_equal_direct_reads(llama: Path, tp: int) -> None:
+    """Consecutive planned batches merged into one all-to-all (what CUDA does by default:
+    row chunks of one tensor spread over groups, several tensors per group) give bitwise the
+    direct reads, with fewer all-to-alls than planned batches."""
+    from pploader.io.read import Reader
+    spec, index = load_spec(llama), open_checkpoint(llama)
+    plans = plan_all(spec, index, pp=1, tp=tp, exchange_cost=0.0, exchange_batch_bytes=2048)
+    readers: list = []
+    outs = _exchange_in_threads(plans, group_bytes=5000, readers_out=readers)
+    for plan, out, reader in zip(plans, outs, readers):
+        direct = dict(Reader(plan))
+        assert out.keys() == direct.keys()
+        for k in direct:
+            assert _bytes(out[k]) == _bytes(direct[k]), (plan.topology.rank, k)
+        ex = plan.redistribute
+        assert 1 < reader.all_to_alls < ex.num_batches, (reader.all_to_alls, ex.num_batches)
+        assert reader.received_bytes == ex.received_bytes and reader.sent_bytes == ex.sent_bytes
+        assert reader.stats.read_bytes == plan.planned_read_bytes
 
 
 def _quantized_llama(tmp: Path) -> Path:
