@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .pp2 import _pp2, _pp2_profile, _profile_child, _stage_child
+from .pp2 import _pp2, _pp2_profile, _pp_reload, _profile_child, _stage_child
 
 __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 
@@ -375,6 +375,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pp2-profile", action="store_true")
     ap.add_argument("--pp", type=int, default=2, help="stages for --pp2 / --pp2-profile")
     ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--pp-reload", action="store_true", help="PP=N with rings made before "
+                    "the clock, and raw ceilings of one stage's bytes on another GPU")
+    ap.add_argument("--reuse-ring", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stage-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -385,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.child:
         return _child(args.child, args.ckdir, args.device, args.pp, args.stage)
     if args.stage_child is not None:
-        return _stage_child(args.ckdir, args.stage_child, args.pp)
+        return _stage_child(args.ckdir, args.stage_child, args.pp, args.reuse_ring)
     if args.profile_child is not None:
         rank, what = args.profile_child.split(":")
         return _profile_child(args.ckdir, int(rank), what, args.pp)
@@ -394,6 +397,11 @@ def main(argv: list[str] | None = None) -> None:
         write_checkpoint(args.ckdir, args.scale)
         rows = disk_patterns(_files(args.ckdir))
         Path(args.out, "disk.json").write_text(json.dumps(rows, indent=1))
+        return None
+    if args.pp_reload:
+        write_checkpoint(args.ckdir, args.scale)
+        rows = _pp_reload(args.ckdir, args.pp)
+        Path(args.out, f"pp{args.pp}_reload.json").write_text(json.dumps(rows, indent=1))
         return None
     if args.pp2 or args.pp2_profile:
         write_checkpoint(args.ckdir, args.scale)

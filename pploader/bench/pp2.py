@@ -13,16 +13,20 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["_pp2", "_pp2_profile", "_stage_child", "_profile_child"]
+__all__ = ["_pp2", "_pp2_profile", "_pp_reload", "_stage_child", "_profile_child"]
 
 
-def _stage_child(model: str, rank: int, pp: int = 2) -> None:
+def _stage_child(model: str, rank: int, pp: int = 2, reuse_ring: bool = False) -> None:
+    """One stage's ``load_stage`` on its GPU; ``reuse_ring``: the pinned ring is made and
+    page-locked before the clock (a reload) instead of on first use inside the load."""
     import torch
     from pploader import Topology, load_stage, plan_stage
+    from pploader.io.device import PinnedRing
     torch.cuda.set_device(rank)
     torch.empty(1, device="cuda")
+    ring = PinnedRing(lazy=False) if reuse_ring else None
     staged = plan_stage(model, Topology(pp, rank=rank))
-    res = load_stage(staged, device=f"cuda:{rank}")
+    res = load_stage(staged, device=f"cuda:{rank}", ring=ring)
     print("RESULT " + json.dumps({"rank": rank, "seconds": res.report.seconds,
                                   "ideal_bytes": res.report.ideal_bytes,
                                   "gbps": res.report.gbps,
@@ -138,4 +142,37 @@ def _pp2(ckdir: str, pp: int = 2) -> list[dict]:
         print(f"[pp{pp}] trial {r.get('trial')} {r.get('mode'):8s} rank {r.get('rank')} "
               f"{r.get('seconds', 0):.3f}s "
               f"{r.get('gbps', 0):.2f} GB/s", flush=True)
+    return rows
+
+
+def _pp_reload(ckdir: str, pp: int) -> list[dict]:
+    """Where the PP=N slowdown lives: each stage alone and all together with the ring made
+    before the clock (no first-use page-locking in the load), and the raw ceiling of stage 0's
+    bytes on GPU 1 and of stage 1's bytes on GPU 0 (GPU vs files)."""
+    def run(args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--ckdir", ckdir,
+                                 "--pp", str(pp), *args], stdout=subprocess.PIPE, text=True)
+
+    def result(p: subprocess.Popen) -> dict:
+        out, _ = p.communicate(timeout=300)
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": out[-500:]}
+
+    from .cuda import _files, warm
+    warm(_files(ckdir))
+    rows = []
+    for stage, gpu in ((0, 1), (1, 0), (0, 0), (1, 1)):
+        rows.append(dict(result(run(["--child", "raw_preadv16", "--device", f"cuda:{gpu}",
+                                     "--stage", str(stage)])), mode="raw_cross", stage=stage,
+                         gpu=gpu))
+    for trial in (0, 1):
+        for rank in range(pp):
+            rows.append(dict(result(run(["--stage-child", str(rank), "--reuse-ring"])),
+                             mode="alone_reload", trial=trial))
+        procs = [run(["--stage-child", str(rank), "--reuse-ring"]) for rank in range(pp)]
+        rows += [dict(result(p), mode="together_reload", trial=trial) for p in procs]
+    for r in rows:
+        print(f"[pp{pp}-reload] {r.get('mode'):15s} trial {r.get('trial')} rank {r.get('rank')} "
+              f"stage {r.get('stage')} gpu {r.get('gpu')} {r.get('seconds', 0):.3f}s "
+              f"{r.get('gbps', 0):.2f} GB/s {r.get('error') or ''}", flush=True)
     return rows

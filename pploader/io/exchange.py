@@ -72,8 +72,10 @@ class ExchangeReader:
 
     Every rank of the TP group must iterate it to the end. ``stats.read_bytes`` counts storage
     bytes; ``sent_bytes`` / ``received_bytes`` the bytes exchanged with other ranks;
-    ``exchange_seconds`` this thread's time in pack + all-to-all + scatter, ``wait_seconds``
-    its time waiting for the reads (the exposed read time).
+    ``exchange_seconds`` this thread's time in pack + all-to-all + scatter (peers' skew
+    included), ``wait_seconds`` its time waiting for the reads (the exposed read time),
+    ``link_setup_seconds`` the first tiny all-to-all (NCCL's communicator setup, overlapped
+    with the first group's reads).
     """
 
     def __init__(self, plan: RankPlan, comm: "Comm", *, window_bytes: Optional[int] = None,
@@ -99,7 +101,7 @@ class ExchangeReader:
         self._device_stats: list[ReadStats] = []
         self.stats = ReadStats()
         self.sent_bytes = self.received_bytes = 0
-        self.exchange_seconds = self.wait_seconds = 0.0
+        self.exchange_seconds = self.wait_seconds = self.link_setup_seconds = 0.0
         self.all_to_alls = 0
         self.error: Optional[BaseException] = None
 
@@ -168,6 +170,14 @@ class ExchangeReader:
     def _dummy(self, item: ExchangeItem) -> torch.Tensor:
         return torch.zeros(item.share.shape, dtype=DTYPES[item.dtype][0], device=self.device)
 
+    def _open_link(self) -> None:
+        """One tiny all-to-all: NCCL creates the TP group's communicator on its first
+        collective (seconds on a fresh process group), so this runs it while the background
+        thread reads the first group instead of after it."""
+        tp = len(self.exchange.group)
+        buf = torch.zeros(tp, dtype=torch.uint8, device=self.device)
+        self.comm.all_to_all_bytes(torch.empty_like(buf), [1] * tp, buf, [1] * tp)
+
     # ---- the exchange -------------------------------------------------------------------
     def _exchange(self, batch: list[ExchangeItem], shares: list[torch.Tensor],
                   outputs: dict[str, torch.Tensor]) -> None:
@@ -220,6 +230,9 @@ class ExchangeReader:
                                  name="pploader-exchange-reads", daemon=True)
         reads.start()
         try:
+            t0 = time.perf_counter()
+            self._open_link()  # while the first group is read
+            self.link_setup_seconds = time.perf_counter() - t0
             outputs: dict[str, torch.Tensor] = {}
             for group in groups:
                 t0 = time.perf_counter()
