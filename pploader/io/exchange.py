@@ -206,7 +206,6 @@ class ExchangeReader:
             recv = torch.empty(total, dtype=torch.uint8, device=self.device)
         self.comm.all_to_all_bytes(recv, recv_splits, send, send_splits)
         self.all_to_alls += 1
-        del send
         self.sent_bytes += sum(send_splits) - send_splits[me]
         self.received_bytes += sum(recv_splits) - recv_splits[me]
         pos = 0
@@ -218,8 +217,12 @@ class ExchangeReader:
                     flat = _bytes_view(outputs[item.target]).reshape(-1)
                     flat[at:at + n].copy_(recv[pos:pos + n])
                 pos += n
-        if self.device.type == "cuda":  # outputs complete before they are handed out (this
-            torch.cuda.current_stream(self.device).synchronize()  # stream: not the reads')
+        if self.device.type == "cuda":
+            # outputs complete before they are handed out, and ``send`` / ``recv`` / the shares
+            # freed only after this stream (which waits for NCCL) is done: the reads thread's
+            # DeviceLoader may get a freed block at once and write it from its own streams
+            torch.cuda.current_stream(self.device).synchronize()
+        del send, recv
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()
