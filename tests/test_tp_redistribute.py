@@ -319,6 +319,42 @@ def test_exchange_equals_direct_reads_across_families(tmp_path: Path, family: st
                                                if i.target in ex.targets)
 
 
+def test_exchange_cost_auto_follows_residency_and_device(llama: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--exchange-cost auto`: warm shards -> the device's warm cost, cold -> its cold cost;
+    `pploader plan` shows the value, the residency and the methods it gives."""
+    import json
+    from pploader import cli
+    from pploader.io import pagecache
+    from pploader.io.exchange import AUTO_EXCHANGE_COSTS, auto_exchange_cost
+    paths = [str(p) for p in open_checkpoint(llama).paths.values()]
+    for p in paths:
+        Path(p).read_bytes()  # page cache warm
+    cost, resident = auto_exchange_cost(paths, "cuda")
+    assert resident > 0.9 and cost == AUTO_EXCHANGE_COSTS["cuda"][0]
+    assert auto_exchange_cost(paths, "cpu")[0] == AUTO_EXCHANGE_COSTS["cpu"][0]
+
+    def plan(device: str) -> dict:
+        assert cli.main(["plan", "--model", str(llama), "--pp", "1", "--tp", "2", "--json",
+                         "--exchange-cost", "auto", "--device", device]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    warm_cpu, warm_cuda = plan("cpu"), plan("cuda")
+    assert warm_cpu["exchange_cost_auto"]["exchange_cost"] == AUTO_EXCHANGE_COSTS["cpu"][0]
+    assert warm_cuda["exchange_cost_auto"] == {"exchange_cost": AUTO_EXCHANGE_COSTS["cuda"][0],
+                                               "device": "cuda",
+                                               "resident_fraction": pytest.approx(1, abs=0.1)}
+    # warm on CPU (gloo slower than page-cache copies): direct; on CUDA (NVLink): exchanged
+    assert warm_cpu["ranks"][0]["methods"]["redistribute"]["tensors"] == 0
+    assert warm_cuda["ranks"][0]["methods"]["redistribute"]["tensors"] == 16
+    monkeypatch.setattr(pagecache, "resident_bytes_of_ranges",
+                        lambda path, ranges, **_: (0, sum(n for _, n in ranges)))
+    assert auto_exchange_cost(paths, "cpu") == (AUTO_EXCHANGE_COSTS["cpu"][1], 0.0)
+    cold_cpu = plan("cpu")
+    assert cold_cpu["exchange_cost_auto"]["resident_fraction"] == 0.0
+    assert cold_cpu["ranks"][0]["methods"]["redistribute"]["tensors"] == 16
+
+
 def test_cli_plan_shows_the_load_options(llama: Path, capsys: pytest.CaptureFixture) -> None:
     """`pploader plan` takes the options that change the plan and shows the method per rank."""
     import json
