@@ -135,9 +135,9 @@ class ExchangeReader:
 
         if self.device.type == "cuda":
             from .device import DeviceLoader, PinnedRing
-            self.ring = self.ring or PinnedRing()
 
             def load(plan: RankPlan) -> dict[str, torch.Tensor]:
+                self.ring = self.ring or PinnedRing()  # inside the try: a failure is reported
                 loader = DeviceLoader(plan, self.device, ring=self.ring, cancel=self.cancel,
                                       on_progress=self.on_progress)
                 self._device_stats.append(loader.stats)
