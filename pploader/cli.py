@@ -39,9 +39,22 @@ def _engine_partition(partition: object) -> object:
     return partition
 
 
-def _tp_read_kwargs(args: argparse.Namespace) -> dict:
-    kw: dict = {"exchange_cost": args.exchange_cost,
-                "exchange_batch_bytes": args.exchange_batch}
+def _auto_exchange_cost(args: argparse.Namespace) -> tuple[float, float]:
+    """``--exchange-cost auto``: (cost, resident fraction) from the shards' page-cache
+    residency and the device kind (io/exchange.py)."""
+    from .io.exchange import auto_exchange_cost
+    from .planning.checkpoint import open_checkpoint
+    index = open_checkpoint(args.model, allowed_roots=args.allow_root)
+    device = str(getattr(args, "device", None) or "cpu").partition(":")[0]
+    return auto_exchange_cost([str(p) for p in index.paths.values()], device)
+
+
+def _tp_read_kwargs(args: argparse.Namespace, exchange_cost: Optional[float] = None) -> dict:
+    """The TP read options as planning kwargs; ``exchange_cost`` resolves ``auto``."""
+    cost = args.exchange_cost
+    if cost == "auto":
+        cost = exchange_cost if exchange_cost is not None else _auto_exchange_cost(args)[0]
+    kw: dict = {"exchange_cost": cost, "exchange_batch_bytes": args.exchange_batch}
     if args.range_cost is not None:
         kw["range_cost_bytes"] = args.range_cost
     return kw
@@ -88,10 +101,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.device_memory == -1:
         raise PlanError("--device-memory auto applies to `pploader load` (pools on a GPU); "
                         "give bytes here, e.g. --device-memory 80G")
+    auto = _auto_exchange_cost(args) if args.exchange_cost == "auto" else None
     job = plan_job(args.model, args.pp, args.tp, args.ep,
                    partition=_engine_partition(args.partition),  # type: ignore[arg-type]
                    pools=_pool_options(args), allowed_roots=args.allow_root,
-                   **_tp_read_kwargs(args))
+                   **_tp_read_kwargs(args, auto[0] if auto else None))
+    if auto is not None:  # measured here (page-cache residency), shown with the plan
+        job.exchange_auto = {"exchange_cost": auto[0], "device": args.device,
+                             "resident_fraction": round(auto[1], 4)}
     print(json.dumps(job.to_json(), indent=1) if args.json else job.text())
     return 0
 
@@ -189,6 +206,25 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def _agreed_exchange_cost(args: argparse.Namespace, comm: "Comm",
+                          local_rank: int) -> Optional[float]:
+    """``--exchange-cost auto`` on every rank: each measures, all take rank 0's value (every
+    rank of a TP group must plan the same exchange); one fail-together step. None when not
+    auto."""
+    if args.exchange_cost != "auto":
+        return None
+    from .dist.comm import run_agreed
+
+    def measure() -> float:
+        from .cache.pools import pool_device
+        from .io.exchange import auto_exchange_cost
+        from .planning.checkpoint import open_checkpoint
+        kind = str(pool_device(args.device, local_rank=local_rank)).partition(":")[0]
+        index = open_checkpoint(args.model, allowed_roots=args.allow_root)
+        return auto_exchange_cost([str(p) for p in index.paths.values()], kind)[0]
+    return float(run_agreed(comm, measure, share=float)[1][0])
+
+
 class _StartFailure(Exception):
     """torch.distributed could not start (exit 1: the job, not the input, failed)."""
 
@@ -212,7 +248,7 @@ def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
         io_backend=args.io_backend, pools=pools, build_pools=not args.no_pools,
         pool_device=args.pool_device, pool_memory_from_device=args.device_memory == -1,
         progress_bar=not args.no_progress and (args.progress or sys.stderr.isatty()),
-        **_tp_read_kwargs(args))
+        **_tp_read_kwargs(args, _agreed_exchange_cost(args, comm, local_rank)))
 
     def check_input(staged: "StagePlan") -> None:
         if pool_error is not None:

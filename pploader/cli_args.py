@@ -155,9 +155,11 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
                    "repo only)")
 
 
-def _exchange_cost(text: str) -> Optional[float]:
+def _exchange_cost(text: str) -> Optional[float | str]:
     if text == "off":
         return None
+    if text == "auto":
+        return "auto"
     value = float(text)
     if value < 0:
         raise argparse.ArgumentTypeError(f"--exchange-cost must be >= 0 or off, got {text}")
@@ -172,9 +174,11 @@ def _tp_read_args(p: argparse.ArgumentParser) -> None:
                    "are read row by row when cheaper than the covering box; 0 = always row by "
                    "row (default 64K)")
     g.add_argument("--exchange-cost", type=_exchange_cost, default=_DEFAULT_EXCHANGE_COST,
-                   metavar="COST|off", help="cost of one byte exchanged over the TP group in "
+                   metavar="COST|auto|off", help="cost of one byte exchanged over the TP group in "
                    "bytes read: strided slices are read as row shares + an all-to-all when "
-                   f"that is cheaper (default {_DEFAULT_EXCHANGE_COST}; off = never)")
+                   f"that is cheaper (default {_DEFAULT_EXCHANGE_COST}; off = never; auto = "
+                   "from the shards' page-cache residency and the device, see "
+                   "docs/tensor-parallel.md)")
     g.add_argument("--no-redistribute", dest="exchange_cost", action="store_const", const=None,
                    help="same as --exchange-cost off: read strided slices directly")
     g.add_argument("--exchange-batch", type=_size, default=None, metavar="BYTES",
@@ -241,6 +245,8 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                        "the safetensors headers. Reads no tensor data; no torch.distributed.")
     _layout_args(p, pp_required=True)
     _tp_read_args(p)
+    p.add_argument("--device", type=_device_name, default="cpu",
+                   help="the load's device kind, for --exchange-cost auto (default cpu)")
     _pool_args(p)
 
     p = sub.add_parser("load", help="load this rank's stage (run under torchrun/srun/mpiexec)",

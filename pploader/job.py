@@ -247,13 +247,14 @@ class JobPlan:
     plans: list[RankPlan]
     summaries: list[dict]           # RankPlan.summary() + "pools", per rank
     pipeline_pools: dict            # limits and balance, or {"unavailable": why}
+    exchange_auto: Optional[dict] = None  # --exchange-cost auto: the cost, residency, device
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "architecture": self.spec.architecture,
                 "family": self.spec.family.name, "num_layers": self.spec.num_layers,
                 "pp": self.pp, "tp": self.tp, "ep": self.ep,
                 "partition": _partition_label(self.partition), "ranks": self.summaries,
-                "pipeline_pools": self.pipeline_pools}
+                "exchange_cost_auto": self.exchange_auto, "pipeline_pools": self.pipeline_pools}
 
     def text(self) -> str:
         """The readable form ``pploader plan`` prints."""
@@ -262,6 +263,11 @@ class JobPlan:
                f"layers, pp {self.pp} x ep {self.ep} x tp {self.tp}", plan_table(self.summaries)]
         if self.tp > 1:
             from .planning.redistribute import methods_table
+            auto = self.exchange_auto
+            if auto is not None:
+                out.append(f"\n--exchange-cost auto: {auto['exchange_cost']} (shards "
+                           f"{auto['resident_fraction']:.0%} in the page cache, device "
+                           f"{auto['device']})")
             out.append("\nTP slice reads per rank (tensors / bytes read; redistribute: row "
                        "shares + all-to-all when loaded with a Comm):")
             out.append(methods_table(self.summaries))

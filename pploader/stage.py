@@ -309,5 +309,8 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
         report.extra["redistribute"] = {
             "tensors": len(plan.redistribute.targets),  # type: ignore[union-attr]
             "sent_bytes": reader.sent_bytes, "received_bytes": reader.received_bytes,  # type: ignore[union-attr]
-            "exchange_seconds": round(reader.exchange_seconds, 4)}  # type: ignore[union-attr]
+            "exchange_seconds": round(reader.exchange_seconds, 4),  # type: ignore[union-attr]
+            "wait_seconds": round(reader.wait_seconds, 4),  # type: ignore[union-attr]
+            "all_to_alls": reader.all_to_alls,  # type: ignore[union-attr]
+            "link_setup_seconds": round(reader.link_setup_seconds, 4)}  # type: ignore[union-attr]
     return StageResult(state, plan, reader.stats, report)

@@ -48,3 +48,35 @@ def test_nccl_tp2_redistribute_bitwise_equal_to_direct(tmp_path: Path) -> None:
         # O_DIRECT (chosen when the files are not cached) reads whole aligned blocks
         assert res["planned"] <= 1.02 * res["ideal"] and res["read"] >= res["planned"]
         assert res["extra"]["redistribute"]["received_bytes"] > 0
+
+
+def _nccl_pipelined_groups(rank: int, world: int, model: str) -> dict:
+    """The CUDA executor with small groups: several DeviceLoader runs in the background thread,
+    each group swapped in one NCCL all-to-all while the next is read."""
+    from pploader.io.exchange import ExchangeReader
+    topo = Topology.for_world(world, rank, tp=world)
+    comm = Comm(topo, timeout_s=60)
+    staged = plan_stage(model, topo, exchange_cost=0.0, exchange_batch_bytes=4096)
+    comm.agree(None)
+    reader = ExchangeReader(staged.plan, comm, device=f"cuda:{rank}", group_bytes=20_000)
+    out = dict(reader)
+    comm.agree(None)
+    cpu = dict(Reader(staged.plan))
+    same = sorted(k for k, v in out.items()
+                  if torch.equal(v.cpu().view(torch.uint8), cpu[k].view(torch.uint8)))
+    ex = staged.plan.redistribute
+    comm.close()
+    return {"same": same, "keys": sorted(cpu), "all_to_alls": reader.all_to_alls,
+            "groups": len(reader.groups()), "batches": ex.num_batches if ex else 0,
+            "received": reader.received_bytes, "planned_received": ex.received_bytes if ex else -1}
+
+
+def test_nccl_pipelined_groups_bitwise_equal(tmp_path: Path) -> None:
+    model = make_model(tmp_path / "llama", tiny_config(vocab_size=250), shard_bytes=90_000)
+    for tp in (2, 4) if torch.cuda.device_count() >= 4 else (2,):
+        results = run_ranks(_nccl_pipelined_groups, tp, str(model), backend="nccl",
+                            timeout_s=120)
+        for rank, res in enumerate(results):
+            assert res["same"] == res["keys"], (tp, rank)
+            assert 1 < res["all_to_alls"] == res["groups"] < res["batches"], res
+            assert res["received"] == res["planned_received"] > 0

@@ -253,13 +253,38 @@ class _ThreadComm:
         self.group.barrier.wait()
 
 
-def _exchange_in_threads(plans: list) -> list[dict[str, torch.Tensor]]:
+def _exchange_in_threads(plans: list, group_bytes: Optional[int] = None,
+                         readers_out: Optional[list] = None) -> list[dict[str, torch.Tensor]]:
     from concurrent.futures import ThreadPoolExecutor
     from pploader.io.exchange import ExchangeReader
     group = _ThreadGroup(len(plans))
-    readers = [ExchangeReader(p, _ThreadComm(group, p.topology)) for p in plans]  # type: ignore
+    readers = [ExchangeReader(p, _ThreadComm(group, p.topology),  # type: ignore[arg-type]
+                              group_bytes=group_bytes) for p in plans]
+    if readers_out is not None:
+        readers_out += readers
     with ThreadPoolExecutor(len(plans)) as pool:
         return list(pool.map(lambda r: dict(r), readers))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_merged_groups_equal_direct_reads(llama: Path, tp: int) -> None:
+    """Consecutive planned batches merged into one all-to-all (what CUDA does by default:
+    row chunks of one tensor spread over groups, several tensors per group) give bitwise the
+    direct reads, with fewer all-to-alls than planned batches."""
+    from pploader.io.read import Reader
+    spec, index = load_spec(llama), open_checkpoint(llama)
+    plans = plan_all(spec, index, pp=1, tp=tp, exchange_cost=0.0, exchange_batch_bytes=2048)
+    readers: list = []
+    outs = _exchange_in_threads(plans, group_bytes=5000, readers_out=readers)
+    for plan, out, reader in zip(plans, outs, readers):
+        direct = dict(Reader(plan))
+        assert out.keys() == direct.keys()
+        for k in direct:
+            assert _bytes(out[k]) == _bytes(direct[k]), (plan.topology.rank, k)
+        ex = plan.redistribute
+        assert 1 < reader.all_to_alls < ex.num_batches, (reader.all_to_alls, ex.num_batches)
+        assert reader.received_bytes == ex.received_bytes and reader.sent_bytes == ex.sent_bytes
+        assert reader.stats.read_bytes == plan.planned_read_bytes
 
 
 def _quantized_llama(tmp: Path) -> Path:
@@ -295,6 +320,42 @@ def test_exchange_equals_direct_reads_across_families(tmp_path: Path, family: st
             assert ex is not None and plan.planned_read_bytes < plan.read_bytes
             assert ex.read_bytes <= 1.02 * sum(i.ideal_bytes for i in plan.items
                                                if i.target in ex.targets)
+
+
+def test_exchange_cost_auto_follows_residency_and_device(llama: Path, capsys: pytest.CaptureFixture,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--exchange-cost auto`: warm shards -> the device's warm cost, cold -> its cold cost;
+    `pploader plan` shows the value, the residency and the methods it gives."""
+    import json
+    from pploader import cli
+    from pploader.io import pagecache
+    from pploader.io.exchange import AUTO_EXCHANGE_COSTS, auto_exchange_cost
+    paths = [str(p) for p in open_checkpoint(llama).paths.values()]
+    for p in paths:
+        Path(p).read_bytes()  # page cache warm
+    cost, resident = auto_exchange_cost(paths, "cuda")
+    assert resident > 0.9 and cost == AUTO_EXCHANGE_COSTS["cuda"][0]
+    assert auto_exchange_cost(paths, "cpu")[0] == AUTO_EXCHANGE_COSTS["cpu"][0]
+
+    def plan(device: str) -> dict:
+        assert cli.main(["plan", "--model", str(llama), "--pp", "1", "--tp", "2", "--json",
+                         "--exchange-cost", "auto", "--device", device]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    warm_cpu, warm_cuda = plan("cpu"), plan("cuda")
+    assert warm_cpu["exchange_cost_auto"]["exchange_cost"] == AUTO_EXCHANGE_COSTS["cpu"][0]
+    assert warm_cuda["exchange_cost_auto"] == {"exchange_cost": AUTO_EXCHANGE_COSTS["cuda"][0],
+                                               "device": "cuda",
+                                               "resident_fraction": pytest.approx(1, abs=0.1)}
+    # warm on CPU (gloo slower than page-cache copies): direct; on CUDA (NVLink): exchanged
+    assert warm_cpu["ranks"][0]["methods"]["redistribute"]["tensors"] == 0
+    assert warm_cuda["ranks"][0]["methods"]["redistribute"]["tensors"] == 16
+    monkeypatch.setattr(pagecache, "resident_bytes_of_ranges",
+                        lambda path, ranges, **_: (0, sum(n for _, n in ranges)))
+    assert auto_exchange_cost(paths, "cpu") == (AUTO_EXCHANGE_COSTS["cpu"][1], 0.0)
+    cold_cpu = plan("cpu")
+    assert cold_cpu["exchange_cost_auto"]["resident_fraction"] == 0.0
+    assert cold_cpu["ranks"][0]["methods"]["redistribute"]["tensors"] == 16
 
 
 def test_cli_plan_shows_the_load_options(llama: Path, capsys: pytest.CaptureFixture) -> None:

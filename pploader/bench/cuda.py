@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from .pp2 import _pp2, _pp2_profile, _profile_child, _stage_child
+from .pp2 import _pp2, _pp2_profile, _pp_reload, _profile_child, _stage_child
 
 __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 
@@ -86,12 +86,12 @@ def write_checkpoint(ckdir: str, scale: str) -> None:
     stamp.write_text(json.dumps(want))
 
 
-def stage_ctx(ckdir: str, device: str) -> Any:
+def stage_ctx(ckdir: str, device: str, pp: int = 2, stage: int = 0) -> Any:
     """The PP=2 stage 0 that every method loads (names from pploader's plan, offsets from
-    the files' own headers)."""
+    the files' own headers); ``pp`` / ``stage`` pick another (the PP=N ceilings)."""
     from .. import Topology, plan_stage
     from .gpu_methods import Ctx, _header
-    names = {i.name for i in plan_stage(ckdir, Topology(2, rank=0)).plan.items}
+    names = {i.name for i in plan_stage(ckdir, Topology(pp, rank=stage)).plan.items}
     all_files = sorted(p.name for p in Path(ckdir).glob("*.safetensors"))
     tensors = {}
     for f in all_files:
@@ -114,14 +114,15 @@ def _rss_peak() -> Optional[int]:
     return None
 
 
-def _child(method: str, ckdir: str, device: str) -> None:
+def _child(method: str, ckdir: str, device: str, pp: int = 2, stage: int = 0) -> None:
     import torch
     from .gpu_methods import METHODS, verify
     row: dict[str, Any] = {"method": method}
     try:
+        torch.cuda.set_device(device)  # pinned allocations' context on this GPU, not cuda:0
         torch.empty(1, device=device)
         torch.cuda.synchronize(device)
-        ctx = stage_ctx(ckdir, device)
+        ctx = stage_ctx(ckdir, device, pp, stage)
         fn, prep_fn = METHODS[method]
         prep = prep_fn(ctx) if prep_fn else {}
         row["rss_before"] = _rss_peak()
@@ -372,6 +373,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disk-first", action="store_true", help="the sweep, then the methods")
     ap.add_argument("--pp2", action="store_true")
     ap.add_argument("--pp2-profile", action="store_true")
+    ap.add_argument("--pp", type=int, default=2, help="stages for --pp2 / --pp2-profile")
+    ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--pp-reload", action="store_true", help="PP=N with rings made before "
+                    "the clock, and raw ceilings of one stage's bytes on another GPU")
+    ap.add_argument("--reuse-ring", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--stage-child", type=int, default=None, help=argparse.SUPPRESS)
@@ -380,22 +386,27 @@ def main(argv: list[str] | None = None) -> None:
     if args.plot:
         return plot(*args.plot)
     if args.child:
-        return _child(args.child, args.ckdir, args.device)
+        return _child(args.child, args.ckdir, args.device, args.pp, args.stage)
     if args.stage_child is not None:
-        return _stage_child(args.ckdir, args.stage_child)
+        return _stage_child(args.ckdir, args.stage_child, args.pp, args.reuse_ring)
     if args.profile_child is not None:
         rank, what = args.profile_child.split(":")
-        return _profile_child(args.ckdir, int(rank), what)
+        return _profile_child(args.ckdir, int(rank), what, args.pp)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.disk:
         write_checkpoint(args.ckdir, args.scale)
         rows = disk_patterns(_files(args.ckdir))
         Path(args.out, "disk.json").write_text(json.dumps(rows, indent=1))
         return None
+    if args.pp_reload:
+        write_checkpoint(args.ckdir, args.scale)
+        rows = _pp_reload(args.ckdir, args.pp)
+        Path(args.out, f"pp{args.pp}_reload.json").write_text(json.dumps(rows, indent=1))
+        return None
     if args.pp2 or args.pp2_profile:
         write_checkpoint(args.ckdir, args.scale)
-        rows = _pp2(args.ckdir) if args.pp2 else _pp2_profile(args.ckdir)
-        name = "pp2.json" if args.pp2 else "pp2_profile.json"
+        rows = _pp2(args.ckdir, args.pp) if args.pp2 else _pp2_profile(args.ckdir, args.pp)
+        name = f"pp{args.pp}.json" if args.pp2 else f"pp{args.pp}_profile.json"
         Path(args.out, name).write_text(json.dumps(rows, indent=1))
         return None
     run_all(args)

@@ -1,7 +1,8 @@
-"""PP=2 on two GPUs for the GPU benchmark (``python -m pploader.bench.cuda --pp2`` /
-``--pp2-profile``): each stage alone on its own GPU, then both at once, and the split of that
-time into page-cache reads and host-to-device copies. The children are started as
-``python -m pploader.bench.cuda --stage-child RANK`` / ``--profile-child RANK:WHAT``.
+"""PP=N on N GPUs for the GPU benchmark (``python -m pploader.bench.cuda --pp2 [--pp N]`` /
+``--pp2-profile [--pp N]``): each stage alone on its own GPU, then all at once, each stage's
+raw ceiling alone on its GPU (the benchmark's ``raw_preadv16`` on that stage), and the split
+of that time into page-cache reads and host-to-device copies. The children are started as
+``python -m pploader.bench.cuda --stage-child RANK --pp N`` / ``--profile-child RANK:WHAT``.
 """
 from __future__ import annotations
 
@@ -12,23 +13,27 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["_pp2", "_pp2_profile", "_stage_child", "_profile_child"]
+__all__ = ["_pp2", "_pp2_profile", "_pp_reload", "_stage_child", "_profile_child"]
 
 
-def _stage_child(model: str, rank: int) -> None:
+def _stage_child(model: str, rank: int, pp: int = 2, reuse_ring: bool = False) -> None:
+    """One stage's ``load_stage`` on its GPU; ``reuse_ring``: the pinned ring is made and
+    page-locked before the clock (a reload) instead of on first use inside the load."""
     import torch
     from pploader import Topology, load_stage, plan_stage
+    from pploader.io.device import PinnedRing
     torch.cuda.set_device(rank)
     torch.empty(1, device="cuda")
-    staged = plan_stage(model, Topology(2, rank=rank))
-    res = load_stage(staged, device=f"cuda:{rank}")
+    ring = PinnedRing(lazy=False) if reuse_ring else None
+    staged = plan_stage(model, Topology(pp, rank=rank))
+    res = load_stage(staged, device=f"cuda:{rank}", ring=ring)
     print("RESULT " + json.dumps({"rank": rank, "seconds": res.report.seconds,
                                   "ideal_bytes": res.report.ideal_bytes,
                                   "gbps": res.report.gbps,
                                   "peak_rss": res.report.peak_rss_bytes}), flush=True)
 
 
-def _profile_child(model: str, rank: int, what: str) -> None:
+def _profile_child(model: str, rank: int, what: str, pp: int = 2) -> None:
     """One side of the PP=2 bottleneck profile: ``reads`` = the stage's planned bytes from the
     page cache into a pinned ring (16 threads, no GPU copy); ``h2d`` = pinned -> GPU copies
     of the same volume (no file reads)."""
@@ -38,7 +43,7 @@ def _profile_child(model: str, rank: int, what: str) -> None:
     from pploader.io.device import PinnedRing
     torch.cuda.set_device(rank)
     torch.empty(1, device="cuda")
-    plan = plan_stage(model, Topology(2, rank=rank)).plan
+    plan = plan_stage(model, Topology(pp, rank=rank)).plan
     ring = PinnedRing(16, 16 << 20, lazy=False)
     total = plan.read_bytes
     start = time.perf_counter()
@@ -79,12 +84,12 @@ def _profile_child(model: str, rank: int, what: str) -> None:
                                   "gbps": total / sec / 1e9}), flush=True)
 
 
-def _pp2_profile(ckdir: str) -> list[dict]:
-    """Reads alone vs together, and H2D alone vs together, per stage (the PP=2 profile)."""
+def _pp2_profile(ckdir: str, pp: int = 2) -> list[dict]:
+    """Reads alone vs together, and H2D alone vs together, per stage (the PP=N profile)."""
     def spawn(rank: int, what: str) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--profile-child",
-                                 f"{rank}:{what}", "--ckdir", ckdir], stdout=subprocess.PIPE,
-                                text=True)
+                                 f"{rank}:{what}", "--ckdir", ckdir, "--pp", str(pp)],
+                                stdout=subprocess.PIPE, text=True)
 
     def result(p: subprocess.Popen) -> dict:
         out, _ = p.communicate(timeout=300)
@@ -93,9 +98,9 @@ def _pp2_profile(ckdir: str) -> list[dict]:
 
     rows = []
     for what in ("reads", "h2d"):
-        for rank in (0, 1):
+        for rank in range(pp):
             rows.append(dict(result(spawn(rank, what)), mode="alone"))
-        procs = [spawn(0, what), spawn(1, what)]
+        procs = [spawn(rank, what) for rank in range(pp)]
         rows += [dict(result(p), mode="together") for p in procs]
     for r in rows:
         print(f"[pp2-profile] {r.get('what'):5s} {r.get('mode'):8s} rank {r.get('rank')} "
@@ -103,11 +108,19 @@ def _pp2_profile(ckdir: str) -> list[dict]:
     return rows
 
 
-def _pp2(ckdir: str) -> list[dict]:
-    """Each stage alone on its GPU, then both at once (warm page cache)."""
+def _pp2(ckdir: str, pp: int = 2) -> list[dict]:
+    """Each stage alone on its GPU, then all at once, and each stage's raw ceiling alone on
+    its GPU (warm page cache)."""
     def spawn(rank: int) -> subprocess.Popen:
         return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--stage-child",
-                                 str(rank), "--ckdir", ckdir], stdout=subprocess.PIPE, text=True)
+                                 str(rank), "--ckdir", ckdir, "--pp", str(pp)],
+                                stdout=subprocess.PIPE, text=True)
+
+    def raw(rank: int) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--child",
+                                 "raw_preadv16", "--ckdir", ckdir, "--device", f"cuda:{rank}",
+                                 "--pp", str(pp), "--stage", str(rank)],
+                                stdout=subprocess.PIPE, text=True)
 
     def result(p: subprocess.Popen) -> dict:
         out, _ = p.communicate(timeout=300)
@@ -120,12 +133,46 @@ def _pp2(ckdir: str) -> list[dict]:
                 pass
     rows = []
     for trial in (0, 1):
-        for rank in (0, 1):
+        for rank in range(pp):
+            rows.append(dict(result(raw(rank)), mode="raw_alone", trial=trial, rank=rank))
             rows.append(dict(result(spawn(rank)), mode="alone", trial=trial))
-        procs = [spawn(0), spawn(1)]
+        procs = [spawn(rank) for rank in range(pp)]
         rows += [dict(result(p), mode="together", trial=trial) for p in procs]
     for r in rows:
-        print(f"[pp2] trial {r.get('trial')} {r.get('mode'):8s} rank {r.get('rank')} "
+        print(f"[pp{pp}] trial {r.get('trial')} {r.get('mode'):8s} rank {r.get('rank')} "
               f"{r.get('seconds', 0):.3f}s "
               f"{r.get('gbps', 0):.2f} GB/s", flush=True)
+    return rows
+
+
+def _pp_reload(ckdir: str, pp: int) -> list[dict]:
+    """Where the PP=N slowdown lives: each stage alone and all together with the ring made
+    before the clock (no first-use page-locking in the load), and the raw ceiling of stage 0's
+    bytes on GPU 1 and of stage 1's bytes on GPU 0 (GPU vs files)."""
+    def run(args: list[str]) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--ckdir", ckdir,
+                                 "--pp", str(pp), *args], stdout=subprocess.PIPE, text=True)
+
+    def result(p: subprocess.Popen) -> dict:
+        out, _ = p.communicate(timeout=300)
+        line = [x for x in out.splitlines() if x.startswith("RESULT ")]
+        return json.loads(line[-1][7:]) if line else {"error": out[-500:]}
+
+    from .cuda import _files, warm
+    warm(_files(ckdir))
+    rows = []
+    for stage, gpu in ((0, 1), (1, 0), (0, 0), (1, 1)):
+        rows.append(dict(result(run(["--child", "raw_preadv16", "--device", f"cuda:{gpu}",
+                                     "--stage", str(stage)])), mode="raw_cross", stage=stage,
+                         gpu=gpu))
+    for trial in (0, 1):
+        for rank in range(pp):
+            rows.append(dict(result(run(["--stage-child", str(rank), "--reuse-ring"])),
+                             mode="alone_reload", trial=trial))
+        procs = [run(["--stage-child", str(rank), "--reuse-ring"]) for rank in range(pp)]
+        rows += [dict(result(p), mode="together_reload", trial=trial) for p in procs]
+    for r in rows:
+        print(f"[pp{pp}-reload] {r.get('mode'):15s} trial {r.get('trial')} rank {r.get('rank')} "
+              f"stage {r.get('stage')} gpu {r.get('gpu')} {r.get('seconds', 0):.3f}s "
+              f"{r.get('gbps', 0):.2f} GB/s {r.get('error') or ''}", flush=True)
     return rows

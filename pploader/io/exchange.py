@@ -13,6 +13,7 @@ timeout), as for read-once broadcasts.
 """
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from dataclasses import replace
@@ -31,7 +32,12 @@ if TYPE_CHECKING:  # pragma: no cover
     from ..planning.plan import Partition
     from ..stage import StagePlan
 
-__all__ = ["ExchangeReader", "NodeReadOnceReader", "split_plan"]
+__all__ = ["ExchangeReader", "NodeReadOnceReader", "split_plan", "DEFAULT_DEVICE_GROUP_BYTES",
+           "AUTO_EXCHANGE_COSTS", "auto_exchange_cost"]
+
+#: Row-share bytes per all-to-all on CUDA (consecutive planned batches merged): large
+#: all-to-alls run near link speed over NVLink and few DeviceLoader runs amortise their setup.
+DEFAULT_DEVICE_GROUP_BYTES = 1 << 30
 
 
 def split_plan(plan: RankPlan) -> tuple[RankPlan, RankPlan, Redistribute]:
@@ -55,10 +61,21 @@ def _bytes_view(t: torch.Tensor) -> torch.Tensor:
 
 class ExchangeReader:
     """Yields ``(target, tensor)`` of a plan with a Redistribute: first every exchanged tensor
-    (row shares read, one all-to-all per batch), then the rest through a plain Reader.
+    (row shares read, all-to-alls over the TP group), then the rest (direct reads).
+
+    Pipelined: a background thread reads the row shares group by group (a group = consecutive
+    planned batches up to ``group_bytes`` of share bytes; then the direct items) while this
+    thread exchanges the previous group in one all-to-all; so the exchange hides behind the
+    reads. On CUDA each group goes through the DeviceLoader (pinned ring -> device) and the
+    all-to-all runs on the device over NCCL, the pack/scatter copies too (no host copy);
+    default group 1 GiB of shares. On CPU the groups are the planned batches (gloo).
 
     Every rank of the TP group must iterate it to the end. ``stats.read_bytes`` counts storage
-    bytes; ``sent_bytes`` / ``received_bytes`` the bytes exchanged with other ranks.
+    bytes; ``sent_bytes`` / ``received_bytes`` the bytes exchanged with other ranks;
+    ``exchange_seconds`` this thread's time in pack + all-to-all + scatter (peers' skew
+    included), ``wait_seconds`` its time waiting for the reads (the exposed read time),
+    ``link_setup_seconds`` the first tiny all-to-all (NCCL's communicator setup, overlapped
+    with the first group's reads).
     """
 
     def __init__(self, plan: RankPlan, comm: "Comm", *, window_bytes: Optional[int] = None,
@@ -66,13 +83,17 @@ class ExchangeReader:
                  cancel: Optional[threading.Event] = None,
                  on_progress: Optional[Callable[[int], None]] = None,
                  memory_budget_bytes: Optional[int] = None,
-                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None) -> None:
+                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None,
+                 group_bytes: Optional[int] = None) -> None:
         self.own, self.shares, self.exchange = split_plan(plan)
         if comm.topology.tp_group() != self.exchange.group:
             raise ValueError(f"plan's TP group {self.exchange.group} is not the comm's "
                              f"{comm.topology.tp_group()}")
         self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
         self.device, self.ring = torch.device(device), ring
+        cuda = self.device.type == "cuda"
+        self.group_bytes = group_bytes if group_bytes is not None else (
+            DEFAULT_DEVICE_GROUP_BYTES if cuda else 0)
         kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
                   on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
         self._share_reader = Reader(self.shares, **kw)  # type: ignore[arg-type]
@@ -80,48 +101,82 @@ class ExchangeReader:
         self._device_stats: list[ReadStats] = []
         self.stats = ReadStats()
         self.sent_bytes = self.received_bytes = 0
-        self.exchange_seconds = 0.0
+        self.exchange_seconds = self.wait_seconds = self.link_setup_seconds = 0.0
+        self.all_to_alls = 0
         self.error: Optional[BaseException] = None
 
-    # ---- row shares ---------------------------------------------------------------------
-    def _cpu_shares(self) -> Iterator[list[torch.Tensor]]:
-        stream = iter(self._share_reader)
+    def groups(self) -> list[list[ExchangeItem]]:
+        """The planned batches, consecutive ones merged up to ``group_bytes`` of this rank's
+        share bytes (0: one all-to-all per planned batch)."""
+        out: list[list[ExchangeItem]] = []
+        used = 0
         for batch in self.exchange.batches():
-            out = []
-            for item in batch:
-                tensor = None
-                if self.error is None:
-                    try:
-                        _, tensor = next(stream)
-                    except Exception as exc:  # noqa: BLE001 - raised after the exchange
-                        self.error = exc
-                out.append(tensor if tensor is not None else self._dummy(item))
-            yield out
-        if self.error is None:
-            try:
-                next(stream, None)  # lets the reader finish (identity checks, close)
-            except Exception as exc:  # noqa: BLE001
-                self.error = exc
+            size = sum(i.share.read_bytes for i in batch)
+            if out and used + size <= self.group_bytes:
+                out[-1] += batch
+                used += size
+            else:
+                out.append(list(batch))
+                used = size
+        return out
 
-    def _device_shares(self) -> Iterator[list[torch.Tensor]]:
-        from .device import DeviceLoader, PinnedRing
-        ring = self.ring = self.ring or PinnedRing()
-        for batch in self.exchange.batches():
+    # ---- the reads (background thread) --------------------------------------------------
+    def _load_groups(self, groups: list[list[ExchangeItem]], ready: "queue.Queue[Any]",
+                     stop: threading.Event) -> None:
+        """Reads each group's shares, then the direct items; puts each result (None after a
+        failure: the exchange goes on with zeros) on ``ready``."""
+        def put(value: Any) -> None:
+            while not stop.is_set():
+                try:
+                    ready.put(value, timeout=0.1)
+                    return
+                except queue.Full:
+                    continue
+
+        if self.device.type == "cuda":
+            from .device import DeviceLoader, PinnedRing
+
+            def load(plan: RankPlan) -> dict[str, torch.Tensor]:
+                self.ring = self.ring or PinnedRing()  # inside the try: a failure is reported
+                loader = DeviceLoader(plan, self.device, ring=self.ring, cancel=self.cancel,
+                                      on_progress=self.on_progress)
+                self._device_stats.append(loader.stats)
+                return loader.load()
+        else:
+            stream = iter(self._share_reader)
+
+            def load(plan: RankPlan) -> dict[str, torch.Tensor]:
+                return dict(next(stream) for _ in plan.items)  # the reader keeps plan order
+        for group in groups:
+            if stop.is_set():
+                return
             loaded = None
             if self.error is None:
                 try:
-                    plan = replace(self.shares, items=tuple(i.share for i in batch))
-                    loader = DeviceLoader(plan, self.device, ring=ring, cancel=self.cancel,
-                                          on_progress=self.on_progress)
-                    self._device_stats.append(loader.stats)
-                    loaded = loader.load()
+                    loaded = load(replace(self.shares, items=tuple(i.share for i in group)))
                 except Exception as exc:  # noqa: BLE001 - raised after the exchange
                     self.error = exc
-            yield [loaded[i.share.target] if loaded is not None else self._dummy(i)
-                   for i in batch]
+            put(loaded)
+        if self.error is None:
+            try:
+                if self.device.type == "cuda":
+                    put(load(self.own))
+                    return
+                next(stream, None)  # lets the share reader finish (identity checks, close)
+            except Exception as exc:  # noqa: BLE001
+                self.error = exc
+        put(None)
 
     def _dummy(self, item: ExchangeItem) -> torch.Tensor:
         return torch.zeros(item.share.shape, dtype=DTYPES[item.dtype][0], device=self.device)
+
+    def _open_link(self) -> None:
+        """One tiny all-to-all: NCCL creates the TP group's communicator on its first
+        collective (seconds on a fresh process group), so this runs it while the background
+        thread reads the first group instead of after it."""
+        tp = len(self.exchange.group)
+        buf = torch.zeros(tp, dtype=torch.uint8, device=self.device)
+        self.comm.all_to_all_bytes(torch.empty_like(buf), [1] * tp, buf, [1] * tp)
 
     # ---- the exchange -------------------------------------------------------------------
     def _exchange(self, batch: list[ExchangeItem], shares: list[torch.Tensor],
@@ -149,10 +204,8 @@ class ExchangeReader:
             recv = _bytes_view(outputs[batch[0].target]).reshape(-1)[at:at + total]
         else:
             recv = torch.empty(total, dtype=torch.uint8, device=self.device)
-        start = time.perf_counter()
         self.comm.all_to_all_bytes(recv, recv_splits, send, send_splits)
-        self.exchange_seconds += time.perf_counter() - start
-        del send
+        self.all_to_alls += 1
         self.sent_bytes += sum(send_splits) - send_splits[me]
         self.received_bytes += sum(recv_splits) - recv_splits[me]
         pos = 0
@@ -164,34 +217,56 @@ class ExchangeReader:
                     flat = _bytes_view(outputs[item.target]).reshape(-1)
                     flat[at:at + n].copy_(recv[pos:pos + n])
                 pos += n
-        if self.device.type == "cuda":  # outputs complete before they are handed out
-            torch.cuda.synchronize(self.device)
+        if self.device.type == "cuda":
+            # outputs complete before they are handed out, and ``send`` / ``recv`` / the shares
+            # freed only after this stream (which waits for NCCL) is done: the reads thread's
+            # DeviceLoader may get a freed block at once and write it from its own streams
+            torch.cuda.current_stream(self.device).synchronize()
+        del send, recv
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         start = time.perf_counter()
+        groups = self.groups()
+        ready: "queue.Queue[Any]" = queue.Queue(maxsize=1)
+        stop = threading.Event()
+        reads = threading.Thread(target=self._load_groups, args=(groups, ready, stop),
+                                 name="pploader-exchange-reads", daemon=True)
+        reads.start()
         try:
-            shares = self._device_shares() if self.device.type == "cuda" else self._cpu_shares()
+            t0 = time.perf_counter()
+            self._open_link()  # while the first group is read
+            self.link_setup_seconds = time.perf_counter() - t0
             outputs: dict[str, torch.Tensor] = {}
-            for batch, loaded in zip(self.exchange.batches(), shares):
+            for group in groups:
+                t0 = time.perf_counter()
+                loaded = ready.get()
+                t1 = time.perf_counter()
+                self.wait_seconds += t1 - t0
                 if self.error is None and self.cancel is not None and self.cancel.is_set():
                     self.error = RuntimeError("cancelled: another rank failed")
-                self._exchange(batch, loaded, outputs)
+                shares = [loaded[i.share.target] if loaded is not None else self._dummy(i)
+                          for i in group]
+                del loaded
+                self._exchange(group, shares, outputs)
+                del shares
+                self.exchange_seconds += time.perf_counter() - t1
                 if self.error is None:
-                    for item in batch:
+                    for item in group:
                         if item.last:
                             yield item.target, outputs.pop(item.target)
-            next(shares, None)  # the share reader's end (identity checks)
+            t0 = time.perf_counter()
+            own = ready.get()  # CUDA: the direct items (read while the last group was swapped)
+            self.wait_seconds += time.perf_counter() - t0
+            reads.join()
             if self.error is not None:
                 raise self.error
-            if self.device.type == "cuda":
-                from .device import DeviceLoader
-                loader = DeviceLoader(self.own, self.device, ring=self.ring, cancel=self.cancel,
-                                      on_progress=self.on_progress)
-                self._device_stats.append(loader.stats)
-                yield from loader.load().items()
+            if own is not None:
+                yield from own.items()
             else:
                 yield from self._own_reader
         finally:
+            stop.set()
+            reads.join()
             readers = [self._share_reader.stats, self._own_reader.stats, *self._device_stats]
             for name in ("read_bytes", "items", "syscalls"):
                 setattr(self.stats, name, sum(getattr(s, name) for s in readers))
@@ -311,3 +386,33 @@ class NodeReadOnceReader:
             for name in ("read_bytes", "items", "syscalls"):
                 setattr(self.stats, name, sum(getattr(s, name) for s in stats))
             self.stats.seconds = time.perf_counter() - start
+
+
+#: ``exchange_cost`` that ``auto`` uses, per device kind: (page cache warm, cold), in bytes of
+#: sequential read per exchanged byte. CPU: bench/tp_costs on a 2-core VM (gloo over loopback,
+#: docs/tensor-parallel.md: 2.27 warm, 1.58 cold). CUDA: the TP exchange runs over NVLink on
+#: the device while reads run at page-cache or disk speed (docs/benchmarks-gpu.md, TP rows).
+AUTO_EXCHANGE_COSTS: dict[str, tuple[float, float]] = {"cpu": (2.27, 1.58),
+                                                       "cuda": (0.25, 0.02)}
+
+
+def auto_exchange_cost(paths: Sequence[str], device_type: str = "cpu"
+                       ) -> tuple[float, float]:
+    """(exchange_cost, page-cache resident fraction) for ``exchange_cost='auto'``: the sampled
+    residency (mincore, no data read) of the shards ``paths`` (missing ones skipped) picks the
+    warm or the cold cost of ``device_type`` (AUTO_EXCHANGE_COSTS). Warm: direct reads are
+    page-cache copies, so redistribution pays only where the link is much faster than them;
+    cold: every byte not read saves a device read, so read once and redistribute."""
+    import os
+    from .pagecache import resident_bytes_of_ranges
+    resident = total = 0
+    for path in paths:
+        try:
+            size = os.path.getsize(path)
+        except OSError:
+            continue
+        r, t = resident_bytes_of_ranges(str(path), [(0, size)])
+        resident, total = resident + r, total + t
+    fraction = resident / total if total else 0.0
+    warm, cold = AUTO_EXCHANGE_COSTS.get(device_type, AUTO_EXCHANGE_COSTS["cpu"])
+    return (warm if fraction >= 0.5 else cold), fraction
