@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
+from .gcpause import without_gc
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from ..errors import PlanError
 from ..families.base import TensorRole
@@ -158,6 +159,7 @@ def layer_bytes(spec: ModelSpec, index: CheckpointIndex,
     return per_layer, first, last
 
 
+@without_gc
 def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
                  partition: Partition = "even", *,
                  cache_bytes: Optional[Sequence[int]] = None,
@@ -267,6 +269,7 @@ def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topo
     return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
 
 
+@without_gc
 def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               window: StageWindow, *, strict: bool = True,
               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
@@ -301,8 +304,9 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
                 reads.append((name, role, _head_name(spec)))
                 chosen.setdefault(name, role)
     index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
-    if strict:
+    if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         _check_expected(roles, index, chosen, window, experts, topology)
+        roles.mark_checked(window, experts)
     items = []
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
@@ -425,6 +429,7 @@ def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
                             rank=topology.rank)
 
 
+@without_gc
 def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
              partition: Partition = "even", strict: bool = True,
              cache_bytes: Optional[Sequence[int]] = None,
@@ -445,6 +450,7 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
     return plans
 
 
+@without_gc
 def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
              topology: Optional[Topology] = None) -> RankPlan:
     """Plan of a draft model: MTP layer ``mtp_layer`` renamed to layer 0 of the draft."""

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass, replace
-from typing import Mapping, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional
 
 from ..errors import PlanError
 from ..families.base import TensorRole
 from .checkpoint import CheckpointIndex
+from .gcpause import without_gc
 from .partition import StageWindow
 from .quant import quant_scheme
 from .spec import ModelSpec
@@ -34,6 +35,9 @@ class CheckpointRoles:
     links: Mapping[str, str]                         # quant companion name -> its weight's name
     template: Optional[Mapping[str, tuple[int, ...]]]
     template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+    #: per-stage results every rank of a stage shares (``stage_roles``, the strict template
+    #: check): keyed by (what, window, experts); derived from the fields above only
+    _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -71,7 +75,23 @@ class CheckpointRoles:
 
     def stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
                     ) -> dict[str, TensorRole]:
-        """The roles of the names ``window`` (and ``experts``) reads."""
+        """The roles of the names ``window`` (and ``experts``) reads (a new dict; computed once
+        per stage and EP rank, every TP rank of the stage shares it)."""
+        key = ("roles", window, experts)
+        found = self._stage_memo.get(key)
+        if found is None:
+            found = self._stage_memo[key] = self._stage_roles(window, experts)
+        return dict(found)
+
+    def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
+        """True when the strict template check already passed for this stage and EP rank."""
+        return ("checked", window, experts) in self._stage_memo
+
+    def mark_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> None:
+        self._stage_memo["checked", window, experts] = True
+
+    def _stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                     ) -> dict[str, TensorRole]:
         chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
         for layer in range(window.start_layer, window.end_layer):
             for name, role in self.layer_roles(layer).items():
@@ -84,6 +104,7 @@ class CheckpointRoles:
         return any(r.role == "head" for r in self.others.values())
 
 
+@without_gc
 def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles:
     """Classify every name of ``index`` for ``spec`` (pure; PlanError on unknown names)."""
     spec = spec.for_checkpoint(index.weight_map)
