@@ -312,21 +312,29 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
     selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
     relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
+    links, rule_index = roles.links, roles.rule_index
     for name, role, target in reads:
         entry = index.entry(name)
-        weight = roles.links.get(name)
-        wentry = index.entry(weight) if weight is not None else None
-        key = (role.component, role.fused_experts, entry.shape, entry.dtype,
-               wentry.shape if wentry else None, wentry.dtype if wentry else None)
+        weight = links.get(name)
+        if weight is None:  # the selection depends on the TP rule, not on the name: tensors
+            wentry = None   # with one rule, shape and dtype share it (e.g. all experts)
+            key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
+                          entry.dtype, scheme is not None and scheme.is_quantized(
+                              name, entry.dtype, len(entry.shape)))
+        else:  # a quantization companion: sliced from its weight's logical selection
+            wentry = index.entry(weight)
+            suffix = name[len(weight) - len("weight"):]
+            key = (rule_index(role.component[:-len(suffix)] + "weight"), role.fused_experts,
+                   entry.shape, entry.dtype, suffix, wentry.shape, wentry.dtype)
         sel = selections.get(key)
         try:
             if sel is None:
                 sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
                                                    scheme)
             if exchanger is not None:
-                exchanger.consider(entry, target, sel, (
-                    role.component, role.fused_experts, wentry.shape if wentry else None),
-                    partial(_peer_selection, spec, role, entry, experts, index, scheme))
+                exchanger.consider(entry, target, sel, key,
+                                   partial(_peer_selection, spec, role, entry, experts, index,
+                                           scheme))
         except PlanError as exc:  # name the file and rank of the tensor being planned
             raise PlanError(exc.detail, file=exc.file or entry.file,
                             tensor=exc.tensor or name, rank=topology.rank) from None

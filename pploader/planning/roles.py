@@ -38,6 +38,7 @@ class CheckpointRoles:
     #: per-stage results every rank of a stage shares (``stage_roles``, the strict template
     #: check): keyed by (what, window, experts); derived from the fields above only
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
+    _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -82,6 +83,17 @@ class CheckpointRoles:
         if found is None:
             found = self._stage_memo[key] = self._stage_roles(window, experts)
         return dict(found)
+
+    def rule_index(self, component: str) -> int:
+        """Position of ``component``'s TP rule in the family's ``shard_rules`` (-1: none,
+        replicated); memoised per distinct component, so tensors with the same rule share one
+        selection however their names differ (the experts of a layer)."""
+        found = self._rules.get(component)
+        if found is None:
+            rule = self.spec.family.shard_rule(component)
+            found = self._rules[component] = -1 if rule is None else next(
+                i for i, r in enumerate(self.spec.family.shard_rules) if r is rule)
+        return found
 
     def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
         """True when the strict template check already passed for this stage and EP rank."""
