@@ -349,8 +349,9 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
     plan = replace(plan, range_cost_bytes=range_cost_bytes, redistribute=redistribute)
-    logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
-                 len(plan.items), plan.read_bytes, ", ".join(plan.files))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
+                     len(plan.items), plan.read_bytes, ", ".join(plan.files))
     return plan
 
 
@@ -412,14 +413,15 @@ def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
     expected = {n: tuple(template[n]) for n in chosen if n in template}
     expected.update({n: tuple(template[n]) for n, r in roles.template_only.items()
                      if r is not None and _wanted(r, window, experts)})
+    entries = index.entry_map({index.weight_map[n] for n in chosen})
     scheme = quant_scheme(spec)
     if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
-        expected = expand_template(  # an error like any missing tensor)
-            scheme, expected,
-            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
-    have = {n for n in chosen if _wanted(chosen[n], window, experts)}
+        expected = _expand(scheme, expected, entries)  # an error like any missing tensor)
+    # the stage's names, as ``wanted`` keeps them (a chosen "layer" name always is)
+    have = {n for n, r in chosen.items()
+            if r.placement == "layer" or _wanted(r, window, experts)}
     missing = sorted(set(expected) - index.weight_map.keys())
-    unexpected = sorted(have - set(expected))
+    unexpected = sorted(have - expected.keys())
     where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
     if missing:
         raise PlanError(f"{where}: {len(missing)} required tensor(s) missing from the checkpoint: "
@@ -429,12 +431,37 @@ def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
         raise PlanError(f"{where}: {len(unexpected)} tensor(s) not expected for this config: "
                         + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""),
                         tensor=unexpected[0], rank=topology.rank)
-    for name in sorted(have):
-        entry = index.entry(name)
+    differ = [n for n in have if entries[n].shape != expected[n]]  # exact: the common case
+    for name in sorted(differ):
+        entry = entries[name]
         if not same_shape(expected[name], entry.shape):
             raise PlanError(f"shape {list(entry.shape)} in the checkpoint != {list(expected[name])} "
                             "expected from config.json", file=entry.file, tensor=name,
                             rank=topology.rank)
+
+
+def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
+            entries: Mapping[str, TensorEntry]) -> dict[str, tuple[int, ...]]:
+    """``expand_template(scheme, expected, dtype_of=<stored dtype>)``, computed once per
+    (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
+    weights share a handful of such keys."""
+    out: dict[str, tuple[int, ...]] = {}
+    made: dict[tuple, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+    for name, shape in expected.items():
+        entry = entries.get(name)
+        is_weight = name == "weight" or name.endswith(".weight")
+        key = (shape, entry.dtype if entry is not None else None, is_weight)
+        rel = made.get(key)
+        if rel is None:  # the expansion of a stand-in name "x.weight" / "x", relative to it
+            probe = "x.weight" if is_weight else "x"
+            got = expand_template(scheme, {probe: shape}, dtype_of=lambda _n: key[1])
+            stem = probe[:-len("weight")] if is_weight else probe
+            rel = made[key] = tuple((n[len(stem):] if n != probe else None, s)
+                                    for n, s in got.items())
+        stem = name[:-len("weight")] if is_weight else name
+        for suffix, s in rel:
+            out[name if suffix is None else stem + suffix] = s
+    return out
 
 
 @without_gc
