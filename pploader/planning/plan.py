@@ -313,13 +313,15 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
     relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
     links, rule_index = roles.links, roles.rule_index
+    entries = index.entry_map(index.weight_map[n] for n, _, _ in reads)
+    qdtype = scheme.weight_dtype if scheme is not None else None
     for name, role, target in reads:
-        entry = index.entry(name)
+        entry = entries[name]
         weight = links.get(name)
         if weight is None:  # the selection depends on the TP rule, not on the name: tensors
             wentry = None   # with one rule, shape and dtype share it (e.g. all experts)
             key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
-                          entry.dtype, scheme is not None and scheme.is_quantized(
+                          entry.dtype, entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
                               name, entry.dtype, len(entry.shape)))
         else:  # a quantization companion: sliced from its weight's logical selection
             wentry = index.entry(weight)
@@ -376,8 +378,11 @@ def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
     """``made`` (planned for a tensor at offset 0) moved to ``entry``'s file and offset; every
     other field is kept (a frozen copy without re-running the dataclass __init__)."""
     item = object.__new__(ReadItem)
+    ranges = made.ranges
+    start = entry.start
     item.__dict__.update(made.__dict__, name=entry.name, target=target, file=entry.file,
-                         ranges=tuple((entry.start + a, n) for a, n in made.ranges))
+                         ranges=((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1
+                         else tuple((start + a, n) for a, n in ranges))
     return item
 
 

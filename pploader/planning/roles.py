@@ -39,6 +39,7 @@ class CheckpointRoles:
     #: check): keyed by (what, window, experts); derived from the fields above only
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -61,8 +62,30 @@ class CheckpointRoles:
                           known.expert, known.fused_experts)
 
     def layer_roles(self, layer: int) -> dict[str, TensorRole]:
+        """``{name: role}`` of the names of ``layer``. A role whose component the family
+        classified once (``components``) depends only on (component, layer, whether it links
+        to a weight): its fields are kept per component and copied with the layer set."""
         prefix_len = self._prefix_len(layer)
-        return {n: self.role(n, layer, n[prefix_len:]) for n in self.layers.get(layer, ())}
+        placement = "layer" if layer < self.spec.num_layers else "mtp"
+        memo, links, known = self._role_fields, self.links, self.components
+        new, role_cls, out = object.__new__, TensorRole, {}
+        for name in self.layers.get(layer, ()):
+            component = name[prefix_len:]
+            key = (component, name in links)
+            fields = memo.get(key)
+            if fields is None:
+                role = out[name] = self.role(name, layer, component)
+                base = component if not key[1] else \
+                    component[:len(component) - len(name) + len(links[name])]
+                if known.get(base) is not None and role.layer == layer \
+                        and role.placement == placement:
+                    memo[key] = dict(vars(role))
+                continue
+            role = new(role_cls)  # a frozen value: the per-component fields + this layer
+            object.__setattr__(role, "__dict__", {**fields, "layer": layer,
+                                                  "placement": placement})
+            out[name] = role
+        return out
 
     def _prefix_len(self, layer: int) -> int:
         return len(self.spec.family.layer_name(layer, ""))
