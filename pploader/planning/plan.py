@@ -303,7 +303,8 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             if role.role == "embed":
                 reads.append((name, role, _head_name(spec)))
                 chosen.setdefault(name, role)
-    index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
+    needed_files = {index.weight_map[n] for n, _, _ in reads}
+    index.require(needed_files)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         _check_expected(roles, index, chosen, window, experts, topology)
         roles.mark_checked(window, experts)
@@ -313,7 +314,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
     relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
     links, rule_index = roles.links, roles.rule_index
-    entries = index.entry_map(index.weight_map[n] for n, _, _ in reads)
+    entries = index.entry_map(needed_files)
     qdtype = scheme.weight_dtype if scheme is not None else None
     for name, role, target in reads:
         entry = entries[name]
@@ -451,7 +452,7 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
     weights share a handful of such keys."""
     out: dict[str, tuple[int, ...]] = {}
-    made: dict[tuple, tuple[tuple[str, tuple[int, ...]], ...]] = {}
+    made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
     for name, shape in expected.items():
         entry = entries.get(name)
         is_weight = name == "weight" or name.endswith(".weight")

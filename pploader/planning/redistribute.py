@@ -208,16 +208,16 @@ class Exchanger:
             choice = seen[1]
         else:
             choice = self._choose(entry, selection, key, full_key, peer_selection)
-            if choice is not None and seen is None:
+            if seen is None:
                 self._seen[full_key] = (selection, choice)
-        if choice is None or choice.box is None:
+        if choice.box is None:
             return False
         self._chosen.append((entry, target, choice))
         return True
 
     def _choose(self, entry: TensorEntry, selection: Selection, key: tuple, full_key: tuple,
-                peer_selection: Callable[["Topology"], Selection]) -> Optional[_Choice]:
-        """The group's choice for this tensor (None: not a candidate for an exchange)."""
+                peer_selection: Callable[["Topology"], Selection]) -> _Choice:
+        """The group's choice for this tensor (``_NOT_EXCHANGED``: not a candidate)."""
         t = self.topology
         if t.tp_size == 1 or not any(d >= 1 for d, _ in selection.dims) or selection.pad_rows:
             return _NOT_EXCHANGED
