@@ -1,13 +1,24 @@
 """Planning time before/after, in fresh processes (CPU seconds of the process, and wall).
 
-    python tests/bench_planning.py BASELINE_TREE NEW_TREE   (each holds a pploader/ package)
+    python tests/bench_planning.py BASELINE_TREE NEW_TREE [--repeat N] [--cases ...]
 
+Each tree holds a ``pploader/`` package (e.g. ``git archive REV pploader | tar -x -C DIR``).
 Needs the sparse DeepSeek-V3 layout: ``python tests/real_layouts.py --root /tmp/scale-layouts``.
+Rows: one rank's own plan (the last rank: ``load_spec`` + ``open_checkpoint`` + ``make_windows``
++ ``plan_rank`` with the default options, i.e. header parsing and the redistribution choice
+included; imports excluded), every rank (``plan_all``), and ``python -m pploader plan --help``
+(wall, imports included). Runs alternate between the trees; the best of ``--repeat`` counts.
 Numbers: docs/benchmarks.md, "Planning at real scale"."""
-import json, subprocess, sys, os
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+
 CODE = r'''
 import time, sys, json
-w0 = time.perf_counter(); c0 = time.process_time()
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import make_windows, plan_rank, plan_all
 from pploader.planning.spec import load_spec
@@ -18,24 +29,60 @@ w1 = time.perf_counter(); c1 = time.process_time()
 spec = load_spec(P); index = open_checkpoint(P); spec = spec.for_checkpoint(index.weight_map)
 if mode == "one":
     topo = Topology(pp, tp, ep, pp * tp * ep - 1)
-    plan_rank(spec, index, topo, make_windows(spec, index, pp, "even")[topo.pp_rank])
+    plan = plan_rank(spec, index, topo, make_windows(spec, index, pp, "even")[topo.pp_rank])
+    n = len(plan.items)
 else:
-    plan_all(spec, index, pp, tp, ep)
-print(json.dumps({"wall": time.perf_counter() - w1, "cpu": time.process_time() - c1}))
+    n = sum(len(p.items) for p in plan_all(spec, index, pp, tp, ep))
+print(json.dumps({"wall": time.perf_counter() - w1, "cpu": time.process_time() - c1,
+                  "items": n}))
 '''
-P = "/tmp/scale-layouts/deepseek-v3"
-cases = [(l, "one") for l in ("16x1x1", "8x1x8", "2x8x1")] + [("16x1x1", "all")]
-rows = []
-for layout, mode in cases:
-    row = [layout, mode]
-    for tree in sys.argv[1:3]:
-        best = None
-        for _ in range(2):
-            out = subprocess.run([sys.executable, "-c", CODE, P, layout, mode], capture_output=True,
-                                 text=True, cwd="/tmp", env=dict(os.environ, PYTHONPATH=tree))
-            r = json.loads(out.stdout.strip().splitlines()[-1])
-            best = r if best is None or r["cpu"] < best["cpu"] else best
-        row.append(best)
-    rows.append(row)
-    b, a = row[2], row[3]
-    print(f"| {layout} (PPxTPxEP) | {mode} | {b['cpu']:.2f} ({b['wall']:.2f}) | {a['cpu']:.2f} ({a['wall']:.2f}) | {b['cpu']/a['cpu']:.1f}x |", flush=True)
+CASES = ("one:16x1x1,one:1x8x1,one:2x8x1,one:8x1x8,all:16x1x1,all:2x8x1,help")
+
+
+def _run(tree: str, case: str, model: str) -> dict:
+    env = dict(os.environ, PYTHONPATH=tree)
+    if case == "help":
+        t0 = time.perf_counter()
+        out = subprocess.run([sys.executable, "-m", "pploader", "plan", "--help"],
+                             capture_output=True, text=True, cwd="/tmp", env=env)
+        assert out.returncode == 0, out.stderr
+        return {"wall": time.perf_counter() - t0, "cpu": float("nan"), "items": 0}
+    mode, layout = case.split(":")
+    out = subprocess.run([sys.executable, "-c", CODE, model, layout, mode], capture_output=True,
+                         text=True, cwd="/tmp", env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("before")
+    ap.add_argument("after")
+    ap.add_argument("--model", default="/tmp/scale-layouts/deepseek-v3")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--cases", default=CASES, help="comma separated: one:PPxTPxEP, "
+                    "all:PPxTPxEP, help")
+    args = ap.parse_args()
+    print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, python "
+          f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+          f"load {os.getloadavg()[0]:.1f}")
+    print("| case (PPxTPxEP) | items | before: CPU s (wall s) | after: CPU s (wall s) | "
+          "speed-up (CPU; wall for --help) |")
+    print("|---|---|---|---|---|")
+    for case in args.cases.split(","):
+        best: list = [None, None]
+        for _ in range(args.repeat):
+            for i, tree in enumerate((args.before, args.after)):  # alternating
+                r = _run(tree, case, args.model)
+                key = "wall" if case == "help" else "cpu"
+                if best[i] is None or r[key] < best[i][key]:
+                    best[i] = r
+        b, a = best
+        key = "wall" if case == "help" else "cpu"
+        print(f"| {case} | {a['items']} | {b['cpu']:.3f} ({b['wall']:.3f}) | "
+              f"{a['cpu']:.3f} ({a['wall']:.3f}) | {b[key] / a[key]:.1f}x |", flush=True)
+    print(f"# load at the end {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,12 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import CheckpointError
+from .gcpause import without_gc
+
+try:  # optional (extra "fast"): 1.4x faster JSON; the stdlib parser is the fallback
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None  # type: ignore[assignment]
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
            "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity"]
@@ -152,6 +158,42 @@ def _loads(raw: bytes | str) -> object:
     return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
+def _loads_fast(text: str) -> Optional[object]:
+    """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
+    fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
+    no backslash qualifies: without escapes every ``:`` of the text is either a key separator
+    or a character of a string, so the caller's count (``_colons_ok``) proves that no key was
+    lost to a duplicate. NaN / Infinity are refused by both parsers."""
+    if "\\" in text:
+        return None
+    try:
+        if _orjson is not None:
+            return _orjson.loads(text)
+        return json.loads(text, parse_constant=_no_constants)
+    except (ValueError, RecursionError, TypeError):
+        return None  # the strict parse reports it (with its own message)
+
+
+def _accounted_colons(value: object) -> int:
+    """The ``:`` a JSON text without escapes holds for ``value``: one per object key, plus
+    those inside its strings. Fewer than the text's count = a key lost to a duplicate."""
+    if type(value) is str:
+        return value.count(":")
+    if type(value) is dict:
+        values = value.values()
+        return (len(value) + _colons(value) + _colons([v for v in values if type(v) is str])
+                + sum(_accounted_colons(v) for v in values if type(v) in (dict, list)))
+    if type(value) is list:
+        return sum(_accounted_colons(v) for v in value if type(v) in (dict, list, str))
+    return 0
+
+
+def _colons(strings: Iterable[str]) -> int:
+    """``:`` characters inside ``strings`` (joined once: C speed)."""
+    return "".join(strings).count(":")
+
+
+@without_gc
 def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
                  max_header_bytes: int = MAX_HEADER_BYTES,
                  max_tensors: int = MAX_TENSORS) -> ShardHeader:
@@ -198,6 +240,11 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})",
                               file=name) from exc
+    data_start = 8 + n
+    data_len = st.st_size - data_start
+    fast = _fast_header(name, text, data_start, data_len, max_tensors)
+    if fast is not None:
+        return ShardHeader(name, path, FileIdentity.of(st), n, data_start, *fast)
     try:
         obj = _loads(text)
     except CheckpointError as exc:
@@ -206,14 +253,7 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
         raise CheckpointError(f"header is not valid JSON: {exc}", file=name) from None
     if not isinstance(obj, dict):
         raise CheckpointError("header is not a JSON object", file=name)
-    data_start = 8 + n
-    data_len = st.st_size - data_start
-    metadata = obj.pop("__metadata__", None)
-    if metadata is None:
-        metadata = {}
-    if not isinstance(metadata, dict) or not all(
-            _is_text(k) and _is_text(v) for k, v in metadata.items()):
-        raise CheckpointError("__metadata__ must map strings to strings", file=name)
+    metadata = _metadata(name, obj.pop("__metadata__", None))
     if len(obj) > max_tensors:
         raise CheckpointError(f"header declares {len(obj)} tensors, more than {max_tensors}",
                               file=name)
@@ -222,6 +262,89 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
         tensors[tname] = _entry(name, tname, info, data_start, data_len)
     _check_tiling(name, tensors, data_start, data_len)
     return ShardHeader(name, path, FileIdentity.of(st), n, data_start, tensors, metadata)
+
+
+def _metadata(file: str, metadata: object) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+            _is_text(k) and _is_text(v) for k, v in metadata.items()):
+        raise CheckpointError("__metadata__ must map strings to strings", file=file)
+    return metadata
+
+
+#: dtype code -> bytes per element (the fast path's lookup)
+_ITEMSIZE = {code: size for code, (_, size) in DTYPES.items()}
+_new = object.__new__
+
+
+def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tensors: int
+                 ) -> Optional[tuple[dict[str, TensorEntry], dict]]:
+    """The entries and metadata of a well-formed header, parsed without per-object Python
+    hooks and checked in one tight loop; None when anything is unusual (escapes, a duplicate
+    key, any entry the strict checks would refuse), and then ``parse_header`` parses the
+    text again strictly, so every error keeps its precise message. Accepts exactly what the
+    strict path accepts, with the same entries (tests/test_planning_speed.py, the fuzzer)."""
+    obj = _loads_fast(text)
+    if type(obj) is not dict:
+        return None
+    had_metadata = "__metadata__" in obj
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif type(metadata) is not dict or not all(
+            type(k) is str and type(v) is str for k, v in metadata.items()):
+        return None
+    if len(obj) > max_tensors:
+        return None
+    itemsizes, new, entry_cls = _ITEMSIZE, _new, TensorEntry
+    tensors: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []
+    keys, prod, in_order, cursor = _ENTRY_KEYS, math.prod, True, 0
+    for tname, info in obj.items():
+        if type(info) is not dict or info.keys() != keys or not tname or not tname.isascii():
+            return None
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        itemsize = itemsizes.get(dtype) if type(dtype) is str else None
+        if itemsize is None or type(shape) is not list or type(offsets) is not list \
+                or len(offsets) != 2 or len(shape) > 8:
+            return None
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_len:
+            return None
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return None
+        numel = prod(shape)
+        # numel > 0 bounds every dim by the data length; an empty tensor may not hide a huge dim
+        if numel * itemsize != end - begin or (not numel and shape and max(shape) >= _MAX_SIZE):
+            return None
+        if begin != cursor:
+            in_order = False
+        cursor = end
+        e = new(entry_cls)
+        object.__setattr__(e, "__dict__", {"name": tname, "file": file, "dtype": dtype,
+                                           "shape": tuple(shape), "start": data_start + begin,
+                                           "end": data_start + end})
+        tensors[tname] = e
+        spans.append((begin, end, tname))
+    # every ":" is a key separator or inside a string (no escapes): equal counts = no key
+    # was lost to a duplicate (entries: 3 keys, dtype codes hold no ":")
+    key_count = 4 * len(obj) + had_metadata + len(metadata)
+    in_strings = _colons(obj) + _colons(metadata) + _colons(metadata.values())
+    if text.count(":") != key_count + in_strings:
+        return None
+    if in_order:  # written in offset order (the common case): tiled iff it ends at the end
+        return (tensors, metadata) if cursor == data_len else None
+    spans.sort()
+    cursor = 0
+    for begin, end, _ in spans:
+        if begin != cursor:
+            return None  # overlap or hole: the strict path names the tensor
+        cursor = end
+    if cursor != data_len:
+        return None
+    return tensors, metadata
 
 
 def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) -> TensorEntry:
@@ -376,9 +499,15 @@ class CheckpointIndex:
     source: str
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
     _counts: Optional[Counter] = field(default=None, repr=False)
+    #: every entry of the headers parsed so far, by name (``entry``'s one-lookup fast path)
+    _entries: dict[str, TensorEntry] = field(default_factory=dict, repr=False)
     #: shards the index names that are absent from the directory (stage-only copies): fine
     #: until a plan needs one (``require``)
     missing: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for hdr in self._headers.values():
+            self._entries.update(hdr.tensors)
 
     @property
     def files(self) -> tuple[str, ...]:
@@ -406,6 +535,7 @@ class CheckpointIndex:
             hdr = parse_header(self.paths[file], file=file)
             self._cross_check(hdr)
             self._headers[file] = hdr
+            self._entries.update(hdr.tensors)
         return hdr
 
     def _cross_check(self, hdr: ShardHeader) -> None:
@@ -433,12 +563,22 @@ class CheckpointIndex:
 
     def entry(self, name: str) -> TensorEntry:
         """The entry of one tensor (parses its shard's header if needed)."""
+        found = self._entries.get(name)
+        if found is not None:
+            return found
         try:
             file = self.weight_map[name]
         except KeyError:
             raise CheckpointError("tensor not in the checkpoint", file=self.source,
                                   tensor=name) from None
         return self.header(file).tensors[name]
+
+    def entry_map(self, files: Iterable[str]) -> Mapping[str, TensorEntry]:
+        """Every entry parsed so far by name, after parsing the headers of ``files``: one
+        dict lookup per tensor for a planner that visits tens of thousands."""
+        for file in files:
+            self.header(file)
+        return self._entries
 
     def entries(self, names: Iterable[str]) -> dict[str, TensorEntry]:
         return {n: self.entry(n) for n in names}
@@ -454,6 +594,7 @@ class CheckpointIndex:
         return tuple(self._headers)
 
 
+@without_gc
 def open_checkpoint(model_dir: os.PathLike | str, *,
                     allowed_roots: Sequence[os.PathLike | str] = ()) -> CheckpointIndex:
     """Index a model directory without reading tensor data.
@@ -504,7 +645,10 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
                               file=name)
     try:
-        obj = _loads(index_path.read_bytes().decode("utf-8"))
+        text = index_path.read_bytes().decode("utf-8")
+        obj = _loads_fast(text)
+        if obj is None or text.count(":") != _accounted_colons(obj):
+            obj = _loads(text)  # escapes or a duplicate key: the strict parse decides
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

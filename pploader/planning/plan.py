@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
+from .gcpause import without_gc
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
 from ..errors import PlanError
 from ..families.base import Family, TensorRole
@@ -158,6 +159,7 @@ def layer_bytes(spec: ModelSpec, index: CheckpointIndex,
     return per_layer, first, last
 
 
+@without_gc
 def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
                  partition: Partition = "even", *,
                  cache_bytes: Optional[Sequence[int]] = None,
@@ -268,6 +270,7 @@ def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topo
     return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
 
 
+@without_gc
 def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               window: StageWindow, *, strict: bool = True,
               range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
@@ -301,29 +304,41 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             if role.role == "embed":
                 reads.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
-    index.require({index.weight_map[n] for n, _, _ in reads})  # absent shards: all at once
-    if strict:
+    needed_files = {index.weight_map[n] for n, _, _ in reads}
+    index.require(needed_files)  # absent shards: all at once
+    if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         _check_expected(roles, index, chosen, window, experts, topology)
+        roles.mark_checked(window, experts)
     items = []
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
     selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
     relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
+    links, rule_index = roles.links, roles.rule_index
+    entries = index.entry_map(needed_files)
+    qdtype = scheme.weight_dtype if scheme is not None else None
     for name, role, target in reads:
-        entry = index.entry(name)
-        weight = roles.links.get(name)
-        wentry = index.entry(weight) if weight is not None else None
-        key = (role.component, role.fused_experts, entry.shape, entry.dtype,
-               wentry.shape if wentry else None, wentry.dtype if wentry else None)
+        entry = entries[name]
+        weight = links.get(name)
+        if weight is None:  # the selection depends on the TP rule, not on the name: tensors
+            wentry = None   # with one rule, shape and dtype share it (e.g. all experts)
+            key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
+                          entry.dtype, entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
+                              name, entry.dtype, len(entry.shape)))
+        else:  # a quantization companion: sliced from its weight's logical selection
+            wentry = index.entry(weight)
+            suffix = name[len(weight) - len("weight"):]
+            key = (rule_index(role.component[:-len(suffix)] + "weight"), role.fused_experts,
+                   entry.shape, entry.dtype, suffix, wentry.shape, wentry.dtype)
         sel = selections.get(key)
         try:
             if sel is None:
                 sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
                                                    scheme)
             if exchanger is not None:
-                exchanger.consider(entry, target, sel, (
-                    role.component, role.fused_experts, wentry.shape if wentry else None),
-                    partial(_peer_selection, spec, role, entry, experts, index, scheme))
+                exchanger.consider(entry, target, sel, key,
+                                   partial(_peer_selection, spec, role, entry, experts, index,
+                                           scheme))
         except PlanError as exc:  # name the file and rank of the tensor being planned
             raise PlanError(exc.detail, file=exc.file or entry.file,
                             tensor=exc.tensor or name, rank=topology.rank) from None
@@ -338,8 +353,9 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
     plan = replace(plan, range_cost_bytes=range_cost_bytes, redistribute=redistribute)
-    logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
-                 len(plan.items), plan.read_bytes, ", ".join(plan.files))
+    if logger.isEnabledFor(logging.DEBUG):
+        logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
+                     len(plan.items), plan.read_bytes, ", ".join(plan.files))
     return plan
 
 
@@ -364,8 +380,11 @@ def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
     """``made`` (planned for a tensor at offset 0) moved to ``entry``'s file and offset; every
     other field is kept (a frozen copy without re-running the dataclass __init__)."""
     item = object.__new__(ReadItem)
+    ranges = made.ranges
+    start = entry.start
     item.__dict__.update(made.__dict__, name=entry.name, target=target, file=entry.file,
-                         ranges=tuple((entry.start + a, n) for a, n in made.ranges))
+                         ranges=((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1
+                         else tuple((start + a, n) for a, n in ranges))
     return item
 
 
@@ -403,14 +422,15 @@ def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
     expected = {n: tuple(template[n]) for n in chosen if n in template}
     expected.update({n: tuple(template[n]) for n, r in roles.template_only.items()
                      if r is not None and _wanted(r, window, experts)})
+    entries = index.entry_map({index.weight_map[n] for n in chosen})
     scheme = quant_scheme(spec)
     if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
-        expected = expand_template(  # an error like any missing tensor)
-            scheme, expected,
-            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
-    have = {n for n in chosen if _wanted(chosen[n], window, experts)}
+        expected = _expand(scheme, expected, entries)  # an error like any missing tensor)
+    # the stage's names, as ``wanted`` keeps them (a chosen "layer" name always is)
+    have = {n for n, r in chosen.items()
+            if r.placement == "layer" or _wanted(r, window, experts)}
     missing = sorted(set(expected) - index.weight_map.keys())
-    unexpected = sorted(have - set(expected))
+    unexpected = sorted(have - expected.keys())
     where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
     if missing:
         raise PlanError(f"{where}: {len(missing)} required tensor(s) missing from the checkpoint: "
@@ -420,14 +440,40 @@ def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
         raise PlanError(f"{where}: {len(unexpected)} tensor(s) not expected for this config: "
                         + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""),
                         tensor=unexpected[0], rank=topology.rank)
-    for name in sorted(have):
-        entry = index.entry(name)
+    differ = [n for n in have if entries[n].shape != expected[n]]  # exact: the common case
+    for name in sorted(differ):
+        entry = entries[name]
         if not same_shape(expected[name], entry.shape):
             raise PlanError(f"shape {list(entry.shape)} in the checkpoint != {list(expected[name])} "
                             "expected from config.json", file=entry.file, tensor=name,
                             rank=topology.rank)
 
 
+def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
+            entries: Mapping[str, TensorEntry]) -> dict[str, tuple[int, ...]]:
+    """``expand_template(scheme, expected, dtype_of=<stored dtype>)``, computed once per
+    (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
+    weights share a handful of such keys."""
+    out: dict[str, tuple[int, ...]] = {}
+    made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
+    for name, shape in expected.items():
+        entry = entries.get(name)
+        is_weight = name == "weight" or name.endswith(".weight")
+        key = (shape, entry.dtype if entry is not None else None, is_weight)
+        rel = made.get(key)
+        if rel is None:  # the expansion of a stand-in name "x.weight" / "x", relative to it
+            probe = "x.weight" if is_weight else "x"
+            got = expand_template(scheme, {probe: shape}, dtype_of=lambda _n: key[1])
+            stem = probe[:-len("weight")] if is_weight else probe
+            rel = made[key] = tuple((n[len(stem):] if n != probe else None, s)
+                                    for n, s in got.items())
+        stem = name[:-len("weight")] if is_weight else name
+        for suffix, s in rel:
+            out[name if suffix is None else stem + suffix] = s
+    return out
+
+
+@without_gc
 def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: int = 1, *,
              partition: Partition = "even", strict: bool = True,
              cache_bytes: Optional[Sequence[int]] = None,
@@ -448,6 +494,7 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
     return plans
 
 
+@without_gc
 def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
              topology: Optional[Topology] = None) -> RankPlan:
     """Plan of a draft model: MTP layer ``mtp_layer`` renamed to layer 0 of the draft."""

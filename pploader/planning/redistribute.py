@@ -175,6 +175,9 @@ class _Choice:
     box: Optional[Interval]          # rows exchanged; None = read directly
 
 
+_NOT_EXCHANGED = _Choice((), None)
+
+
 class Exchanger:
     """Collects the exchange choices of one rank's plan (used by ``plan.plan_rank``).
 
@@ -192,27 +195,41 @@ class Exchanger:
         self.topology, self.range_cost = topology, range_cost_bytes
         self.cost, self.batch_bytes = exchange_cost, batch_bytes
         self._memo: dict[tuple, _Choice] = {}
+        self._seen: dict[tuple, tuple[Selection, _Choice]] = {}   # key -> (selection, choice)
         self._chosen: list[tuple[TensorEntry, str, _Choice]] = []
 
     def consider(self, entry: TensorEntry, target: str, selection: Selection, key: tuple,
                  peer_selection: Callable[["Topology"], Selection]) -> bool:
         """Decide for one item; ``key`` identifies (rule, shape, dtype) for reuse. True when
         the tensor will be exchanged."""
+        full_key = (key, entry.shape, entry.dtype)
+        seen = self._seen.get(full_key)
+        if seen is not None and seen[0] is selection:  # the same decision, already made
+            choice = seen[1]
+        else:
+            choice = self._choose(entry, selection, key, full_key, peer_selection)
+            if seen is None:
+                self._seen[full_key] = (selection, choice)
+        if choice.box is None:
+            return False
+        self._chosen.append((entry, target, choice))
+        return True
+
+    def _choose(self, entry: TensorEntry, selection: Selection, key: tuple, full_key: tuple,
+                peer_selection: Callable[["Topology"], Selection]) -> _Choice:
+        """The group's choice for this tensor (``_NOT_EXCHANGED``: not a candidate)."""
         t = self.topology
         if t.tp_size == 1 or not any(d >= 1 for d, _ in selection.dims) or selection.pad_rows:
-            return False
-        full_key = (key, entry.shape, entry.dtype)
+            return _NOT_EXCHANGED
         choice = self._memo.get(full_key)
         if choice is None:
             sels = tuple(selection if r == t.rank else peer_selection(t.with_rank(r))
                          for r in t.tp_group())
             choice = self._memo[full_key] = _Choice(sels, self._decide(entry, sels))
         elif choice.selections[t.tp_rank] != selection:  # memo key too coarse: decide afresh
-            return self.consider(entry, target, selection, key + (selection,), peer_selection)
-        if choice.box is None:
-            return False
-        self._chosen.append((entry, target, choice))
-        return True
+            return self._choose(entry, selection, key + (selection,),
+                                (key + (selection,), entry.shape, entry.dtype), peer_selection)
+        return choice
 
     def _decide(self, entry: TensorEntry, sels: tuple[Selection, ...]) -> Optional[Interval]:
         shape, itemsize, tp = entry.shape, entry.itemsize, len(sels)
@@ -252,34 +269,49 @@ class Exchanger:
         chosen = sorted(self._chosen, key=lambda c: (file_order[c[0].file], c[0].start, c[1]))
         items: list[ExchangeItem] = []
         batch, used = 0, 0
+        chunks_of: dict[tuple, list[tuple[int, int, tuple[Interval, ...]]]] = {}
+        new = object.__new__
         for entry, target, choice in chosen:
             lo, count = choice.box  # type: ignore[misc]
             row_bytes = math.prod(entry.shape[1:]) * entry.itemsize
-            per_chunk = max(1, self.batch_bytes // max(row_bytes, 1))
-            starts = list(range(lo, lo + count, per_chunk)) or [lo]
-            for i, start in enumerate(starts):
-                n = min(per_chunk, lo + count - start)
+            shape_key = (entry.shape, row_bytes, lo, count)
+            chunks = chunks_of.get(shape_key)
+            if chunks is None:  # (first row, rows, every rank's share) of each chunk
+                per_chunk = max(1, self.batch_bytes // max(row_bytes, 1))
+                starts = list(range(lo, lo + count, per_chunk)) or [lo]
+                chunks = chunks_of[shape_key] = [
+                    (start, n, _shares(start, start + n, t.tp_size))
+                    for start in starts for n in (min(per_chunk, lo + count - start),)]
+            last = len(chunks) - 1
+            for i, (start, n, rows) in enumerate(chunks):
                 if used and used + n * row_bytes > self.batch_bytes:
                     batch, used = batch + 1, 0
-                rows = _shares(start, start + n, t.tp_size)
                 a, k = rows[t.tp_rank]
-                share = _share_item(entry, target, a, k)
-                items.append(ExchangeItem(target, entry.name, entry.file, entry.dtype,
-                                          entry.shape, rows, choice.selections, share, batch,
-                                          first=i == 0, last=i == len(starts) - 1))
+                item = new(ExchangeItem)  # a frozen value, built without the per-field __init__
+                object.__setattr__(item, "__dict__", {
+                    "target": target, "name": entry.name, "file": entry.file,
+                    "dtype": entry.dtype, "source_shape": entry.shape, "rows": rows,
+                    "selections": choice.selections,
+                    "share": _share_item(entry, target, a, k, row_bytes), "batch": batch,
+                    "first": i == 0, "last": i == last})
+                items.append(item)
                 used += n * row_bytes
         return Redistribute(t.tp_group(), t.tp_rank, tuple(items), self.cost, self.batch_bytes)
 
 
-def _share_item(entry: TensorEntry, target: str, first_row: int, rows: int) -> ReadItem:
+def _share_item(entry: TensorEntry, target: str, first_row: int, rows: int,
+                row_bytes: int) -> ReadItem:
     """Rows ``[first_row, first_row + rows)`` of ``entry`` as one direct read (its target
     ``name@first_row`` is unique per chunk)."""
     shape = (rows,) + entry.shape[1:]
-    row_bytes = math.prod(entry.shape[1:]) * entry.itemsize
     ranges = ((entry.start + first_row * row_bytes, rows * row_bytes),) if rows * row_bytes \
         else ()
-    return ReadItem(entry.name, f"{target}@{first_row}", entry.file, entry.dtype, shape,
-                    entry.shape, ranges, shape)
+    item = object.__new__(ReadItem)  # ReadItem's fields, defaults included, without __init__
+    object.__setattr__(item, "__dict__", {
+        "name": entry.name, "target": f"{target}@{first_row}", "file": entry.file,
+        "dtype": entry.dtype, "shape": shape, "source_shape": entry.shape, "ranges": ranges,
+        "buffer_shape": shape, "gather": (), "pad_rows": 0})
+    return item
 
 
 def _shares(lo: int, hi: int, tp: int) -> tuple[Interval, ...]:

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import bisect
 import re
-from dataclasses import dataclass, replace
-from typing import Mapping, Optional
+from dataclasses import dataclass, field, replace
+from typing import Any, Mapping, Optional
 
 from ..errors import PlanError
 from ..families.base import TensorRole
 from .checkpoint import CheckpointIndex
+from .gcpause import without_gc
 from .partition import StageWindow
 from .quant import quant_scheme
 from .spec import ModelSpec
@@ -34,6 +35,11 @@ class CheckpointRoles:
     links: Mapping[str, str]                         # quant companion name -> its weight's name
     template: Optional[Mapping[str, tuple[int, ...]]]
     template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+    #: per-stage results every rank of a stage shares (``stage_roles``, the strict template
+    #: check): keyed by (what, window, experts); derived from the fields above only
+    _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
+    _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
+    _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -56,8 +62,30 @@ class CheckpointRoles:
                           known.expert, known.fused_experts)
 
     def layer_roles(self, layer: int) -> dict[str, TensorRole]:
+        """``{name: role}`` of the names of ``layer``. A role whose component the family
+        classified once (``components``) depends only on (component, layer, whether it links
+        to a weight): its fields are kept per component and copied with the layer set."""
         prefix_len = self._prefix_len(layer)
-        return {n: self.role(n, layer, n[prefix_len:]) for n in self.layers.get(layer, ())}
+        placement = "layer" if layer < self.spec.num_layers else "mtp"
+        memo, links, known = self._role_fields, self.links, self.components
+        new, role_cls, out = object.__new__, TensorRole, {}
+        for name in self.layers.get(layer, ()):
+            component = name[prefix_len:]
+            key = (component, name in links)
+            fields = memo.get(key)
+            if fields is None:
+                role = out[name] = self.role(name, layer, component)
+                base = component if not key[1] else \
+                    component[:len(component) - len(name) + len(links[name])]
+                if known.get(base) is not None and role.layer == layer \
+                        and role.placement == placement:
+                    memo[key] = dict(vars(role))
+                continue
+            role = new(role_cls)  # a frozen value: the per-component fields + this layer
+            object.__setattr__(role, "__dict__", {**fields, "layer": layer,
+                                                  "placement": placement})
+            out[name] = role
+        return out
 
     def _prefix_len(self, layer: int) -> int:
         return len(self.spec.family.layer_name(layer, ""))
@@ -71,7 +99,34 @@ class CheckpointRoles:
 
     def stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
                     ) -> dict[str, TensorRole]:
-        """The roles of the names ``window`` (and ``experts``) reads."""
+        """The roles of the names ``window`` (and ``experts``) reads (a new dict; computed once
+        per stage and EP rank, every TP rank of the stage shares it)."""
+        key = ("roles", window, experts)
+        found = self._stage_memo.get(key)
+        if found is None:
+            found = self._stage_memo[key] = self._stage_roles(window, experts)
+        return dict(found)
+
+    def rule_index(self, component: str) -> int:
+        """Position of ``component``'s TP rule in the family's ``shard_rules`` (-1: none,
+        replicated); memoised per distinct component, so tensors with the same rule share one
+        selection however their names differ (the experts of a layer)."""
+        found = self._rules.get(component)
+        if found is None:
+            rule = self.spec.family.shard_rule(component)
+            found = self._rules[component] = -1 if rule is None else next(
+                i for i, r in enumerate(self.spec.family.shard_rules) if r is rule)
+        return found
+
+    def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
+        """True when the strict template check already passed for this stage and EP rank."""
+        return ("checked", window, experts) in self._stage_memo
+
+    def mark_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> None:
+        self._stage_memo["checked", window, experts] = True
+
+    def _stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                     ) -> dict[str, TensorRole]:
         chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
         for layer in range(window.start_layer, window.end_layer):
             for name, role in self.layer_roles(layer).items():
@@ -84,6 +139,7 @@ class CheckpointRoles:
         return any(r.role == "head" for r in self.others.values())
 
 
+@without_gc
 def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles:
     """Classify every name of ``index`` for ``spec`` (pure; PlanError on unknown names)."""
     spec = spec.for_checkpoint(index.weight_map)
