@@ -25,6 +25,7 @@ _EXPORTS: dict[str, str] = {
     "StageLoad": "job",
     "plan_job": "job",
     "JobPlan": "job",
+    "measure_exchange_cost": "job",
     # one stage: plan it, stream it, load it
     "plan_stage": "stage",
     "StagePlan": "stage",
@@ -75,8 +76,8 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "__version__", "Topology", "init_distributed", "Comm", "run_guarded", "load_pipeline_stage",
-    "StageLoadOptions", "StageLoad", "plan_job", "JobPlan", "plan_stage", "StagePlan",
-    "StageWindow", "iter_stage_weights", "load_stage", "StageResult", "iter_mtp_weights",
+    "StageLoadOptions", "StageLoad", "plan_job", "JobPlan", "measure_exchange_cost",
+    "plan_stage", "StagePlan", "StageWindow", "iter_stage_weights", "load_stage", "StageResult", "iter_mtp_weights",
     "owned", "is_borrowed", "EngineSplit", "get_pp_indices", "check_engine_window",
     "make_stage_layers", "MissingLayer", "load_stage_into", "BindResult", "LoadRecord",
     "NameMap", "NameRule", "bind_derived", "reload_from_disk", "ReloadResult", "load_layerwise",
@@ -104,7 +105,8 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .planning.topology import Topology
     from .dist.bootstrap import init_distributed
     from .dist.comm import Comm, run_guarded
-    from .job import JobPlan, StageLoad, StageLoadOptions, load_pipeline_stage, plan_job
+    from .job import (JobPlan, StageLoad, StageLoadOptions, load_pipeline_stage,
+                      measure_exchange_cost, plan_job)
     from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights,
                         load_stage, plan_stage)
     from .planning.partition import EngineSplit, StageWindow, check_engine_window, get_pp_indices

@@ -14,7 +14,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from . import EngineSplit, PlanError, PPLoaderError, RankFailure
 from .errors import UsageError
@@ -40,17 +40,17 @@ def _engine_partition(partition: object) -> object:
 
 
 def _auto_exchange_cost(args: argparse.Namespace) -> tuple[float, float]:
-    """``--exchange-cost auto``: (cost, resident fraction) from the shards' page-cache
-    residency and the device kind (io/exchange.py)."""
-    from .io.exchange import auto_exchange_cost
-    from .planning.checkpoint import open_checkpoint
-    index = open_checkpoint(args.model, allowed_roots=args.allow_root)
-    device = str(getattr(args, "device", None) or "cpu").partition(":")[0]
-    return auto_exchange_cost([str(p) for p in index.paths.values()], device)
+    """``--exchange-cost auto`` for ``pploader plan``: (cost, resident fraction) from the
+    shards' page-cache residency and ``--device``'s kind."""
+    from . import measure_exchange_cost
+    return measure_exchange_cost(args.model, str(getattr(args, "device", None) or "cpu"),
+                                 allowed_roots=args.allow_root)
 
 
-def _tp_read_kwargs(args: argparse.Namespace, exchange_cost: Optional[float] = None) -> dict:
-    """The TP read options as planning kwargs; ``exchange_cost`` resolves ``auto``."""
+def _tp_read_kwargs(args: argparse.Namespace,
+                    exchange_cost: Union[float, str, None] = None) -> dict:
+    """The TP read options as planning kwargs; ``exchange_cost`` resolves ``auto`` (a value,
+    or "auto" for load_pipeline_stage to measure and agree on)."""
     cost = args.exchange_cost
     if cost == "auto":
         cost = exchange_cost if exchange_cost is not None else _auto_exchange_cost(args)[0]
@@ -206,25 +206,6 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
-def _agreed_exchange_cost(args: argparse.Namespace, comm: "Comm",
-                          local_rank: int) -> Optional[float]:
-    """``--exchange-cost auto`` on every rank: each measures, all take rank 0's value (every
-    rank of a TP group must plan the same exchange); one fail-together step. None when not
-    auto."""
-    if args.exchange_cost != "auto":
-        return None
-    from .dist.comm import run_agreed
-
-    def measure() -> float:
-        from .cache.pools import pool_device
-        from .io.exchange import auto_exchange_cost
-        from .planning.checkpoint import open_checkpoint
-        kind = str(pool_device(args.device, local_rank=local_rank)).partition(":")[0]
-        index = open_checkpoint(args.model, allowed_roots=args.allow_root)
-        return auto_exchange_cost([str(p) for p in index.paths.values()], kind)[0]
-    return float(run_agreed(comm, measure, share=float)[1][0])
-
-
 class _StartFailure(Exception):
     """torch.distributed could not start (exit 1: the job, not the input, failed)."""
 
@@ -248,7 +229,7 @@ def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
         io_backend=args.io_backend, pools=pools, build_pools=not args.no_pools,
         pool_device=args.pool_device, pool_memory_from_device=args.device_memory == -1,
         progress_bar=not args.no_progress and (args.progress or sys.stderr.isatty()),
-        **_tp_read_kwargs(args, _agreed_exchange_cost(args, comm, local_rank)))
+        **_tp_read_kwargs(args, "auto"))  # "auto": measured and agreed by load_pipeline_stage
 
     def check_input(staged: "StagePlan") -> None:
         if pool_error is not None:

@@ -52,7 +52,9 @@ class StageLoadOptions:
     Planning: ``partition`` (even | balanced | vllm | sglang | an ``EngineSplit`` | layer
     counts; ``balanced`` with ``pools`` giving ``tokens``/``requests`` weighs each layer's
     cache too), ``allowed_roots``, ``range_cost_bytes``, ``exchange_cost``,
-    ``exchange_batch_bytes`` (see :func:`pploader.plan_stage`).
+    ``exchange_batch_bytes`` (see :func:`pploader.plan_stage`); ``exchange_cost="auto"``:
+    measured from the shards' page-cache residency and the device kind on every rank, rank
+    0's value taken by all (:func:`measure_exchange_cost`, one agreed step before planning).
 
     Loading: ``device`` (None = ``cuda:<local_rank>`` when this process has a GPU, else cpu),
     ``local_rank`` (this rank's index on its node), ``window_bytes``, ``threads``,
@@ -70,7 +72,7 @@ class StageLoadOptions:
     partition: Partition = "even"
     allowed_roots: Sequence[str] = ()
     range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES
-    exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST
+    exchange_cost: Union[float, str, None] = DEFAULT_EXCHANGE_COST  # or "auto"
     exchange_batch_bytes: Optional[int] = None
     device: Device = None
     local_rank: int = 0
@@ -145,6 +147,14 @@ def load_pipeline_stage(model_dir: os.PathLike | str, comm: "Comm",
 
     options = options if options is not None else StageLoadOptions()
     topology = comm.topology
+    if options.exchange_cost == "auto":  # every rank of a TP group must plan the same exchange
+        asked = options
+
+        def measure() -> float:
+            from .cache.pools import pool_device
+            kind = pool_device(_device_name(asked.device), local_rank=asked.local_rank).type
+            return measure_exchange_cost(model_dir, kind, allowed_roots=asked.allowed_roots)[0]
+        options = replace(options, exchange_cost=run_agreed(comm, measure, share=float)[1][0])
     planned, planned_bytes = run_agreed(
         comm, lambda: _plan(model_dir, topology, options, check_plan),
         share=lambda p: p.staged.plan.read_bytes if options.read_once or p.node_ranks
@@ -193,6 +203,9 @@ def _plan(model_dir: os.PathLike | str, topology: Any, options: StageLoadOptions
     if pools is not None and options.pool_memory_from_device:
         pools = replace(pools, device_bytes=device_memory(pools_on))
     partition = _cache_aware_partition(model_dir, topology.pp_size, topology.tp_size, options)
+    if isinstance(options.exchange_cost, str):  # "auto" is resolved before planning
+        raise PlanError(f"exchange_cost {options.exchange_cost!r}: give a number, None (off) or "
+                        "'auto'", rank=topology.rank)
     staged = plan_stage(model_dir, topology, allowed_roots=options.allowed_roots,
                         partition=partition, range_cost_bytes=options.range_cost_bytes,
                         exchange_cost=options.exchange_cost,
@@ -283,6 +296,17 @@ class JobPlan:
                    f"{bal['chosen']['max_over_mean']} ({_partition_label(self.partition)}) vs "
                    f"{bal['even']['max_over_mean']} (even)")
         return "\n".join(out)
+
+
+def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
+                          allowed_roots: Sequence[str] = ()) -> tuple[float, float]:
+    """``--exchange-cost auto``: (exchange cost, resident fraction) for this checkpoint on a
+    device kind (``"cpu"`` / ``"cuda"``), from its shards' sampled page-cache residency
+    (``mincore``; no data is read) and the rates measured in docs/benchmarks-gpu.md."""
+    from .io.exchange import auto_exchange_cost
+    index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
+    return auto_exchange_cost([str(p) for p in index.paths.values()],
+                              str(device).partition(":")[0])
 
 
 def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
