@@ -125,10 +125,23 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
         break
     found = [path for path, module in model.named_modules()  # e.g. BERT-style encoder.layer
              if isinstance(module, nn.ModuleList) and num_hidden and len(module) == num_hidden]
+    if len(found) > 1:  # leave out towers: sub-models with their own (vision, audio) config
+        towers = _tower_paths(model)
+        found = [p for p in found if not any(p.startswith(t + ".") for t in towers)]
     if len(found) == 1:
         return found[0]
     raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
                       "embedding (not a decoder-only layout the generic family understands)")
+
+
+def _tower_paths(model: Any) -> list[str]:
+    """Paths of nested transformers models built from a config other than the text config
+    (GIT's ``image_encoder``, a VL model's vision tower): never the decoder stack."""
+    from transformers import PreTrainedModel
+    text = model.config.get_text_config()
+    return [path for path, module in model.named_modules()
+            if path and isinstance(module, PreTrainedModel) and module.config is not text
+            and module.config is not model.config]
 
 
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
@@ -155,33 +168,58 @@ def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
 
 
 def forward_order(model: Any, layers_path: str) -> dict[str, str]:
-    """``{module path: "first" | "last"}`` for the children of the module holding the decoder
-    layers, by where its ``forward`` first uses them: before the layer loop = first stage,
-    after = last stage. Registration order is not enough (BART-style decoders register
-    ``layernorm_embedding`` after the layers and run it before them). Read from the source
-    (static: a forward on ``meta`` stops at data-dependent mask code). Children the forward
-    does not name directly are left out: callers fall back to registration order."""
+    """``{path: "first" | "last"}`` for the children (and own parameters / buffers) of the
+    module holding the decoder layers, by where its ``forward`` first uses them: before the
+    layer loop = first stage, after = last stage. Registration order is not enough (BART-style
+    decoders register ``layernorm_embedding`` after the layers and run it before them; a VL
+    model registers its vision tower after the language model and runs it first, through a
+    helper such as ``get_image_features``: ``self.<method>(...)`` calls count as using what the
+    method uses, two levels deep). Read from the source (static: a forward on ``meta`` stops at
+    data-dependent mask code). Names the forward does not reach are left out: callers fall
+    back to registration order."""
+    parent_path, _, layers_name = layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    first_use = _first_uses(type(parent), "forward", 2)
+    if layers_name not in first_use:
+        return {}
+    # the layers run where they are called (``self.language_model(...)``), which may come
+    # after other reads of them (``self.language_model.get_input_embeddings()``: Fuyu)
+    boundary = _first_uses(type(parent), "forward", 0, calls=True).get(
+        layers_name, first_use[layers_name])
+    prefix = parent_path + "." if parent_path else ""
+    own = [n for n, _ in parent.named_children()]
+    own += [n for n, _ in parent.named_parameters(recurse=False)]
+    own += [n for n, _ in parent.named_buffers(recurse=False)]
+    return {prefix + name: "first" if first_use[name] < boundary else "last"
+            for name in own if name in first_use and name != layers_name}
+
+
+def _first_uses(cls: type, method: str, depth: int,
+                calls: bool = False) -> dict[str, tuple[int, int]]:
+    """``{attribute: (line, column)}`` of each ``self.<attribute>`` first use (with ``calls``:
+    first direct call ``self.<attribute>(...)``) in ``cls.<method>``; attributes used inside a
+    called ``self.<helper>(...)`` count at the call."""
     import ast
     import inspect
     import textwrap
-    parent_path, _, layers_name = layers_path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(parent).forward)))
-    except (OSError, TypeError, SyntaxError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
+    except (OSError, TypeError, SyntaxError, AttributeError):
         return {}
     first_use: dict[str, tuple[int, int]] = {}
     for node in ast.walk(tree):
+        if calls:
+            node = node.func if isinstance(node, ast.Call) else None  # type: ignore[assignment]
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "self":
             pos = (node.lineno, node.col_offset)
-            first_use[node.attr] = min(first_use.get(node.attr, pos), pos)
-    if layers_name not in first_use:
-        return {}
-    boundary = first_use[layers_name]
-    prefix = parent_path + "." if parent_path else ""
-    return {prefix + name: "first" if first_use[name] < boundary else "last"
-            for name, _ in parent.named_children() if name in first_use and name != layers_name}
+            found = {node.attr: pos}
+            if depth > 0 and node.attr != method and inspect.isfunction(
+                    inspect.getattr_static(cls, node.attr, None)):
+                found.update({k: pos for k in _first_uses(cls, node.attr, depth - 1)})
+            for name, at in found.items():
+                first_use[name] = min(first_use.get(name, at), at)
+    return first_use
 
 
 def _saved_state(model: Any) -> tuple[dict, list[tuple[str, str]]]:
@@ -218,10 +256,15 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     keys = list(state)
     lp = layers_path + "."
     first_layer_pos = next((i for i, k in enumerate(keys) if k.startswith(lp)), len(keys))
-    order = forward_order(model, layers_path)
+    order: dict[str, str] = {}  # the layer list's parent first, then each ancestor's forward
+    parts = layers_path.split(".")
+    for depth in range(len(parts), 0, -1):
+        for path, side in forward_order(model, ".".join(parts[:depth])).items():
+            order.setdefault(path, side)
     stage_of = {k: next((v for m, v in order.items() if k.startswith(m + ".")),
                         "first" if pos < first_layer_pos else "last")
                 for pos, k in enumerate(keys) if not k.startswith(lp)}
+    stage_of.update({k: order[k] for k in stage_of if k in order})  # own parameters, buffers
 
     per_layer_experts = [_experts_of(layer) for layer in layers]
     counts = {c for c, _ in per_layer_experts if c}
@@ -251,9 +294,11 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     embed_key = names.get(id(embed_param))
     head_key = None
     if head_mod is not None and getattr(head_mod, "weight", None) is not None:
-        head_key = next((n for n, p in model.named_parameters(remove_duplicate=False)
-                         if p is head_mod.weight and not n.startswith(layers_path)
-                         and n != embed_key), None)
+        aliases = [n for n, p in model.named_parameters(remove_duplicate=False)
+                   if p is head_mod.weight and not n.startswith(layers_path) and n != embed_key]
+        own = {f"{n}.weight" for n, m in model.named_modules(remove_duplicate=False)
+               if m is head_mod}  # the head's own name, not another tied copy's (ProphetNet)
+        head_key = next((n for n in aliases if n in own), aliases[0] if aliases else None)
 
     namings = []
     for fmt in ("original", "transformers"):
