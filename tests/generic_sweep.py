@@ -197,13 +197,14 @@ def _shrink(values: dict[str, Any], defaults: dict[str, Any], cls: Any = None,
     every nested config with the same sizes; ``values`` win (per-model FIXUPS)."""
     over = {k: v for k, v in SIZES.items() if k in defaults}
     for key, value in defaults.items():  # sizes under other names: by suffix, never grown
+        if key in SIZES or not isinstance(value, int) or isinstance(value, bool):
+            continue
         tiny = _by_suffix(key)
-        if tiny is not None and key not in SIZES and isinstance(value, int) \
-                and not isinstance(value, bool) and value > tiny:
+        times = next((m for m in (1, 2, 3, 4) for w in widths if value == m * w), None)
+        if times is not None and re.search(r"(dim|size)$", key):
+            over[key] = 64 * times  # a hidden width (or a multiple: Zamba's 2 x hidden attention)
+        elif tiny is not None and value > tiny:
             over[key] = tiny
-        elif key not in SIZES and isinstance(value, int) and not isinstance(value, bool) \
-                and value in widths and re.search(r"(dim|size)$", key):
-            over[key] = 64  # another config's hidden width
     if defaults.get("num_key_value_heads") is not None and \
             defaults.get("num_key_value_heads") == defaults.get("num_attention_heads"):
         over["num_key_value_heads"] = over.get("num_attention_heads", 4)  # MHA stays MHA
@@ -231,8 +232,8 @@ def _shrink(values: dict[str, Any], defaults: dict[str, Any], cls: Any = None,
                         break
             over[key] = new
         elif (isinstance(value, int) and not isinstance(value, bool) and "layers" in key
-              and key not in SIZES and 0 < value <= n_default):  # counts of layers
-            over[key] = LAYERS if value == n_default else sum(1 for i in keep if i < value)
+              and key not in SIZES and value == n_default):  # "all layers" counts
+            over[key] = LAYERS
         if key in TOKEN_IDS and isinstance(value, int) and value >= 128:
             over[key] = 1
         if key in TOKEN_IDS and isinstance(value, list):

@@ -117,7 +117,8 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
         children = dict(module.named_children())
         if not any(c is embed for c in children.values()):
             continue
-        lists = [n for n, c in children.items() if isinstance(c, nn.ModuleList) and len(c)]
+        lists = [n for n, c in children.items()  # (not a list of per-codebook embeddings)
+                 if isinstance(c, nn.ModuleList) and len(c) and c is not embed]
         if len(lists) > 1 and num_hidden is not None:
             lists = [n for n in lists if len(children[n]) == num_hidden]
         if len(lists) == 1:
@@ -286,12 +287,16 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         signature[i] = sig
         reps.setdefault(sig, i)
 
-    embed_param = model.get_input_embeddings().weight  # type: ignore[operator, union-attr]
+    embed_param = getattr(model.get_input_embeddings(), "weight", None)  # type: ignore[operator]
+    # (None: several embeddings, e.g. MusicGen's one per codebook; placed as first-stage globals)
     head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), n)  # a tied parameter: its first (source) name
-    embed_key = names.get(id(embed_param))
+    # the embedding's saved name: a tied copy registered earlier (CamemBERT's
+    # ``lm_head.decoder``) is removed on save, the tie source stays
+    embed_key = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                      if p is embed_param and n in state), names.get(id(embed_param)))
     head_key = None
     if head_mod is not None and getattr(head_mod, "weight", None) is not None:
         aliases = [n for n, p in model.named_parameters(remove_duplicate=False)
