@@ -69,8 +69,11 @@ SIZES: dict[str, Any] = {
 FIXUPS: dict[str, dict[str, Any]] = {
     # heads x head_dim must equal expand x hidden (its own key names)
     "mamba2": {"num_heads": 4, "head_dim": 32},
-    # the default config does not build: the attention reads attn_config.rope_theta
-    "dbrx": {"attn_config": {"rope_theta": 10000.0}},
+    # the default config does not build (the attention reads attn_config.rope_theta) nor run
+    # (clamp to clip_qkv=None); DBRX itself uses 8
+    "dbrx": {"attn_config": {"rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # the rotary part is head_dim wide and must equal qk_rope_head_dim
+    "longcat_flash": {"head_dim": 8},
     # the default config does not build: rope_parameters must be keyed by layer type
     "cohere_compass_text": {"rope_parameters": {"full_attention": {
         "rope_type": "default", "rope_theta": 10000.0}}},
@@ -192,7 +195,7 @@ def _sub_config_class(cls: Any, key: str, value: dict) -> Any:
 
 
 def _shrink(values: dict[str, Any], defaults: dict[str, Any], cls: Any = None,
-            widths: frozenset[int] = frozenset()) -> dict[str, Any]:
+            widths: frozenset[int] = frozenset(), ratio: bool = True) -> dict[str, Any]:
     """Tiny overrides of one config dict (``defaults``: its ``to_dict()``), recursing into
     every nested config with the same sizes; ``values`` win (per-model FIXUPS)."""
     over = {k: v for k, v in SIZES.items() if k in defaults}
@@ -228,7 +231,8 @@ def _shrink(values: dict[str, Any], defaults: dict[str, Any], cls: Any = None,
                     if k in value:
                         entry = value[k]
                         new[f"{j:02d}" if len(str(k)) == 2 else str(j)] = (
-                            {**entry, **_shrink({}, entry)} if isinstance(entry, dict) else entry)
+                            _layer_overrides(entry, defaults, over, ratio)
+                            if isinstance(entry, dict) else entry)
                         break
             over[key] = new
         elif (isinstance(value, int) and not isinstance(value, bool) and "layers" in key
@@ -242,12 +246,26 @@ def _shrink(values: dict[str, Any], defaults: dict[str, Any], cls: Any = None,
         value = defaults[key]
         sub_cls = _sub_config_class(cls, key, value)
         over[key] = {**value, **_shrink(FIXUPS.get(str(value.get("model_type")), {}), value,
-                                        sub_cls, widths)}
+                                        sub_cls, widths, ratio)}
     _mamba_heads(over, defaults)
     for key, value in values.items():
         over[key] = {**over[key], **value} if isinstance(value, dict) and isinstance(
             over.get(key), dict) and key != "rope_parameters" else value
     return over
+
+
+def _layer_overrides(entry: dict[str, Any], defaults: dict[str, Any],
+                     over: dict[str, Any], ratio: bool) -> dict[str, Any]:
+    """One layer's overrides at the tiny scale: in the same ratio to the global value (gemma 4's
+    global layers: head_dim 512 vs 256 -> 32 vs 16, so the layer stays different), or without
+    ``ratio`` the plain tiny sizes (where a validator ties them to other sizes: dots3)."""
+    out = {**entry, **_shrink({}, entry)}
+    for key, value in entry.items() if ratio else ():
+        base, tiny = defaults.get(key), over.get(key)
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in (value, base, tiny)) \
+                and base and value != base:
+            out[key] = max(1, round(tiny * value / base))
+    return out
 
 
 def _mamba_heads(over: dict[str, Any], defaults: dict[str, Any]) -> None:
@@ -290,7 +308,11 @@ def tiny_config(model_type: str) -> Any:
     from transformers import CONFIG_MAPPING
     cls = CONFIG_MAPPING[model_type]
     defaults = _defaults(cls)
-    return cls(**_shrink(FIXUPS.get(model_type, {}), defaults, cls, frozenset(_widths(defaults))))
+    widths = frozenset(_widths(defaults))
+    try:
+        return cls(**_shrink(FIXUPS.get(model_type, {}), defaults, cls, widths))
+    except Exception:  # noqa: BLE001 - per-layer ratios broke a validator: plain tiny sizes
+        return cls(**_shrink(FIXUPS.get(model_type, {}), defaults, cls, widths, ratio=False))
 
 
 def model_config(config: Any, model_cls: Any) -> Any:

@@ -84,3 +84,49 @@ def test_torchrun_two_rank_load_bitwise(model_type: str, pools: bool, tmp_path: 
                                ref[name].reshape(-1).view(torch.uint8)), (rank, name)
         seen |= set(loaded)
     assert seen == set(ref)
+
+
+#: architectures only the shrink's nested-config handling reaches (a few seconds each)
+NESTED = {
+    "qwen3_5": "composite config: Qwen3_5ForCausalLM is built from (and saves) its text_config",
+    "dbrx": "attn_config / ffn_config sub-configs",
+    "fuyu": "vision embedding registered after the LM and run first, through a helper method",
+    "gemma3": "ForConditionalGeneration: vision tower + projector on the first stage",
+}
+#: model type -> a name fragment of tensors that must be planned by the first stage only
+FIRST_STAGE = {"fuyu": "vision_embed_tokens", "gemma3": "vision_tower"}
+
+
+@pytest.mark.parametrize("model_type", sorted(NESTED))
+def test_sweep_nested_config(model_type: str, tmp_path: Path, quiet: None) -> None:
+    from pploader import load_spec, open_checkpoint, plan_all
+    arch = generic_sweep.causal_lm_types()[model_type]
+    row = generic_sweep.check(model_type, arch, tmp_path)
+    assert row["result"] == "exact", row
+    assert row["forward"] == "bit-identical" or row["forward"].startswith("close"), row
+    if model_type == "qwen3_5":  # the text config's model_type: the hand-written family
+        assert row["family"] == "qwen3_5", row
+    fragment = FIRST_STAGE.get(model_type)
+    if fragment:
+        plans = plan_all(load_spec(tmp_path / model_type), open_checkpoint(tmp_path / model_type),
+                         2, 1, 1)
+        owned = [{n for n in p.tensors if fragment in n} for p in plans]
+        assert owned[0] and not owned[1], owned
+
+
+def test_shrink_keeps_layer_patterns() -> None:
+    """The shrink keeps each per-layer pattern (not just the first layers) and renumbers the
+    layer-indexed entries consistently; widths of other configs shrink with the text width."""
+    gemma4 = generic_sweep.tiny_config("gemma4_text")
+    assert gemma4.num_hidden_layers == generic_sweep.LAYERS
+    assert set(gemma4.layer_types) == {"sliding_attention", "full_attention"}
+    full = {i for i, t in enumerate(gemma4.layer_types) if t == "full_attention"}
+    overrides = gemma4.to_dict()["per_layer_config"]  # head_dim overrides follow them, wider
+    assert {int(k) for k in overrides} == full
+    assert all(v["head_dim"] > gemma4.head_dim for v in overrides.values()), overrides
+    dots3 = generic_sweep.tiny_config("dots3_note")
+    assert dots3.vision_config.adapter_out_dim == dots3.text_config.hidden_size == 64
+    import transformers
+    qwen = generic_sweep.model_config(generic_sweep.tiny_config("qwen3_5"),
+                                      transformers.Qwen3_5ForCausalLM)
+    assert type(qwen).__name__ == "Qwen3_5TextConfig" and qwen.vocab_size == 128
