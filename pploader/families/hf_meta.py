@@ -183,10 +183,12 @@ def forward_order(model: Any, layers_path: str) -> dict[str, str]:
     first_use = _first_uses(type(parent), "forward", 2)
     if layers_name not in first_use:
         return {}
-    # the layers run where they are called (``self.language_model(...)``), which may come
-    # after other reads of them (``self.language_model.get_input_embeddings()``: Fuyu)
+    # the layers run where the forward itself calls them (``self.language_model(...)``: after
+    # ``self.language_model.get_input_embeddings()`` in Fuyu) or else names them (the layer
+    # loop), not in a helper that only touches them (RWKV's ``self._rescale_layers()``)
+    direct = _first_uses(type(parent), "forward", 0)
     boundary = _first_uses(type(parent), "forward", 0, calls=True).get(
-        layers_name, first_use[layers_name])
+        layers_name, direct.get(layers_name, first_use[layers_name]))
     prefix = parent_path + "." if parent_path else ""
     own = [n for n, _ in parent.named_children()]
     own += [n for n, _ in parent.named_parameters(recurse=False)]
