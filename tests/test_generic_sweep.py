@@ -99,7 +99,9 @@ FIRST_STAGE = {"fuyu": "vision_embed_tokens", "gemma3": "vision_tower"}
 
 @pytest.mark.parametrize("model_type", sorted(NESTED))
 def test_sweep_nested_config(model_type: str, tmp_path: Path, quiet: None) -> None:
-    from pploader import load_spec, open_checkpoint, plan_all
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.plan import plan_all
+    from pploader.planning.spec import load_spec
     arch = generic_sweep.causal_lm_types()[model_type]
     row = generic_sweep.check(model_type, arch, tmp_path)
     assert row["result"] == "exact", row
