@@ -37,38 +37,9 @@ from typing import Any, Optional
 
 import torch
 
-LAYERS = 4
+from sweep_shrink import LAYERS, model_config, tiny_config  # noqa: F401 - re-exported
+
 MAX_PARAMS = 20_000_000
-#: config key -> tiny value (applied when the config class has the key)
-SIZES: dict[str, Any] = {
-    "num_hidden_layers": LAYERS, "n_layer": LAYERS, "n_layers": LAYERS, "num_layers": LAYERS,
-    "hidden_size": 64, "d_model": 64, "n_embd": 64, "dim": 64, "embed_dim": 64,
-    "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128, "ffn_hidden_size": 128,
-    "num_attention_heads": 4, "n_head": 4, "n_heads": 4, "num_heads": 4,
-    "num_key_value_heads": 2, "num_kv_heads": 2, "n_kv_heads": 2, "head_dim": 16,
-    "vocab_size": 128, "max_position_embeddings": 128, "n_positions": 128,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "moe_num_experts": 4,
-    "num_experts_per_tok": 2, "moe_topk": 2, "top_k": 2, "moe_intermediate_size": 32,
-    "shared_expert_intermediate_size": 32, "moe_shared_expert_intermediate_size": 32,
-    "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1,
-    "kv_lora_rank": 16, "q_lora_rank": 24, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-    "v_head_dim": 16, "qk_head_dim": 16,
-    "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
-    "linear_value_head_dim": 16,
-    "mamba_n_heads": 4, "mamba_num_heads": 4, "mamba_d_head": 32, "mamba_head_dim": 32,
-    "mamba_d_state": 8, "ssm_state_size": 8, "state_size": 8, "mamba_n_groups": 2,
-    "n_groups": 2, "mamba_expand": 2, "expand": 2, "mamba_d_conv": 4, "conv_kernel": 4,
-    "mamba_chunk_size": 8, "chunk_size": 8, "mamba_dt_rank": 4, "time_step_rank": 4,
-    "sliding_window": 16, "attention_chunk_size": 16,
-    "decoder_layers": LAYERS, "encoder_layers": 2, "decoder_ffn_dim": 128, "encoder_ffn_dim": 128,
-    "decoder_attention_heads": 4, "encoder_attention_heads": 4, "num_decoder_layers": LAYERS,
-}
-#: model type -> extra overrides for configs whose constraints the generic shrink breaks
-FIXUPS: dict[str, dict[str, Any]] = {
-    "mamba2": {"num_heads": 4, "head_dim": 32},
-}
-TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "sep_token_id", "cls_token_id",
-             "decoder_start_token_id", "mask_token_id", "unk_token_id")
 
 
 class Timeout(Exception):
@@ -87,33 +58,9 @@ def causal_lm_types() -> dict[str, str]:
     return dict(sorted(out.items()))
 
 
-def _shrink(values: dict[str, Any], defaults: dict[str, Any]) -> dict[str, Any]:
-    over = {k: v for k, v in SIZES.items() if k in defaults}
-    n_default = next((defaults[k] for k in ("num_hidden_layers", "n_layer", "num_layers")
-                      if isinstance(defaults.get(k), int)), None)
-    for key, value in defaults.items():  # per-layer lists: keep the pattern's first layers
-        if isinstance(value, list) and n_default and len(value) == n_default and key != "architectures":
-            over[key] = value[:LAYERS]
-        if key in TOKEN_IDS and isinstance(value, int) and value >= 128:
-            over[key] = 1
-        if key in TOKEN_IDS and isinstance(value, list):
-            over[key] = [v if v < 128 else 1 for v in value if isinstance(v, int)]
-        if key.endswith("_config") and isinstance(value, dict):  # nested text / vision configs
-            over[key] = {**value, **_shrink(value, value)}
-    over.update(values)
-    return over
-
-
-def tiny_config(model_type: str) -> Any:
-    from transformers import CONFIG_MAPPING
-    cls = CONFIG_MAPPING[model_type]
-    defaults = cls().to_dict()
-    return cls(**_shrink(FIXUPS.get(model_type, {}), defaults))
-
-
 def _checkpoint(model_type: str, arch: str, out: Path) -> torch.nn.Module:
     import transformers
-    config = tiny_config(model_type)
+    config = model_config(tiny_config(model_type), getattr(transformers, arch))
     config.architectures = [arch]
     with torch.device("meta"):  # refuse what the shrink did not make tiny (sub-configs)
         params = sum(p.numel() for p in getattr(transformers, arch)._from_config(

@@ -117,7 +117,8 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
         children = dict(module.named_children())
         if not any(c is embed for c in children.values()):
             continue
-        lists = [n for n, c in children.items() if isinstance(c, nn.ModuleList) and len(c)]
+        lists = [n for n, c in children.items()  # (not a list of per-codebook embeddings)
+                 if isinstance(c, nn.ModuleList) and len(c) and c is not embed]
         if len(lists) > 1 and num_hidden is not None:
             lists = [n for n in lists if len(children[n]) == num_hidden]
         if len(lists) == 1:
@@ -125,10 +126,23 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
         break
     found = [path for path, module in model.named_modules()  # e.g. BERT-style encoder.layer
              if isinstance(module, nn.ModuleList) and num_hidden and len(module) == num_hidden]
+    if len(found) > 1:  # leave out towers: sub-models with their own (vision, audio) config
+        towers = _tower_paths(model)
+        found = [p for p in found if not any(p.startswith(t + ".") for t in towers)]
     if len(found) == 1:
         return found[0]
     raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
                       "embedding (not a decoder-only layout the generic family understands)")
+
+
+def _tower_paths(model: Any) -> list[str]:
+    """Paths of nested transformers models built from a config other than the text config
+    (GIT's ``image_encoder``, a VL model's vision tower): never the decoder stack."""
+    from transformers import PreTrainedModel
+    text = model.config.get_text_config()
+    return [path for path, module in model.named_modules()
+            if path and isinstance(module, PreTrainedModel) and module.config is not text
+            and module.config is not model.config]
 
 
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
@@ -155,33 +169,60 @@ def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
 
 
 def forward_order(model: Any, layers_path: str) -> dict[str, str]:
-    """``{module path: "first" | "last"}`` for the children of the module holding the decoder
-    layers, by where its ``forward`` first uses them: before the layer loop = first stage,
-    after = last stage. Registration order is not enough (BART-style decoders register
-    ``layernorm_embedding`` after the layers and run it before them). Read from the source
-    (static: a forward on ``meta`` stops at data-dependent mask code). Children the forward
-    does not name directly are left out: callers fall back to registration order."""
+    """``{path: "first" | "last"}`` for the children (and own parameters / buffers) of the
+    module holding the decoder layers, by where its ``forward`` first uses them: before the
+    layer loop = first stage, after = last stage. Registration order is not enough (BART-style
+    decoders register ``layernorm_embedding`` after the layers and run it before them; a VL
+    model registers its vision tower after the language model and runs it first, through a
+    helper such as ``get_image_features``: ``self.<method>(...)`` calls count as using what the
+    method uses, two levels deep). Read from the source (static: a forward on ``meta`` stops at
+    data-dependent mask code). Names the forward does not reach are left out: callers fall
+    back to registration order."""
+    parent_path, _, layers_name = layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    first_use = _first_uses(type(parent), "forward", 2)
+    if layers_name not in first_use:
+        return {}
+    # the layers run where the forward itself calls them (``self.language_model(...)``: after
+    # ``self.language_model.get_input_embeddings()`` in Fuyu) or else names them (the layer
+    # loop), not in a helper that only touches them (RWKV's ``self._rescale_layers()``)
+    direct = _first_uses(type(parent), "forward", 0)
+    boundary = _first_uses(type(parent), "forward", 0, calls=True).get(
+        layers_name, direct.get(layers_name, first_use[layers_name]))
+    prefix = parent_path + "." if parent_path else ""
+    own = [n for n, _ in parent.named_children()]
+    own += [n for n, _ in parent.named_parameters(recurse=False)]
+    own += [n for n, _ in parent.named_buffers(recurse=False)]
+    return {prefix + name: "first" if first_use[name] < boundary else "last"
+            for name in own if name in first_use and name != layers_name}
+
+
+def _first_uses(cls: type, method: str, depth: int,
+                calls: bool = False) -> dict[str, tuple[int, int]]:
+    """``{attribute: (line, column)}`` of each ``self.<attribute>`` first use (with ``calls``:
+    first direct call ``self.<attribute>(...)``) in ``cls.<method>``; attributes used inside a
+    called ``self.<helper>(...)`` count at the call."""
     import ast
     import inspect
     import textwrap
-    parent_path, _, layers_name = layers_path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(type(parent).forward)))
-    except (OSError, TypeError, SyntaxError):
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
+    except (OSError, TypeError, SyntaxError, AttributeError):
         return {}
     first_use: dict[str, tuple[int, int]] = {}
     for node in ast.walk(tree):
+        if calls:
+            node = node.func if isinstance(node, ast.Call) else None  # type: ignore[assignment]
         if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
                 and node.value.id == "self":
             pos = (node.lineno, node.col_offset)
-            first_use[node.attr] = min(first_use.get(node.attr, pos), pos)
-    if layers_name not in first_use:
-        return {}
-    boundary = first_use[layers_name]
-    prefix = parent_path + "." if parent_path else ""
-    return {prefix + name: "first" if first_use[name] < boundary else "last"
-            for name, _ in parent.named_children() if name in first_use and name != layers_name}
+            found = {node.attr: pos}
+            if depth > 0 and node.attr != method and inspect.isfunction(
+                    inspect.getattr_static(cls, node.attr, None)):
+                found.update({k: pos for k in _first_uses(cls, node.attr, depth - 1)})
+            for name, at in found.items():
+                first_use[name] = min(first_use.get(name, at), at)
+    return first_use
 
 
 def _saved_state(model: Any) -> tuple[dict, list[tuple[str, str]]]:
@@ -226,6 +267,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     stage_of = {k: next((v for m, v in order.items() if k.startswith(m + ".")),
                         "first" if pos < first_layer_pos else "last")
                 for pos, k in enumerate(keys) if not k.startswith(lp)}
+    stage_of.update({k: order[k] for k in stage_of if k in order})  # own parameters, buffers
 
     per_layer_experts = [_experts_of(layer) for layer in layers]
     counts = {c for c, _ in per_layer_experts if c}
@@ -247,7 +289,8 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         signature[i] = sig
         reps.setdefault(sig, i)
 
-    embed_param = model.get_input_embeddings().weight  # type: ignore[operator, union-attr]
+    embed_param = getattr(model.get_input_embeddings(), "weight", None)  # type: ignore[operator]
+    # (None: several embeddings, e.g. MusicGen's one per codebook; placed as first-stage globals)
     head_mod = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     names: dict[int, str] = {}
     for n, p in model.named_parameters(remove_duplicate=False):
