@@ -208,6 +208,18 @@ class QuantNaming:
                 return name[:len(name) - len(suffix)] + self.weight, suffix
         return None
 
+    def companion_component(self, weight_component: str, weight: str, name: str) -> str:
+        """The component of companion ``name`` of ``weight``, from the weight's component
+        (``mlp.w.weight`` -> ``mlp.w.weight_scale_inv``)."""
+        tail = name[len(weight) - len(self.weight):]
+        return weight_component[:len(weight_component) - len(self.weight)] + tail
+
+    def weight_component(self, companion_component: str, name: str, weight: str) -> str:
+        """The component of ``weight``, from its companion ``name``'s component (inverse of
+        :meth:`companion_component`)."""
+        tail = name[len(weight) - len(self.weight):]
+        return companion_component[:len(companion_component) - len(tail)] + self.weight
+
     def module_of(self, name: str) -> str:
         """The module of weight ``name`` (``a.b.weight`` -> ``a.b``); other names unchanged."""
         return name[:-len(self.weight) - 1] if name.endswith("." + self.weight) else name

@@ -327,9 +327,10 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
                               name, entry.dtype, len(entry.shape)))
         else:  # a quantization companion: sliced from its weight's logical selection
             wentry = index.entry(weight)
-            suffix = name[len(weight) - len("weight"):]
-            key = (rule_index(role.component[:-len(suffix)] + "weight"), role.fused_experts,
-                   entry.shape, entry.dtype, suffix, wentry.shape, wentry.dtype)
+            naming = spec.family.quant_naming  # the weight's component, by the family's naming
+            wcomp = naming.weight_component(role.component, name, weight)
+            key = (rule_index(wcomp), role.fused_experts, entry.shape, entry.dtype,
+                   name[len(weight) - len(naming.weight):], wentry.shape, wentry.dtype)
         sel = selections.get(key)
         try:
             if sel is None:

@@ -45,11 +45,12 @@ class CheckpointRoles:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
         weight = self.links.get(name)
         if weight is not None:
-            wcomp = component[:len(component) - len(name) + len(weight)]
+            naming = self.spec.family.quant_naming  # the family's naming, no string cutting
+            wcomp = naming.weight_component(component, name, weight)
             base = self._plain(weight, layer, wcomp)
-            return TensorRole(base.placement, base.component[:-len("weight")]
-                              + component[len(wcomp) - len("weight"):], base.layer,
-                              base.expert, base.fused_experts, base.role)
+            return TensorRole(base.placement,
+                              naming.companion_component(base.component, weight, name),
+                              base.layer, base.expert, base.fused_experts, base.role)
         return self._plain(name, layer, component)
 
     def _plain(self, name: str, layer: int, component: str) -> TensorRole:
@@ -192,8 +193,8 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         weight = links.get(name, name)
         role = fam.classify(weight, n, m)
         if role is not None and weight != name:
-            role = replace(role, component=role.component[:-len("weight")]
-                           + name[len(weight) - len("weight"):])
+            role = replace(role, component=fam.quant_naming.companion_component(
+                role.component, weight, name))
         if role is None:
             unknown.append(name)
         elif role.placement in ("layer", "mtp") and role.layer is not None and name in links:
