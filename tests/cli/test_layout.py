@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "pploader"
+PKG = Path(__file__).resolve().parents[2] / "pploader"
 TOOLING = ("pploader.bench", "pploader.testing")
 
 
