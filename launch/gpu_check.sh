@@ -7,7 +7,7 @@
 #    the report goes to $OUT/pytest_gpu.txt and $OUT/junit_gpu.xml.
 # 2. When green with nothing skipped, writes tests/gpu/LAST_RUN (commit, date, device, counts,
 #    digest of the GPU-path sources, see tests/gpu/last_run.py), copies it to $OUT/LAST_RUN and
-#    prints it. Commit that file: the CPU test tests/test_gpu_stale.py fails in CI when the
+#    prints it. Commit that file: the CPU test tests/gpu/test_gpu_stale.py fails in CI when the
 #    GPU-path sources differ from the recorded ones.
 # 3. With --bench, then the GPU benchmark (python -m pploader.bench.cuda, docs/benchmarks-gpu.md)
 #    into $OUT/bench. Competitors' wheels are optional: installed from .whl/ when present.

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 #: public name -> the submodule defining it (docs/integration.md, "Public API", lists the
-#: same names; tests/test_public_api.py checks both). Everything else stays reachable
+#: same names; tests/cli/test_public_api.py checks both). Everything else stays reachable
 #: through its subpackage (pploader.planning.plan.plan_rank, ...).
 _EXPORTS: dict[str, str] = {
     # who: the ranks, the process group, fail-together steps
@@ -85,7 +85,7 @@ __all__ = [
     "PoolOptions", "CacheDtypes", "CachePools", "build_rank_pools", "PPLoaderError",
     "ConfigError", "CheckpointError", "PlanError", "ReadError", "MemoryBudgetError",
     "TopologyError", "NotReadyError", "RankFailure",
-]  # == ["__version__", *_EXPORTS] (tests/test_public_api.py checks)
+]  # == ["__version__", *_EXPORTS] (tests/cli/test_public_api.py checks)
 
 
 def __getattr__(name: str) -> Any:

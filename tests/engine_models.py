@@ -1,4 +1,4 @@
-"""Engine-shaped stage modules for tests/test_engines.py and docs/integration.md.
+"""Engine-shaped stage modules for tests/integrations/test_engines.py and docs/integration.md.
 
 ``SGLangStyleLlama`` is built the way SGLang builds a llama for one pipeline stage (its
 ``LlamaForCausalLM``: ``model.start_layer / end_layer`` from SGLang's split, a placeholder

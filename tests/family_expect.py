@@ -15,7 +15,7 @@ Slicer = Callable[[torch.Tensor, Topology], torch.Tensor]   # one rank's piece o
 TpSlice = Callable[[torch.Tensor, int], torch.Tensor]      # rank r of TP=2
 
 
-# ---- TP=2 reference slices (tests/test_families.py) ------------------------------------------
+# ---- TP=2 reference slices (tests/families/test_families.py) ------------------------------------------
 
 def halves(t: torch.Tensor, r: int, dim: int = 0) -> torch.Tensor:
     return t.chunk(2, dim)[r]
@@ -37,7 +37,7 @@ def row_halves(t: torch.Tensor, r: int) -> torch.Tensor:
     return halves(t, r, 1)
 
 
-# ---- any topology: slicers and fused layouts (tests/test_fused_families.py) ------------------
+# ---- any topology: slicers and fused layouts (tests/families/test_fused_families.py) ------------------
 
 def rows(units: int = 0) -> Slicer:
     """Column-parallel: dim 0 split by ``units`` (heads; 0 = rows), replicated below tp."""

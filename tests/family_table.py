@@ -1,8 +1,8 @@
 """The family test table: one row per hand-written family, everything the tests expect of it.
 
-tests/test_families.py (transformers-built checkpoints, TP reference slices, the tiny config's
-layout), tests/test_fused_families.py (fused / stacked targets), tests/test_pools.py (cache
-geometry by hand and against transformers' mixers) and tests/test_generic.py read it. Adding a
+tests/families/test_families.py (transformers-built checkpoints, TP reference slices, the tiny config's
+layout), tests/families/test_fused_families.py (fused / stacked targets), tests/cache/test_pools.py (cache
+geometry by hand and against transformers' mixers) and tests/families/test_generic.py read it. Adding a
 family = its module under pploader/families/, ``configs/models/tiny-<family>.json`` and one
 ``Row`` here (docs/families.md). Every value is written from the architecture and the config
 text, never from pploader's family code; ``test_family_table_covers_every_family`` fails when a
@@ -49,7 +49,7 @@ class Row:
     slicing (None: the family is not in the fused-binding test). ``tp_slices``: TP=2 reference
     slices of the tiny checkpoint by component suffix. ``pools`` / ``geometry`` / ``real_fields``
     / ``hf_mixer``: cache numbers by hand for the tiny config and for a hand config, the config
-    fields the family reads its kinds from, transformers' mixer classes (tests/test_pools.py)."""
+    fields the family reads its kinds from, transformers' mixer classes (tests/cache/test_pools.py)."""
 
     family: str
     model_type: str

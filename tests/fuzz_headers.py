@@ -6,7 +6,7 @@ exception is a bug; so is an accepted file that breaks the invariants. Such inpu
 to ``--crash-dir`` and counted, and the run exits 1.
 
     python -m tests.fuzz_headers --count 100000 --seed 1     # the long run (docs/reliability.md)
-    python -m tests.fuzz_headers --count 3000                # what CI runs (tests/test_fuzz.py)
+    python -m tests.fuzz_headers --count 3000                # what CI runs (tests/planning/test_fuzz.py)
 
 Cases: valid files (random names incl. unicode, every dtype, 0-d / empty shapes, metadata,
 whitespace padding), JSON-level mutations (bad dtypes, shapes, offsets, extra/missing keys,

@@ -17,7 +17,7 @@ Run (the table in docs/families.md comes from this)::
 
     PYTHONPATH=$PWD python tests/generic_sweep.py --json /tmp/sweep.json --markdown /tmp/sweep.md
 
-``--types a,b`` restricts the model types. tests/test_generic_sweep.py runs a subset.
+``--types a,b`` restricts the model types. tests/families/test_generic_sweep.py runs a subset.
 """
 from __future__ import annotations
 

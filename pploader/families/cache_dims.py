@@ -36,7 +36,7 @@ def mla_dims(spec: SpecView) -> MlaDims:
 
 
 #: Config keys of each cache quantity; the first key present wins. Checked against the
-#: transformers 5.24 config classes (and the mixers' own attributes, see tests/test_pools.py):
+#: transformers 5.24 config classes (and the mixers' own attributes, see tests/cache/test_pools.py):
 #: NemotronHConfig (mamba_num_heads, mamba_head_dim, ssm_state_size, n_groups, conv_kernel),
 #: BambaConfig / GraniteMoeHybridConfig (mamba_n_heads, mamba_d_head, mamba_d_state,
 #: mamba_n_groups, mamba_d_conv, mamba_expand), FalconH1Config (the same + mamba_d_ssm),

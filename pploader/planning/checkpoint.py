@@ -284,7 +284,7 @@ def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tenso
     hooks and checked in one tight loop; None when anything is unusual (escapes, a duplicate
     key, any entry the strict checks would refuse), and then ``parse_header`` parses the
     text again strictly, so every error keeps its precise message. Accepts exactly what the
-    strict path accepts, with the same entries (tests/test_planning_speed.py, the fuzzer)."""
+    strict path accepts, with the same entries (tests/planning/test_plan_equivalence.py, the fuzzer)."""
     obj = _loads_fast(text)
     if type(obj) is not dict:
         return None

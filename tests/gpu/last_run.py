@@ -3,7 +3,7 @@
 CI has no GPU, so nothing there runs the GPU tests. Instead ``launch/gpu_check.sh`` (on a
 2-GPU machine) runs them and, when they are green, writes ``tests/gpu/LAST_RUN``: the commit,
 date, device, pass counts and a digest of the GPU-path sources. The CPU test
-``tests/test_gpu_stale.py`` recomputes the digest and fails when those sources changed since
+``tests/gpu/test_gpu_stale.py`` recomputes the digest and fails when those sources changed since
 that run, so a change to the GPU path cannot land without a GPU run.
 
 The GPU-path sources (``gpu_path_sources``), defined here and nowhere else:
@@ -13,7 +13,7 @@ The GPU-path sources (``gpu_path_sources``), defined here and nowhere else:
   that backend runs on device tensors), except the benchmark modules
   (``bench*.py``, ``*_bench.py``: ``pytest -m gpu`` does not run them; their numbers live in
   docs/benchmarks-gpu.md);
-- the GPU tests and their fixtures: ``tests/test_gpu.py``, ``tests/bind_models.py``,
+- the GPU tests and their fixtures: ``tests/gpu/test_gpu.py``, ``tests/bind_models.py``,
   ``tests/conftest.py``;
 - this file (a change to the definition is a change to the guard).
 
@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LAST_RUN = Path(__file__).resolve().parent / "LAST_RUN"
 GPU_PATH_PATTERN = re.compile(
     r"cuda|DeviceLoader|PinnedRing|nccl|pin_memory|open_backend\(|def materialise\(")
-GPU_TESTS = ("tests/test_gpu.py", "tests/bind_models.py", "tests/conftest.py",
+GPU_TESTS = ("tests/gpu/test_gpu.py", "tests/bind_models.py", "tests/conftest.py",
              "tests/gpu/last_run.py")
 MIN_GPUS = 2
 HOW_TO_FIX = ("run `./launch/gpu_check.sh` on a 2-GPU machine (it runs `pytest -m gpu` and "

@@ -36,7 +36,7 @@ from pploader.tiny import write_checkpoint
 LAYER = re.compile(r"^(?P<prefix>(?:.*\.)?layers\.\d+\.)(?P<component>.+)$")
 TOPOLOGIES = [(1, 1), (2, 1), (1, 2), (2, 2)]  # (tp, ep), all at pp=2
 
-#: families with a ``fused`` entry in the table (llama / qwen2 / qwen3: tests/test_place.py)
+#: families with a ``fused`` entry in the table (llama / qwen2 / qwen3: tests/bind/test_place.py)
 FAMILIES = [r.family for r in ROWS if r.fused is not None and r.tiny]
 
 

@@ -11,7 +11,7 @@ import pytest
 
 import pploader
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "integration.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integration.md"
 
 
 def documented_names() -> list[str]:

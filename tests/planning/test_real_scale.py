@@ -70,7 +70,7 @@ def _layer_of(name: str) -> Optional[int]:
 def _stage_of(name: str, spec: ModelSpec, pp: int) -> Optional[int]:
     """The stage that must own ``name``, from the name alone (None: an MTP layer): layers
     split evenly, the remainder to the middle stages (partition.even_windows' rule is
-    checked by tests/test_plan.py; here the count per stage is recomputed from it)."""
+    checked by tests/planning/test_plan.py; here the count per stage is recomputed from it)."""
     layer = _layer_of(name)
     if layer is None:  # globals: the embedding on the first stage, norm + head on the last
         return 0 if "embed" in name else pp - 1

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-PKG = Path(__file__).resolve().parents[1] / "pploader"
+PKG = Path(__file__).resolve().parents[2] / "pploader"
 TOOLING = ("pploader.bench", "pploader.testing")
 
 
@@ -115,3 +115,19 @@ def test_cli_imports_only_the_public_api_and_command_modules() -> None:
     assert found, "no pploader import found in cli.py (the test reads the wrong file?)"
     bad = [m for m in found if m not in public and not m.startswith(COMMAND_MODULES)]
     assert not bad, f"cli.py imports internals: {sorted(set(bad))}"
+
+
+#: test folders that are not a pploader subpackage: the top-level modules (cli.py, job.py,
+#: stage.py, the public API), the device suite and the vLLM suite
+TEST_FOLDERS_BEYOND_THE_PACKAGE = {"cli", "gpu", "vllm"}
+
+
+def test_tests_are_grouped_like_the_package() -> None:
+    """tests/ mirrors the package (docs/architecture.md, "Tests"): no test file at tests/ itself,
+    every test folder is a pploader subpackage (or one of the few above)."""
+    tests = PKG.parent / "tests"
+    assert not sorted(p.name for p in tests.glob("test_*.py")), "test files at tests/ root"
+    folders = {p.parent.name for p in tests.glob("*/test_*.py")}
+    packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
+    assert folders - packages <= TEST_FOLDERS_BEYOND_THE_PACKAGE, folders - packages
+    assert {"planning", "io", "bind", "dist", "cache", "families", "integrations"} <= folders

@@ -288,7 +288,7 @@ def test_merged_groups_equal_direct_reads(llama: Path, tp: int) -> None:
 
 
 def _quantized_llama(tmp: Path) -> Path:
-    from test_quant import write_quantized
+    from quant_checkpoints import write_quantized
     return write_quantized(tmp / "fp8", "fp8-block")[0]
 
 

@@ -15,7 +15,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def _last_run_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_last_run", HERE / "gpu" / "last_run.py")
+    spec = importlib.util.spec_from_file_location("gpu_last_run", HERE / "last_run.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
@@ -37,18 +37,18 @@ def test_gpu_path_unchanged_since_last_gpu_run() -> None:
 def test_gpu_path_set_covers_the_device_code() -> None:
     files = last_run.gpu_path_sources()
     for must in ("pploader/io/device.py", "pploader/bind/write.py", "pploader/stage.py",
-                 "tests/test_gpu.py"):
+                 "tests/gpu/test_gpu.py"):
         assert must in files
     assert not any(Path(f).name.startswith("bench") for f in files)
 
 
 def _fake_repo(root: Path) -> None:
     (root / "pploader").mkdir(parents=True)
-    (root / "tests").mkdir()
+    (root / "tests" / "gpu").mkdir(parents=True)
     (root / "pploader" / "gpu.py").write_text("x = 'cuda'\n")
     (root / "pploader" / "cpu.py").write_text("x = 1\n")
     (root / "pploader" / "bench_x.py").write_text("x = 'cuda'\n")
-    (root / "tests" / "test_gpu.py").write_text("pass\n")
+    (root / "tests" / "gpu" / "test_gpu.py").write_text("pass\n")
 
 
 def _junit(path: Path, tests: int, failures: int = 0, errors: int = 0, skipped: int = 0) -> Path:
@@ -62,7 +62,8 @@ def test_record_then_any_gpu_source_change_is_stale(tmp_path: Path) -> None:
     out = tmp_path / "LAST_RUN"
     data = last_run.record(_junit(tmp_path / "j.xml", 5), "2x H100", 2, "abc", root=tmp_path,
                            out=out)
-    assert data["passed"] == 5 and set(data["sources"]) == {"pploader/gpu.py", "tests/test_gpu.py"}
+    assert data["passed"] == 5
+    assert set(data["sources"]) == {"pploader/gpu.py", "tests/gpu/test_gpu.py"}
     assert last_run.stale_files(tmp_path, out)[0] == []
     (tmp_path / "pploader" / "cpu.py").write_text("x = 2\n")       # not GPU path: still current
     (tmp_path / "pploader" / "bench_x.py").write_text("x = 'cuda2'\n")
