@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import typing
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -89,23 +90,50 @@ class _Missing:
 _MISSING = _Missing()
 
 
+def _whole_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``t`` is a view of, where that base is contiguous from its storage's start
+    (so the view is ``base.as_strided(size, stride, offset)`` of any contiguous copy)."""
+    base = t._base
+    if base is None or not base.is_contiguous() or base.storage_offset() != 0:
+        return None
+    return base
+
+
+def _slot(t: torch.Tensor, slots: dict[int, int], tensors: list[torch.Tensor]) -> int:
+    if id(t) not in slots:
+        slots[id(t)] = len(tensors)
+        tensors.append(t)
+    return slots[id(t)]
+
+
 def _encode(obj: Any, slots: dict[int, int], tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in slots:
-            slots[id(obj)] = len(tensors)
-            tensors.append(obj)
-        return {"t": slots[id(obj)]}
+        base = _whole_base(obj)
+        if base is not None:  # a slice of a tensor computed before the loop (Gemma 3n / 4's
+            # per-layer inputs): the whole base travels, later layers' slices are taken from it
+            return {"t": _slot(base, slots, tensors),
+                    "view": [list(obj.shape), list(obj.stride()), obj.storage_offset()]}
+        return {"t": _slot(obj, slots, tensors)}
     if isinstance(obj, _SCALARS):
         return {"v": obj}
     if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
         return {type(obj).__name__: [_encode(x, slots, tensors) for x in obj]}
     if type(obj) is dict and all(isinstance(k, (str, int)) for k in obj):
         return {"dict": [[k, _encode(v, slots, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, MutableMapping) and all(isinstance(k, (str, int)) for k in obj):
+        # a mapping object threaded through the layers and filled by them (Gemma's
+        # KVSharingDict: K/V of earlier layers reused by later ones): its contents travel and
+        # fill the receiving stage's own object in place, which its later layers then receive
+        return {"mapping": [[k, _encode(v, slots, tensors)] for k, v in obj.items()],
+                "type": type(obj).__name__}
     return {"local": type(obj).__name__}
 
 
 def _decode(node: Any, tensors: tuple[torch.Tensor, ...], local: Any, where: str) -> Any:
     if "t" in node:
+        if "view" in node:
+            size, stride, offset = node["view"]
+            return tensors[node["t"]].as_strided(size, stride, offset)
         return tensors[node["t"]]
     if "v" in node:
         return node["v"]
@@ -119,6 +147,14 @@ def _decode(node: Any, tensors: tuple[torch.Tensor, ...], local: Any, where: str
         mapping = local if isinstance(local, dict) else {}
         return {k: _decode(v, tensors, mapping.get(k, _MISSING), f"{where}[{k!r}]")
                 for k, v in node["dict"]}
+    if "mapping" in node:
+        if not isinstance(local, MutableMapping) or type(local).__name__ != node["type"]:
+            raise PPLoaderError(f"stage boundary: {where} is a {node['type']} mapping; the "
+                                f"receiving stage has a {type(local).__name__} there")
+        items = {k: _decode(v, tensors, _MISSING, f"{where}[{k!r}]") for k, v in node["mapping"]}
+        local.clear()
+        local.update(items)
+        return local
     if local is _MISSING:
         raise PPLoaderError(f"stage boundary: {where} is a {node['local']} object, which is not "
                             "sent between stages and has no local counterpart")
@@ -165,6 +201,8 @@ class StageRun:
         # local tensor id -> (local tensor, received tensor): the captured value replaces the
         # locally computed one wherever later layers receive the same object
         self.received: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None
+        # local base id -> (local base, received base): for slices of a pre-loop tensor
+        self.received_bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _error(self, message: str) -> PPLoaderError:
         w = self.window
@@ -191,15 +229,26 @@ class StageRun:
             if idx != w.start_layer:
                 raise self._error(f"the first layer run is {idx}, not {w.start_layer}")
             new_args, new_kwargs = self.boundary.inputs(args, kwargs)
-            self.received = {id(a): (a, b) for a, b in pair_tensors((args, kwargs),
-                                                                    (new_args, new_kwargs))
-                             if a is not b}
+            pairs = [(a, b) for a, b in pair_tensors((args, kwargs), (new_args, new_kwargs))
+                     if a is not b]
+            self.received = {id(a): (a, b) for a, b in pairs}
+            for a, b in pairs:  # slices of one pre-loop tensor: later slices come from its copy
+                local_base, got_base = _whole_base(a), b._base
+                if local_base is not None and got_base is not None \
+                        and local_base.shape == got_base.shape:
+                    self.received_bases[id(local_base)] = (local_base, got_base)
             return new_args, new_kwargs
-        received = self.received
+        received, bases = self.received, self.received_bases
 
         def swap(t: torch.Tensor) -> torch.Tensor:
             hit = received.get(id(t))
-            return hit[1] if hit is not None and hit[0] is t else t
+            if hit is not None and hit[0] is t:
+                return hit[1]
+            base = _whole_base(t)
+            hit = bases.get(id(base)) if base is not None else None
+            if hit is not None and hit[0] is base:
+                return hit[1].as_strided(t.shape, t.stride(), t.storage_offset())
+            return t
         return map_tensors(args, swap), map_tensors(kwargs, swap)
 
     def after(self, _idx: int, _module: nn.Module, _args: tuple, output: Any) -> None:
