@@ -141,13 +141,20 @@ class _ZeroEmbedding(nn.Module):
     """Input embedding of a non-first stage: zeros of the right shape (the inputs of the first
     owned layer are replaced by those received from the previous stage).
 
-    ``weight`` is an empty buffer: models that read the embedding's device or dtype find them.
+    ``weight`` is one zero row expanded to the embedding's shape (no memory): models that read
+    the embedding's device, dtype or shape, or index a row of it (Gemma 4's pad embedding),
+    find them.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_embeddings: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hidden_size, self.dtype = hidden_size, dtype
-        self.register_buffer("weight", torch.empty(0, hidden_size, dtype=dtype), persistent=False)
+        self.num_embeddings, self.hidden_size, self.dtype = num_embeddings, hidden_size, dtype
+        self.register_buffer("zero_row", torch.zeros(1, hidden_size, dtype=dtype),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.zero_row.expand(self.num_embeddings, self.hidden_size)
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype,
@@ -263,8 +270,10 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
             layers[i] = PassThrough(layers[i], i)
     if not window.has_embed:
         weight = getattr(model.get_submodule(anatomy.embed), "weight", None)
-        width = weight.shape[-1] if isinstance(weight, torch.Tensor) else text.hidden_size
-        zero = _ZeroEmbedding(width, dtype)  # ELECTRA, RemBERT: embedding narrower than hidden
+        known = isinstance(weight, torch.Tensor) and weight.dim() == 2
+        width = weight.shape[-1] if known else text.hidden_size
+        rows = weight.shape[0] if known else text.vocab_size
+        zero = _ZeroEmbedding(rows, width, dtype)  # ELECTRA, RemBERT: narrower than hidden
         for path in anatomy.embed_aliases:
             _set(model, path, zero)
         for path in anatomy.first_globals:
