@@ -178,6 +178,10 @@ class _Anatomy:
     pre_layers: tuple[str, ...] = ()  # first-stage modules in the text model run before the
                                       # layers (embedding norms, positions; BERT's embeddings)
     embed_aliases: tuple[str, ...] = ()  # every attribute path holding the input embedding
+    # parameters / persistent buffers held directly by the layers' ancestors (ZAYA's
+    # ``model.input_hidden_states_scale``), by the stage their forward uses them on
+    first_tensors: tuple[str, ...] = ()
+    last_tensors: tuple[str, ...] = ()
 
 
 def _join(parent: str, name: str) -> str:
@@ -211,10 +215,21 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
     first: list[str] = []
     beside: list[str] = []
     last: list[str] = []
+    tensors: dict[str, list[str]] = {"first": [], "last": []}
+    keys = list(model.state_dict(keep_vars=True))
+    first_layer_key = next((i for i, k in enumerate(keys) if k.startswith(layers + ".")),
+                           len(keys))
     for depth in range(len(parts)):
         parent, child = ".".join(parts[:depth]), parts[depth]
         module = model.get_submodule(parent)
         called = forward_order(model, _join(parent, child))
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        own += [n for n in module._buffers if n not in module._non_persistent_buffers_set]
+        for name in own:  # placed as hf_meta places them: forward use, else saved order
+            path = _join(parent, name)
+            position = keys.index(path) if path in keys else len(keys)
+            tensors[called.get(path, "first" if position < first_layer_key else "last")
+                    ].append(path)
         order = [n for n, _ in module.named_children()]
         for name, sub in module.named_children():
             path = _join(parent, name)
@@ -227,7 +242,8 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
             else:
                 last.append(path)
     return _Anatomy(".".join(parts[:lca_depth]), embed_path, layers, head_path, tuple(last),
-                    tuple(beside), tuple(first), aliases)
+                    tuple(beside), tuple(first), aliases, tuple(tensors["first"]),
+                    tuple(tensors["last"]))
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -284,6 +300,18 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
             module = model.get_submodule(path).to_empty(device="cpu").requires_grad_(False)
             for tensor in module.state_dict().values():
                 tensor.zero_()
+    # an ancestor's own tensors of another stage: zero placeholders (never loaded); before the
+    # layers their result is replaced by the received inputs, after them never reached
+    for path in (() if window.has_embed else anatomy.first_tensors) + \
+            (() if window.has_head else anatomy.last_tensors):
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        meta = getattr(owner, name)
+        zeros = torch.zeros(meta.shape, dtype=meta.dtype, device="cpu")
+        if name in owner._parameters:
+            owner._parameters[name] = nn.Parameter(zeros, requires_grad=False)
+        else:
+            owner._buffers[name] = zeros
     if not window.has_head:
         done: list[str] = []
         for path in anatomy.last_globals + ((anatomy.head,) if anatomy.head else ()):
