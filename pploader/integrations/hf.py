@@ -415,9 +415,12 @@ class HFStage:
         if (boundary is None) != w.has_embed:
             raise ValueError(f"stage {w.pp_rank}: a boundary must be given exactly when the "
                              "stage has no embedding")
-        if boundary is not None and boundary.layer != w.start_layer:
-            raise PPLoaderError(f"stage {w.pp_rank} starts at layer {w.start_layer}; the boundary "
-                                f"received is for layer {boundary.layer}", rank=self.topology.rank)
+        if boundary is not None and not w.start_layer <= boundary.layer <= w.end_layer:
+            raise PPLoaderError(f"stage {w.pp_rank} runs layers {w.start_layer}-{w.end_layer - 1}"
+                                f"; the boundary received is for layer {boundary.layer}",
+                                rank=self.topology.rank)
+        if boundary is not None and boundary.layer >= w.end_layer and not w.has_head:
+            return boundary  # the loop skips all of this stage's layers: handed on as it is
         run = StageRun(w, boundary, self.topology.rank)
         handles = []
         for i, layer in enumerate(self.layers):
@@ -438,6 +441,12 @@ class HFStage:
             for i in range(w.start_layer):
                 self.layers[i].replay(None)
         if not w.has_head:
+            # the loop skipped every later layer: the output of the last layer run travels
+            # (the receiving stage's pass-throughs return it to the code after the loop)
+            if run.ran_owned:
+                return StageBoundary.capture(w.end_layer, None, None, run.last_output)
+            if boundary is not None and boundary.layer >= w.start_layer:
+                return StageBoundary.capture(w.end_layer, None, None, replay)
             raise PPLoaderError(f"stage {w.pp_rank}: the model's forward never ran layer "
                                 f"{w.end_layer}", rank=self.topology.rank)
         return out.logits

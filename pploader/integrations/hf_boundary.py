@@ -52,12 +52,17 @@ class StageBoundary:
     tensors: tuple[torch.Tensor, ...]
 
     @classmethod
-    def capture(cls, layer: int, args: tuple, kwargs: dict, output: Any) -> "StageBoundary":
-        """Flatten layer ``layer``'s inputs and the previous layer's ``output``."""
+    def capture(cls, layer: int, args: Optional[tuple], kwargs: Optional[dict], output: Any
+                ) -> "StageBoundary":
+        """Flatten layer ``layer``'s inputs and the previous layer's ``output``.
+
+        ``args`` / ``kwargs`` None: the forward ran no later layer (the layer loop skipped
+        them all, as Mllama's text-only pass skips its cross-attention layers); only the
+        output travels and the receiving stage must not run a layer either."""
         slots: dict[int, int] = {}
         tensors: list[torch.Tensor] = []
-        tree = {"args": _encode(list(args), slots, tensors),
-                "kwargs": _encode(dict(kwargs), slots, tensors),
+        tree = {"args": None if args is None else _encode(list(args), slots, tensors),
+                "kwargs": None if kwargs is None else _encode(dict(kwargs), slots, tensors),
                 "output": _encode(output, slots, tensors)}
         specs = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
         layout = json.dumps({"layer": layer, "tensors": specs, **tree})
@@ -74,6 +79,10 @@ class StageBoundary:
     def inputs(self, local_args: tuple, local_kwargs: dict) -> tuple[tuple, dict]:
         """The captured (args, kwargs); objects that were not sent come from the local call."""
         tree = json.loads(self.layout)
+        if tree["args"] is None:
+            raise PPLoaderError(f"stage boundary: layer {tree['layer']} runs here, but the "
+                                "previous stage's forward ran no layer after its own: the "
+                                "model skips layers differently on each stage")
         args = _decode(tree["args"], self.tensors, list(local_args), "args")
         kwargs = _decode(tree["kwargs"], self.tensors, dict(local_kwargs), "kwargs")
         return tuple(args), kwargs
@@ -219,15 +228,18 @@ class StageRun:
                                   f"{w.start_layer} cannot reproduce it")
             return None
         if idx >= w.end_layer:
-            if idx != w.end_layer or not self.ran_owned:
+            # past end_layer: the loop skipped the layers between (Mllama's cross-attention
+            # layers in a text-only pass); the receiving stage skips them too
+            if not self.ran_owned:
                 raise self._error(f"layer {idx} runs before this stage's layers are done")
             raise StageDone(StageBoundary.capture(idx, args, kwargs, self.last_output))
         self.ran_owned = True
         if self.boundary is None:
             return None
         if self.received is None:
-            if idx != w.start_layer:
-                raise self._error(f"the first layer run is {idx}, not {w.start_layer}")
+            if idx != self.boundary.layer:
+                raise self._error(f"the first layer run is {idx}, but the previous stage "
+                                  f"stopped before layer {self.boundary.layer}")
             new_args, new_kwargs = self.boundary.inputs(args, kwargs)
             pairs = [(a, b) for a, b in pair_tensors((args, kwargs), (new_args, new_kwargs))
                      if a is not b]
