@@ -24,6 +24,8 @@ pipeline cannot reproduce.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import typing
 from collections.abc import MutableMapping
@@ -127,6 +129,10 @@ def _encode(obj: Any, slots: dict[int, int], tensors: list[torch.Tensor]) -> Any
         return {"v": obj}
     if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
         return {type(obj).__name__: [_encode(x, slots, tensors) for x in obj]}
+    if isinstance(obj, tuple) and all(isinstance(f, str) for f in getattr(obj, "_fields", [1])):
+        # a namedtuple layer output (Reformer's ReformerOutput): fields by name
+        return {"namedtuple": [[f, _encode(x, slots, tensors)] for f, x in zip(obj._fields, obj)],
+                "type": type(obj).__name__}
     if type(obj) is dict and all(isinstance(k, (str, int)) for k in obj):
         return {"dict": [[k, _encode(v, slots, tensors)] for k, v in obj.items()]}
     if isinstance(obj, MutableMapping) and all(isinstance(k, (str, int)) for k in obj):
@@ -156,6 +162,12 @@ def _decode(node: Any, tensors: tuple[torch.Tensor, ...], local: Any, where: str
         mapping = local if isinstance(local, dict) else {}
         return {k: _decode(v, tensors, mapping.get(k, _MISSING), f"{where}[{k!r}]")
                 for k, v in node["dict"]}
+    if "namedtuple" in node:
+        fields = [f for f, _ in node["namedtuple"]]
+        cls = type(local) if isinstance(local, tuple) and getattr(local, "_fields", None) \
+            == tuple(fields) else _namedtuple(node["type"], tuple(fields))
+        return cls(*(_decode(v, tensors, getattr(local, f, _MISSING), f"{where}.{f}")
+                     for f, v in node["namedtuple"]))
     if "mapping" in node:
         if not isinstance(local, MutableMapping) or type(local).__name__ != node["type"]:
             raise PPLoaderError(f"stage boundary: {where} is a {node['type']} mapping; the "
@@ -168,6 +180,13 @@ def _decode(node: Any, tensors: tuple[torch.Tensor, ...], local: Any, where: str
         raise PPLoaderError(f"stage boundary: {where} is a {node['local']} object, which is not "
                             "sent between stages and has no local counterpart")
     return local
+
+
+@functools.lru_cache(maxsize=None)
+def _namedtuple(name: str, fields: tuple[str, ...]) -> type:
+    """A namedtuple class like the sender's (same name and fields: attribute and index access
+    work); built here, never imported by a received name."""
+    return collections.namedtuple(name, fields)  # type: ignore[misc]
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
