@@ -316,9 +316,12 @@ def recv_boundary(comm: "Comm", src: int, device: torch.device) -> StageBoundary
         numel = 1
         for size in shape:
             numel *= size
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        # a copy: a slice at an odd offset cannot be viewed as a wider dtype
-        tensors.append(payload[offset:offset + nbytes].clone().view(dtype).reshape(shape))
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        nbytes = numel * tensor.element_size()
+        # a copy into a tensor of its own (not a view: slices sent with their base are re-cut
+        # from it, see _whole_base); a slice at an odd offset cannot be viewed as a wider dtype
+        tensor.reshape(-1).view(torch.uint8).copy_(payload[offset:offset + nbytes])
+        tensors.append(tensor)
         offset += nbytes
     if offset != payload_bytes:
         raise PPLoaderError(f"stage boundary from rank {src}: layout names {offset} bytes, "
