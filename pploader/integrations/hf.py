@@ -286,9 +286,8 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
             layers[i] = PassThrough(layers[i], i)
     if not window.has_embed:
         weight = getattr(model.get_submodule(anatomy.embed), "weight", None)
-        known = isinstance(weight, torch.Tensor) and weight.dim() == 2
-        width = weight.shape[-1] if known else text.hidden_size
-        rows = weight.shape[0] if known else text.vocab_size
+        rows, width = (weight.shape if isinstance(weight, torch.Tensor) and weight.dim() == 2
+                       else (text.vocab_size, text.hidden_size))
         zero = _ZeroEmbedding(rows, width, dtype)  # ELECTRA, RemBERT: narrower than hidden
         for path in anatomy.embed_aliases:
             _set(model, path, zero)

@@ -129,9 +129,11 @@ def _encode(obj: Any, slots: dict[int, int], tensors: list[torch.Tensor]) -> Any
         return {"v": obj}
     if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
         return {type(obj).__name__: [_encode(x, slots, tensors) for x in obj]}
-    if isinstance(obj, tuple) and all(isinstance(f, str) for f in getattr(obj, "_fields", [1])):
+    fields = getattr(obj, "_fields", None)
+    if isinstance(obj, tuple) and isinstance(fields, tuple) \
+            and all(isinstance(f, str) for f in fields):
         # a namedtuple layer output (Reformer's ReformerOutput): fields by name
-        return {"namedtuple": [[f, _encode(x, slots, tensors)] for f, x in zip(obj._fields, obj)],
+        return {"namedtuple": [[f, _encode(x, slots, tensors)] for f, x in zip(fields, obj)],
                 "type": type(obj).__name__}
     if type(obj) is dict and all(isinstance(k, (str, int)) for k in obj):
         return {"dict": [[k, _encode(v, slots, tensors)] for k, v in obj.items()]}
