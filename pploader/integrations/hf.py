@@ -36,11 +36,20 @@ that layer (positional and keyword arguments: hidden states, and whatever state 
 threads between layers) plus the last layer's output. The next stage's pass-throughs return
 that output, the inputs of its first layer are replaced by the captured ones, and captured
 tensors replace their local counterparts wherever later layers receive the same object (a
-value computed once before the loop from the embedding). So any model whose parent forward
-calls the layers in order is split exactly. Refused with a :class:`~pploader.errors.PPLoaderError`:
+value computed once before the loop from the embedding; a slice of such a value travels
+with its whole base, and later layers' slices are re-cut from it: Gemma 3n / 4's per-layer
+inputs). A mapping object the layers fill (Gemma's ``KVSharingDict`` of shared K/V) travels
+and refills the receiving stage's own object. Layers the loop skips (Mllama's
+cross-attention layers in a text-only pass) may sit at a boundary: the stage stops at the
+next layer that runs, or, where none does, sends only the last layer output. Parameters held
+directly by an ancestor of the layers (ZAYA's input scale) are placed like modules; another
+stage's are zero placeholders. So any model whose parent forward calls the layers in order
+is split exactly. Refused with a :class:`~pploader.errors.PPLoaderError`:
 a forward that runs a layer of an earlier stage after a later one (Dory's layer loops across
 a boundary). Not detected: loop state derived from an earlier stage's intermediate layer
-outputs other than the last (no transformers model found in the sweep does this).
+outputs other than the last (no transformers model found in the sweep does this), and an
+ancestor's module or parameter of the last stage used inside the layer loop (it is a
+placeholder on earlier stages).
 Boundaries travel through :class:`~pploader.dist.comm.Comm` ``send``/``recv``
 (``hf_boundary.py``): masks and rotary tables too, not only hidden states.
 """

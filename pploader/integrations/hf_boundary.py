@@ -12,7 +12,9 @@ real layer output (its structure and, for the last pass-through, its values).
 :class:`StageBoundary` holds both, flattened into a JSON layout (nesting of tuples, lists,
 dicts and scalars, tensor slots) and a list of tensors (each tensor once, by identity).
 Objects that are neither (a cache object, a module) are not sent: the receiving stage takes
-its own value at the same place (``{"local": type}``).
+its own value at the same place (``{"local": type}``). Also carried: a tensor that is a slice
+of a pre-loop tensor as its whole base plus the view geometry; a mapping object (not a dict)
+by its items, refilled into the receiver's own object; a namedtuple by its fields.
 
 On the wire (:func:`send_boundary` / :func:`recv_boundary`, through ``Comm.send``/``recv``):
 an int64 pair (layout bytes, payload bytes), the UTF-8 layout, then all tensors' bytes in one
