@@ -34,7 +34,6 @@ SUBSET = {
     "gemma3n_text": "KV sharing across the boundary (KVSharingDict), AltUp streams",
     "gemma4": "multimodal wrapper indexing the (zero) embedding's pad row on a later stage",
     "zaya": "parameters held by the text model itself, used before the layer loop",
-    "mllama": "cross-attention layers skipped by a text-only pass, at the boundary",
     "reformer": "namedtuple layer outputs, reversible two-stream layers",
 }
 
@@ -110,6 +109,7 @@ NESTED = {
     "dbrx": "attn_config / ffn_config sub-configs",
     "fuyu": "vision embedding registered after the LM and run first, through a helper method",
     "gemma3": "ForConditionalGeneration: vision tower + projector on the first stage",
+    "mllama": "text_config; cross-attention layers a text-only pass skips, at the boundary",
 }
 #: model type -> a name fragment of tensors that must be planned by the first stage only
 FIRST_STAGE = {"fuyu": "vision_embed_tokens", "gemma3": "vision_tower"}
