@@ -163,7 +163,13 @@ class _ZeroEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        return self.zero_row.expand(self.num_embeddings, self.hidden_size)
+        row = self.zero_row
+        cached = self.__dict__.get("_weight_view")
+        if cached is None or cached[0] is not row:  # (re)built after .to() moved the row
+            view = row.expand(self.num_embeddings, self.hidden_size)
+            view._is_hf_initialized = True  # type: ignore[attr-defined]  # initialisers skip it
+            self.__dict__["_weight_view"] = cached = (row, view)
+        return cached[1]
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype,
