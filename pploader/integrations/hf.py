@@ -163,12 +163,13 @@ class _ZeroEmbedding(nn.Module):
 
     @property
     def weight(self) -> torch.Tensor:
-        row = self.zero_row
-        cached = self.__dict__.get("_weight_view")
+        row = typing.cast(torch.Tensor, self.zero_row)
+        cached: Optional[tuple[torch.Tensor, torch.Tensor]] = self.__dict__.get("_weight_view")
         if cached is None or cached[0] is not row:  # (re)built after .to() moved the row
             view = row.expand(self.num_embeddings, self.hidden_size)
-            view._is_hf_initialized = True  # type: ignore[attr-defined]  # initialisers skip it
-            self.__dict__["_weight_view"] = cached = (row, view)
+            setattr(view, "_is_hf_initialized", True)  # transformers' initialisers skip it
+            cached = (row, view)
+            self.__dict__["_weight_view"] = cached
         return cached[1]
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
