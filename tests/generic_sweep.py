@@ -11,7 +11,8 @@ Then, through pploader's own entry points:
   ``safe_open``; MoE models also PP=2 x EP=2 (each rank only its experts' bytes);
 - TP=2 planning is tried and its outcome recorded (derived split, or the refusal message);
 - the PP=2 forward built from the loaded stages (``integrations.hf.build_stage``, both stages
-  in this process) is compared with transformers' own logits of the saved model.
+  in this process) is compared with transformers' own logits of the saved model; a model
+  whose layer order the integration cannot split is recorded as "refused: <its reason>".
 
 Run (the table in docs/families.md comes from this)::
 
@@ -120,9 +121,13 @@ def _forward(arch: str, path: Path) -> str:
             want = ref(input_ids=ids, use_cache=False).logits
     except Exception as exc:  # noqa: BLE001 - transformers itself cannot run it
         return f"no reference: transformers' from_pretrained + forward fails ({type(exc).__name__})"
+    from pploader import PPLoaderError
     stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
-    with torch.no_grad():
-        got = stages[1].forward(ids, stages[0].forward(ids))
+    try:
+        with torch.no_grad():
+            got = stages[1].forward(ids, stages[0].forward(ids))
+    except PPLoaderError as exc:  # the integration's own refusal (a layer order it cannot split)
+        return f"refused: {exc}"
     if torch.equal(got, want):
         return "bit-identical"
     diff = (got - want).abs().max().item()

@@ -36,11 +36,20 @@ that layer (positional and keyword arguments: hidden states, and whatever state 
 threads between layers) plus the last layer's output. The next stage's pass-throughs return
 that output, the inputs of its first layer are replaced by the captured ones, and captured
 tensors replace their local counterparts wherever later layers receive the same object (a
-value computed once before the loop from the embedding). So any model whose parent forward
-calls the layers in order is split exactly. Refused with a :class:`~pploader.errors.PPLoaderError`:
+value computed once before the loop from the embedding; a slice of such a value travels
+with its whole base, and later layers' slices are re-cut from it: Gemma 3n / 4's per-layer
+inputs). A mapping object the layers fill (Gemma's ``KVSharingDict`` of shared K/V) travels
+and refills the receiving stage's own object. Layers the loop skips (Mllama's
+cross-attention layers in a text-only pass) may sit at a boundary: the stage stops at the
+next layer that runs, or, where none does, sends only the last layer output. Parameters held
+directly by an ancestor of the layers (ZAYA's input scale) are placed like modules; another
+stage's are zero placeholders. So any model whose parent forward calls the layers in order
+is split exactly. Refused with a :class:`~pploader.errors.PPLoaderError`:
 a forward that runs a layer of an earlier stage after a later one (Dory's layer loops across
 a boundary). Not detected: loop state derived from an earlier stage's intermediate layer
-outputs other than the last (no transformers model found in the sweep does this).
+outputs other than the last (no transformers model found in the sweep does this), and an
+ancestor's module or parameter of the last stage used inside the layer loop (it is a
+placeholder on earlier stages).
 Boundaries travel through :class:`~pploader.dist.comm.Comm` ``send``/``recv``
 (``hf_boundary.py``): masks and rotary tables too, not only hidden states.
 """
@@ -141,13 +150,27 @@ class _ZeroEmbedding(nn.Module):
     """Input embedding of a non-first stage: zeros of the right shape (the inputs of the first
     owned layer are replaced by those received from the previous stage).
 
-    ``weight`` is an empty buffer: models that read the embedding's device or dtype find them.
+    ``weight`` is one zero row expanded to the embedding's shape (no memory): models that read
+    the embedding's device, dtype or shape, or index a row of it (Gemma 4's pad embedding),
+    find them.
     """
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_embeddings: int, hidden_size: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.hidden_size, self.dtype = hidden_size, dtype
-        self.register_buffer("weight", torch.empty(0, hidden_size, dtype=dtype), persistent=False)
+        self.num_embeddings, self.hidden_size, self.dtype = num_embeddings, hidden_size, dtype
+        self.register_buffer("zero_row", torch.zeros(1, hidden_size, dtype=dtype),
+                             persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        row = typing.cast(torch.Tensor, self.zero_row)
+        cached: Optional[tuple[torch.Tensor, torch.Tensor]] = self.__dict__.get("_weight_view")
+        if cached is None or cached[0] is not row:  # (re)built after .to() moved the row
+            view = row.expand(self.num_embeddings, self.hidden_size)
+            setattr(view, "_is_hf_initialized", True)  # transformers' initialisers skip it
+            cached = (row, view)
+            self.__dict__["_weight_view"] = cached
+        return cached[1]
 
     def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype,
@@ -171,6 +194,10 @@ class _Anatomy:
     pre_layers: tuple[str, ...] = ()  # first-stage modules in the text model run before the
                                       # layers (embedding norms, positions; BERT's embeddings)
     embed_aliases: tuple[str, ...] = ()  # every attribute path holding the input embedding
+    # parameters / persistent buffers held directly by the layers' ancestors (ZAYA's
+    # ``model.input_hidden_states_scale``), by the stage their forward uses them on
+    first_tensors: tuple[str, ...] = ()
+    last_tensors: tuple[str, ...] = ()
 
 
 def _join(parent: str, name: str) -> str:
@@ -204,10 +231,21 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
     first: list[str] = []
     beside: list[str] = []
     last: list[str] = []
+    tensors: dict[str, list[str]] = {"first": [], "last": []}
+    keys = list(model.state_dict(keep_vars=True))
+    first_layer_key = next((i for i, k in enumerate(keys) if k.startswith(layers + ".")),
+                           len(keys))
     for depth in range(len(parts)):
         parent, child = ".".join(parts[:depth]), parts[depth]
         module = model.get_submodule(parent)
         called = forward_order(model, _join(parent, child))
+        own = [n for n, _ in module.named_parameters(recurse=False)]
+        own += [n for n in module._buffers if n not in module._non_persistent_buffers_set]
+        for name in own:  # placed as hf_meta places them: forward use, else saved order
+            path = _join(parent, name)
+            position = keys.index(path) if path in keys else len(keys)
+            tensors[called.get(path, "first" if position < first_layer_key else "last")
+                    ].append(path)
         order = [n for n, _ in module.named_children()]
         for name, sub in module.named_children():
             path = _join(parent, name)
@@ -220,7 +258,8 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
             else:
                 last.append(path)
     return _Anatomy(".".join(parts[:lca_depth]), embed_path, layers, head_path, tuple(last),
-                    tuple(beside), tuple(first), aliases)
+                    tuple(beside), tuple(first), aliases, tuple(tensors["first"]),
+                    tuple(tensors["last"]))
 
 
 def _has_params(module: nn.Module) -> bool:
@@ -263,8 +302,9 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
             layers[i] = PassThrough(layers[i], i)
     if not window.has_embed:
         weight = getattr(model.get_submodule(anatomy.embed), "weight", None)
-        width = weight.shape[-1] if isinstance(weight, torch.Tensor) else text.hidden_size
-        zero = _ZeroEmbedding(width, dtype)  # ELECTRA, RemBERT: embedding narrower than hidden
+        rows, width = (weight.shape if isinstance(weight, torch.Tensor) and weight.dim() == 2
+                       else (text.vocab_size, text.hidden_size))
+        zero = _ZeroEmbedding(rows, width, dtype)  # ELECTRA, RemBERT: narrower than hidden
         for path in anatomy.embed_aliases:
             _set(model, path, zero)
         for path in anatomy.first_globals:
@@ -275,6 +315,18 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
             module = model.get_submodule(path).to_empty(device="cpu").requires_grad_(False)
             for tensor in module.state_dict().values():
                 tensor.zero_()
+    # an ancestor's own tensors of another stage: zero placeholders (never loaded); before the
+    # layers their result is replaced by the received inputs, after them never reached
+    for path in (() if window.has_embed else anatomy.first_tensors) + \
+            (() if window.has_head else anatomy.last_tensors):
+        parent, _, name = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        meta = getattr(owner, name)
+        zeros = torch.zeros(meta.shape, dtype=meta.dtype, device="cpu")
+        if name in owner._parameters:
+            owner._parameters[name] = nn.Parameter(zeros, requires_grad=False)
+        else:
+            owner._buffers[name] = zeros
     if not window.has_head:
         done: list[str] = []
         for path in anatomy.last_globals + ((anatomy.head,) if anatomy.head else ()):
@@ -378,9 +430,12 @@ class HFStage:
         if (boundary is None) != w.has_embed:
             raise ValueError(f"stage {w.pp_rank}: a boundary must be given exactly when the "
                              "stage has no embedding")
-        if boundary is not None and boundary.layer != w.start_layer:
-            raise PPLoaderError(f"stage {w.pp_rank} starts at layer {w.start_layer}; the boundary "
-                                f"received is for layer {boundary.layer}", rank=self.topology.rank)
+        if boundary is not None and not w.start_layer <= boundary.layer <= w.end_layer:
+            raise PPLoaderError(f"stage {w.pp_rank} runs layers {w.start_layer}-{w.end_layer - 1}"
+                                f"; the boundary received is for layer {boundary.layer}",
+                                rank=self.topology.rank)
+        if boundary is not None and boundary.layer >= w.end_layer and not w.has_head:
+            return boundary  # the loop skips all of this stage's layers: handed on as it is
         run = StageRun(w, boundary, self.topology.rank)
         handles = []
         for i, layer in enumerate(self.layers):
@@ -401,6 +456,12 @@ class HFStage:
             for i in range(w.start_layer):
                 self.layers[i].replay(None)
         if not w.has_head:
+            # the loop skipped every later layer: the output of the last layer run travels
+            # (the receiving stage's pass-throughs return it to the code after the loop)
+            if run.ran_owned:
+                return StageBoundary.capture(w.end_layer, None, None, run.last_output)
+            if boundary is not None and boundary.layer >= w.start_layer:
+                return StageBoundary.capture(w.end_layer, None, None, replay)
             raise PPLoaderError(f"stage {w.pp_rank}: the model's forward never ran layer "
                                 f"{w.end_layer}", rank=self.topology.rank)
         return out.logits

@@ -12,7 +12,9 @@ real layer output (its structure and, for the last pass-through, its values).
 :class:`StageBoundary` holds both, flattened into a JSON layout (nesting of tuples, lists,
 dicts and scalars, tensor slots) and a list of tensors (each tensor once, by identity).
 Objects that are neither (a cache object, a module) are not sent: the receiving stage takes
-its own value at the same place (``{"local": type}``).
+its own value at the same place (``{"local": type}``). Also carried: a tensor that is a slice
+of a pre-loop tensor as its whole base plus the view geometry; a mapping object (not a dict)
+by its items, refilled into the receiver's own object; a namedtuple by its fields.
 
 On the wire (:func:`send_boundary` / :func:`recv_boundary`, through ``Comm.send``/``recv``):
 an int64 pair (layout bytes, payload bytes), the UTF-8 layout, then all tensors' bytes in one
@@ -24,8 +26,11 @@ pipeline cannot reproduce.
 """
 from __future__ import annotations
 
+import collections
+import functools
 import json
 import typing
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -51,12 +56,17 @@ class StageBoundary:
     tensors: tuple[torch.Tensor, ...]
 
     @classmethod
-    def capture(cls, layer: int, args: tuple, kwargs: dict, output: Any) -> "StageBoundary":
-        """Flatten layer ``layer``'s inputs and the previous layer's ``output``."""
+    def capture(cls, layer: int, args: Optional[tuple], kwargs: Optional[dict], output: Any
+                ) -> "StageBoundary":
+        """Flatten layer ``layer``'s inputs and the previous layer's ``output``.
+
+        ``args`` / ``kwargs`` None: the forward ran no later layer (the layer loop skipped
+        them all, as Mllama's text-only pass skips its cross-attention layers); only the
+        output travels and the receiving stage must not run a layer either."""
         slots: dict[int, int] = {}
         tensors: list[torch.Tensor] = []
-        tree = {"args": _encode(list(args), slots, tensors),
-                "kwargs": _encode(dict(kwargs), slots, tensors),
+        tree = {"args": None if args is None else _encode(list(args), slots, tensors),
+                "kwargs": None if kwargs is None else _encode(dict(kwargs), slots, tensors),
                 "output": _encode(output, slots, tensors)}
         specs = [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]
         layout = json.dumps({"layer": layer, "tensors": specs, **tree})
@@ -73,6 +83,10 @@ class StageBoundary:
     def inputs(self, local_args: tuple, local_kwargs: dict) -> tuple[tuple, dict]:
         """The captured (args, kwargs); objects that were not sent come from the local call."""
         tree = json.loads(self.layout)
+        if tree["args"] is None:
+            raise PPLoaderError(f"stage boundary: layer {tree['layer']} runs here, but the "
+                                "previous stage's forward ran no layer after its own: the "
+                                "model skips layers differently on each stage")
         args = _decode(tree["args"], self.tensors, list(local_args), "args")
         kwargs = _decode(tree["kwargs"], self.tensors, dict(local_kwargs), "kwargs")
         return tuple(args), kwargs
@@ -89,23 +103,56 @@ class _Missing:
 _MISSING = _Missing()
 
 
+def _whole_base(t: torch.Tensor) -> Optional[torch.Tensor]:
+    """The tensor ``t`` is a view of, where that base is contiguous from its storage's start
+    (so the view is ``base.as_strided(size, stride, offset)`` of any contiguous copy)."""
+    base = t._base
+    if base is None or not base.is_contiguous() or base.storage_offset() != 0:
+        return None
+    return base
+
+
+def _slot(t: torch.Tensor, slots: dict[int, int], tensors: list[torch.Tensor]) -> int:
+    if id(t) not in slots:
+        slots[id(t)] = len(tensors)
+        tensors.append(t)
+    return slots[id(t)]
+
+
 def _encode(obj: Any, slots: dict[int, int], tensors: list[torch.Tensor]) -> Any:
     if isinstance(obj, torch.Tensor):
-        if id(obj) not in slots:
-            slots[id(obj)] = len(tensors)
-            tensors.append(obj)
-        return {"t": slots[id(obj)]}
+        base = _whole_base(obj)
+        if base is not None:  # a slice of a tensor computed before the loop (Gemma 3n / 4's
+            # per-layer inputs): the whole base travels, later layers' slices are taken from it
+            return {"t": _slot(base, slots, tensors),
+                    "view": [list(obj.shape), list(obj.stride()), obj.storage_offset()]}
+        return {"t": _slot(obj, slots, tensors)}
     if isinstance(obj, _SCALARS):
         return {"v": obj}
     if isinstance(obj, (tuple, list)) and type(obj) in (tuple, list):
         return {type(obj).__name__: [_encode(x, slots, tensors) for x in obj]}
+    fields = getattr(obj, "_fields", None)
+    if isinstance(obj, tuple) and isinstance(fields, tuple) \
+            and all(isinstance(f, str) for f in fields):
+        # a namedtuple layer output (Reformer's ReformerOutput): fields by name
+        return {"namedtuple": [[f, _encode(x, slots, tensors)] for f, x in zip(fields, obj)],
+                "type": type(obj).__name__}
     if type(obj) is dict and all(isinstance(k, (str, int)) for k in obj):
         return {"dict": [[k, _encode(v, slots, tensors)] for k, v in obj.items()]}
+    if isinstance(obj, MutableMapping) and all(isinstance(k, (str, int)) for k in obj):
+        # a mapping object threaded through the layers and filled by them (Gemma's
+        # KVSharingDict: K/V of earlier layers reused by later ones): its contents travel and
+        # fill the receiving stage's own object in place, which its later layers then receive
+        return {"mapping": [[k, _encode(v, slots, tensors)] for k, v in obj.items()],
+                "type": type(obj).__name__}
     return {"local": type(obj).__name__}
 
 
 def _decode(node: Any, tensors: tuple[torch.Tensor, ...], local: Any, where: str) -> Any:
     if "t" in node:
+        if "view" in node:
+            size, stride, offset = node["view"]
+            return tensors[node["t"]].as_strided(size, stride, offset)
         return tensors[node["t"]]
     if "v" in node:
         return node["v"]
@@ -119,10 +166,31 @@ def _decode(node: Any, tensors: tuple[torch.Tensor, ...], local: Any, where: str
         mapping = local if isinstance(local, dict) else {}
         return {k: _decode(v, tensors, mapping.get(k, _MISSING), f"{where}[{k!r}]")
                 for k, v in node["dict"]}
+    if "namedtuple" in node:
+        fields = [f for f, _ in node["namedtuple"]]
+        cls = type(local) if isinstance(local, tuple) and getattr(local, "_fields", None) \
+            == tuple(fields) else _namedtuple(node["type"], tuple(fields))
+        return cls(*(_decode(v, tensors, getattr(local, f, _MISSING), f"{where}.{f}")
+                     for f, v in node["namedtuple"]))
+    if "mapping" in node:
+        if not isinstance(local, MutableMapping) or type(local).__name__ != node["type"]:
+            raise PPLoaderError(f"stage boundary: {where} is a {node['type']} mapping; the "
+                                f"receiving stage has a {type(local).__name__} there")
+        items = {k: _decode(v, tensors, _MISSING, f"{where}[{k!r}]") for k, v in node["mapping"]}
+        local.clear()
+        local.update(items)
+        return local
     if local is _MISSING:
         raise PPLoaderError(f"stage boundary: {where} is a {node['local']} object, which is not "
                             "sent between stages and has no local counterpart")
     return local
+
+
+@functools.lru_cache(maxsize=None)
+def _namedtuple(name: str, fields: tuple[str, ...]) -> type:
+    """A namedtuple class like the sender's (same name and fields: attribute and index access
+    work); built here, never imported by a received name."""
+    return collections.namedtuple(name, fields)  # type: ignore[misc]
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -165,6 +233,8 @@ class StageRun:
         # local tensor id -> (local tensor, received tensor): the captured value replaces the
         # locally computed one wherever later layers receive the same object
         self.received: Optional[dict[int, tuple[torch.Tensor, torch.Tensor]]] = None
+        # local base id -> (local base, received base): for slices of a pre-loop tensor
+        self.received_bases: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def _error(self, message: str) -> PPLoaderError:
         w = self.window
@@ -181,25 +251,39 @@ class StageRun:
                                   f"{w.start_layer} cannot reproduce it")
             return None
         if idx >= w.end_layer:
-            if idx != w.end_layer or not self.ran_owned:
+            # past end_layer: the loop skipped the layers between (Mllama's cross-attention
+            # layers in a text-only pass); the receiving stage skips them too
+            if not self.ran_owned:
                 raise self._error(f"layer {idx} runs before this stage's layers are done")
             raise StageDone(StageBoundary.capture(idx, args, kwargs, self.last_output))
         self.ran_owned = True
         if self.boundary is None:
             return None
         if self.received is None:
-            if idx != w.start_layer:
-                raise self._error(f"the first layer run is {idx}, not {w.start_layer}")
+            if idx != self.boundary.layer:
+                raise self._error(f"the first layer run is {idx}, but the previous stage "
+                                  f"stopped before layer {self.boundary.layer}")
             new_args, new_kwargs = self.boundary.inputs(args, kwargs)
-            self.received = {id(a): (a, b) for a, b in pair_tensors((args, kwargs),
-                                                                    (new_args, new_kwargs))
-                             if a is not b}
+            pairs = [(a, b) for a, b in pair_tensors((args, kwargs), (new_args, new_kwargs))
+                     if a is not b]
+            self.received = {id(a): (a, b) for a, b in pairs}
+            for a, b in pairs:  # slices of one pre-loop tensor: later slices come from its copy
+                local_base, got_base = _whole_base(a), b._base
+                if local_base is not None and got_base is not None \
+                        and local_base.shape == got_base.shape:
+                    self.received_bases[id(local_base)] = (local_base, got_base)
             return new_args, new_kwargs
-        received = self.received
+        received, bases = self.received, self.received_bases
 
         def swap(t: torch.Tensor) -> torch.Tensor:
             hit = received.get(id(t))
-            return hit[1] if hit is not None and hit[0] is t else t
+            if hit is not None and hit[0] is t:
+                return hit[1]
+            base = _whole_base(t)
+            hit = bases.get(id(base)) if base is not None else None
+            if hit is not None and hit[0] is base:
+                return hit[1].as_strided(t.shape, t.stride(), t.storage_offset())
+            return t
         return map_tensors(args, swap), map_tensors(kwargs, swap)
 
     def after(self, _idx: int, _module: nn.Module, _args: tuple, output: Any) -> None:
@@ -236,9 +320,12 @@ def recv_boundary(comm: "Comm", src: int, device: torch.device) -> StageBoundary
         numel = 1
         for size in shape:
             numel *= size
-        nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-        # a copy: a slice at an odd offset cannot be viewed as a wider dtype
-        tensors.append(payload[offset:offset + nbytes].clone().view(dtype).reshape(shape))
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        nbytes = numel * tensor.element_size()
+        # a copy into a tensor of its own (not a view: slices sent with their base are re-cut
+        # from it, see _whole_base); a slice at an odd offset cannot be viewed as a wider dtype
+        tensor.reshape(-1).view(torch.uint8).copy_(payload[offset:offset + nbytes])
+        tensors.append(tensor)
         offset += nbytes
     if offset != payload_bytes:
         raise PPLoaderError(f"stage boundary from rank {src}: layout names {offset} bytes, "

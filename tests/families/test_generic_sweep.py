@@ -30,6 +30,11 @@ SUBSET = {
     "lfm2": "hybrid: short convolutions + attention (conv layers: cache kind unknown)",
     "zamba2": "hybrid Mamba2 + shared attention blocks",
     "mamba2": "pure SSM",
+    "gemma4_text": "per-layer inputs sliced per layer from one pre-loop tensor",
+    "gemma3n_text": "KV sharing across the boundary (KVSharingDict), AltUp streams",
+    "gemma4": "multimodal wrapper indexing the (zero) embedding's pad row on a later stage",
+    "zaya": "parameters held by the text model itself, used before the layer loop",
+    "reformer": "namedtuple layer outputs, reversible two-stream layers",
 }
 
 
@@ -43,7 +48,7 @@ def quiet() -> None:
 
 
 #: run in the default suite (a few seconds each); the others are marked slow
-DEFAULT = {"gemma2", "gpt_oss", "qwen2_moe", "lfm2", "mamba2", "bart"}
+DEFAULT = {"gemma2", "gpt_oss", "qwen2_moe", "lfm2", "mamba2", "bart", "gemma4_text"}
 
 
 #: the PP=2 forward the integration does not build yet (the load itself is asserted exact)
@@ -104,6 +109,7 @@ NESTED = {
     "dbrx": "attn_config / ffn_config sub-configs",
     "fuyu": "vision embedding registered after the LM and run first, through a helper method",
     "gemma3": "ForConditionalGeneration: vision tower + projector on the first stage",
+    "mllama": "text_config; cross-attention layers a text-only pass skips, at the boundary",
 }
 #: model type -> a name fragment of tensors that must be planned by the first stage only
 FIRST_STAGE = {"fuyu": "vision_embed_tokens", "gemma3": "vision_tower"}

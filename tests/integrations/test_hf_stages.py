@@ -152,6 +152,42 @@ def test_boundary_wire_round_trip() -> None:
         got.inputs((torch.zeros(1), None), {})  # nothing local to take the cache from
 
 
+def test_boundary_slices_mappings_namedtuples_and_skipped_layers() -> None:
+    """What hf_boundary carries besides plain tensors: slices of one pre-loop tensor (the
+    base travels; later layers' slices are re-cut from the received copy), a mapping object
+    the layers fill (refilled in place on the receiver), namedtuple outputs; and a boundary
+    with no layer inputs (the loop skipped every later layer) refuses a layer run."""
+    import collections
+    from pploader.integrations.hf_boundary import StageRun
+    Out = collections.namedtuple("Out", ["hidden_states", "extra"])
+
+    class Shared(collections.UserDict):
+        pass
+    sent_base = torch.randn(1, 3, 4, 2)  # per-layer inputs of 4 layers
+    sent_kv = Shared(full=(torch.randn(2), torch.randn(2)))
+    boundary = StageBoundary.capture(2, (torch.randn(3), sent_base[:, :, 2]),
+                                     {"kv": sent_kv}, Out(torch.ones(2), None))
+    assert sum(t is sent_base for t in boundary.tensors) == 1
+    wire = _Wire()
+    send_boundary(wire, boundary, 1, torch.device("cpu"))  # type: ignore[arg-type]
+    got = recv_boundary(wire, 0, torch.device("cpu"))  # type: ignore[arg-type]
+    out = got.output()
+    assert type(out).__name__ == "Out" and torch.equal(out.hidden_states, torch.ones(2))
+    run = StageRun(StageWindow(1, 2, 4, False, True), got, rank=1)
+    local_base, local_kv = torch.zeros(1, 3, 4, 2), Shared()
+    args, kwargs = run.before(2, torch.nn.Identity(), (torch.zeros(3), local_base[:, :, 2]),
+                              {"kv": local_kv})  # type: ignore[misc]
+    assert torch.equal(args[1], sent_base[:, :, 2]) and kwargs["kv"] is local_kv
+    assert torch.equal(local_kv["full"][0], sent_kv["full"][0])
+    args, _ = run.before(3, torch.nn.Identity(), (torch.zeros(3), local_base[:, :, 3]),
+                         {"kv": local_kv})  # type: ignore[misc]
+    assert torch.equal(args[1], sent_base[:, :, 3])  # layer 3's slice of the received base
+    none = StageBoundary.capture(2, None, None, torch.ones(2))
+    with pytest.raises(PPLoaderError, match="ran no layer after its own"):
+        StageRun(StageWindow(1, 2, 4, False, True), none, rank=1).before(
+            2, torch.nn.Identity(), (torch.zeros(3),), {})
+
+
 @pytest.mark.parametrize("model_type,first,last", [
     # the head module is registered before the encoder: placed by RobertaForCausalLM.forward
     ("camembert", "roberta.embeddings.word_embeddings.weight", "lm_head.dense.weight"),
