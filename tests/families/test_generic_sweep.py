@@ -51,17 +51,8 @@ def quiet() -> None:
 DEFAULT = {"gemma2", "gpt_oss", "qwen2_moe", "lfm2", "mamba2", "bart", "gemma4_text"}
 
 
-#: the PP=2 forward the integration does not build yet (the load itself is asserted exact)
-FORWARD_GAP = {"zamba2": "the shrink now keeps two hybrid layers; their shared attention block "
-                         "is tied across layers and the integration does not rebuild the later "
-                         "copy (integrations/hf.py)"}
-
-
 def _case(t: str) -> object:
-    marks = [] if t in DEFAULT else [pytest.mark.slow]
-    if t in FORWARD_GAP:
-        marks.append(pytest.mark.xfail(reason=FORWARD_GAP[t], strict=False))
-    return pytest.param(t, marks=marks)
+    return pytest.param(t, marks=[] if t in DEFAULT else [pytest.mark.slow])
 
 
 @pytest.mark.parametrize("model_type", [_case(t) for t in sorted(SUBSET)])
