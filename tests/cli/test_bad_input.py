@@ -268,7 +268,7 @@ def test_row03_bytes_after_data_region(model: Path) -> None:
 
 def test_row04_huge_header_and_absurd_tensor_count(tmp_path: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    import pploader.planning.checkpoint as ckpt
+    import pploader.planning.header as ckpt
     parsed: list[int] = []
     real_loads, real_fast = ckpt._loads, ckpt._loads_fast
     monkeypatch.setattr(ckpt, "_loads", lambda raw: parsed.append(1) or real_loads(raw))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-import pploader.planning.checkpoint as ckpt
+import pploader.planning.header as ckpt
 from pploader.planning.checkpoint import open_checkpoint, parse_header
 from pploader.planning.plan import (DEFAULT_EXCHANGE_COST, RankPlan, ReadItem, _selection,
                                     checkpoint_roles, make_windows, plan_all, plan_rank,

@@ -1,0 +1,438 @@
+"""One safetensors shard's header, parsed strictly: the dtype table, ``TensorEntry``,
+``ShardHeader``, ``parse_header``.
+
+Only headers are read here (never tensor data). Every check the loader relies on later
+(offsets tile the data region, span = numel x itemsize, file size matches) is done once,
+up front, so a bad file fails before any rank allocates or reads a byte of it.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Mapping, Optional
+
+import torch
+
+from ..errors import CheckpointError
+from .gcpause import without_gc
+
+try:  # optional (extra "fast"): 1.4x faster JSON; the stdlib parser is the fallback
+    import orjson as _orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    _orjson = None  # type: ignore[assignment]
+
+__all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
+           "parse_header", "FileIdentity", "dtype_code", "loads_checked"]
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSORS = 2_000_000
+
+#: safetensors dtype code -> (torch dtype, bytes per element)
+DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
+    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
+    "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
+    "U16": (torch.uint16, 2), "U32": (torch.uint32, 4), "U64": (torch.uint64, 8),
+    "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1),
+    "F8_E5M2": (torch.float8_e5m2, 1), "F8_E8M0": (torch.float8_e8m0fnu, 1),
+}
+_DTYPE_CODE = {dt: code for code, (dt, _) in DTYPES.items()}
+
+
+def dtype_code(dtype: torch.dtype) -> str:
+    """safetensors code of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
+    return _DTYPE_CODE[dtype]
+
+
+@dataclass(frozen=True)
+class FileIdentity:
+    """What a file looked like when planned; a change during the load is detected with it."""
+
+    size: int
+    inode: int
+    mtime_ns: int
+    ctime_ns: int = 0   # an in-place rewrite that restores mtime still moves ctime
+
+    @classmethod
+    def of(cls, st: os.stat_result) -> "FileIdentity":
+        return cls(st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of one shard: absolute byte range ``[start, end)`` inside ``file``."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype][0]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A parsed and validated shard header."""
+
+    file: str
+    path: Path
+    identity: FileIdentity
+    header_bytes: int
+    data_start: int
+    tensors: Mapping[str, TensorEntry]
+    metadata: Mapping[str, str]
+
+
+def _sniff(head: bytes) -> str:
+    text = head.lstrip()[:64].lower()
+    if text.startswith(b"version https://git-lfs"):
+        return " (it looks like a git-LFS pointer: fetch the real file with `git lfs pull`)"
+    if text.startswith((b"<!doctype", b"<html", b"<?xml")):
+        return " (it looks like an HTML page, e.g. a login or error page saved in its place)"
+    return " (damaged, or not a safetensors file: fetch or write it again)"
+
+
+_ENTRY_KEYS = frozenset({"dtype", "shape", "data_offsets"})
+#: dims and byte sizes must fit a signed 64-bit integer (torch's sizes, the reference's usize)
+_MAX_SIZE = 2 ** 63
+
+
+def _no_duplicates(pairs: list) -> dict:
+    """json object hook: a repeated key is an error (json and the reference keep the last)."""
+    obj = dict(pairs)
+    if len(obj) == len(pairs):  # the common case, at C speed
+        return obj
+    seen: set = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise CheckpointError(f"duplicate key {key!r} in the JSON",
+                                  tensor=None if key in _ENTRY_KEYS else str(key))
+        seen.add(key)
+    return obj
+
+
+def _no_constants(name: str) -> object:
+    """json hook: NaN / Infinity are not JSON (Python's json accepts them by default)."""
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _is_text(x: object) -> bool:
+    """A str that is valid Unicode (JSON escapes can smuggle in lone surrogates)."""
+    if not isinstance(x, str):
+        return False
+    try:
+        x.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _loads(raw: bytes | str) -> object:
+    """Strict JSON: no duplicate keys, no NaN/Infinity."""
+    return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
+
+
+def _loads_fast(text: str) -> Optional[object]:
+    """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
+    fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
+    no backslash qualifies: without escapes every ``:`` of the text is either a key separator
+    or a character of a string, so the caller's count (``_colons_ok``) proves that no key was
+    lost to a duplicate. NaN / Infinity are refused by both parsers."""
+    if "\\" in text:
+        return None
+    try:
+        if _orjson is not None:
+            return _orjson.loads(text)
+        return json.loads(text, parse_constant=_no_constants)
+    except (ValueError, RecursionError, TypeError):
+        return None  # the strict parse reports it (with its own message)
+
+
+def _accounted_colons(value: object) -> int:
+    """The ``:`` a JSON text without escapes holds for ``value``: one per object key, plus
+    those inside its strings. Fewer than the text's count = a key lost to a duplicate."""
+    if type(value) is str:
+        return value.count(":")
+    if type(value) is dict:
+        values = value.values()
+        return (len(value) + _colons(value) + _colons([v for v in values if type(v) is str])
+                + sum(_accounted_colons(v) for v in values if type(v) in (dict, list)))
+    if type(value) is list:
+        return sum(_accounted_colons(v) for v in value if type(v) in (dict, list, str))
+    return 0
+
+
+def _colons(strings: Iterable[str]) -> int:
+    """``:`` characters inside ``strings`` (joined once: C speed)."""
+    return "".join(strings).count(":")
+
+
+def loads_checked(text: str) -> object:
+    """JSON text parsed as headers are: the fast parse when it provably saw every key (no
+    duplicate hidden), else the strict one (duplicates and non-finite constants refused)."""
+    obj = _loads_fast(text)
+    if obj is None or text.count(":") != _accounted_colons(obj):
+        obj = _loads(text)  # escapes or a duplicate key: the strict parse decides
+    return obj
+
+
+@without_gc
+def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
+                 max_header_bytes: int = MAX_HEADER_BYTES,
+                 max_tensors: int = MAX_TENSORS) -> ShardHeader:
+    """Read and strictly validate one safetensors header; no tensor data is read.
+
+    ``file`` is the name used in messages and entries (default: the path's name).
+    """
+    path = Path(path)
+    name = file if file is not None else path.name
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise CheckpointError(f"cannot open: {exc.strerror} (check that the file exists and is "
+                              "readable by this user)", file=name) from exc
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, 64, 0)  # 8-byte length + enough to recognise LFS pointers / HTML
+        if len(head) < 8:
+            raise CheckpointError(f"not a safetensors file: {st.st_size} bytes, too short for the "
+                                  f"8-byte header length{_sniff(head)}", file=name)
+        (n,) = struct.unpack("<Q", head[:8])
+        if n > max_header_bytes:
+            raise CheckpointError(f"not a safetensors file: header length {n} exceeds the "
+                                  f"{max_header_bytes}-byte limit{_sniff(head)}", file=name)
+        if 8 + n > st.st_size:
+            raise CheckpointError(f"truncated: header of {n} bytes does not fit in the "
+                                  f"{st.st_size}-byte file{_sniff(head)}", file=name)
+        raw = os.pread(fd, n, 8)
+    finally:
+        os.close(fd)
+    if len(raw) != n:
+        raise CheckpointError("file shrank while its header was read", file=name)
+    if not raw.lstrip().startswith(b"{"):
+        raise CheckpointError(f"not a safetensors file: header is not a JSON object{_sniff(head + raw)}",
+                              file=name)
+    # every tensor entry is a JSON object, so "{" bytes bound the tensor count from above
+    # (escapes cannot hide a "{"); checked before paying for a JSON parse
+    if raw.count(b"{") - 1 > max_tensors:
+        raise CheckpointError(f"header has room for more than {max_tensors} tensors "
+                              f"({raw.count(b'{') - 1} JSON objects): refusing to parse it",
+                              file=name)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CheckpointError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})",
+                              file=name) from exc
+    data_start = 8 + n
+    data_len = st.st_size - data_start
+    fast = _fast_header(name, text, data_start, data_len, max_tensors)
+    if fast is not None:
+        return ShardHeader(name, path, FileIdentity.of(st), n, data_start, *fast)
+    try:
+        obj = _loads(text)
+    except CheckpointError as exc:
+        raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"header is not valid JSON: {exc}", file=name) from None
+    if not isinstance(obj, dict):
+        raise CheckpointError("header is not a JSON object", file=name)
+    metadata = _metadata(name, obj.pop("__metadata__", None))
+    if len(obj) > max_tensors:
+        raise CheckpointError(f"header declares {len(obj)} tensors, more than {max_tensors}",
+                              file=name)
+    tensors: dict[str, TensorEntry] = {}
+    for tname, info in obj.items():
+        tensors[tname] = _entry(name, tname, info, data_start, data_len)
+    _check_tiling(name, tensors, data_start, data_len)
+    return ShardHeader(name, path, FileIdentity.of(st), n, data_start, tensors, metadata)
+
+
+def _metadata(file: str, metadata: object) -> dict:
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, dict) or not all(
+            _is_text(k) and _is_text(v) for k, v in metadata.items()):
+        raise CheckpointError("__metadata__ must map strings to strings", file=file)
+    return metadata
+
+
+#: dtype code -> bytes per element (the fast path's lookup)
+_ITEMSIZE = {code: size for code, (_, size) in DTYPES.items()}
+_new = object.__new__
+
+
+def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tensors: int
+                 ) -> Optional[tuple[dict[str, TensorEntry], dict]]:
+    """The entries and metadata of a well-formed header, parsed without per-object Python
+    hooks and checked in one tight loop; None when anything is unusual (escapes, a duplicate
+    key, any entry the strict checks would refuse), and then ``parse_header`` parses the
+    text again strictly, so every error keeps its precise message. Accepts exactly what the
+    strict path accepts, with the same entries (tests/planning/test_plan_equivalence.py, the fuzzer)."""
+    obj = _loads_fast(text)
+    if type(obj) is not dict:
+        return None
+    had_metadata = "__metadata__" in obj
+    metadata = obj.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
+    elif type(metadata) is not dict or not all(
+            type(k) is str and type(v) is str for k, v in metadata.items()):
+        return None
+    if len(obj) > max_tensors:
+        return None
+    itemsizes, new, entry_cls = _ITEMSIZE, _new, TensorEntry
+    tensors: dict[str, TensorEntry] = {}
+    spans: list[tuple[int, int, str]] = []
+    keys, prod, in_order, cursor = _ENTRY_KEYS, math.prod, True, 0
+    for tname, info in obj.items():
+        if type(info) is not dict or info.keys() != keys or not tname or not tname.isascii():
+            return None
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        itemsize = itemsizes.get(dtype) if type(dtype) is str else None
+        if itemsize is None or type(shape) is not list or type(offsets) is not list \
+                or len(offsets) != 2 or len(shape) > 8:
+            return None
+        begin, end = offsets
+        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_len:
+            return None
+        for d in shape:
+            if type(d) is not int or d < 0:
+                return None
+        numel = prod(shape)
+        # numel > 0 bounds every dim by the data length; an empty tensor may not hide a huge dim
+        if numel * itemsize != end - begin or (not numel and shape and max(shape) >= _MAX_SIZE):
+            return None
+        if begin != cursor:
+            in_order = False
+        cursor = end
+        e = new(entry_cls)
+        object.__setattr__(e, "__dict__", {"name": tname, "file": file, "dtype": dtype,
+                                           "shape": tuple(shape), "start": data_start + begin,
+                                           "end": data_start + end})
+        tensors[tname] = e
+        spans.append((begin, end, tname))
+    # every ":" is a key separator or inside a string (no escapes): equal counts = no key
+    # was lost to a duplicate (entries: 3 keys, dtype codes hold no ":")
+    key_count = 4 * len(obj) + had_metadata + len(metadata)
+    in_strings = _colons(obj) + _colons(metadata) + _colons(metadata.values())
+    if text.count(":") != key_count + in_strings:
+        return None
+    if in_order:  # written in offset order (the common case): tiled iff it ends at the end
+        return (tensors, metadata) if cursor == data_len else None
+    spans.sort()
+    cursor = 0
+    for begin, end, _ in spans:
+        if begin != cursor:
+            return None  # overlap or hole: the strict path names the tensor
+        cursor = end
+    if cursor != data_len:
+        return None
+    return tensors, metadata
+
+
+def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) -> TensorEntry:
+    def bad(msg: str) -> CheckpointError:
+        return CheckpointError(msg, file=file, tensor=tname)
+
+    if not tname or not (tname.isascii() or _is_text(tname)):
+        raise CheckpointError("tensor name is empty or not valid Unicode", file=file,
+                              tensor=ascii(tname))
+    if type(info) is not dict or len(info) != 3 or not _ENTRY_KEYS.issuperset(info):
+        raise bad("entry must be an object with exactly dtype, shape and data_offsets")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if type(dtype) is not str or dtype not in DTYPES:
+        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if type(shape) is not list or not _nonnegative_ints(shape):
+        raise bad(f"shape must be a list of non-negative integers, got {_short(shape)}")
+    if (type(offsets) is not list or len(offsets) != 2 or not _nonnegative_ints(offsets)
+            or offsets[0] > offsets[1]):
+        raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {_short(offsets)}")
+    begin, end = offsets
+    span = _span_bytes(shape, DTYPES[dtype][1])
+    if span is None:
+        raise bad(f"size overflow: shape {_short(shape)} x {DTYPES[dtype][1]} bytes does not fit "
+                  "in 64 bits")
+    if end - begin != span:
+        raise bad(f"byte span {end - begin} != numel x itemsize = {span} for shape "
+                  f"{_short(shape)} {dtype}")
+    if end > data_len:
+        raise bad(f"data_offsets end {end} is past the end of the data region ({data_len} bytes): "
+                  "file truncated?")
+    return TensorEntry(tname, file, dtype, tuple(shape), data_start + begin, data_start + end)
+
+
+def _nonnegative_ints(values: list) -> bool:
+    """Every value an int (not a bool) >= 0 (a plain loop: shapes are short)."""
+    for v in values:
+        if type(v) is not int or v < 0:
+            return False
+    return True
+
+
+def _short(value: object, limit: int = 120) -> str:
+    """repr for messages, cut short (a hostile header can hold million-element lists)."""
+    if isinstance(value, list) and len(value) > 8:
+        return repr(value[:8])[:-1] + f", ... ({len(value)} items)]"
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "...]"
+
+
+def _span_bytes(shape: list, itemsize: int) -> Optional[int]:
+    """numel x itemsize, or None when a dim or the product overflows 64 bits. Multiplied
+    step by step so a huge shape list cannot make a huge integer."""
+    if len(shape) <= 8:  # real shapes: one C product, exact (Python ints do not overflow)
+        total = math.prod(shape) * itemsize
+        return total if max(shape, default=0) < _MAX_SIZE and total < _MAX_SIZE else None
+    if any(d >= _MAX_SIZE for d in shape):
+        return None
+    if 0 in shape:
+        return 0
+    total = itemsize
+    for d in shape:
+        total *= d
+        if total >= _MAX_SIZE:
+            return None
+    return total
+
+
+def _check_tiling(file: str, tensors: Mapping[str, TensorEntry], data_start: int,
+                  data_len: int) -> None:
+    cursor = data_start
+    for entry in sorted(tensors.values(), key=lambda e: (e.start, e.end)):
+        if entry.start < cursor:
+            raise CheckpointError(f"byte range overlaps the previous tensor's (starts at "
+                                  f"{entry.start - data_start}, previous ends at "
+                                  f"{cursor - data_start})", file=file, tensor=entry.name)
+        if entry.start > cursor:
+            raise CheckpointError(f"hole of {entry.start - cursor} bytes before this tensor",
+                                  file=file, tensor=entry.name)
+        cursor = entry.end
+    if cursor != data_start + data_len:
+        extra = data_start + data_len - cursor
+        raise CheckpointError(f"{extra} unexpected bytes after the data region "
+                              "(8 + header + data end != file size)", file=file)
+
