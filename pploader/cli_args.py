@@ -268,9 +268,9 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                    "this rank has a GPU, else cpu). On a GPU bytes go through a pinned ring "
                    "straight into device memory (O_DIRECT when the files are not cached)")
     p.add_argument("--io-backend", choices=backend_names(), default=AUTO,
-                   help="read backend of the direct reads and of --read-once (default auto: the "
-                   "first that loads onto --device). " + backends_help() + ". The row-share "
-                   "exchange and --read-once-node keep their own readers")
+                   help="read backend of every read: direct, --read-once, the TP exchange's row "
+                   "shares, --read-once-node (default auto: the first that loads onto --device). "
+                   + backends_help())
     p.add_argument("--timeout", type=_seconds, default=60.0,
                    help="load timeout: a rank making no progress this long while others wait is "
                    "named silent (hung), one whose heartbeat stops for min(10, timeout) s is "

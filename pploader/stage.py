@@ -250,11 +250,11 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     ``memory_budget_bytes`` (CPU reader) caps what may be allocated: exceeding it raises a
     MemoryBudgetError naming the tensor and bytes (how tests simulate running out of memory).
 
-    ``io_backend`` (io/registry.py; None = ``auto``): the read backend of the direct reads
-    and of ``read_once``: on CUDA by default ``pinned`` (a pinned staging ring straight into
-    device tensors; ``ring`` may be passed in to reuse one across loads), on CPU ``threaded``
-    (the windowed Reader); ``buffered`` is the plain-``read()`` reference. The exchange and
-    read-once-per-node paths keep their own readers.
+    ``io_backend`` (io/registry.py; None = ``auto``): the read backend of every read (direct,
+    ``read_once``, the TP exchange's row shares, read once per node): on CUDA by default
+    ``pinned`` (a pinned staging ring straight into device tensors; ``ring`` may be passed in
+    to reuse one across loads), on CPU ``threaded`` (the windowed Reader); ``buffered`` is the
+    plain-``read()`` reference.
     """
     plan = staged.plan
     rss_before = current_rss_bytes()
@@ -272,7 +272,8 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
         from .io.exchange import NodeReadOnceReader
         reader = NodeReadOnceReader(staged, comm, node_ranks,  # type: ignore[arg-type]
                                     partition=partition, window_bytes=window_bytes,
-                                    threads=threads or 1, cancel=cancel, on_progress=on_progress)
+                                    threads=threads or 1, cancel=cancel, on_progress=on_progress,
+                                    io_backend=io_backend)
         state = dict(reader)
     elif exchange:
         from .io.exchange import ExchangeReader
@@ -280,7 +281,7 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
         reader = ExchangeReader(plan, comm, window_bytes=window_bytes,  # type: ignore[arg-type]
                                 threads=threads or (16 if cuda else 1), cancel=cancel,
                                 on_progress=on_progress, device=device, ring=ring,
-                                memory_budget_bytes=memory_budget_bytes)
+                                memory_budget_bytes=memory_budget_bytes, io_backend=io_backend)
         state = dict(reader)
     elif read_once:
         reader = ReadOnceReader(staged, comm, window_bytes=window_bytes,  # type: ignore[arg-type]

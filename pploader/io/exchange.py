@@ -23,7 +23,9 @@ import torch
 
 from ..planning.checkpoint import DTYPES
 from ..planning.plan import RankPlan
-from .read import Reader, ReadStats
+from .backend import ReadBackend, ReadOptions
+from .read import ReadStats
+from .registry import open_backend
 from ..planning.redistribute import ExchangeItem, Redistribute, piece_selection
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -76,6 +78,9 @@ class ExchangeReader:
     included), ``wait_seconds`` its time waiting for the reads (the exposed read time),
     ``link_setup_seconds`` the first tiny all-to-all (NCCL's communicator setup, overlapped
     with the first group's reads).
+
+    Every read goes through the read-backend registry (``io_backend``: a name from
+    io/registry.py, None = the device's default), so a new backend serves this path too.
     """
 
     def __init__(self, plan: RankPlan, comm: "Comm", *, window_bytes: Optional[int] = None,
@@ -84,7 +89,7 @@ class ExchangeReader:
                  on_progress: Optional[Callable[[int], None]] = None,
                  memory_budget_bytes: Optional[int] = None,
                  device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None,
-                 group_bytes: Optional[int] = None) -> None:
+                 group_bytes: Optional[int] = None, io_backend: Optional[str] = None) -> None:
         self.own, self.shares, self.exchange = split_plan(plan)
         if comm.topology.tp_group() != self.exchange.group:
             raise ValueError(f"plan's TP group {self.exchange.group} is not the comm's "
@@ -94,10 +99,19 @@ class ExchangeReader:
         cuda = self.device.type == "cuda"
         self.group_bytes = group_bytes if group_bytes is not None else (
             DEFAULT_DEVICE_GROUP_BYTES if cuda else 0)
-        kw = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                  on_progress=on_progress, memory_budget_bytes=memory_budget_bytes)
-        self._share_reader = Reader(self.shares, **kw)  # type: ignore[arg-type]
-        self._own_reader = Reader(self.own, mode=mode, **kw)  # type: ignore[arg-type]
+        self.io_backend = io_backend
+        self.options = ReadOptions(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                                   on_progress=on_progress,
+                                   memory_budget_bytes=memory_budget_bytes, ring=ring)
+        # CPU: one backend streams the shares, one the direct items (opened now: a bad backend
+        # name fails before any collective); CUDA: one backend run per group (_load_groups)
+        self._share_reader: Optional[ReadBackend] = None
+        self._own_reader: Optional[ReadBackend] = None
+        if not cuda:
+            self._share_reader = open_backend(self.shares, self.device, self.options,
+                                              io_backend)
+            self._own_reader = open_backend(self.own, self.device,
+                                            replace(self.options, mode=mode), io_backend)
         self._device_stats: list[ReadStats] = []
         self.stats = ReadStats()
         self.sent_bytes = self.received_bytes = 0
@@ -133,15 +147,15 @@ class ExchangeReader:
                 except queue.Full:
                     continue
 
-        if self.device.type == "cuda":
-            from .device import DeviceLoader, PinnedRing
-
+        if self._share_reader is None:
             def load(plan: RankPlan) -> dict[str, torch.Tensor]:
-                self.ring = self.ring or PinnedRing()  # inside the try: a failure is reported
-                loader = DeviceLoader(plan, self.device, ring=self.ring, cancel=self.cancel,
-                                      on_progress=self.on_progress)
-                self._device_stats.append(loader.stats)
-                return loader.load()
+                # inside the try: a failure to make the staging is reported; every group after
+                # the first reuses the first's staging (a CUDA backend's pinned ring)
+                backend = open_backend(plan, self.device, replace(self.options, ring=self.ring),
+                                       self.io_backend)
+                self.ring = getattr(backend, "ring", self.ring)
+                self._device_stats.append(backend.stats)
+                return backend.load()
         else:
             stream = iter(self._share_reader)
 
@@ -159,7 +173,7 @@ class ExchangeReader:
             put(loaded)
         if self.error is None:
             try:
-                if self.device.type == "cuda":
+                if self._share_reader is None:
                     put(load(self.own))
                     return
                 next(stream, None)  # lets the share reader finish (identity checks, close)
@@ -262,15 +276,16 @@ class ExchangeReader:
                 raise self.error
             if own is not None:
                 yield from own.items()
-            else:
+            elif self._own_reader is not None:
                 yield from self._own_reader
         finally:
             stop.set()
             reads.join()
-            readers = [self._share_reader.stats, self._own_reader.stats, *self._device_stats]
+            readers = [*(r.stats for r in (self._share_reader, self._own_reader)
+                         if r is not None), *self._device_stats]
             for name in ("read_bytes", "items", "syscalls"):
                 setattr(self.stats, name, sum(getattr(s, name) for s in readers))
-            self.stats.peak_inflight_bytes = max(s.peak_inflight_bytes for s in readers)
+            self.stats.peak_inflight_bytes = max((s.peak_inflight_bytes for s in readers), default=0)
             self.stats.seconds = time.perf_counter() - start
 
 
@@ -307,7 +322,8 @@ class NodeReadOnceReader:
     def __init__(self, staged: "StagePlan", comm: "Comm", node_ranks: Sequence[int], *,
                  partition: "Partition" = "even", window_bytes: Optional[int] = None,
                  threads: int = 1, cancel: Optional[threading.Event] = None,
-                 on_progress: Optional[Callable[[int], None]] = None) -> None:
+                 on_progress: Optional[Callable[[int], None]] = None,
+                 io_backend: Optional[str] = None) -> None:
         from ..errors import PlanError
         from ..planning.plan import make_windows, plan_rank
         from ..planning.share import share_node_reads
@@ -336,12 +352,16 @@ class NodeReadOnceReader:
         self._reads = replace(self.node.own, items=tuple(first.values()))  # type: ignore
         kw: dict[str, Any] = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
                                   on_progress=on_progress)
-        self._readers = (Reader(self._reads, **kw), Reader(self.node.own, **kw))
+        options = ReadOptions(window_bytes=window_bytes, threads=threads, cancel=cancel,
+                              on_progress=on_progress)
+        self._readers = (open_backend(self._reads, "cpu", options, io_backend),
+                         open_backend(self.node.own, "cpu", options, io_backend))
         # strided TP slices are never node-shared (each rank's differ): when the plan chose
         # read-and-redistribute for them, this rank's own items go through the exchange
         ex = plan.redistribute
         own_targets = {i.target for i in self.node.own.items}
-        self._exchange = ExchangeReader(replace(self.node.own, redistribute=ex), comm, **kw) \
+        self._exchange = ExchangeReader(replace(self.node.own, redistribute=ex), comm,
+                                        io_backend=io_backend, **kw) \
             if ex is not None and ex.targets <= own_targets else None
         self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
         self.stats, self.received_bytes = ReadStats(), 0

@@ -254,12 +254,13 @@ class _ThreadComm:
 
 
 def _exchange_in_threads(plans: list, group_bytes: Optional[int] = None,
-                         readers_out: Optional[list] = None) -> list[dict[str, torch.Tensor]]:
+                         readers_out: Optional[list] = None, io_backend: Optional[str] = None
+                         ) -> list[dict[str, torch.Tensor]]:
     from concurrent.futures import ThreadPoolExecutor
     from pploader.io.exchange import ExchangeReader
     group = _ThreadGroup(len(plans))
     readers = [ExchangeReader(p, _ThreadComm(group, p.topology),  # type: ignore[arg-type]
-                              group_bytes=group_bytes) for p in plans]
+                              group_bytes=group_bytes, io_backend=io_backend) for p in plans]
     if readers_out is not None:
         readers_out += readers
     with ThreadPoolExecutor(len(plans)) as pool:
@@ -285,6 +286,36 @@ def test_merged_groups_equal_direct_reads(llama: Path, tp: int) -> None:
         assert 1 < reader.all_to_alls < ex.num_batches, (reader.all_to_alls, ex.num_batches)
         assert reader.received_bytes == ex.received_bytes and reader.sent_bytes == ex.sent_bytes
         assert reader.stats.read_bytes == plan.planned_read_bytes
+
+
+def test_exchange_reads_through_the_chosen_backend(llama: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """The exchange opens its readers through the registry: with ``io_backend="buffered"`` every
+    row share and direct item is read by that backend (counted), the result is bitwise the
+    default's, and an unknown name fails at construction, before any collective."""
+    from pploader.io import buffered
+    from pploader.io.exchange import ExchangeReader
+    spec, index = load_spec(llama), open_checkpoint(llama)
+    plans = plan_all(spec, index, pp=1, tp=2, exchange_cost=0.0)
+    opened: list[int] = []
+    real = buffered.open_buffered
+
+    def counting(plan, device, options):  # type: ignore[no-untyped-def]
+        opened.append(len(plan.items))
+        return real(plan, device, options)
+    monkeypatch.setattr(buffered, "open_buffered", counting)
+    readers: list = []
+    outs = _exchange_in_threads(plans, readers_out=readers, io_backend="buffered")
+    from pploader.io.exchange import split_plan
+    assert sorted(opened) == sorted(n for p in plans for n in
+                                    (len(split_plan(p)[0].items), len(split_plan(p)[1].items)))
+    for plan, out, reader, ref in zip(plans, outs, readers, _exchange_in_threads(plans)):
+        assert out.keys() == ref.keys()
+        assert all(_bytes(out[k]) == _bytes(ref[k]) for k in ref), plan.topology.rank
+        assert reader.stats.read_bytes == plan.planned_read_bytes
+    with pytest.raises(ValueError, match="unknown read backend 'nope'"):
+        ExchangeReader(plans[0], _ThreadComm(_ThreadGroup(2), plans[0].topology),  # type: ignore[arg-type]
+                       io_backend="nope")
 
 
 def _quantized_llama(tmp: Path) -> Path:
