@@ -74,107 +74,13 @@ from ..io.read import Reader, ReadStats
 from ..planning.spec import ModelSpec, load_spec
 from ..planning.topology import Topology
 from .hf_boundary import StageBoundary, StageDone, StageRun, recv_boundary, send_boundary
+from .hf_placeholders import AbsentModule, DroppedModule, PassThrough, ZeroEmbedding
 
 if typing.TYPE_CHECKING:  # pragma: no cover
     from ..dist.comm import Comm
 
 __all__ = ["PassThrough", "HFStage", "StageBoundary", "stage_skeleton", "load_stage_weights",
            "build_stage", "pipeline_forward"]
-
-
-class _Stub(nn.Module):
-    """Stands in for a module another stage owns: no parameters, no state dict; attribute
-    reads it cannot answer go to the (meta, unregistered) original, so the model's own code
-    (``layer.attention_type``, weight initialisers reading ``module.weight``) still works."""
-
-    def __init__(self, original: nn.Module) -> None:
-        super().__init__()
-        self._original_ref = (original,)  # a tuple: not a submodule, no params, no state_dict
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            ref = vars(self).get("_original_ref")
-            if ref is None:
-                raise
-            return getattr(ref[0], name)
-
-
-class _Dropped(_Stub):
-    """A last-stage module (final norm, head) on an earlier stage: never run there (the stage
-    stops before the next stage's first layer); passes its input through if it is."""
-
-    def forward(self, hidden: Any, *args: Any, **kwargs: Any) -> Any:
-        return hidden
-
-
-class _Absent(_Stub):
-    """A first-stage module beside the text model (a vision tower) on a later stage."""
-
-    def __init__(self, original: nn.Module, path: str) -> None:
-        super().__init__(original)
-        self.path = path
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        raise PPLoaderError(f"{self.path} lives on the first pipeline stage; multimodal inputs "
-                            "must be embedded there")
-
-
-class PassThrough(_Stub):
-    """Stands in for a decoder layer another stage owns. Holds no parameters.
-
-    Before this stage's first layer it returns the previous stage's last layer output (set by
-    :meth:`HFStage.forward` through :meth:`replay`), so the loop code between layers sees a real
-    layer output; the inputs of the first owned layer are then replaced by the captured ones.
-    Attributes it lacks are read from the (meta, unregistered) original layer.
-    """
-
-    def __init__(self, original: nn.Module, layer_idx: int) -> None:
-        super().__init__(original)
-        self.layer_idx = layer_idx
-        self._replay: list[Any] = []
-
-    def replay(self, output: Any) -> None:
-        """Return ``output`` from now on (``None``: clear)."""
-        self._replay[:] = [] if output is None else [output]
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if not self._replay:
-            raise PPLoaderError(f"decoder layer {self.layer_idx} belongs to another pipeline "
-                                "stage; run the stage through HFStage.forward")
-        return self._replay[0]
-
-
-class _ZeroEmbedding(nn.Module):
-    """Input embedding of a non-first stage: zeros of the right shape (the inputs of the first
-    owned layer are replaced by those received from the previous stage).
-
-    ``weight`` is one zero row expanded to the embedding's shape (no memory): models that read
-    the embedding's device, dtype or shape, or index a row of it (Gemma 4's pad embedding),
-    find them.
-    """
-
-    def __init__(self, num_embeddings: int, hidden_size: int, dtype: torch.dtype) -> None:
-        super().__init__()
-        self.num_embeddings, self.hidden_size, self.dtype = num_embeddings, hidden_size, dtype
-        self.register_buffer("zero_row", torch.zeros(1, hidden_size, dtype=dtype),
-                             persistent=False)
-
-    @property
-    def weight(self) -> torch.Tensor:
-        row = typing.cast(torch.Tensor, self.zero_row)
-        cached: Optional[tuple[torch.Tensor, torch.Tensor]] = self.__dict__.get("_weight_view")
-        if cached is None or cached[0] is not row:  # (re)built after .to() moved the row
-            view = row.expand(self.num_embeddings, self.hidden_size)
-            setattr(view, "_is_hf_initialized", True)  # transformers' initialisers skip it
-            cached = (row, view)
-            self.__dict__["_weight_view"] = cached
-        return cached[1]
-
-    def forward(self, input_ids: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return torch.zeros(*input_ids.shape, self.hidden_size, dtype=self.dtype,
-                           device=input_ids.device)
 
 
 @dataclass(frozen=True)
@@ -304,11 +210,11 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         weight = getattr(model.get_submodule(anatomy.embed), "weight", None)
         rows, width = (weight.shape if isinstance(weight, torch.Tensor) and weight.dim() == 2
                        else (text.vocab_size, text.hidden_size))
-        zero = _ZeroEmbedding(rows, width, dtype)  # ELECTRA, RemBERT: narrower than hidden
+        zero = ZeroEmbedding(rows, width, dtype)  # ELECTRA, RemBERT: narrower than hidden
         for path in anatomy.embed_aliases:
             _set(model, path, zero)
         for path in anatomy.first_globals:
-            _set(model, path, _Absent(model.get_submodule(path), path))
+            _set(model, path, AbsentModule(model.get_submodule(path), path))
         for path in anatomy.pre_layers:  # run, but the next layer's inputs are replaced
             if path in anatomy.embed_aliases:
                 continue
@@ -331,7 +237,7 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
         done: list[str] = []
         for path in anatomy.last_globals + ((anatomy.head,) if anatomy.head else ()):
             if not any(path == d or path.startswith(d + ".") for d in done):
-                _set(model, path, _Dropped(model.get_submodule(path)))
+                _set(model, path, DroppedModule(model.get_submodule(path)))
                 done.append(path)
     return model, anatomy
 

@@ -43,13 +43,12 @@ from vllm.model_executor.model_loader import (  # type: ignore[import-not-found,
 
 BaseModelLoader = _base_loader.BaseModelLoader
 
-from ..planning.checkpoint import DTYPES
 from ..errors import PlanError, PPLoaderError, RankFailure
-from ..planning.plan import ReadItem
 from ..io.read import Reader
 from ..bind.module_state import find_module_state, module_state
 from ..stage import StagePlan, plan_stage
 from ..planning.topology import Topology
+from .placed import NAN_DTYPES, rchar_bytes, read_stage, stage_weights
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +59,6 @@ __all__ = ["LOAD_FORMAT", "TP_MODES", "WORKER_EXTENSION", "PPLoaderModelLoader",
 LOAD_FORMAT = "pploader"
 TP_MODES = ("placed", "full", "sliced")
 WORKER_EXTENSION = "pploader.integrations.vllm.WorkerExtension"
-_NAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 @dataclass
@@ -131,94 +129,6 @@ def plan_engine_stage(model_dir: str, topology: Topology, partition: Sequence[in
     return staged
 
 
-# ---- reading --------------------------------------------------------------------------
-def _rchar() -> Optional[int]:
-    """Bytes this process read through read syscalls so far (/proc/self/io), if available."""
-    try:
-        with open("/proc/self/io", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"rchar:"):
-                    return int(line.split()[1])
-    except OSError:
-        return None
-    return None
-
-
-def _placed_ranges(staged: StagePlan, item: ReadItem) -> tuple[tuple[int, int], ...]:
-    """The byte ranges to read for ``item``: its plan ranges, or the whole tensor for dtypes
-    without a NaN to poison the unread part with (integers, fp8)."""
-    entry = staged.index.entry(item.name)
-    if DTYPES[item.dtype][0] not in _NAN_DTYPES:
-        return ((entry.start, entry.nbytes),)
-    return item.ranges
-
-
-def _read_compact(reader: Reader, staged: StagePlan, item: ReadItem) -> torch.Tensor:
-    """The bytes of ``item``'s ranges, back to back (this rank's part only)."""
-    ranges = _placed_ranges(staged, item)
-    out = torch.empty(sum(n for _, n in ranges), dtype=torch.uint8)
-    raw = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
-    pos, fd = 0, reader._fd(item.file)
-    for offset, nbytes in ranges:
-        reader._pread_into(fd, [raw[pos:pos + nbytes]], offset, item)
-        pos += nbytes
-    return out
-
-
-def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Tensor:
-    """A full-shaped tensor with ``compact``'s bytes at their offsets and NaN elsewhere:
-    vLLM's loaders narrow it to this rank's part."""
-    entry = staged.index.entry(item.name)
-    ranges = _placed_ranges(staged, item)
-    out = torch.empty(item.source_shape, dtype=DTYPES[item.dtype][0])
-    if ranges != ((entry.start, entry.nbytes),):
-        out.fill_(float("nan"))
-    raw, pos = out.reshape(-1).view(torch.uint8), 0
-    for offset, nbytes in ranges:
-        raw[offset - entry.start: offset - entry.start + nbytes] = compact[pos:pos + nbytes]
-        pos += nbytes
-    return out
-
-
-def _placed_reads(staged: StagePlan, reader: Reader) -> Iterator[tuple[ReadItem, torch.Tensor]]:
-    start = time.perf_counter()
-    try:
-        for item in staged.plan.items:
-            yield item, _read_compact(reader, staged, item)
-        for file, fd in list(reader._fds.items()):
-            reader._check_identity(file, fd)
-    finally:
-        reader.close()
-        reader.stats.seconds = time.perf_counter() - start
-
-
-def _placed(staged: StagePlan, tp_mode: str) -> bool:
-    return tp_mode == "placed" and staged.plan.topology.tp_size > 1
-
-
-def stage_weights(staged: StagePlan, tp_mode: str
-                  ) -> tuple[Reader, Iterator[tuple[str, torch.Tensor]]]:
-    """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over."""
-    reader = Reader(staged.plan)
-    if _placed(staged, tp_mode):
-        return reader, ((item.target, _place(staged, item, compact))
-                        for item, compact in _placed_reads(staged, reader))
-    return reader, iter(reader)
-
-
-def read_stage(staged: StagePlan, tp_mode: str
-               ) -> tuple[Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    """Read the whole stage now (this rank's bytes, held compactly); the returned function
-    streams it in the form ``tp_mode`` hands over (reload: read and agree before writing)."""
-    reader = Reader(staged.plan)
-    if _placed(staged, tp_mode):
-        held = list(_placed_reads(staged, reader))
-        return reader, lambda: ((item.target, _place(staged, item, compact))
-                                for item, compact in held)
-    tensors = list(reader)
-    return reader, lambda: iter(tensors)
-
-
 # ---- checks after load_weights ----------------------------------------------------------
 def _other_stage(name: str, staged: StagePlan) -> bool:
     """A parameter named like a checkpoint tensor this stage does not own (vLLM's Mixtral,
@@ -264,7 +174,7 @@ def check_no_unread(model: nn.Module, rank: int) -> None:
     """``placed``: a NaN in a parameter means the engine narrowed bytes pploader did not
     read (its TP split differs from pploader's), or the checkpoint itself holds NaN."""
     bad = [name for name, p in model.named_parameters()
-           if p.dtype in _NAN_DTYPES and p.numel() and bool(torch.isnan(p.data).any())]
+           if p.dtype in NAN_DTYPES and p.numel() and bool(torch.isnan(p.data).any())]
     if bad:
         raise PlanError(f"parameter(s) {', '.join(bad[:8])} hold NaN after loading with "
                         "tp_mode='placed': vLLM's loader took elements outside this rank's "
@@ -302,7 +212,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         model_dir = model_config.model
         self.download_model(model_config)
         topology = engine_topology()
-        rchar0, start = _rchar(), time.perf_counter()
+        rchar0, start = rchar_bytes(), time.perf_counter()
         from ..planning.spec import load_spec
         num_layers = load_spec(model_dir).num_layers
         partition = engine_partition(num_layers, topology.pp_size)
@@ -320,7 +230,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
                                 "tp_mode 'placed' (the default)", rank=topology.rank) from exc
         else:
             loaded = model.load_weights(weights)  # type: ignore[operator]
-        rchar1, seconds = _rchar(), time.perf_counter() - start
+        rchar1, seconds = rchar_bytes(), time.perf_counter() - start
         check_all_loaded(model, loaded, staged)
         if self.tp_mode == "placed" and topology.tp_size > 1:
             check_no_unread(model, topology.rank)
@@ -429,7 +339,7 @@ def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_d
                    comm: Any) -> dict[str, Any]:
     from ..dist.comm import run_guarded
     topology = state.topology
-    rchar0, start = _rchar(), time.perf_counter()
+    rchar0, start = rchar_bytes(), time.perf_counter()
 
     def read_all() -> tuple[StagePlan, Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
         """Phase 1: plan, validate and read everything; nothing written yet."""
@@ -450,7 +360,7 @@ def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_d
         logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
                      topology.describe(), exc)
         return failed
-    rchar1, read_seconds = _rchar(), time.perf_counter() - start
+    rchar1, read_seconds = rchar_bytes(), time.perf_counter() - start
     try:  # phase 2: every worker validated and read its stage; write in place
         worker.model_runner.reload_weights(weights_iterator=weights(),
                                            is_checkpoint_format=True)

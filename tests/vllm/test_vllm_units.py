@@ -1,5 +1,5 @@
-"""pploader.integrations.vllm without an engine: windows from vLLM's own split, placed tensors,
-the strict check. Marked ``vllm`` (needs vllm importable; see .ci/vllm-suite.sh)."""
+"""pploader.integrations.vllm without an engine: windows from vLLM's own split, the strict
+check (placed tensors: tests/integrations/test_placed.py). Marked ``vllm`` (needs vllm importable; see .ci/vllm-suite.sh)."""
 from __future__ import annotations
 
 import importlib.util
@@ -54,32 +54,6 @@ def test_plan_window_checked_against_the_engine(llama: Path) -> None:
     with pytest.raises(PlanError, match=r"vLLM's model holds layers \(2, 5\)"):
         plan_engine_stage(str(llama), topo, (1, 4), "placed",
                           SimpleNamespace(model=SimpleNamespace(start_layer=2, end_layer=5)))
-
-
-@pytest.mark.parametrize("tp_rank", [0, 1])
-def test_placed_tensors_hold_exactly_the_rank_bytes(llama: Path, tp_rank: int) -> None:
-    """Narrowed where pploader's TP rule cut, a placed tensor equals the checkpoint; every
-    other element is NaN; bytes read are the plan's ideal bytes."""
-    from helpers import reference_tensors
-
-    from pploader import Topology, plan_stage
-    from pploader.integrations.vllm import stage_weights
-    ref = reference_tensors(llama)
-    topo = Topology(1, 2, 1, tp_rank)
-    staged = plan_stage(llama, topo, range_cost_bytes=0)
-    sliced = {item.target: item for item in staged.plan.items}
-    reader, stream = stage_weights(staged, "placed")
-    seen = 0
-    for name, tensor in stream:
-        full = ref[name]
-        assert tensor.shape == full.shape and tensor.dtype == full.dtype
-        known = ~torch.isnan(tensor.float())
-        assert torch.equal(tensor[known], full[known])
-        item = sliced[name]
-        assert int(known.sum()) * full.element_size() == item.read_bytes
-        seen += 1
-    assert seen == len(staged.plan.items)
-    assert reader.stats.read_bytes == staged.plan.ideal_bytes
 
 
 def test_strict_check_lists_missing_and_zeroes_other_stages_params(llama: Path) -> None:
