@@ -4,20 +4,21 @@ integrations/vllm.py; no engine import here, so it is testable anywhere).
 TP mode ``placed``: only this TP rank's byte ranges are read, then placed at their offsets
 inside a full-shaped tensor whose other elements are NaN, so the engine's loaders narrow to the
 rank's part as they always do (dtypes without a NaN are read whole). ``full`` / ``sliced``:
-the plan's tensors as the reader yields them."""
+the plan's tensors as the reader yields them. Every read goes through the read-backend seam."""
 from __future__ import annotations
 
-import time
+from dataclasses import replace
 from typing import Callable, Iterator, Optional
 
 import torch
 
-from ..io.read import Reader
+from ..io.backend import ReadBackend
+from ..io.registry import open_backend
 from ..planning.checkpoint import DTYPES
-from ..planning.plan import ReadItem
+from ..planning.plan import RankPlan, ReadItem
 from ..stage import StagePlan
 
-__all__ = ["NAN_DTYPES", "rchar_bytes", "stage_weights", "read_stage"]
+__all__ = ["NAN_DTYPES", "rchar_bytes", "compact_plan", "stage_weights", "read_stage"]
 
 #: Floating dtypes whose unread elements are poisoned with NaN in ``placed`` mode.
 NAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -44,16 +45,17 @@ def _placed_ranges(staged: StagePlan, item: ReadItem) -> tuple[tuple[int, int], 
     return item.ranges
 
 
-def _read_compact(reader: Reader, staged: StagePlan, item: ReadItem) -> torch.Tensor:
-    """The bytes of ``item``'s ranges, back to back (this rank's part only)."""
-    ranges = _placed_ranges(staged, item)
-    out = torch.empty(sum(n for _, n in ranges), dtype=torch.uint8)
-    raw = memoryview(out.numpy()).cast("B")  # type: ignore[arg-type]
-    pos, fd = 0, reader._fd(item.file)
-    for offset, nbytes in ranges:
-        reader._pread_into(fd, [raw[pos:pos + nbytes]], offset, item)
-        pos += nbytes
-    return out
+def compact_plan(staged: StagePlan) -> RankPlan:
+    """The stage's plan with each item read as its placed ranges, back to back, as one flat
+    ``uint8`` tensor: any read backend reads it (io/registry.py); :func:`_place` puts the bytes
+    at their offsets."""
+    def compact(item: ReadItem) -> ReadItem:
+        ranges = _placed_ranges(staged, item)
+        size = (sum(n for _, n in ranges),)
+        return ReadItem(name=item.name, target=item.target, file=item.file, dtype="U8",
+                        shape=size, source_shape=size, ranges=ranges, buffer_shape=size)
+    return replace(staged.plan, items=tuple(compact(i) for i in staged.plan.items),
+                   redistribute=None)
 
 
 def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Tensor:
@@ -71,40 +73,31 @@ def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Te
     return out
 
 
-def _placed_reads(staged: StagePlan, reader: Reader) -> Iterator[tuple[ReadItem, torch.Tensor]]:
-    start = time.perf_counter()
-    try:
-        for item in staged.plan.items:
-            yield item, _read_compact(reader, staged, item)
-        for file, fd in list(reader._fds.items()):
-            reader._check_identity(file, fd)
-    finally:
-        reader.close()
-        reader.stats.seconds = time.perf_counter() - start
-
-
 def _placed(staged: StagePlan, tp_mode: str) -> bool:
     return tp_mode == "placed" and staged.plan.topology.tp_size > 1
 
 
 def stage_weights(staged: StagePlan, tp_mode: str
-                  ) -> tuple[Reader, Iterator[tuple[str, torch.Tensor]]]:
+                  ) -> tuple[ReadBackend, Iterator[tuple[str, torch.Tensor]]]:
     """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over."""
-    reader = Reader(staged.plan)
     if _placed(staged, tp_mode):
+        reader = open_backend(compact_plan(staged), "cpu")
+        # the reader first in zip: its end (identity checks, close) runs after the last item
         return reader, ((item.target, _place(staged, item, compact))
-                        for item, compact in _placed_reads(staged, reader))
+                        for (_, compact), item in zip(reader, staged.plan.items))
+    reader = open_backend(staged.plan, "cpu")
     return reader, iter(reader)
 
 
 def read_stage(staged: StagePlan, tp_mode: str
-               ) -> tuple[Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+               ) -> tuple[ReadBackend, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
     """Read the whole stage now (this rank's bytes, held compactly); the returned function
     streams it in the form ``tp_mode`` hands over (reload: read and agree before writing)."""
-    reader = Reader(staged.plan)
     if _placed(staged, tp_mode):
-        held = list(_placed_reads(staged, reader))
+        reader = open_backend(compact_plan(staged), "cpu")
+        held = [(item, compact) for (_, compact), item in zip(reader, staged.plan.items)]
         return reader, lambda: ((item.target, _place(staged, item, compact))
                                 for item, compact in held)
+    reader = open_backend(staged.plan, "cpu")
     tensors = list(reader)
     return reader, lambda: iter(tensors)

@@ -44,7 +44,7 @@ from vllm.model_executor.model_loader import (  # type: ignore[import-not-found,
 BaseModelLoader = _base_loader.BaseModelLoader
 
 from ..errors import PlanError, PPLoaderError, RankFailure
-from ..io.read import Reader
+from ..io.backend import ReadBackend
 from ..bind.module_state import find_module_state, module_state
 from ..stage import StagePlan, plan_stage
 from ..planning.topology import Topology
@@ -245,7 +245,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
                     staged.plan.ideal_bytes, staged.plan.header_bytes, seconds, self.tp_mode)
 
 
-def _report(state: LoadState, reader: Reader, seconds: float, rchar0: Optional[int],
+def _report(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optional[int],
             rchar1: Optional[int]) -> dict[str, Any]:
     """What one worker read; ``ideal_bytes`` is its TP part of the stage (tp_mode aside)."""
     ideal = plan_stage(state.model_dir, state.topology, partition=list(state.partition)) \
@@ -341,7 +341,7 @@ def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_d
     topology = state.topology
     rchar0, start = rchar_bytes(), time.perf_counter()
 
-    def read_all() -> tuple[StagePlan, Reader, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
+    def read_all() -> tuple[StagePlan, ReadBackend, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
         """Phase 1: plan, validate and read everything; nothing written yet."""
         staged = plan_engine_stage(checkpoint_dir, topology, state.partition, state.tp_mode,
                                    model, range_cost_bytes=state.range_cost_bytes)

@@ -56,3 +56,24 @@ def test_read_stage_holds_what_stage_weights_streams(llama: Path, tp_mode: str) 
     assert held.keys() == streamed.keys()
     for name, tensor in held.items():
         assert torch.equal(tensor.view(torch.uint8), streamed[name].view(torch.uint8)), name
+
+
+def test_placed_reads_refuse_a_file_changed_after_planning(llama: Path) -> None:
+    """The placed stream reads through the backend seam, whose end checks each file's identity:
+    a shard rewritten between planning and reading is an error naming it."""
+    import os
+
+    from pploader import Topology, plan_stage
+    from pploader.errors import ReadError
+    from pploader.integrations.placed import stage_weights
+    staged = plan_stage(llama, Topology(1, 2, 1, 0), range_cost_bytes=0)
+    shard = llama / staged.plan.items[-1].file
+    st = shard.stat()
+    try:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+        _, stream = stage_weights(staged, "placed")
+        with pytest.raises(ReadError, match=staged.plan.items[-1].file):
+            for _ in stream:
+                pass
+    finally:
+        os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
