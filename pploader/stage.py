@@ -20,7 +20,6 @@ from .errors import PPLoaderError
 from .planning.plan import (DEFAULT_EXCHANGE_COST, Partition, RankPlan, checkpoint_roles,
                             make_windows, plan_mtp, plan_rank)
 from .io.backend import ReadBackend, ReadOptions, ReadStats
-from .io.read import Reader
 from .io.registry import open_backend
 from .planning.share import share_reads
 from .planning.shard import DEFAULT_RANGE_COST_BYTES
@@ -140,7 +139,7 @@ def iter_mtp_weights(model_dir: os.PathLike | str, mtp_layer: int, *,
     """A draft model's weights: MTP layer ``mtp_layer`` renamed to layer 0, streamed."""
     spec = load_spec(model_dir)
     plan = plan_mtp(spec, open_checkpoint(model_dir), mtp_layer, topology)
-    yield from Reader(plan, window_bytes=window_bytes)
+    yield from open_backend(plan, "cpu", ReadOptions(window_bytes=window_bytes))
 
 
 class ReadOnceReader:

@@ -70,7 +70,8 @@ from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
 from ..families.hf_meta import _layers_path, forward_order
 from ..planning.partition import StageWindow
 from ..planning.plan import Partition, RankPlan, make_windows, plan_rank
-from ..io.read import Reader, ReadStats
+from ..io.backend import ReadOptions, ReadStats
+from ..io.registry import open_backend
 from ..planning.spec import ModelSpec, load_spec
 from ..planning.topology import Topology
 from .hf_boundary import StageBoundary, StageDone, StageRun, recv_boundary, send_boundary
@@ -397,7 +398,8 @@ def build_stage(model_dir: os.PathLike | str, topology: Topology, *,
             cfg.tie_word_embeddings = False  # the checkpoint stores its own head: read, not tied
     model, anatomy = stage_skeleton(config, window, dtype=spec.dtype, model_class=model_class,
                                     num_layers=spec.num_layers)
-    reader = Reader(plan, window_bytes=window_bytes, threads=threads, cancel=cancel)
+    reader = open_backend(plan, "cpu", ReadOptions(window_bytes=window_bytes, threads=threads,
+                                                 cancel=cancel))
     tensors = dict(reader)
     if window.has_embed:  # a tied head aliased to the embedding: the embedding is needed too
         for item in plan.items:

@@ -60,6 +60,24 @@ def test_core_never_imports_bench_or_testing() -> None:
     assert not bad, "\n".join(bad)
 
 
+def test_every_read_goes_through_the_backend_registry() -> None:
+    """Issue 14: a new read backend serves every path only if nothing outside io/ makes a
+    backend class itself: the core opens readers with ``open_backend`` (bench/ measures the
+    classes directly and may)."""
+    backends = {"Reader", "DeviceLoader", "BufferedBackend"}
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG).parts
+        if rel[0] in ("io", "bench"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call):
+                name = getattr(node.func, "id", getattr(node.func, "attr", None))
+                if name in backends:
+                    bad.append(f"{path.relative_to(PKG.parent)}:{node.lineno} calls {name}(...)")
+    assert not bad, "\n".join(bad)
+
+
 def test_every_folder_is_a_documented_package() -> None:
     for folder in sorted(p for p in PKG.iterdir() if p.is_dir() and any(p.glob("*.py"))):
         init = folder / "__init__.py"
