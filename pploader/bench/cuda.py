@@ -36,13 +36,14 @@ __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 
 GB = 1e9
 MIB = 1 << 20
-_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_noprep", "pploader_first_early",
-             "pploader_prepared", "pploader_reused", "instanttensor_buf"]
-WARM = _WARM_SET + ["raw_preadv16_first", "fastsafetensors_buf", "pploader_api",
-                    "st_readall"] + _WARM_SET
+_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_populate", "pploader_prepared",
+             "pploader_reused", "instanttensor_buf"]
+WARM = _WARM_SET + ["raw_preadv16_first", "pploader_first_prep", "fastsafetensors_buf",
+                    "pploader_api", "st_readall"] + _WARM_SET
 _COLD_SET = ["raw_preadv16", "pploader_first", "fastsafetensors_odirect",
-             "pploader_first_interleave", "pploader_first_t8_32mib", "instanttensor_buf"]
-COLD = _COLD_SET + ["pploader_first", "fastsafetensors_odirect", "raw_preadv16"]
+             "pploader_first_interleave", "instanttensor_buf"]
+COLD = _COLD_SET + ["pploader_first", "fastsafetensors_odirect", "pploader_first_interleave",
+                    "pploader_first", "fastsafetensors_odirect"]
 
 
 def _shapes(scale: str) -> tuple[Any, int]:

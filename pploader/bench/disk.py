@@ -34,6 +34,10 @@ PATTERNS: dict[str, tuple[int, int, str, str]] = {
     "streams1_per_file_x64": (0, 64, "streams", "stage"),
     "streams4_per_file_x16": (4, 16, "streams", "stage"),
     "q16x16_wholefiles": (16, 16, "file", "files"),
+    "streams1_per_file_x16": (1, 16, "streams", "stage"),
+    "streams2_per_file_x16": (2, 16, "streams", "stage"),
+    "streams1_wholefiles_x16": (1, 16, "streams", "files"),
+    "q16x4_file": (16, 4, "file", "stage"),
 }
 
 

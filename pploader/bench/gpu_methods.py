@@ -220,17 +220,20 @@ class HostAllocRing:
 
 
 def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = False,
-              prepare: bool = True, interleave: bool = False,
-              gap: int = 0) -> tuple[dict, dict]:
+              prepare: bool = False, interleave: bool = False, gap: int = 0,
+              populate: bool = False) -> tuple[dict, dict]:
     """plan_stage + DeviceLoader.load, timed from before the ring. ``early``: the ring is
     made first and prepared in the background while planning runs (what a server does when
     it makes the ring at start-up); ``prepare``: the loader starts the ring's background
-    page-locking (library default); ``interleave`` / ``gap``: the readers' request order
-    and O_DIRECT gap spanning."""
+    page-locking during the load; ``populate``: the ring's pages are faulted in on a
+    background thread from the start (no page-locking there); ``interleave`` / ``gap``: the
+    readers' request order and O_DIRECT gap spanning."""
     from pploader import Topology, plan_stage
     from pploader.io.device import DeviceLoader, PinnedRing
     t0 = time.perf_counter()
     ring = ring if ring is not None else PinnedRing(prepare=early)
+    if populate:
+        ring.prepare(register=False)
     staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
     t_plan = time.perf_counter() - t0
     loader = DeviceLoader(staged.plan, ctx.device, ring=ring, prepare_ring=prepare)
@@ -340,7 +343,8 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_first_thp_overlap": (_first_variant(True, True), None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
-    "pploader_first_noprep": (_variant(prepare=False), None),
+    "pploader_first_prep": (_variant(prepare=True), None),
+    "pploader_first_populate": (_variant(populate=True), None),
     "pploader_first_early": (_variant(early=True), None),
     "pploader_prepared": (m_pploader_reused, prep_prepared),
     "pploader_first_interleave": (_variant(interleave=True), None),

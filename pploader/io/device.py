@@ -109,26 +109,32 @@ class PinnedRing:
         slot before an asynchronous copy from it)."""
         return self._slots[index]
 
-    def prepare(self) -> threading.Thread:
+    def prepare(self, register: bool = True) -> threading.Thread:
         """Page-lock every slot on a background thread (first slots of every reader first);
         returns that thread (join it to wait). Its pages are faulted in without writing
         (``MADV_POPULATE_WRITE``), so a reader already reading into a slot loses nothing; a
         reader reaching a slot the preparer is on waits for it, one reaching a slot not yet
-        prepared page-locks it itself. Idempotent."""
+        prepared page-locks it itself. ``register=False``: only fault the pages in (no CUDA
+        driver call, so nothing serialises with the load's allocations and copies; the
+        readers page-lock). Idempotent: the first call decides."""
         with self._lock:
             if self._preparer is None:
-                self._preparer = threading.Thread(target=self._prepare_all, daemon=True,
-                                                  name="pploader-ring-prepare")
+                self._preparer = threading.Thread(target=self._prepare_all, args=(register,),
+                                                  daemon=True, name="pploader-ring-prepare")
                 self._preparer.start()
             return self._preparer
 
-    def _prepare_all(self) -> None:
+    def _prepare_all(self, register: bool) -> None:
         start = time.perf_counter()
         for b in range(self.per_thread):
             for i in range(self.threads):
                 if self._stop.is_set():
                     return
-                self.pin(i, b, populate=True)
+                if register:
+                    self.pin(i, b, populate=True)
+                else:
+                    tensor = self._slots[i][b][0]
+                    _populate(tensor.data_ptr(), tensor.numel())
         self.prepare_seconds = time.perf_counter() - start
 
     def pin(self, index: int, slot: int, populate: bool = False) -> None:
@@ -242,13 +248,16 @@ class DeviceLoader:
     def __init__(self, plan: RankPlan, device: torch.device | str, *,
                  ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
                  on_progress: Optional[Callable[[int], None]] = None,
-                 direct_io: Optional[bool] = None, prepare_ring: bool = True) -> None:
+                 direct_io: Optional[bool] = None, prepare_ring: bool = False) -> None:
         """``direct_io``: True reads with O_DIRECT (bypassing the page cache: what cold loads
         from fast devices want), False buffered, None (default) decides per load from the
         page-cache residency of the planned ranges (mostly cached -> buffered).
         ``prepare_ring``: start the ring's background page-locking now (:meth:`PinnedRing.
-        prepare`), so it overlaps the residency check and the destinations' allocation;
-        False: each reader page-locks its slots after its first read into them."""
+        prepare`). Off by default: measured on 2x H100 (docs/benchmarks-gpu.md, fourth
+        round) page-locking *during* the load made it 0.1-0.35 s slower (the destinations'
+        cudaMalloc and the copies wait for the preparer's cudaHostRegister in the driver);
+        each reader then page-locks its slots after its first read into them. Prepare the
+        ring *before* the load instead (``PinnedRing(prepare=True)`` at start-up)."""
         self.plan, self.device = plan, torch.device(device)
         self.direct_io, self.direct = direct_io, False
         if self.device.type != "cuda":

@@ -102,6 +102,21 @@ def test_device_loader_prepared_ring_and_request_patterns_equal_cpu(
     assert ring.nbytes == 0
 
 
+def test_ring_populated_ahead_is_page_locked_by_the_readers(tiny_llama: Path) -> None:
+    """prepare(register=False) only faults the pages in; the readers page-lock what they use."""
+    from pploader.io.device import DeviceLoader, PinnedRing
+    plan = plan_stage(tiny_llama, Topology(1)).plan
+    ring = PinnedRing(threads=2, slot_bytes=1 << 16)
+    ring.prepare(register=False).join()
+    assert ring.nbytes == 0 and ring.pageable_slots == 0
+    out = DeviceLoader(plan, "cuda:0", ring=ring).load()
+    ref = _cpu(plan)
+    assert all(torch.equal(out[k].cpu().view(torch.uint8), v.view(torch.uint8))
+               for k, v in ref.items())
+    assert ring.nbytes == 4 * (1 << 16) and ring.pageable_slots == 0
+    ring.close()
+
+
 @pytest.mark.parametrize("overlap_alloc", [False, True])
 def test_device_loader_bad_destination_names_tensor_and_stops_readers(
         tiny_llama: Path, overlap_alloc: bool) -> None:
