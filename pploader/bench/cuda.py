@@ -36,13 +36,14 @@ __all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
 
 GB = 1e9
 MIB = 1 << 20
-_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_thp", "pploader_first_overlap",
-             "pploader_first_thp_overlap", "pploader_reused", "instanttensor_buf",
-             "pploader_api"]
-WARM = _WARM_SET + ["pploader_hostalloc", "raw_preadv16_first", "fastsafetensors_buf",
-                    "st_readall"] + _WARM_SET + _WARM_SET
-COLD = ["raw_preadv16", "pploader_first", "fastsafetensors_odirect", "instanttensor_buf",
-        "instanttensor", "st_readall", "pploader_first", "raw_preadv16"]
+_WARM_SET = ["raw_preadv16", "pploader_first", "pploader_first_populate", "pploader_prepared",
+             "pploader_reused", "instanttensor_buf"]
+WARM = _WARM_SET + ["raw_preadv16_first", "pploader_first_prep", "fastsafetensors_buf",
+                    "pploader_api", "st_readall"] + _WARM_SET
+_COLD_SET = ["raw_preadv16", "pploader_first", "fastsafetensors_odirect",
+             "pploader_first_interleave", "instanttensor_buf"]
+COLD = _COLD_SET + ["pploader_first", "fastsafetensors_odirect", "pploader_first_interleave",
+                    "pploader_first", "fastsafetensors_odirect"]
 
 
 def _shapes(scale: str) -> tuple[Any, int]:
@@ -371,6 +372,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--caches", default="warm,cold")
     ap.add_argument("--disk", action="store_true", help="only the O_DIRECT pattern sweep")
     ap.add_argument("--disk-first", action="store_true", help="the sweep, then the methods")
+    ap.add_argument("--disk-best", default=None, metavar="PATTERNS",
+                    help="comma list of bench/disk.py patterns ('all'): O_DIRECT reads of the "
+                    "stage's bytes, no GPU, twice (forward, backward)")
+    ap.add_argument("--cli-wall", type=int, default=0, metavar="TRIALS",
+                    help="torchrun + pploader load vs a bare torchrun NCCL script (2 GPUs), "
+                    "tiny and real size, warm and cold")
     ap.add_argument("--pp2", action="store_true")
     ap.add_argument("--pp2-profile", action="store_true")
     ap.add_argument("--pp", type=int, default=2, help="stages for --pp2 / --pp2-profile")
@@ -397,6 +404,25 @@ def main(argv: list[str] | None = None) -> None:
         write_checkpoint(args.ckdir, args.scale)
         rows = disk_patterns(_files(args.ckdir))
         Path(args.out, "disk.json").write_text(json.dumps(rows, indent=1))
+        return None
+    if args.disk_best:
+        from .. import Topology, plan_stage
+        from .disk import PATTERNS, disk_best
+        write_checkpoint(args.ckdir, args.scale)
+        names = list(PATTERNS) if args.disk_best == "all" else args.disk_best.split(",")
+        evict(_files(args.ckdir))
+        rows = disk_best(plan_stage(args.ckdir, Topology(2, rank=0)).plan, names)
+        Path(args.out, "disk_best.json").write_text(json.dumps(rows, indent=1))
+        return None
+    if args.cli_wall:
+        from .cli_wall import cli_wall
+        from ..tiny import make_tiny, resolve_tiny_config
+        write_checkpoint(args.ckdir, args.scale)
+        tiny = "/tmp/pploader-tiny-llama"
+        if not Path(tiny, "config.json").exists():
+            make_tiny(resolve_tiny_config("llama"), tiny)
+        rows = cli_wall(tiny, args.ckdir, 2, args.cli_wall, warm, evict)
+        Path(args.out, "cli_wall.json").write_text(json.dumps(rows, indent=1))
         return None
     if args.pp_reload:
         write_checkpoint(args.ckdir, args.scale)

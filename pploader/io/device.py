@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
 import mmap
 import os
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
@@ -29,6 +29,10 @@ from ..errors import ReadError
 from .pagecache import resident_bytes_of_ranges
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, materialise, zero_padding
+from .requests import Chunk as _Chunk
+from .requests import chunks as _chunks
+from .requests import interleave_files as _interleave_files
+from .requests import pieces as _pieces
 
 __all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS",
            "fitted_ring", "open_pinned"]
@@ -46,21 +50,23 @@ class PinnedRing:
     pass the ring to every later load.
 
     The ring is one pageable allocation whose slots are page-locked (``cudaHostRegister``)
-    one by one, on first use, after the first read into them has faulted their pages in:
-    measured on an H100 host (docs/benchmarks-gpu.md) ``cudaHostAlloc`` of 512 MiB costs
-    0.19-0.21 s and serialises across threads, while first touch + registering the touched
-    pages costs 0.07 s, and a slot registered on first use costs its thread under 1 ms. So a
-    process's first load starts reading at once and pays for staging only as it goes.
-    ``lazy=False`` touches and registers every slot now (for a ring made ahead of the load).
+    one by one: measured on an H100 host (docs/benchmarks-gpu.md) ``cudaHostAlloc`` of 512 MiB
+    costs 0.19-0.21 s and serialises across threads, while first touch + registering the
+    touched pages costs 0.07 s. A slot is page-locked by whoever gets to it first: the reader
+    thread right after its first read into it (the read has faulted the pages in), or
+    :meth:`prepare`'s background thread, which a server starts when it makes the ring, so
+    that the staging is ready while it builds its model (``prepare=True`` does it at once).
+    ``lazy=False`` touches and registers every slot now, on the caller's thread.
     Where registering is unavailable or fails, the slot stays pageable: copies from it are
     then synchronous (correct, slower) and ``pageable_slots`` counts them.
     """
 
     def __init__(self, threads: int = DEFAULT_DEVICE_THREADS, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 slots_per_thread: int = 2, *, lazy: bool = True, huge_pages: bool = False) -> None:
+                 slots_per_thread: int = 2, *, lazy: bool = True, huge_pages: bool = False,
+                 prepare: bool = False) -> None:
         """``huge_pages``: ask for transparent huge pages (madvise) so first touch and
         page-locking handle 2 MiB pages; off by default: on the H100 host it made the first
-        load no faster (docs/benchmarks-gpu.md)."""
+        load no faster (docs/benchmarks-gpu.md). ``prepare``: start :meth:`prepare` now."""
         self.threads, self.per_thread = threads, slots_per_thread
         self.slot_bytes = -(-slot_bytes // _PAGE) * _PAGE
         total = threads * slots_per_thread * self.slot_bytes
@@ -75,12 +81,18 @@ class PinnedRing:
                         for o in range((i * slots_per_thread) * n,
                                        (i + 1) * slots_per_thread * n, n)]
                        for i in range(threads)]
-        self._pinned = [[False] * slots_per_thread for _ in range(threads)]
+        # per slot: 0 = pageable, 1 = being page-locked (by a reader or the preparer), 2 = done
+        self._state = [[0] * slots_per_thread for _ in range(threads)]
         self._registered: list[int] = []
-        self.alloc_seconds = 0.0      # first touch + registration, summed over threads
+        self.alloc_seconds = 0.0      # populate + registration, summed over threads
+        self.prepare_seconds = 0.0    # wall time of the background preparation (when done)
         self.pageable_slots = 0
         self._lock = threading.Lock()
-        self._finalizer = weakref.finalize(self, _unregister, self._registered, self._raw)
+        self._done = threading.Condition(self._lock)
+        self._preparer: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._finalizer = weakref.finalize(self, _unregister, self._registered, self._raw,
+                                           self._stop)
         self._finalizer.atexit = False  # the process's exit releases everything anyway
         if not lazy:
             start = time.perf_counter()
@@ -89,36 +101,102 @@ class PinnedRing:
             for i in range(threads):
                 for b in range(slots_per_thread):
                     self.pin(i, b)
+        elif prepare:
+            self.prepare()
 
     def slots(self, index: int) -> list[tuple[torch.Tensor, memoryview]]:
         """Thread ``index``'s slots as (tensor, writable memoryview) pairs (call ``pin`` on a
         slot before an asynchronous copy from it)."""
         return self._slots[index]
 
-    def pin(self, index: int, slot: int) -> None:
-        """Page-lock thread ``index``'s ``slot`` unless done (cheap after a read touched it)."""
-        if self._pinned[index][slot]:
-            return
-        start = time.perf_counter()
-        tensor = self._slots[index][slot][0]
-        ptr = tensor.data_ptr()
-        ok = _host_register(ptr, tensor.numel())
+    def prepare(self, register: bool = True) -> threading.Thread:
+        """Page-lock every slot on a background thread (first slots of every reader first);
+        returns that thread (join it to wait). Its pages are faulted in without writing
+        (``MADV_POPULATE_WRITE``), so a reader already reading into a slot loses nothing; a
+        reader reaching a slot the preparer is on waits for it, one reaching a slot not yet
+        prepared page-locks it itself. ``register=False``: only fault the pages in (no CUDA
+        driver call, so nothing serialises with the load's allocations and copies; the
+        readers page-lock). Idempotent: the first call decides."""
         with self._lock:
-            self._pinned[index][slot] = True
-            if ok:
-                self._registered.append(ptr)
-            else:
-                self.pageable_slots += 1
-            self.alloc_seconds += time.perf_counter() - start
+            if self._preparer is None:
+                self._preparer = threading.Thread(target=self._prepare_all, args=(register,),
+                                                  daemon=True, name="pploader-ring-prepare")
+                self._preparer.start()
+            return self._preparer
+
+    def _prepare_all(self, register: bool) -> None:
+        start = time.perf_counter()
+        for b in range(self.per_thread):
+            for i in range(self.threads):
+                if self._stop.is_set():
+                    return
+                if register:
+                    self.pin(i, b, populate=True)
+                else:
+                    tensor = self._slots[i][b][0]
+                    _populate(tensor.data_ptr(), tensor.numel())
+        self.prepare_seconds = time.perf_counter() - start
+
+    def pin(self, index: int, slot: int, populate: bool = False) -> None:
+        """Page-lock thread ``index``'s ``slot`` unless done or under way elsewhere (then wait
+        for it). ``populate``: fault its pages in first without writing them (the
+        preparer; a reader calls this after its read has touched the slot)."""
+        with self._lock:
+            state = self._state[index][slot]
+            if state == 2:
+                return
+            if state == 1:
+                self._done.wait_for(lambda: self._state[index][slot] == 2)
+                return
+            self._state[index][slot] = 1
+        start = time.perf_counter()
+        ok = False
+        try:
+            tensor = self._slots[index][slot][0]
+            ptr = tensor.data_ptr()
+            if populate:
+                _populate(ptr, tensor.numel())
+            ok = _host_register(ptr, tensor.numel())
+        finally:
+            with self._lock:
+                self._state[index][slot] = 2
+                if ok:
+                    self._registered.append(ptr)
+                else:
+                    self.pageable_slots += 1
+                self.alloc_seconds += time.perf_counter() - start
+                self._done.notify_all()
 
     def close(self) -> None:
         """Unregister the slots now (also done when the ring is garbage-collected)."""
+        self._stop.set()
+        if self._preparer is not None and self._preparer is not threading.current_thread():
+            self._preparer.join()
         self._finalizer()
 
     @property
     def nbytes(self) -> int:
         """Host bytes page-locked so far."""
         return len(self._registered) * self.slot_bytes
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14: fault pages in writable without writing them
+
+
+def _populate(ptr: int, nbytes: int) -> None:
+    """Fault a private anonymous range in (best effort: an older kernel refuses the advice
+    and ``cudaHostRegister`` faults the pages in itself)."""
+    try:
+        libc = _libc()
+        libc.madvise(ctypes.c_void_p(ptr), ctypes.c_size_t(nbytes),
+                     ctypes.c_int(_MADV_POPULATE_WRITE))
+    except OSError:
+        pass
 
 
 def _advise_huge_pages(ptr: int, nbytes: int) -> None:
@@ -142,8 +220,8 @@ def _host_register(ptr: int, nbytes: int) -> bool:
         if int(err) == 0:
             return True
         reason = str(err)
-    except (AttributeError, RuntimeError) as exc:
-        reason = str(exc)
+    except (AttributeError, RuntimeError, AssertionError) as exc:  # no CUDA / no cudart
+        reason = str(exc) or type(exc).__name__
     if not _REGISTER_WARNED:
         _REGISTER_WARNED = True
         logger.warning("cudaHostRegister failed (%s): staging slots stay pageable, H2D copies "
@@ -151,8 +229,9 @@ def _host_register(ptr: int, nbytes: int) -> bool:
     return False
 
 
-def _unregister(registered: list[int], memory: object) -> None:
+def _unregister(registered: list[int], memory: object, stop: threading.Event) -> None:
     """Unregister every registered slot before ``memory`` (kept alive until here) is freed."""
+    stop.set()
     if registered and torch.cuda.is_initialized():
         for ptr in registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
@@ -163,50 +242,22 @@ def _unregister(registered: list[int], memory: object) -> None:
 _REGISTER_WARNED = False
 
 
-@dataclass(frozen=True)
-class _Piece:
-    file: str
-    offset: int
-    length: int
-    target: int              # index of the item whose byte buffer receives it
-    pos: int                 # byte offset in that buffer
-
-
-def _pieces(item: ReadItem, target: int, slot_bytes: int) -> list[_Piece]:
-    out, pos = [], 0
-    for off, n in item.ranges:
-        out += [_Piece(item.file, off + a, min(slot_bytes, n - a), target, pos + a)
-                for a in range(0, n, slot_bytes)]
-        pos += n
-    return out
-
-
-def _chunks(pieces: list[_Piece], slot_bytes: int) -> list[list[_Piece]]:
-    """Pack file-contiguous pieces into slot-sized chunks (one preadv each)."""
-    chunks: list[list[_Piece]] = []
-    size = 0
-    for p in sorted(pieces, key=lambda p: (p.file, p.offset)):
-        last = chunks[-1][-1] if chunks else None
-        if (last is not None and last.file == p.file and last.offset + last.length == p.offset
-                and size + p.length <= slot_bytes):
-            chunks[-1].append(p)
-            size += p.length
-        else:
-            chunks.append([p])
-            size = p.length
-    return chunks
-
-
 class DeviceLoader:
     """Load a RankPlan onto a CUDA device (called by the rank that owns the device)."""
 
     def __init__(self, plan: RankPlan, device: torch.device | str, *,
                  ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
                  on_progress: Optional[Callable[[int], None]] = None,
-                 direct_io: Optional[bool] = None) -> None:
+                 direct_io: Optional[bool] = None, prepare_ring: bool = False) -> None:
         """``direct_io``: True reads with O_DIRECT (bypassing the page cache: what cold loads
         from fast devices want), False buffered, None (default) decides per load from the
-        page-cache residency of the planned ranges (mostly cached -> buffered)."""
+        page-cache residency of the planned ranges (mostly cached -> buffered).
+        ``prepare_ring``: start the ring's background page-locking now (:meth:`PinnedRing.
+        prepare`). Off by default: measured on 2x H100 (docs/benchmarks-gpu.md, fourth
+        round) page-locking *during* the load made it 0.1-0.35 s slower (the destinations'
+        cudaMalloc and the copies wait for the preparer's cudaHostRegister in the driver);
+        each reader then page-locks its slots after its first read into them. Prepare the
+        ring *before* the load instead (``PinnedRing(prepare=True)`` at start-up)."""
         self.plan, self.device = plan, torch.device(device)
         self.direct_io, self.direct = direct_io, False
         if self.device.type != "cuda":
@@ -224,6 +275,12 @@ class DeviceLoader:
         # cudaMalloc and the readers' cudaHostRegister serialise in the driver, and measured
         # on an H100 host it was slower than allocating first (docs/benchmarks-gpu.md)
         self.overlap_alloc = False
+        # O_DIRECT requests span gaps up to this size between needed ranges of a file (read
+        # and dropped), and readers take requests file by file or round-robin over the files
+        self.direct_gap_bytes = 0
+        self.interleave_files = False
+        if prepare_ring:
+            self.ring.prepare()  # no-op when already under way or done
 
     def _err(self, msg: str, file: Optional[str] = None) -> ReadError:
         return ReadError(msg, file=file, rank=self.plan.topology.rank)
@@ -240,8 +297,11 @@ class DeviceLoader:
         start = time.perf_counter()
         self.direct = self._use_direct() if self.direct_io is None else self.direct_io
         t_resid = time.perf_counter()
-        limit = self.ring.slot_bytes - (2 * DIRECT_ALIGN if self.direct else 0)
-        pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx, limit)]
+        pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx)]
+        chunks = _chunks(pieces, self.ring.slot_bytes, DIRECT_ALIGN if self.direct else 1,
+                         self.direct_gap_bytes if self.direct else 0)
+        if self.interleave_files:
+            chunks = _interleave_files(chunks)
         out: dict[str, torch.Tensor] = {}
         post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
         self._buffers = [None] * len(self.plan.items)
@@ -273,7 +333,7 @@ class DeviceLoader:
             times["destinations_s"] = time.perf_counter() - t0
 
         pin_before = self.ring.alloc_seconds
-        self._run(_chunks(pieces, limit), allocate)
+        self._run(chunks, allocate)
         t_io = time.perf_counter()
         for item, tmp, dst in post:
             materialise(item, tmp, dst)
@@ -313,7 +373,7 @@ class DeviceLoader:
                 pass
         return os.open(path, os.O_RDONLY)
 
-    def _run(self, chunks: list[list[_Piece]], prepare: Callable[[], None]) -> None:
+    def _run(self, chunks: list[_Chunk], prepare: Callable[[], None]) -> None:
         """Start the readers, run ``prepare`` (the destinations) here meanwhile, join."""
         fds = {f: self._open(p) for f, p in self.plan.paths.items()}
         try:
@@ -361,27 +421,25 @@ class DeviceLoader:
                 if chunk is None:
                     break
                 if self.cancel is not None and self.cancel.is_set():
-                    raise self._err("cancelled: another rank failed", chunk[0].file)
+                    raise self._err("cancelled: another rank failed", chunk.file)
                 b = j % len(slots)
                 event = events[b]
                 if event is not None:
                     event.synchronize()
                 pinned, view = slots[b]
-                total = sum(p.length for p in chunk)
-                head, nread = self._read_chunk(fds[chunk[0].file], view, chunk[0], total)
+                nread = self._read_chunk(fds[chunk.file], view, chunk)
                 self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
                 if not self._ready.is_set():
                     self._ready.wait()  # the destinations are being allocated
                 if errors:
                     break
                 with torch.cuda.stream(stream):
-                    pos = head
-                    for p in chunk:
+                    for p in chunk.pieces:
                         dst = self._buffers[p.target]
                         assert dst is not None
+                        pos = p.offset - chunk.offset
                         dst[p.pos:p.pos + p.length].copy_(pinned[pos:pos + p.length],
                                                           non_blocking=True)
-                        pos += p.length
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events[b] = ev
@@ -391,32 +449,29 @@ class DeviceLoader:
                     self.stats.read_bytes += nread
                     self.stats.syscalls += 1
                 if self.on_progress is not None:
-                    self.on_progress(total)
+                    self.on_progress(sum(p.length for p in chunk.pieces))
                 j += 1
             stream.synchronize()
         except BaseException as exc:  # noqa: BLE001 - re-raised by load()
             errors.append(exc)
 
-    def _read_chunk(self, fd: int, view: memoryview, first: _Piece,
-                    total: int) -> tuple[int, int]:
-        """Read ``total`` bytes from ``first.offset`` into ``view``; returns (where the data
-        starts in ``view``, bytes read). O_DIRECT reads whole aligned blocks around them."""
-        off = first.offset
-        head = off % DIRECT_ALIGN if self.direct else 0
-        end = head + total
+    def _read_chunk(self, fd: int, view: memoryview, chunk: _Chunk) -> int:
+        """Read ``chunk`` into ``view`` (O_DIRECT: rounded up to whole aligned blocks; its
+        offset is aligned already); returns the bytes read."""
+        end = chunk.length
         want = -(-end // DIRECT_ALIGN) * DIRECT_ALIGN if self.direct else end
         got = 0
         while got < end:
             try:
-                n = os.preadv(fd, [view[got:want]], off - head + got)
+                n = os.preadv(fd, [view[got:want]], chunk.offset + got)
             except OSError as exc:
-                raise self._err(f"read failed at offset {off - head + got}: {exc.strerror}",
-                                first.file) from exc
+                raise self._err(f"read failed at offset {chunk.offset + got}: {exc.strerror}",
+                                chunk.file) from exc
             if n <= 0:
                 raise self._err(f"file changed during load: unexpected end of file at offset "
-                                f"{off - head + got}", first.file)
+                                f"{chunk.offset + got}", chunk.file)
             got += n
-        return head, got
+        return got
 
 
 def fitted_ring(items: Sequence[ReadItem], window_bytes: Optional[int],

@@ -75,6 +75,48 @@ def test_device_loader_ring_and_allocation_modes_equal_cpu(tiny_llama: Path, ove
     assert ring.nbytes == 0
 
 
+@pytest.mark.parametrize("prepare_ring,interleave,gap", [(True, False, 0), (False, True, 0),
+                                                        (True, True, 1 << 20)])
+def test_device_loader_prepared_ring_and_request_patterns_equal_cpu(
+        tiny_llama: Path, prepare_ring: bool, interleave: bool, gap: int) -> None:
+    """A ring page-locked ahead on its background thread (joined, or racing the readers), the
+    readers' requests round-robin over the files and/or spanning gaps (O_DIRECT): the same
+    bytes, every slot page-locked, none pageable."""
+    from pploader.io.device import DeviceLoader, PinnedRing
+    plan = plan_stage(tiny_llama, Topology(2, 2, rank=1)).plan  # strided TP reads: gaps
+    ring = PinnedRing(threads=3, slot_bytes=1 << 16, prepare=prepare_ring)
+    if prepare_ring:
+        ring.prepare().join()
+        assert ring.nbytes == 3 * 2 * (1 << 16) and ring.prepare_seconds > 0
+    for direct in (False, True):
+        loader = DeviceLoader(plan, "cuda:0", ring=ring, direct_io=direct,
+                              prepare_ring=not prepare_ring)
+        loader.interleave_files, loader.direct_gap_bytes = interleave, gap
+        out = loader.load()
+        ref = _cpu(plan)
+        assert set(out) == set(ref)
+        for k, v in out.items():
+            assert torch.equal(v.cpu().view(torch.uint8), ref[k].view(torch.uint8)), (direct, k)
+    assert ring.pageable_slots == 0
+    ring.close()
+    assert ring.nbytes == 0
+
+
+def test_ring_populated_ahead_is_page_locked_by_the_readers(tiny_llama: Path) -> None:
+    """prepare(register=False) only faults the pages in; the readers page-lock what they use."""
+    from pploader.io.device import DeviceLoader, PinnedRing
+    plan = plan_stage(tiny_llama, Topology(1)).plan
+    ring = PinnedRing(threads=2, slot_bytes=1 << 16)
+    ring.prepare(register=False).join()
+    assert ring.nbytes == 0 and ring.pageable_slots == 0
+    out = DeviceLoader(plan, "cuda:0", ring=ring).load()
+    ref = _cpu(plan)
+    assert all(torch.equal(out[k].cpu().view(torch.uint8), v.view(torch.uint8))
+               for k, v in ref.items())
+    assert ring.nbytes == 4 * (1 << 16) and ring.pageable_slots == 0
+    ring.close()
+
+
 @pytest.mark.parametrize("overlap_alloc", [False, True])
 def test_device_loader_bad_destination_names_tensor_and_stops_readers(
         tiny_llama: Path, overlap_alloc: bool) -> None:
