@@ -142,10 +142,46 @@ def load_pipeline_stage(model_dir: os.PathLike | str, comm: "Comm",
     ``on_progress(nbytes)``: called as bytes arrive, besides the job's progress counter.
     Failures: :class:`~pploader.errors.RankFailure` on every rank (``input_only`` when every
     failing rank found a mistake in the input while planning).
-    """
-    from .dist.comm import run_agreed
 
+    On a GPU the read backend's staging (the pinned ring) is page-locked on a background
+    thread from the start, while this rank measures, plans and agrees, and stopped before the
+    load begins (the load page-locks what it did not reach): the first load does not pay it.
+    """
     options = options if options is not None else StageLoadOptions()
+    staging = _early_staging(options)  # page-locked while this rank measures, plans, agrees
+    try:
+        return _load_job(model_dir, comm, options, staging, check_plan, after_load,
+                         on_progress)
+    finally:
+        if staging is not None:
+            staging.stop_preparing()
+
+
+def _early_staging(options: StageLoadOptions) -> Any:
+    """The read backend's host staging, started now when the load goes to a device whose
+    backend has one (the pinned ring: its page-locking then overlaps planning and agreement
+    instead of the load's first reads); None otherwise. Best effort: any problem here shows
+    up again, agreed, in the load step."""
+    from .cache.pools import pool_device
+    from .io.backend import ReadOptions
+    from .io.registry import prepare_staging
+    if options.ranks_per_node is not None:  # read once per node: a CPU load of its own
+        return None
+    try:
+        device = pool_device(_device_name(options.device), local_rank=options.local_rank)
+        if device.type == "cpu":
+            return None
+        return prepare_staging(device, ReadOptions(threads=options.threads), options.io_backend)
+    except Exception as exc:  # noqa: BLE001 - the load step reports it, agreed
+        logger.debug("no early staging: %s", exc)
+        return None
+
+
+def _load_job(model_dir: os.PathLike | str, comm: "Comm", options: StageLoadOptions,
+              staging: Any, check_plan: Optional[Callable[["StagePlan"], None]],
+              after_load: Optional[Callable[["StageResult"], None]],
+              on_progress: Optional[Callable[[int], None]]) -> StageLoad:
+    from .dist.comm import run_agreed
     topology = comm.topology
     if options.exchange_cost == "auto":  # every rank of a TP group must plan the same exchange
         asked = options
@@ -168,8 +204,13 @@ def load_pipeline_stage(model_dir: os.PathLike | str, comm: "Comm",
 
     def load() -> tuple["StageResult", Optional["CachePools"], dict]:
         from .stage import load_stage
+        ring = None
+        if staging is not None:
+            staging.stop_preparing()  # never page-lock beside the load's allocations
+            ring = staging if planned.device.type != "cpu" else None
         result = load_stage(planned.staged, window_bytes=options.window_bytes,
                             threads=options.threads, device=planned.device, cancel=comm.cancel,
+                            ring=ring,
                             on_progress=progress, memory_budget_bytes=options.memory_budget_bytes,
                             comm=comm, read_once=options.read_once,
                             node_ranks=planned.node_ranks, partition=planned.partition,

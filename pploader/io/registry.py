@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 if TYPE_CHECKING:  # pragma: no cover
     import torch
@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backend import ReadBackend, ReadOptions
 
 __all__ = ["BackendInfo", "BACKENDS", "AUTO", "backend_names", "backends_help",
-           "select_backend", "open_backend"]
+           "select_backend", "open_backend", "prepare_staging"]
 
 AUTO = "auto"
 
@@ -26,12 +26,16 @@ AUTO = "auto"
 class BackendInfo:
     """A read backend: its name (``--io-backend``), where its factory lives
     (``module:function``, ``factory(plan, device, options) -> ReadBackend``), the device types it
-    loads onto, and what it is for (the CLI help)."""
+    loads onto, and what it is for (the CLI help). ``staging`` (optional, ``module:function``,
+    ``staging(device, options)``): host staging made ahead of a load (start-up work such as
+    page-locking, done while the caller plans), passed back as ``ReadOptions.ring``; it has a
+    ``stop_preparing()`` called before the load."""
 
     name: str
     factory: str
     devices: tuple[str, ...]
     purpose: str
+    staging: str = ""
 
 
 #: Every read backend. Order matters: ``auto`` takes the first that loads onto the device.
@@ -41,7 +45,8 @@ BACKENDS: tuple[BackendInfo, ...] = (
                 "window, owned or borrowed tensors"),
     BackendInfo("pinned", "pploader.io.device:open_pinned", ("cuda",),
                 "GPU default: reads into a reused ring of pinned host slots, async copies to "
-                "the device, O_DIRECT when the files are not in the page cache"),
+                "the device, O_DIRECT when the files are not in the page cache",
+                staging="pploader.io.device:prepared_staging"),
     BackendInfo("buffered", "pploader.io.buffered:open_buffered", ("cpu",),
                 "plain open + seek + readinto, one request per range, no threads, no mmap: "
                 "the simplest reference (and the example of adding a backend)"),
@@ -95,3 +100,20 @@ def open_backend(plan: "RankPlan", device: "str | torch.device" = "cpu",
     module, _, attr = info.factory.partition(":")
     factory = getattr(importlib.import_module(module), attr)
     return factory(plan, torch.device(device), options or ReadOptions())  # type: ignore[no-any-return]
+
+
+def prepare_staging(device: "str | torch.device", options: Optional["ReadOptions"] = None,
+                    name: Optional[str] = None, backends: Sequence[BackendInfo] = BACKENDS
+                    ) -> Any:
+    """Start the chosen backend's staging for ``device`` ahead of a load (None when the backend
+    has none): the caller plans and agrees meanwhile, calls ``stop_preparing()`` on it before
+    the load and passes it as ``ReadOptions(ring=...)``."""
+    import torch
+
+    from .backend import ReadOptions
+    info = select_backend(device, name, backends)
+    if not info.staging:
+        return None
+    module, _, attr = info.staging.partition(":")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(torch.device(device), options or ReadOptions())

@@ -316,3 +316,80 @@ def test_stacked_experts_onto_cuda_equal_cpu(tmp_path: Path, device_loads: list[
     load_stage_into(cpu, plan_moe(moe, topo))
     _same(gpu, cpu)
     assert sum(device_loads) == len(staged.plan.items)
+
+
+_ONLY_GPU1 = r'''
+import ctypes, json, sys
+import torch
+from pploader import Topology, plan_stage
+from pploader.io.device import DeviceLoader
+from pploader.io.pinned_ring import PinnedRing
+from pploader.io.read import Reader
+torch.cuda.set_device(1)                    # what a rank on GPU 1 does (bootstrap.py)
+plan = plan_stage(sys.argv[1], Topology(1)).plan
+loaded = DeviceLoader(plan, "cuda:1").load()          # reader threads page-lock lazily
+ring = PinnedRing(threads=2, slot_bytes=1 << 16, prepare=True, device="cuda:1")
+ring.prepare().join()                                 # the background preparer
+same = all(torch.equal(loaded[k].cpu(), v) for k, v in Reader(plan))
+cuda = ctypes.CDLL("libcuda.so.1")
+dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+print(json.dumps({"same": same, "gpu0_context": active.value, "registered": ring.nbytes}))
+'''
+
+
+@two_gpus
+def test_background_threads_touch_only_their_gpu(tiny_llama: Path) -> None:
+    """A process on GPU 1 whose reader threads and ring preparer page-lock memory never makes
+    a CUDA context on GPU 0 (a new thread's CUDA calls default to device 0: ~0.5 GB of GPU 0
+    per rank otherwise). Checked with the driver's primary-context state, in a fresh process."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _ONLY_GPU1, str(tiny_llama)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["same"] and res["registered"] == 4 * (1 << 16)
+    assert res["gpu0_context"] == 0, res
+
+
+def _pipeline_stage_with_early_staging(rank: int, world: int, model: str) -> dict:
+    import pploader.io.registry as registry
+    from pploader import StageLoadOptions, load_pipeline_stage
+    made: list = []
+    real = registry.prepare_staging
+
+    def recording(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(real(*args, **kwargs))
+        return made[-1]
+    registry.prepare_staging = recording  # type: ignore[assignment]
+    topo = Topology.for_world(world, rank, pp=world)
+    comm = Comm(topo, timeout_s=60)
+    loaded = load_pipeline_stage(model, comm, StageLoadOptions(device=f"cuda:{rank}",
+                                                               local_rank=rank))
+    state = loaded.result.state_dict
+    cpu = dict(Reader(loaded.staged.plan))
+    ring = made[0] if made else None
+    comm.close()
+    return {"same": state.keys() == cpu.keys() and all(
+                torch.equal(v.cpu(), cpu[k]) for k, v in state.items()),
+            "devices": sorted({str(v.device) for v in state.values()}),
+            "ring": ring is not None, "ring_device": getattr(ring, "device_index", None),
+            "preparer_alive": bool(ring is not None and ring._preparer is not None
+                                   and ring._preparer.is_alive()),
+            "pageable": getattr(ring, "pageable_slots", None),
+            "registered": getattr(ring, "nbytes", 0)}
+
+
+@two_gpus
+def test_load_pipeline_stage_prepares_the_ring_while_planning(tiny_llama: Path) -> None:
+    """load_pipeline_stage on GPUs starts the pinned ring's page-locking before planning (the
+    registry's staging of the pinned backend, on the rank's GPU), stops it before the load, and
+    loads through that ring: bitwise the CPU reads, every used slot page-locked."""
+    res = run_ranks(_pipeline_stage_with_early_staging, 2, str(tiny_llama), backend="nccl")
+    for rank, r in enumerate(res):
+        assert r["same"] and r["devices"] == [f"cuda:{rank}"], r
+        assert r["ring"] and r["ring_device"] == rank and not r["preparer_alive"], r
+        assert r["pageable"] == 0 and r["registered"] > 0, r

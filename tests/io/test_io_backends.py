@@ -258,3 +258,28 @@ def test_pinned_backend_wiring_without_a_gpu(models: dict[str, Path]) -> None:
     assert small.ring.slot_bytes < DEFAULT_SLOT_BYTES  # type: ignore[attr-defined]
     again = open_backend(plan, "cuda:1", ReadOptions(ring=default.ring))
     assert again.ring is default.ring  # type: ignore[attr-defined]
+
+
+def test_staging_is_prepared_only_where_a_backend_declares_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``prepare_staging`` (what load_pipeline_stage starts before planning) goes through the
+    table like ``open_backend``: the backend's ``staging`` factory gets the device and the
+    options; a backend without one (every CPU backend) gives None."""
+    import sys
+    import types
+
+    from pploader.io.registry import prepare_staging
+    made: list[tuple] = []
+    module = types.ModuleType("fake_staging_backend")
+    module.make = lambda device, options: made.append((device, options.threads)) or "staging"  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "fake_staging_backend", module)
+    table = (BackendInfo("plain", "pploader.io.buffered:open_buffered", ("cpu",), "test"),
+             BackendInfo("staged", "pploader.io.buffered:open_buffered", ("cpu",), "test",
+                         staging="fake_staging_backend:make"))
+    assert prepare_staging("cpu", backends=table) is None  # auto: the first row, none
+    assert prepare_staging("cpu", ReadOptions(threads=3), "staged", backends=table) == "staging"
+    assert made == [(torch.device("cpu"), 3)]
+    for name in CPU_BACKENDS:
+        assert prepare_staging("cpu", name=name) is None
+    with pytest.raises(ValueError, match="unknown read backend"):
+        prepare_staging("cpu", name="nope")
