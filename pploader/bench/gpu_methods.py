@@ -221,13 +221,14 @@ class HostAllocRing:
 
 def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = False,
               prepare: bool = False, interleave: bool = False, gap: int = 0,
-              populate: bool = False) -> tuple[dict, dict]:
+              populate: bool = False, stop: bool = False) -> tuple[dict, dict]:
     """plan_stage + DeviceLoader.load, timed from before the ring. ``early``: the ring is
     made first and prepared in the background while planning runs (what a server does when
     it makes the ring at start-up); ``prepare``: the loader starts the ring's background
     page-locking during the load; ``populate``: the ring's pages are faulted in on a
     background thread from the start (no page-locking there); ``interleave`` / ``gap``: the
-    readers' request order and O_DIRECT gap spanning."""
+    readers' request order and O_DIRECT gap spanning. ``stop`` (with ``early``): the
+    preparation is stopped after planning, before the load (what load_pipeline_stage does)."""
     from pploader import Topology, plan_stage
     from pploader.io.device import DeviceLoader, PinnedRing
     t0 = time.perf_counter()
@@ -236,6 +237,8 @@ def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = Fa
         ring.prepare(register=False)
     staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
     t_plan = time.perf_counter() - t0
+    if stop:
+        ring.stop_preparing()
     loader = DeviceLoader(staged.plan, ctx.device, ring=ring, prepare_ring=prepare)
     loader.overlap_alloc = overlap_alloc
     loader.interleave_files, loader.direct_gap_bytes = interleave, gap
@@ -346,6 +349,7 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_first_prep": (_variant(prepare=True), None),
     "pploader_first_populate": (_variant(populate=True), None),
     "pploader_first_early": (_variant(early=True), None),
+    "pploader_first_job": (_variant(early=True, stop=True), None),
     "pploader_prepared": (m_pploader_reused, prep_prepared),
     "pploader_first_interleave": (_variant(interleave=True), None),
     "pploader_first_gap": (_variant(gap=1 << 20), None),
