@@ -301,16 +301,20 @@ def table(rows: list[dict]) -> str:
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     """Every method, warm then cold, each in a fresh process; rows to OUT/gpu_bench.json."""
+    from .gpu_methods import METHODS
+    want = args.methods.split(",") if args.methods else None  # in order, repeats kept
+    unknown = sorted(set(want or ()) - set(METHODS))
+    if unknown:  # before writing a 16 GB checkpoint
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}: use {', '.join(METHODS)}")
     t_start = time.time()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_checkpoint(args.ckdir, args.scale)
     gen_s = time.time() - t_start
     paths = _files(args.ckdir)
-    want = set(args.methods.split(",")) if args.methods else None
     plan = [(m, c) for c, order in (("warm", WARM), ("cold", COLD))
-            if c in args.caches.split(",") for m in order
-            if (want is None or m in want) and _available(m)]
+            if c in args.caches.split(",") for m in (want if want is not None else order)
+            if _available(m)]
     env = {"torch": __import__("torch").__version__, "gen_s": round(gen_s, 1),
            "cpus": os.cpu_count(), "argv": sys.argv}
     rows: list[dict] = []
@@ -368,7 +372,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--scale", default="full", choices=["full", "tiny"])
     ap.add_argument("--budget", type=float, default=420.0, help="wall seconds for all methods")
-    ap.add_argument("--methods", default=None, help="comma list (default: all available)")
+    ap.add_argument("--methods", default=None, help="comma list, run in this order for each "
+                    "cache (repeat a name to repeat it; default: the standard warm and cold "
+                    "orders of the available methods)")
     ap.add_argument("--caches", default="warm,cold")
     ap.add_argument("--disk", action="store_true", help="only the O_DIRECT pattern sweep")
     ap.add_argument("--disk-first", action="store_true", help="the sweep, then the methods")
