@@ -250,6 +250,13 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     wmap = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError("missing or empty weight_map object", file=name)
+    values = wmap.values()
+    if set(map(type, values)) == {str}:  # the usual case: each distinct file checked once,
+        # with the first tensor naming it (reversed: the earliest name wins), in index order
+        first = dict(zip(reversed(values), reversed(wmap.keys())))
+        for f in dict.fromkeys(values):
+            _safe_relpath(f, first[f], name)
+        return wmap if type(wmap) is dict else dict(wmap)
     checked: set = set()  # shards repeat: validate each distinct value once
     for t, f in wmap.items():
         if not isinstance(f, str) or f not in checked:

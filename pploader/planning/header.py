@@ -179,6 +179,8 @@ def _accounted_colons(value: object) -> int:
         return value.count(":")
     if type(value) is dict:
         values = value.values()
+        if set(map(type, values)) == {str}:  # a flat string map (the index's weight_map)
+            return len(value) + _colons(value) + _colons(values)
         return (len(value) + _colons(value) + _colons([v for v in values if type(v) is str])
                 + sum(_accounted_colons(v) for v in values if type(v) in (dict, list)))
     if type(value) is list:

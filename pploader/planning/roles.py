@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import bisect
 import re
+from itertools import compress
+from operator import itemgetter
 from dataclasses import dataclass, field, replace
 from typing import Any, Mapping, Optional
 
@@ -158,31 +160,44 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     by_prefix = _bucket_by_prefix(list(wmap), fam.layer_prefix, off_layer)
     companions: set[str] = set()   # components naming a quantization companion
     per_name: set[str] = set()     # components that a global pattern also matches
+    #: a layer's components (in name order) -> what follows from them alone: positions of
+    #: its companions, their weights' components, the names to keep (None: all); layers
+    #: repeat (DeepSeek-V3: 58 MoE layers of ~1.5 k names), so each distinct one is worked
+    #: out once and the others cost a tuple compare and a few C-level maps
+    by_comps: dict[tuple[str, ...], tuple[list[int], list[str], Optional[list[bool]]]] = {}
     for prefix, names in by_prefix.items():
         layer, cut = int(match(prefix).group(1)), len(prefix)  # type: ignore[union-attr]
         if layer >= n + m:
             unknown.extend(names)
             continue
-        comps = [name[cut:] for name in names]
-        for component in set(comps) - components.keys():
-            role = fam.classify(prefix + component, n, m)
-            components[component] = (replace(role, layer=None) if role is not None
-                                     and role.placement in ("layer", "mtp") else None)
-            link = scheme.weight_of(component) if scheme is not None else None
-            weight_of[component] = link[0] if link is not None else None
-            if link is not None:
-                companions.add(component)
-            if components[component] is None:
-                per_name.add(component)
-        if companions:
-            for name, c in zip(names, comps):
-                if c in companions:
-                    weight = prefix + weight_of[c]  # type: ignore[operator]
-                    if weight in wmap:
-                        links[name] = weight
-        if per_name and not per_name.isdisjoint(comps):  # a global pattern matched too:
-            off_layer.extend(x for x, c in zip(names, comps) if components[c] is None)
-            names = [x for x, c in zip(names, comps) if components[c] is not None]
+        comps = tuple(map(itemgetter(slice(cut, None)), names))
+        known = by_comps.get(comps)
+        if known is None:
+            for component in set(comps) - components.keys():
+                role = fam.classify(prefix + component, n, m)
+                components[component] = (replace(role, layer=None) if role is not None
+                                         and role.placement in ("layer", "mtp") else None)
+                link = scheme.weight_of(component) if scheme is not None else None
+                weight_of[component] = link[0] if link is not None else None
+                if link is not None:
+                    companions.add(component)
+                if components[component] is None:
+                    per_name.add(component)
+            at = [i for i, c in enumerate(comps) if c in companions]
+            keep = None if per_name.isdisjoint(comps) else \
+                [components[c] is not None for c in comps]
+            known = by_comps[comps] = (at, [weight_of[comps[i]] for i in at], keep)  # type: ignore[misc]
+        at, weight_comps, keep = known
+        if at:  # companions link to their weight when the checkpoint holds it
+            weights = list(map(prefix.__add__, weight_comps))
+            linked = map(names.__getitem__, at)
+            if all(map(wmap.__contains__, weights)):
+                links.update(zip(linked, weights))
+            else:
+                links.update((x, w) for x, w in zip(linked, weights) if w in wmap)
+        if keep is not None:  # a global pattern matched too: those names are classified apart
+            off_layer.extend(compress(names, [not k for k in keep]))
+            names = list(compress(names, keep))
         layers[layer] = names
     if scheme is not None:
         for name in off_layer:
