@@ -202,6 +202,20 @@ class Exchanger:
                  peer_selection: Callable[["Topology"], Selection]) -> bool:
         """Decide for one item; ``key`` identifies (rule, shape, dtype) for reuse. True when
         the tensor will be exchanged."""
+        return self.take(entry, target, self.choice(entry, selection, key, peer_selection))
+
+    def take(self, entry: TensorEntry, target: str, choice: _Choice) -> bool:
+        """Record ``choice`` (from :meth:`choice`) for one item; True when it is exchanged.
+        A planner may reuse one choice for tensors with the same key, shape, dtype and
+        selection (what ``choice`` would return for them)."""
+        if choice.box is None:
+            return False
+        self._chosen.append((entry, target, choice))
+        return True
+
+    def choice(self, entry: TensorEntry, selection: Selection, key: tuple,
+               peer_selection: Callable[["Topology"], Selection]) -> _Choice:
+        """The group's decision for ``entry`` sliced as ``selection`` (not yet recorded)."""
         full_key = (key, entry.shape, entry.dtype)
         seen = self._seen.get(full_key)
         if seen is not None and seen[0] is selection:  # the same decision, already made
@@ -210,10 +224,7 @@ class Exchanger:
             choice = self._choose(entry, selection, key, full_key, peer_selection)
             if seen is None:
                 self._seen[full_key] = (selection, choice)
-        if choice.box is None:
-            return False
-        self._chosen.append((entry, target, choice))
-        return True
+        return choice
 
     def _choose(self, entry: TensorEntry, selection: Selection, key: tuple, full_key: tuple,
                 peer_selection: Callable[["Topology"], Selection]) -> _Choice:
