@@ -29,12 +29,13 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
                    chosen: Mapping[str, TensorRole], window: StageWindow,
                    experts: Optional[tuple[int, int]], topology: Topology) -> None:
     """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
-    spec, template = roles.spec, roles.template
-    if template is None:
+    spec, found = roles.spec, roles.stage_template(window)
+    if found is None:
         return
+    template, template_only = found
     in_template = list(filter(template.__contains__, chosen))
     expected = dict(zip(in_template, map(tuple, map(template.__getitem__, in_template))))
-    expected.update({n: tuple(template[n]) for n, r in roles.template_only.items()
+    expected.update({n: tuple(template[n]) for n, r in template_only.items()
                      if r is not None and wanted(r, window, experts)})
     entries = index.entry_map({index.weight_map[n] for n in chosen})
     scheme = quant_scheme(spec)

@@ -367,7 +367,7 @@ def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               rule_index: Callable[[str], int], qdtype: Optional[str], name: str,
               role: TensorRole, entry: TensorEntry, weight: Optional[str],
               wentry: Optional[TensorEntry]) -> tuple[ReadItem, Any]:
-    """One tensor's read at offset 0 and its exchange choice (None: no exchanger)."""
+    """One tensor's read at offset 0 and its exchange choice (None: read directly)."""
     if weight is None:  # the selection depends on the TP rule, not on the name: tensors
         # with one rule, shape and dtype share it (e.g. all experts)
         key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
@@ -387,6 +387,8 @@ def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         if exchanger is not None:
             choice = exchanger.choice(entry, sel, key, partial(
                 _peer_selection, spec, role, entry, experts, index, scheme))
+            if choice.box is None:
+                choice = None  # read directly: nothing to record
     except PlanError as exc:  # name the file and rank of the tensor being planned
         raise PlanError(exc.detail, file=exc.file or entry.file,
                         tensor=exc.tensor or name, rank=topology.rank) from None

@@ -10,7 +10,7 @@ import re
 from itertools import compress
 from operator import itemgetter
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 from ..errors import PlanError
 from ..families.base import TensorRole
@@ -35,13 +35,18 @@ class CheckpointRoles:
     components: Mapping[str, Optional[TensorRole]]   # component -> role (layer None); None:
     others: Mapping[str, TensorRole]                 #   classify per name; names off the layers
     links: Mapping[str, str]                         # quant companion name -> its weight's name
+    #: the whole family template (None: the family has none, or ``layered`` has it by layer)
     template: Optional[Mapping[str, tuple[int, ...]]]
     template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+    #: the family's ``layer_template(spec)``: a stage builds only its own layers' part
+    layered: Optional[tuple[Mapping[str, tuple[int, ...]],
+                            Callable[[int], Mapping[str, tuple[int, ...]]], range]] = None
     #: per-stage results every rank of a stage shares (``stage_roles``, the strict template
     #: check): keyed by (what, window, experts); derived from the fields above only
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
+    _index_names: Collection[str] = field(default=(), compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -119,6 +124,27 @@ class CheckpointRoles:
             rule = self.spec.family.shard_rule(component)
             found = self._rules[component] = -1 if rule is None else next(
                 i for i, r in enumerate(self.spec.family.shard_rules) if r is rule)
+        return found
+
+    def stage_template(self, window: StageWindow
+                       ) -> Optional[tuple[Mapping[str, tuple[int, ...]],
+                                           Mapping[str, Optional[TensorRole]]]]:
+        """(template names -> shapes, those absent from the index -> their role) covering what
+        ``window`` can read: the whole template, or with ``layered`` only the globals and the
+        window's layers (names of other layers are never wanted by it). None: no template."""
+        if self.layered is None:
+            return None if self.template is None else (self.template, self.template_only)
+        key = ("template", window.start_layer, window.end_layer)
+        found = self._stage_memo.get(key)
+        if found is None:
+            globals_, layer, ids = self.layered
+            part = dict(globals_)
+            for i in range(window.start_layer, window.end_layer):
+                if i in ids:
+                    part.update(layer(i))
+            fam, n, m = self.spec.family, self.spec.num_layers, self.spec.num_mtp_layers
+            found = self._stage_memo[key] = (part, {
+                t: fam.classify(t, n, m) for t in part.keys() - self._index_names})
         return found
 
     def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
@@ -221,11 +247,12 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
                         f"not know (num_hidden_layers={n}, mtp layers={m}): "
                         f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
                         tensor=unknown[0])
-    template = fam.template(spec) if fam.template is not None else None
+    layered = fam.layer_template(spec) if fam.layer_template is not None else None
+    template = fam.template(spec) if fam.template is not None and layered is None else None
     only = {} if template is None else {
         t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
     return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
-                           links, template, only)
+                           links, template, only, layered, _index_names=index.weight_map.keys())
 
 
 def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]
