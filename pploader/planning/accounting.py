@@ -9,7 +9,7 @@ the messages are those of the per-name checks.
 from __future__ import annotations
 
 from operator import attrgetter
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from ..errors import PlanError
 from ..families.base import TensorRole
@@ -80,7 +80,7 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
     for key in set(keys):  # the expansion of a stand-in name "x.weight" / "x", relative to it
         probe = "x." + weight if key[2] else "x"
-        got = expand_template(scheme, {probe: key[0]}, dtype_of=lambda _n, d=key[1]: d)
+        got = expand_template(scheme, {probe: key[0]}, dtype_of=_stored(key[1]))
         stem = probe[:-len(weight)] if key[2] else probe
         made[key] = tuple((n[len(stem):] if n != probe else None, s) for n, s in got.items())
     out: dict[str, tuple[int, ...]] = {}
@@ -93,6 +93,11 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
         for suffix, s in rel:
             out[name if suffix is None else stem + suffix] = s
     return out
+
+
+def _stored(dtype: Optional[str]) -> Callable[[str], Optional[str]]:
+    """``dtype_of`` for a stand-in name: the stored dtype of the names it stands for."""
+    return lambda _name: dtype
 
 
 def check_mtp(spec: ModelSpec, index: CheckpointIndex, layer: int, names: Sequence[str],

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -295,17 +297,19 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     if topology.ep_size > 1 and not spec.num_experts:
         raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts: leave "
                         "--ep at 1 (use --tp to split the stage)")
-    chosen = roles.stage_roles(window, experts)
-    reads = [(n, r, n) for n, r in chosen.items()]   # (checkpoint name, role, target)
+    own = chosen = roles.stage_roles(window, experts)   # a fresh dict, read as themselves
+    extra: list[tuple[str, TensorRole, str]] = []      # (checkpoint name, role, target)
     if window.has_head and not window.has_embed and spec.tie_word_embeddings \
             and not roles.stores_head:
         # the declared replica: the last stage reads the embedding as its head (a stage
         # holding both reads it once; the model ties the head to it)
+        chosen = dict(own)
         for name, role in roles.others.items():
             if role.role == "embed":
-                reads.append((name, role, _head_name(spec.family)))
+                extra.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
-    needed_files = {index.weight_map[n] for n, _, _ in reads}
+    reads = chain(zip(own.keys(), own.values(), own.keys()), extra)
+    needed_files = set(map(index.weight_map.__getitem__, chosen))
     index.require(needed_files)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         check_expected(roles, index, chosen, window, experts, topology)
@@ -314,12 +318,15 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
     take = exchanger.take if exchanger is not None else None
-    selections: dict[tuple, Selection] = {}   # same rule, shape, dtype: same slice
-    relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
-    #: (component, fused, shape, dtype[, weight shape, weight dtype]) -> (item at offset 0,
-    #: exchange choice): what the code below derives from exactly these, so a tensor equal in
-    #: them to one planned before (the same component in another layer) reuses the result
-    done: dict[tuple, tuple[ReadItem, Any]] = {}
+    # selections: same rule, shape, dtype -> same slice; relative: same shape, dtype, slice ->
+    # same relative runs; done: (component, fused, shape, dtype[, weight shape, weight
+    # dtype]) -> (item at offset 0, exchange choice), what ``_plan_one`` derives from exactly
+    # these, so a tensor equal in them to one planned before (the same component in another
+    # layer) reuses it. Kept in ``roles`` per everything else they depend on (the TP rank and
+    # size, the local experts, the cost rules), so the ranks of ``plan_all`` share them.
+    selections, relative, done = roles.plan_memo((
+        topology.tp_rank, topology.tp_size, experts, range_cost_bytes,
+        exchange_cost if exchanger is not None else None))
     links, rule_index = roles.links, roles.rule_index
     entries = index.entry_map(needed_files)
     qdtype = scheme.weight_dtype if scheme is not None else None
@@ -433,7 +440,7 @@ def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window:
     order = {f: i for i, f in enumerate(sorted(index.paths))}
     keys = [(order[it.file], it.ranges[0][0] if it.ranges else 0, it.target) for it in items]
     items = list(map(items.__getitem__, sorted(range(len(items)), key=keys.__getitem__)))
-    files = list(dict.fromkeys(i.file for i in items))
+    files = list(dict.fromkeys(map(attrgetter("file"), items)))
     headers = {f: index.header(f) for f in files}
     return RankPlan(
         model=str(index.root), topology=topology, window=window, experts=experts,
@@ -458,9 +465,10 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
                        range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
                        exchange_batch_bytes=exchange_batch_bytes, roles=roles)
              for t in topo.all_ranks()]
-    logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
-                "ideal %d", len(plans), pp, ep, tp, partition,
-                sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
+    if logger.isEnabledFor(logging.INFO):  # the sums walk every item: only when logged
+        logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
+                    "ideal %d", len(plans), pp, ep, tp, partition,
+                    sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
     return plans
 
 

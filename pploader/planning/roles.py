@@ -47,6 +47,8 @@ class CheckpointRoles:
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
     _index_names: Collection[str] = field(default=(), compare=False, repr=False)
+    _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
+                                                             compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -147,6 +149,15 @@ class CheckpointRoles:
                 t: fam.classify(t, n, m) for t in part.keys() - self._index_names})
         return found
 
+    def plan_memo(self, key: tuple) -> tuple[dict, dict, dict]:
+        """The per-tensor memos ``plan.plan_rank`` fills (selections, relative reads, planned
+        tensors), one set per ``key`` (everything besides a tensor's component, shape and
+        dtype that they depend on), so ranks planned with these roles share them."""
+        found = self._plan_memo.get(key)
+        if found is None:
+            found = self._plan_memo[key] = ({}, {}, {})
+        return found
+
     def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
         """True when the strict template check already passed for this stage and EP rank."""
         return ("checked", window, experts) in self._stage_memo
@@ -201,8 +212,10 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         if known is None:
             for component in set(comps) - components.keys():
                 role = fam.classify(prefix + component, n, m)
-                components[component] = (replace(role, layer=None) if role is not None
-                                         and role.placement in ("layer", "mtp") else None)
+                components[component] = (  # the role without its layer (a new value)
+                    TensorRole(role.placement, role.component, None, role.expert,
+                               role.fused_experts, role.role)
+                    if role is not None and role.placement in ("layer", "mtp") else None)
                 link = scheme.weight_of(component) if scheme is not None else None
                 weight_of[component] = link[0] if link is not None else None
                 if link is not None:
