@@ -15,7 +15,7 @@ from itertools import chain
 from operator import itemgetter, le, mul, sub
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -161,9 +161,9 @@ def _loads(raw: bytes | str) -> object:
 def _loads_fast(text: str) -> Optional[object]:
     """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
     fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
-    no backslash qualifies: without escapes every ``:`` of the text is either a key separator
-    or a character of a string, so the caller's count (``_colons_ok``) proves that no key was
-    lost to a duplicate. NaN / Infinity are refused by both parsers."""
+    no backslash qualifies: without escapes no string holds a ``"``, so every ``"`` of the
+    text delimits a string token, and the caller's count (:func:`_strings`) proves that no
+    key was lost to a duplicate. NaN / Infinity are refused by both parsers."""
     if "\\" in text:
         return None
     try:
@@ -174,32 +174,27 @@ def _loads_fast(text: str) -> Optional[object]:
         return None  # the strict parse reports it (with its own message)
 
 
-def _accounted_colons(value: object) -> int:
-    """The ``:`` a JSON text without escapes holds for ``value``: one per object key, plus
-    those inside its strings. Fewer than the text's count = a key lost to a duplicate."""
+def _strings(value: object) -> int:
+    """The string tokens (keys and string values) a JSON text holds for ``value``. A text
+    without escapes has exactly ``text.count('"') / 2`` of them, so fewer here = a key (and
+    its value) lost to a duplicate."""
     if type(value) is str:
-        return value.count(":")
+        return 1
     if type(value) is dict:
         values = value.values()
-        if set(map(type, values)) == {str}:  # a flat string map (the index's weight_map)
-            return len(value) + _colons(value) + _colons(values)
-        return (len(value) + _colons(value) + _colons([v for v in values if type(v) is str])
-                + sum(_accounted_colons(v) for v in values if type(v) in (dict, list)))
+        if set(map(type, values)) <= {str}:  # a flat string map (the index's weight_map)
+            return 2 * len(value)
+        return len(value) + sum(_strings(v) for v in values if type(v) in (dict, list, str))
     if type(value) is list:
-        return sum(_accounted_colons(v) for v in value if type(v) in (dict, list, str))
+        return sum(_strings(v) for v in value if type(v) in (dict, list, str))
     return 0
-
-
-def _colons(strings: Iterable[str]) -> int:
-    """``:`` characters inside ``strings`` (joined once: C speed)."""
-    return "".join(strings).count(":")
 
 
 def loads_checked(text: str) -> object:
     """JSON text parsed as headers are: the fast parse when it provably saw every key (no
     duplicate hidden), else the strict one (duplicates and non-finite constants refused)."""
     obj = _loads_fast(text)
-    if obj is None or text.count(":") != _accounted_colons(obj):
+    if obj is None or text.count('"') != 2 * _strings(obj):
         obj = _loads(text)  # escapes or a duplicate key: the strict parse decides
     return obj
 
@@ -311,11 +306,9 @@ def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tenso
     tensors = _bulk_entries(file, obj, data_start, data_len)
     if tensors is None:
         return None
-    # every ":" is a key separator or inside a string (no escapes): equal counts = no key
-    # was lost to a duplicate (entries: 3 keys, dtype codes hold no ":")
-    key_count = 4 * len(obj) + had_metadata + len(metadata)
-    in_strings = _colons(obj) + _colons(metadata) + _colons(metadata.values())
-    if text.count(":") != key_count + in_strings:
+    # every '"' delimits a string (no escapes): equal counts = no key was lost to a duplicate
+    # (a tensor: its name, 3 entry keys, the dtype; metadata: its key, then keys and values)
+    if text.count('"') != 2 * (5 * len(obj) + had_metadata + 2 * len(metadata)):
         return None
     return tensors, metadata
 

@@ -330,7 +330,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     links, rule_index = roles.links, roles.rule_index
     entries = index.entry_map(needed_files)
     qdtype = scheme.weight_dtype if scheme is not None else None
-    new, item_cls = object.__new__, ReadItem
+    new, item_cls, setattr_ = object.__new__, ReadItem, object.__setattr__
     for name, role, target in reads:
         entry = entries[name]
         weight = links.get(name)
@@ -351,11 +351,12 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             take(entry, target, choice)  # type: ignore[misc]
         # ``made`` moved to the tensor's file and offset (a frozen copy, no __init__)
         ranges, start = made.ranges, entry.start
+        fields = made.__dict__.copy()
+        fields["name"], fields["target"], fields["file"] = name, target, entry.file
+        fields["ranges"] = ((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1 \
+            else tuple((start + a, n) for a, n in ranges)
         item = new(item_cls)
-        object.__setattr__(item, "__dict__", {
-            **made.__dict__, "name": name, "target": target, "file": entry.file,
-            "ranges": ((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1
-            else tuple((start + a, n) for a, n in ranges)})
+        setattr_(item, "__dict__", fields)
         items.append(item)
     plan = _finish(spec, index, topology, window, experts, items, list(chosen))
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
