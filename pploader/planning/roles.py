@@ -78,10 +78,11 @@ class CheckpointRoles:
         prefix_len = self._prefix_len(layer)
         placement = "layer" if layer < self.spec.num_layers else "mtp"
         memo, links, known = self._role_fields, self.links, self.components
-        new, role_cls, out = object.__new__, TensorRole, {}
-        for name in self.layers.get(layer, ()):
-            component = name[prefix_len:]
-            key = (component, name in links)
+        new, setattr_, role_cls, out = object.__new__, object.__setattr__, TensorRole, {}
+        names = self.layers.get(layer, ())
+        for name, key in zip(names, zip(map(itemgetter(slice(prefix_len, None)), names),
+                                        map(links.__contains__, names))):
+            component = key[0]  # key: (component, whether it links to a weight)
             fields = memo.get(key)
             if fields is None:
                 role = out[name] = self.role(name, layer, component)
@@ -91,9 +92,10 @@ class CheckpointRoles:
                         and role.placement == placement:
                     memo[key] = dict(vars(role))
                 continue
-            role = new(role_cls)  # a frozen value: the per-component fields + this layer
-            object.__setattr__(role, "__dict__", {**fields, "layer": layer,
-                                                  "placement": placement})
+            values = fields.copy()  # a frozen value: the per-component fields + this layer
+            values["layer"], values["placement"] = layer, placement
+            role = new(role_cls)
+            setattr_(role, "__dict__", values)
             out[name] = role
         return out
 
