@@ -122,6 +122,9 @@ def _direct_items(plan: RankPlan, spec_path: Path) -> tuple[list[ReadItem], list
     ("llama-3.1-70b", 1, 8, 1, [0, 7]),    # every layer, TP8 (row-parallel exchanges)
     ("qwen3-next-80b-a3b", 16, 4, 1, [29]),  # TP4 hybrid (gated delta net + attention, MoE)
     ("nemotron-h-8b", 2, 4, 1, [5]),       # TP4 hybrid (Mamba2 + attention)
+    ("jamba-v0.1", 4, 2, 2, [0, 15]),      # hybrid of 4 layer kinds (Mamba / attention x
+    #                                        dense / MoE): per-component memos across stages
+    ("mixtral-8x7b", 2, 2, 2, [0, 7]),     # every rank and plan_all (shared memos) compared
 ])
 def test_fast_plans_equal_direct_per_tensor_plans(root: Path, model: str, pp: int, tp: int,
                                                   ep: int, ranks: list[int]) -> None:
