@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Template",
+__all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Template", "LayerTemplate",
            "CheckpointFormat", "QuantNaming", "SpecView", "LAYER_KINDS", "cfg", "cfg_opt"]
 
 #: The layer kinds pploader knows (cache geometry and shard rules key on these). ``mlp`` is a
@@ -96,6 +96,13 @@ class SpecView(Protocol):
 
 #: name -> shape of every tensor a checkpoint of this config holds (the strict expected set).
 Template = Callable[[SpecView], Mapping[str, tuple[int, ...]]]
+
+#: The same set split by layer: (the names outside the layers -> shape, a function giving
+#: layer ``i``'s names -> shapes, the layer ids, MTP layers included), so a planner builds only
+#: the layers a stage reads. Must agree with ``Template`` (tests/families check every family
+#: that has one).
+LayerTemplate = Callable[[SpecView], tuple[Mapping[str, tuple[int, ...]],
+                                           Callable[[int], Mapping[str, tuple[int, ...]]], range]]
 
 
 @dataclass(frozen=True)
@@ -243,6 +250,7 @@ class Family:
     fused_expert_pattern: Optional[str] = None   # on the component; dim 0 = experts
     shard_rules: tuple[ShardRule, ...] = ()      # first full match on the component wins
     template: Optional[Template] = None
+    layer_template: Optional[LayerTemplate] = None  # ``template`` by layer (optional, faster)
     text_config_key: Optional[str] = None        # VL configs nest the LM config here
     fused_targets: tuple = ()                    # bind/place.py: checkpoint pieces -> fused params
     formats: tuple[CheckpointFormat, ...] = ()   # other namings, detected from the checkpoint
@@ -278,8 +286,11 @@ class Family:
                 rx = re.compile(fmt.marker)
                 found = any(rx.search(n) for n in names)
             if found:
+                changes = dict(fmt.changes)
+                if "template" in changes:  # a by-layer template must describe the same set
+                    changes.setdefault("layer_template", None)
                 return replace(self, formats=(), format=fmt.name, _compiled={},
-                               **dict(fmt.changes))  # type: ignore[arg-type]
+                               **changes)  # type: ignore[arg-type]
         return replace(self, formats=())
 
     def _re(self, pattern: str) -> "re.Pattern[str]":

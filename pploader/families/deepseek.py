@@ -9,11 +9,11 @@ MTP layers; official checkpoints do. Main-model stages never read them (placemen
 """
 from __future__ import annotations
 
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .base import CheckpointFormat, Family, Layout, ShardRule, SpecView, cfg, cfg_opt
 from .cache_dims import CacheDims, mla_dims
-from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
+from .blocks import Shapes, expert_rules, expert_tensors, num_experts_of, prefixed
 from .common import globals_tensors, llama_globals, mlp_rules, mlp_tensors, vocab_rules
 from .fused import GATE_UP, FusedTarget, expert_fusions, gate_up
 from .moe import FUSED_MARKER, STACKED_3D
@@ -95,15 +95,25 @@ def _mtp_extras(spec: SpecView) -> Shapes:
             "shared_head.head.weight": (vocab, h)}
 
 
-def _template(spec: SpecView, fused: bool = False) -> Shapes:
-    """Main layers, then MTP layers ``num_layers .. num_layers + num_mtp_layers - 1``."""
+def _layered(spec: SpecView, fused: bool = False
+             ) -> tuple[Shapes, Callable[[int], Shapes], range]:
+    """The template by layer: main layers, then MTP layers ``num_layers ..
+    num_layers + num_mtp_layers - 1`` (each a decoder layer plus the MTP extras)."""
     def layer(i: int) -> Shapes:
         out = _decoder_layer(spec, i, fused)
         if i >= spec.num_layers:
             out.update(_mtp_extras(spec))
-        return out
-    return assemble(spec, globals_tensors(spec), layer,
-                    layers=range(spec.num_layers + spec.num_mtp_layers))
+        return prefixed(f"model.layers.{i}.", out)
+    return globals_tensors(spec), layer, range(spec.num_layers + spec.num_mtp_layers)
+
+
+def _template(spec: SpecView, fused: bool = False) -> Shapes:
+    """Globals, then every layer (``_layered`` assembled)."""
+    globals_, layer, layers = _layered(spec, fused)
+    out = dict(globals_)
+    for i in layers:
+        out.update(layer(i))
+    return out
 
 
 def _moe_inter(spec: SpecView) -> int:
@@ -120,11 +130,12 @@ DEEPSEEK_V3 = Family(
        ShardRule(r"shared_head\.head\.weight", 0, pad=True))
     + MLA_RULES + mlp_rules() + mlp_rules(r"mlp\.shared_experts\.")
     + expert_rules(r"mlp\.experts\.", _moe_inter),
-    template=_template,
+    template=_template, layer_template=_layered,
     fused_targets=(FUSED_QKV_A, GATE_UP, gate_up("mlp.shared_experts."), *expert_fusions(),
                    *STACKED_3D),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
-                              (("template", lambda s: _template(s, fused=True)),)),))
+                              (("template", lambda s: _template(s, fused=True)),
+                               ("layer_template", lambda s: _layered(s, fused=True)))),))
 
 #: this module's families (found by families/__init__.py)
 FAMILIES = (DEEPSEEK_V3,)

@@ -135,7 +135,11 @@ class CheckpointIndex:
         return hdr
 
     def _cross_check(self, hdr: ShardHeader) -> None:
-        for tname in hdr.tensors:
+        files_of = list(map(self.weight_map.get, hdr.tensors))
+        if files_of.count(hdr.file) == len(files_of) and \
+                self._names_per_file().get(hdr.file, 0) == len(files_of):
+            return  # every header tensor maps here and the counts agree (one C-level pass)
+        for tname in hdr.tensors:  # name the first tensor that does not
             mapped = self.weight_map.get(tname)
             if mapped is None:
                 raise CheckpointError(f"tensor is in the shard but not in {self.source}",
@@ -250,6 +254,13 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     wmap = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wmap, dict) or not wmap:
         raise CheckpointError("missing or empty weight_map object", file=name)
+    values = wmap.values()
+    if set(map(type, values)) == {str}:  # the usual case: each distinct file checked once,
+        # with the first tensor naming it (reversed: the earliest name wins), in index order
+        first = dict(zip(reversed(values), reversed(wmap.keys())))
+        for f in dict.fromkeys(values):
+            _safe_relpath(f, first[f], name)
+        return wmap if type(wmap) is dict else dict(wmap)
     checked: set = set()  # shards repeat: validate each distinct value once
     for t, f in wmap.items():
         if not isinstance(f, str) or f not in checked:

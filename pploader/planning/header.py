@@ -11,9 +11,11 @@ import json
 import math
 import os
 import struct
+from itertools import chain
+from operator import itemgetter, le, mul, sub
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 
@@ -159,9 +161,9 @@ def _loads(raw: bytes | str) -> object:
 def _loads_fast(text: str) -> Optional[object]:
     """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
     fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
-    no backslash qualifies: without escapes every ``:`` of the text is either a key separator
-    or a character of a string, so the caller's count (``_colons_ok``) proves that no key was
-    lost to a duplicate. NaN / Infinity are refused by both parsers."""
+    no backslash qualifies: without escapes no string holds a ``"``, so every ``"`` of the
+    text delimits a string token, and the caller's count (:func:`_strings`) proves that no
+    key was lost to a duplicate. NaN / Infinity are refused by both parsers."""
     if "\\" in text:
         return None
     try:
@@ -172,30 +174,27 @@ def _loads_fast(text: str) -> Optional[object]:
         return None  # the strict parse reports it (with its own message)
 
 
-def _accounted_colons(value: object) -> int:
-    """The ``:`` a JSON text without escapes holds for ``value``: one per object key, plus
-    those inside its strings. Fewer than the text's count = a key lost to a duplicate."""
+def _strings(value: object) -> int:
+    """The string tokens (keys and string values) a JSON text holds for ``value``. A text
+    without escapes has exactly ``text.count('"') / 2`` of them, so fewer here = a key (and
+    its value) lost to a duplicate."""
     if type(value) is str:
-        return value.count(":")
+        return 1
     if type(value) is dict:
         values = value.values()
-        return (len(value) + _colons(value) + _colons([v for v in values if type(v) is str])
-                + sum(_accounted_colons(v) for v in values if type(v) in (dict, list)))
+        if set(map(type, values)) <= {str}:  # a flat string map (the index's weight_map)
+            return 2 * len(value)
+        return len(value) + sum(_strings(v) for v in values if type(v) in (dict, list, str))
     if type(value) is list:
-        return sum(_accounted_colons(v) for v in value if type(v) in (dict, list, str))
+        return sum(_strings(v) for v in value if type(v) in (dict, list, str))
     return 0
-
-
-def _colons(strings: Iterable[str]) -> int:
-    """``:`` characters inside ``strings`` (joined once: C speed)."""
-    return "".join(strings).count(":")
 
 
 def loads_checked(text: str) -> object:
     """JSON text parsed as headers are: the fast parse when it provably saw every key (no
     duplicate hidden), else the strict one (duplicates and non-finite constants refused)."""
     obj = _loads_fast(text)
-    if obj is None or text.count(":") != _accounted_colons(obj):
+    if obj is None or text.count('"') != 2 * _strings(obj):
         obj = _loads(text)  # escapes or a duplicate key: the strict parse decides
     return obj
 
@@ -288,7 +287,7 @@ _new = object.__new__
 def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tensors: int
                  ) -> Optional[tuple[dict[str, TensorEntry], dict]]:
     """The entries and metadata of a well-formed header, parsed without per-object Python
-    hooks and checked in one tight loop; None when anything is unusual (escapes, a duplicate
+    hooks and checked in whole-header passes; None when anything is unusual (escapes, a duplicate
     key, any entry the strict checks would refuse), and then ``parse_header`` parses the
     text again strictly, so every error keeps its precise message. Accepts exactly what the
     strict path accepts, with the same entries (tests/planning/test_plan_equivalence.py, the fuzzer)."""
@@ -304,54 +303,64 @@ def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tenso
         return None
     if len(obj) > max_tensors:
         return None
-    itemsizes, new, entry_cls = _ITEMSIZE, _new, TensorEntry
-    tensors: dict[str, TensorEntry] = {}
-    spans: list[tuple[int, int, str]] = []
-    keys, prod, in_order, cursor = _ENTRY_KEYS, math.prod, True, 0
-    for tname, info in obj.items():
-        if type(info) is not dict or info.keys() != keys or not tname or not tname.isascii():
-            return None
-        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        itemsize = itemsizes.get(dtype) if type(dtype) is str else None
-        if itemsize is None or type(shape) is not list or type(offsets) is not list \
-                or len(offsets) != 2 or len(shape) > 8:
-            return None
-        begin, end = offsets
-        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= data_len:
-            return None
-        for d in shape:
-            if type(d) is not int or d < 0:
-                return None
-        numel = prod(shape)
-        # numel > 0 bounds every dim by the data length; an empty tensor may not hide a huge dim
-        if numel * itemsize != end - begin or (not numel and shape and max(shape) >= _MAX_SIZE):
-            return None
-        if begin != cursor:
-            in_order = False
-        cursor = end
-        e = new(entry_cls)
-        object.__setattr__(e, "__dict__", {"name": tname, "file": file, "dtype": dtype,
-                                           "shape": tuple(shape), "start": data_start + begin,
-                                           "end": data_start + end})
-        tensors[tname] = e
-        spans.append((begin, end, tname))
-    # every ":" is a key separator or inside a string (no escapes): equal counts = no key
-    # was lost to a duplicate (entries: 3 keys, dtype codes hold no ":")
-    key_count = 4 * len(obj) + had_metadata + len(metadata)
-    in_strings = _colons(obj) + _colons(metadata) + _colons(metadata.values())
-    if text.count(":") != key_count + in_strings:
+    tensors = _bulk_entries(file, obj, data_start, data_len)
+    if tensors is None:
         return None
-    if in_order:  # written in offset order (the common case): tiled iff it ends at the end
-        return (tensors, metadata) if cursor == data_len else None
-    spans.sort()
-    cursor = 0
-    for begin, end, _ in spans:
-        if begin != cursor:
-            return None  # overlap or hole: the strict path names the tensor
-        cursor = end
-    if cursor != data_len:
+    # every '"' delimits a string (no escapes): equal counts = no key was lost to a duplicate
+    # (a tensor: its name, 3 entry keys, the dtype; metadata: its key, then keys and values)
+    if text.count('"') != 2 * (5 * len(obj) + had_metadata + 2 * len(metadata)):
         return None
     return tensors, metadata
+
+
+def _bulk_entries(file: str, obj: dict, data_start: int, data_len: int
+                  ) -> Optional[dict[str, TensorEntry]]:
+    """The entries of a header object (metadata removed), every check of :func:`_entry` and
+    :func:`_check_tiling` done as whole-header passes at C speed (``map``, ``set``, list
+    compares) instead of per entry; None when any entry is unusual (a dim of 2**63 or more
+    included), and the caller parses strictly."""
+    names, infos = list(obj), list(obj.values())
+    if not infos:
+        return {} if data_len == 0 else None
+    if set(map(type, infos)) != {dict} or set(map(len, infos)) != {3} \
+            or not all(names) or not "".join(names).isascii():
+        return None
+    try:  # three keys each, these three present: exactly the entry keys
+        dtypes = list(map(itemgetter("dtype"), infos))
+        shapes = list(map(itemgetter("shape"), infos))
+        offsets = list(map(itemgetter("data_offsets"), infos))
+    except KeyError:
+        return None
+    if set(map(type, dtypes)) != {str} or set(map(type, shapes)) != {list} \
+            or set(map(type, offsets)) != {list} or set(map(len, offsets)) != {2} \
+            or max(map(len, shapes)) > 8:
+        return None
+    sizes = list(map(_ITEMSIZE.get, dtypes))
+    if None in sizes:
+        return None
+    dims = list(chain.from_iterable(shapes))
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) >= _MAX_SIZE):
+        return None
+    flat = list(chain.from_iterable(offsets))
+    if set(map(type, flat)) != {int}:
+        return None
+    begins, ends = flat[0::2], flat[1::2]
+    if min(begins) < 0 or max(ends) > data_len or not all(map(le, begins, ends)) \
+            or list(map(mul, map(math.prod, shapes), sizes)) != list(map(sub, ends, begins)):
+        return None
+    if begins[0] != 0 or begins[1:] != ends[:-1] or ends[-1] != data_len:  # not in order:
+        spans = sorted(zip(begins, ends))  # tiled = contiguous from 0 to the end, sorted
+        if spans[0][0] != 0 or spans[-1][1] != data_len or \
+                [b for b, _ in spans[1:]] != [e for _, e in spans[:-1]]:
+            return None
+    tensors: dict[str, TensorEntry] = {}
+    new, entry_cls, setattr_ = _new, TensorEntry, object.__setattr__
+    for tname, dtype, shape, begin, end in zip(names, dtypes, map(tuple, shapes), begins, ends):
+        e = new(entry_cls)  # a frozen value, built without the per-field __init__
+        setattr_(e, "__dict__", {"name": tname, "file": file, "dtype": dtype, "shape": shape,
+                                 "start": data_start + begin, "end": data_start + end})
+        tensors[tname] = e
+    return tensors
 
 
 def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) -> TensorEntry:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import chain
+from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from .gcpause import without_gc
 from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
@@ -17,8 +19,9 @@ from ..families.base import Family, TensorRole
 from ..families.heads import check_tp_heads
 from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, engine_windows,
                         even_windows, explicit_windows)
-from .quant import QuantScheme, expand_template, quant_scheme, same_shape
-from .roles import CheckpointRoles, checkpoint_roles, wanted as _wanted
+from .accounting import check_expected, check_mtp
+from .quant import QuantScheme, quant_scheme, same_shape
+from .roles import CheckpointRoles, checkpoint_roles
 from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
                     tp_selection)
 from .spec import ModelSpec
@@ -294,62 +297,67 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     if topology.ep_size > 1 and not spec.num_experts:
         raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts: leave "
                         "--ep at 1 (use --tp to split the stage)")
-    chosen = roles.stage_roles(window, experts)
-    reads = [(n, r, n) for n, r in chosen.items()]   # (checkpoint name, role, target)
+    own = chosen = roles.stage_roles(window, experts)   # a fresh dict, read as themselves
+    extra: list[tuple[str, TensorRole, str]] = []      # (checkpoint name, role, target)
     if window.has_head and not window.has_embed and spec.tie_word_embeddings \
             and not roles.stores_head:
         # the declared replica: the last stage reads the embedding as its head (a stage
         # holding both reads it once; the model ties the head to it)
+        chosen = dict(own)
         for name, role in roles.others.items():
             if role.role == "embed":
-                reads.append((name, role, _head_name(spec.family)))
+                extra.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
-    needed_files = {index.weight_map[n] for n, _, _ in reads}
+    reads = chain(zip(own.keys(), own.values(), own.keys()), extra)
+    needed_files = set(map(index.weight_map.__getitem__, chosen))
     index.require(needed_files)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
-        _check_expected(roles, index, chosen, window, experts, topology)
+        check_expected(roles, index, chosen, window, experts, topology)
         roles.mark_checked(window, experts)
     items = []
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
-    selections: dict[tuple, Selection] = {}   # same component, shape, dtype: same slice
-    relative: dict[tuple, ReadItem] = {}      # same shape, dtype, slice: same relative runs
+    take = exchanger.take if exchanger is not None else None
+    # selections: same rule, shape, dtype -> same slice; relative: same shape, dtype, slice ->
+    # same relative runs; done: (component, fused, shape, dtype[, weight shape, weight
+    # dtype]) -> (item at offset 0, exchange choice), what ``_plan_one`` derives from exactly
+    # these, so a tensor equal in them to one planned before (the same component in another
+    # layer) reuses it. Kept in ``roles`` per everything else they depend on (the TP rank and
+    # size, the local experts, the cost rules), so the ranks of ``plan_all`` share them.
+    selections, relative, done = roles.plan_memo((
+        topology.tp_rank, topology.tp_size, experts, range_cost_bytes,
+        exchange_cost if exchanger is not None else None))
     links, rule_index = roles.links, roles.rule_index
     entries = index.entry_map(needed_files)
     qdtype = scheme.weight_dtype if scheme is not None else None
+    new, item_cls, setattr_ = object.__new__, ReadItem, object.__setattr__
     for name, role, target in reads:
         entry = entries[name]
         weight = links.get(name)
-        if weight is None:  # the selection depends on the TP rule, not on the name: tensors
-            wentry = None   # with one rule, shape and dtype share it (e.g. all experts)
-            key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
-                          entry.dtype, entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
-                              name, entry.dtype, len(entry.shape)))
-        else:  # a quantization companion: sliced from its weight's logical selection
+        if weight is None:
+            wentry = None
+            fast: tuple = (role.component, role.fused_experts, entry.shape, entry.dtype)
+        else:
             wentry = index.entry(weight)
-            naming = spec.family.quant_naming  # the weight's component, by the family's naming
-            wcomp = naming.weight_component(role.component, name, weight)
-            key = (rule_index(wcomp), role.fused_experts, entry.shape, entry.dtype,
-                   name[len(weight) - len(naming.weight):], wentry.shape, wentry.dtype)
-        sel = selections.get(key)
-        try:
-            if sel is None:
-                sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
-                                                   scheme)
-            if exchanger is not None:
-                exchanger.consider(entry, target, sel, key,
-                                   partial(_peer_selection, spec, role, entry, experts, index,
-                                           scheme))
-        except PlanError as exc:  # name the file and rank of the tensor being planned
-            raise PlanError(exc.detail, file=exc.file or entry.file,
-                            tensor=exc.tensor or name, rank=topology.rank) from None
-        shape_key = (entry.shape, entry.dtype, sel)
-        made = relative.get(shape_key)
-        if made is None:  # byte runs relative to the tensor's start, shared by equal tensors
-            made = relative[shape_key] = read_item(
-                TensorEntry("", "", entry.dtype, entry.shape, 0, entry.nbytes), "", sel,
-                range_cost_bytes)
-        items.append(_rebased(made, entry, target))
+            fast = (role.component, role.fused_experts, entry.shape, entry.dtype,
+                    wentry.shape, wentry.dtype)
+        found = done.get(fast)
+        if found is None:
+            found = done[fast] = _plan_one(
+                spec, index, topology, experts, scheme, range_cost_bytes, exchanger, selections,
+                relative, rule_index, qdtype, name, role, entry, weight, wentry)
+        made, choice = found
+        if choice is not None:
+            take(entry, target, choice)  # type: ignore[misc]
+        # ``made`` moved to the tensor's file and offset (a frozen copy, no __init__)
+        ranges, start = made.ranges, entry.start
+        fields = made.__dict__.copy()
+        fields["name"], fields["target"], fields["file"] = name, target, entry.file
+        fields["ranges"] = ((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1 \
+            else tuple((start + a, n) for a, n in ranges)
+        item = new(item_cls)
+        setattr_(item, "__dict__", fields)
+        items.append(item)
     plan = _finish(spec, index, topology, window, experts, items, list(chosen))
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
@@ -358,6 +366,47 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
                      len(plan.items), plan.read_bytes, ", ".join(plan.files))
     return plan
+
+
+def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
+              experts: Optional[tuple[int, int]], scheme: Optional[QuantScheme],
+              range_cost_bytes: int, exchanger: "Optional[Exchanger]",
+              selections: dict[tuple, Selection], relative: dict[tuple, ReadItem],
+              rule_index: Callable[[str], int], qdtype: Optional[str], name: str,
+              role: TensorRole, entry: TensorEntry, weight: Optional[str],
+              wentry: Optional[TensorEntry]) -> tuple[ReadItem, Any]:
+    """One tensor's read at offset 0 and its exchange choice (None: read directly)."""
+    if weight is None:  # the selection depends on the TP rule, not on the name: tensors
+        # with one rule, shape and dtype share it (e.g. all experts)
+        key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
+                      entry.dtype, entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
+                          name, entry.dtype, len(entry.shape)))
+    else:  # a quantization companion: sliced from its weight's logical selection
+        naming = spec.family.quant_naming  # the weight's component, by the family's naming
+        wcomp = naming.weight_component(role.component, name, weight)
+        key = (rule_index(wcomp), role.fused_experts, entry.shape, entry.dtype,
+               name[len(weight) - len(naming.weight):], wentry.shape, wentry.dtype)  # type: ignore[union-attr]
+    sel = selections.get(key)
+    choice = None
+    try:
+        if sel is None:
+            sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
+                                               scheme)
+        if exchanger is not None:
+            choice = exchanger.choice(entry, sel, key, partial(
+                _peer_selection, spec, role, entry, experts, index, scheme))
+            if choice.box is None:
+                choice = None  # read directly: nothing to record
+    except PlanError as exc:  # name the file and rank of the tensor being planned
+        raise PlanError(exc.detail, file=exc.file or entry.file,
+                        tensor=exc.tensor or name, rank=topology.rank) from None
+    shape_key = (entry.shape, entry.dtype, sel)
+    made = relative.get(shape_key)
+    if made is None:  # byte runs relative to the tensor's start, shared by equal tensors
+        made = relative[shape_key] = read_item(
+            TensorEntry("", "", entry.dtype, entry.shape, 0, entry.nbytes), "", sel,
+            range_cost_bytes)
+    return made, choice
 
 
 def _peer_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry,
@@ -377,18 +426,6 @@ def _exchanger(topology: Topology, range_cost_bytes: int, exchange_cost: Optiona
                      batch_bytes=batch_bytes or DEFAULT_EXCHANGE_BATCH_BYTES)
 
 
-def _rebased(made: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
-    """``made`` (planned for a tensor at offset 0) moved to ``entry``'s file and offset; every
-    other field is kept (a frozen copy without re-running the dataclass __init__)."""
-    item = object.__new__(ReadItem)
-    ranges = made.ranges
-    start = entry.start
-    item.__dict__.update(made.__dict__, name=entry.name, target=target, file=entry.file,
-                         ranges=((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1
-                         else tuple((start + a, n) for a, n in ranges))
-    return item
-
-
 def _head_name(family: Family) -> str:
     """The name the tied embedding is read as: the family's head (it owns names)."""
     head = family.head_name()
@@ -402,8 +439,9 @@ def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window:
             experts: Optional[tuple[int, int]], items: list[ReadItem],
             names: list[str]) -> RankPlan:
     order = {f: i for i, f in enumerate(sorted(index.paths))}
-    items.sort(key=lambda it: (order[it.file], it.ranges[0][0] if it.ranges else 0, it.target))
-    files = list(dict.fromkeys(i.file for i in items))
+    keys = [(order[it.file], it.ranges[0][0] if it.ranges else 0, it.target) for it in items]
+    items = list(map(items.__getitem__, sorted(range(len(items)), key=keys.__getitem__)))
+    files = list(dict.fromkeys(map(attrgetter("file"), items)))
     headers = {f: index.header(f) for f in files}
     return RankPlan(
         model=str(index.root), topology=topology, window=window, experts=experts,
@@ -411,67 +449,6 @@ def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window:
         identities={f: h.identity for f, h in headers.items()},
         header_bytes=sum(8 + h.header_bytes for h in headers.values()),
         tensors=tuple(sorted(dict.fromkeys(names))))
-
-
-def _check_expected(roles: CheckpointRoles, index: CheckpointIndex,
-                    chosen: Mapping[str, TensorRole], window: StageWindow,
-                    experts: Optional[tuple[int, int]], topology: Topology) -> None:
-    """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
-    spec, template = roles.spec, roles.template
-    if template is None:
-        return
-    expected = {n: tuple(template[n]) for n in chosen if n in template}
-    expected.update({n: tuple(template[n]) for n, r in roles.template_only.items()
-                     if r is not None and _wanted(r, window, experts)})
-    entries = index.entry_map({index.weight_map[n] for n in chosen})
-    scheme = quant_scheme(spec)
-    if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
-        expected = _expand(scheme, expected, entries)  # an error like any missing tensor)
-    # the stage's names, as ``wanted`` keeps them (a chosen "layer" name always is)
-    have = {n for n, r in chosen.items()
-            if r.placement == "layer" or _wanted(r, window, experts)}
-    missing = sorted(set(expected) - index.weight_map.keys())
-    unexpected = sorted(have - expected.keys())
-    where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
-    if missing:
-        raise PlanError(f"{where}: {len(missing)} required tensor(s) missing from the checkpoint: "
-                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""),
-                        tensor=missing[0], rank=topology.rank)
-    if unexpected:
-        raise PlanError(f"{where}: {len(unexpected)} tensor(s) not expected for this config: "
-                        + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else ""),
-                        tensor=unexpected[0], rank=topology.rank)
-    differ = [n for n in have if entries[n].shape != expected[n]]  # exact: the common case
-    for name in sorted(differ):
-        entry = entries[name]
-        if not same_shape(expected[name], entry.shape):
-            raise PlanError(f"shape {list(entry.shape)} in the checkpoint != {list(expected[name])} "
-                            "expected from config.json", file=entry.file, tensor=name,
-                            rank=topology.rank)
-
-
-def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
-            entries: Mapping[str, TensorEntry]) -> dict[str, tuple[int, ...]]:
-    """``expand_template(scheme, expected, dtype_of=<stored dtype>)``, computed once per
-    (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
-    weights share a handful of such keys."""
-    out: dict[str, tuple[int, ...]] = {}
-    made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
-    for name, shape in expected.items():
-        entry = entries.get(name)
-        is_weight = name == "weight" or name.endswith(".weight")
-        key = (shape, entry.dtype if entry is not None else None, is_weight)
-        rel = made.get(key)
-        if rel is None:  # the expansion of a stand-in name "x.weight" / "x", relative to it
-            probe = "x.weight" if is_weight else "x"
-            got = expand_template(scheme, {probe: shape}, dtype_of=lambda _n: key[1])
-            stem = probe[:-len("weight")] if is_weight else probe
-            rel = made[key] = tuple((n[len(stem):] if n != probe else None, s)
-                                    for n, s in got.items())
-        stem = name[:-len("weight")] if is_weight else name
-        for suffix, s in rel:
-            out[name if suffix is None else stem + suffix] = s
-    return out
 
 
 @without_gc
@@ -489,9 +466,10 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
                        range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
                        exchange_batch_bytes=exchange_batch_bytes, roles=roles)
              for t in topo.all_ranks()]
-    logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
-                "ideal %d", len(plans), pp, ep, tp, partition,
-                sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
+    if logger.isEnabledFor(logging.INFO):  # the sums walk every item: only when logged
+        logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
+                    "ideal %d", len(plans), pp, ep, tp, partition,
+                    sum(p.planned_read_bytes for p in plans), sum(p.ideal_bytes for p in plans))
     return plans
 
 
@@ -521,36 +499,5 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
             names.append(name)
     if not items:
         raise PlanError(f"no tensors for MTP layer {mtp_layer} (global layer {layer})")
-    _check_mtp(spec, index, layer, names, experts)
+    check_mtp(spec, index, layer, names, experts)
     return _finish(spec, index, topo, window, experts, items, names)
-
-
-def _check_mtp(spec: ModelSpec, index: CheckpointIndex, layer: int, names: Sequence[str],
-               experts: Optional[tuple[int, int]]) -> None:
-    """Strict accounting of a draft plan: the MTP layer's tensors (local experts) equal the
-    template's, shapes too (quantized: stored shapes + companions, as for stages)."""
-    if spec.family.template is None:
-        return
-    expected = {}
-    for name, shape in spec.family.template(spec).items():
-        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
-        if role is not None and role.placement == "mtp" and role.layer == layer and (
-                role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
-            expected[name] = tuple(shape)
-    scheme = quant_scheme(spec)
-    if scheme is not None:
-        expected = expand_template(
-            scheme, expected,
-            dtype_of=lambda n: index.entry(n).dtype if n in index.weight_map else None)
-    missing = sorted(set(expected) - set(index.weight_map))
-    unexpected = sorted(set(names) - set(expected))
-    for what, bad in (("missing from the checkpoint", missing), ("not expected", unexpected)):
-        if bad:
-            raise PlanError(f"MTP layer {layer}: {len(bad)} tensor(s) {what}: "
-                            + ", ".join(bad[:8]) + (" ..." if len(bad) > 8 else ""), tensor=bad[0])
-    for name in names:
-        entry = index.entry(name)
-        if not same_shape(expected[name], entry.shape):
-            raise PlanError(f"shape {list(entry.shape)} in the checkpoint != "
-                            f"{list(expected[name])} expected from config.json", file=entry.file,
-                            tensor=name)

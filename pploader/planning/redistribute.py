@@ -202,6 +202,20 @@ class Exchanger:
                  peer_selection: Callable[["Topology"], Selection]) -> bool:
         """Decide for one item; ``key`` identifies (rule, shape, dtype) for reuse. True when
         the tensor will be exchanged."""
+        return self.take(entry, target, self.choice(entry, selection, key, peer_selection))
+
+    def take(self, entry: TensorEntry, target: str, choice: _Choice) -> bool:
+        """Record ``choice`` (from :meth:`choice`) for one item; True when it is exchanged.
+        A planner may reuse one choice for tensors with the same key, shape, dtype and
+        selection (what ``choice`` would return for them)."""
+        if choice.box is None:
+            return False
+        self._chosen.append((entry, target, choice))
+        return True
+
+    def choice(self, entry: TensorEntry, selection: Selection, key: tuple,
+               peer_selection: Callable[["Topology"], Selection]) -> _Choice:
+        """The group's decision for ``entry`` sliced as ``selection`` (not yet recorded)."""
         full_key = (key, entry.shape, entry.dtype)
         seen = self._seen.get(full_key)
         if seen is not None and seen[0] is selection:  # the same decision, already made
@@ -210,10 +224,7 @@ class Exchanger:
             choice = self._choose(entry, selection, key, full_key, peer_selection)
             if seen is None:
                 self._seen[full_key] = (selection, choice)
-        if choice.box is None:
-            return False
-        self._chosen.append((entry, target, choice))
-        return True
+        return choice
 
     def _choose(self, entry: TensorEntry, selection: Selection, key: tuple, full_key: tuple,
                 peer_selection: Callable[["Topology"], Selection]) -> _Choice:
@@ -266,52 +277,55 @@ class Exchanger:
         if not self._chosen:
             return None
         t = self.topology
-        chosen = sorted(self._chosen, key=lambda c: (file_order[c[0].file], c[0].start, c[1]))
+        tp_rank = t.tp_rank
+        keys = [(file_order[e.file], e.start, target) for e, target, _ in self._chosen]
+        chosen = list(map(self._chosen.__getitem__, sorted(range(len(keys)),
+                                                           key=keys.__getitem__)))
         items: list[ExchangeItem] = []
         batch, used = 0, 0
-        chunks_of: dict[tuple, list[tuple[int, int, tuple[Interval, ...]]]] = {}
-        new = object.__new__
+        #: (shape, dtype, box) -> per chunk: (rows, every rank's share, this rank's share
+        #: shape, its byte offset from the tensor's start, its bytes, first row)
+        chunks_of: dict[tuple, list[tuple]] = {}
+        new, setattr_, item_cls, read_cls = object.__new__, object.__setattr__, ExchangeItem, \
+            ReadItem
         for entry, target, choice in chosen:
-            lo, count = choice.box  # type: ignore[misc]
-            row_bytes = math.prod(entry.shape[1:]) * entry.itemsize
-            shape_key = (entry.shape, row_bytes, lo, count)
+            shape = entry.shape
+            shape_key = (shape, entry.dtype, choice.box)
             chunks = chunks_of.get(shape_key)
-            if chunks is None:  # (first row, rows, every rank's share) of each chunk
+            if chunks is None:  # worked out once per shape, dtype and exchanged rows
+                lo, count = choice.box  # type: ignore[misc]
+                row_bytes = math.prod(shape[1:]) * entry.itemsize
                 per_chunk = max(1, self.batch_bytes // max(row_bytes, 1))
                 starts = list(range(lo, lo + count, per_chunk)) or [lo]
-                chunks = chunks_of[shape_key] = [
-                    (start, n, _shares(start, start + n, t.tp_size))
-                    for start in starts for n in (min(per_chunk, lo + count - start),)]
+                chunks = chunks_of[shape_key] = []
+                for start in starts:
+                    n = min(per_chunk, lo + count - start)
+                    rows = _shares(start, start + n, t.tp_size)
+                    a, k = rows[tp_rank]
+                    chunks.append((n * row_bytes, rows, (k,) + shape[1:], a * row_bytes,
+                                   k * row_bytes, a))
             last = len(chunks) - 1
-            for i, (start, n, rows) in enumerate(chunks):
-                if used and used + n * row_bytes > self.batch_bytes:
+            for i, (chunk_bytes, rows, share_shape, offset, share_bytes, first_row) in \
+                    enumerate(chunks):
+                if used and used + chunk_bytes > self.batch_bytes:
                     batch, used = batch + 1, 0
-                a, k = rows[t.tp_rank]
-                item = new(ExchangeItem)  # a frozen value, built without the per-field __init__
-                object.__setattr__(item, "__dict__", {
+                # rows [first_row, first_row + k) as one direct read (its target
+                # ``name@first_row`` is unique per chunk); frozen values without __init__
+                share = new(read_cls)
+                setattr_(share, "__dict__", {
+                    "name": entry.name, "target": f"{target}@{first_row}", "file": entry.file,
+                    "dtype": entry.dtype, "shape": share_shape, "source_shape": shape,
+                    "ranges": ((entry.start + offset, share_bytes),) if share_bytes else (),
+                    "buffer_shape": share_shape, "gather": (), "pad_rows": 0})
+                item = new(item_cls)
+                setattr_(item, "__dict__", {
                     "target": target, "name": entry.name, "file": entry.file,
-                    "dtype": entry.dtype, "source_shape": entry.shape, "rows": rows,
-                    "selections": choice.selections,
-                    "share": _share_item(entry, target, a, k, row_bytes), "batch": batch,
+                    "dtype": entry.dtype, "source_shape": shape, "rows": rows,
+                    "selections": choice.selections, "share": share, "batch": batch,
                     "first": i == 0, "last": i == last})
                 items.append(item)
-                used += n * row_bytes
+                used += chunk_bytes
         return Redistribute(t.tp_group(), t.tp_rank, tuple(items), self.cost, self.batch_bytes)
-
-
-def _share_item(entry: TensorEntry, target: str, first_row: int, rows: int,
-                row_bytes: int) -> ReadItem:
-    """Rows ``[first_row, first_row + rows)`` of ``entry`` as one direct read (its target
-    ``name@first_row`` is unique per chunk)."""
-    shape = (rows,) + entry.shape[1:]
-    ranges = ((entry.start + first_row * row_bytes, rows * row_bytes),) if rows * row_bytes \
-        else ()
-    item = object.__new__(ReadItem)  # ReadItem's fields, defaults included, without __init__
-    object.__setattr__(item, "__dict__", {
-        "name": entry.name, "target": f"{target}@{first_row}", "file": entry.file,
-        "dtype": entry.dtype, "shape": shape, "source_shape": entry.shape, "ranges": ranges,
-        "buffer_shape": shape, "gather": (), "pad_rows": 0})
-    return item
 
 
 def _shares(lo: int, hi: int, tp: int) -> tuple[Interval, ...]:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import bisect
 import re
+from itertools import compress
+from operator import itemgetter
 from dataclasses import dataclass, field, replace
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional
 
 from ..errors import PlanError
 from ..families.base import TensorRole
@@ -33,13 +35,20 @@ class CheckpointRoles:
     components: Mapping[str, Optional[TensorRole]]   # component -> role (layer None); None:
     others: Mapping[str, TensorRole]                 #   classify per name; names off the layers
     links: Mapping[str, str]                         # quant companion name -> its weight's name
+    #: the whole family template (None: the family has none, or ``layered`` has it by layer)
     template: Optional[Mapping[str, tuple[int, ...]]]
     template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
+    #: the family's ``layer_template(spec)``: a stage builds only its own layers' part
+    layered: Optional[tuple[Mapping[str, tuple[int, ...]],
+                            Callable[[int], Mapping[str, tuple[int, ...]]], range]] = None
     #: per-stage results every rank of a stage shares (``stage_roles``, the strict template
     #: check): keyed by (what, window, experts); derived from the fields above only
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
+    _index_names: Collection[str] = field(default=(), compare=False, repr=False)
+    _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
+                                                             compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -69,10 +78,11 @@ class CheckpointRoles:
         prefix_len = self._prefix_len(layer)
         placement = "layer" if layer < self.spec.num_layers else "mtp"
         memo, links, known = self._role_fields, self.links, self.components
-        new, role_cls, out = object.__new__, TensorRole, {}
-        for name in self.layers.get(layer, ()):
-            component = name[prefix_len:]
-            key = (component, name in links)
+        new, setattr_, role_cls, out = object.__new__, object.__setattr__, TensorRole, {}
+        names = self.layers.get(layer, ())
+        for name, key in zip(names, zip(map(itemgetter(slice(prefix_len, None)), names),
+                                        map(links.__contains__, names))):
+            component = key[0]  # key: (component, whether it links to a weight)
             fields = memo.get(key)
             if fields is None:
                 role = out[name] = self.role(name, layer, component)
@@ -82,9 +92,10 @@ class CheckpointRoles:
                         and role.placement == placement:
                     memo[key] = dict(vars(role))
                 continue
-            role = new(role_cls)  # a frozen value: the per-component fields + this layer
-            object.__setattr__(role, "__dict__", {**fields, "layer": layer,
-                                                  "placement": placement})
+            values = fields.copy()  # a frozen value: the per-component fields + this layer
+            values["layer"], values["placement"] = layer, placement
+            role = new(role_cls)
+            setattr_(role, "__dict__", values)
             out[name] = role
         return out
 
@@ -117,6 +128,36 @@ class CheckpointRoles:
             rule = self.spec.family.shard_rule(component)
             found = self._rules[component] = -1 if rule is None else next(
                 i for i, r in enumerate(self.spec.family.shard_rules) if r is rule)
+        return found
+
+    def stage_template(self, window: StageWindow
+                       ) -> Optional[tuple[Mapping[str, tuple[int, ...]],
+                                           Mapping[str, Optional[TensorRole]]]]:
+        """(template names -> shapes, those absent from the index -> their role) covering what
+        ``window`` can read: the whole template, or with ``layered`` only the globals and the
+        window's layers (names of other layers are never wanted by it). None: no template."""
+        if self.layered is None:
+            return None if self.template is None else (self.template, self.template_only)
+        key = ("template", window.start_layer, window.end_layer)
+        found = self._stage_memo.get(key)
+        if found is None:
+            globals_, layer, ids = self.layered
+            part = dict(globals_)
+            for i in range(window.start_layer, window.end_layer):
+                if i in ids:
+                    part.update(layer(i))
+            fam, n, m = self.spec.family, self.spec.num_layers, self.spec.num_mtp_layers
+            found = self._stage_memo[key] = (part, {
+                t: fam.classify(t, n, m) for t in part.keys() - self._index_names})
+        return found
+
+    def plan_memo(self, key: tuple) -> tuple[dict, dict, dict]:
+        """The per-tensor memos ``plan.plan_rank`` fills (selections, relative reads, planned
+        tensors), one set per ``key`` (everything besides a tensor's component, shape and
+        dtype that they depend on), so ranks planned with these roles share them."""
+        found = self._plan_memo.get(key)
+        if found is None:
+            found = self._plan_memo[key] = ({}, {}, {})
         return found
 
     def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
@@ -158,31 +199,46 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     by_prefix = _bucket_by_prefix(list(wmap), fam.layer_prefix, off_layer)
     companions: set[str] = set()   # components naming a quantization companion
     per_name: set[str] = set()     # components that a global pattern also matches
+    #: a layer's components (in name order) -> what follows from them alone: positions of
+    #: its companions, their weights' components, the names to keep (None: all); layers
+    #: repeat (DeepSeek-V3: 58 MoE layers of ~1.5 k names), so each distinct one is worked
+    #: out once and the others cost a tuple compare and a few C-level maps
+    by_comps: dict[tuple[str, ...], tuple[list[int], list[str], Optional[list[bool]]]] = {}
     for prefix, names in by_prefix.items():
         layer, cut = int(match(prefix).group(1)), len(prefix)  # type: ignore[union-attr]
         if layer >= n + m:
             unknown.extend(names)
             continue
-        comps = [name[cut:] for name in names]
-        for component in set(comps) - components.keys():
-            role = fam.classify(prefix + component, n, m)
-            components[component] = (replace(role, layer=None) if role is not None
-                                     and role.placement in ("layer", "mtp") else None)
-            link = scheme.weight_of(component) if scheme is not None else None
-            weight_of[component] = link[0] if link is not None else None
-            if link is not None:
-                companions.add(component)
-            if components[component] is None:
-                per_name.add(component)
-        if companions:
-            for name, c in zip(names, comps):
-                if c in companions:
-                    weight = prefix + weight_of[c]  # type: ignore[operator]
-                    if weight in wmap:
-                        links[name] = weight
-        if per_name and not per_name.isdisjoint(comps):  # a global pattern matched too:
-            off_layer.extend(x for x, c in zip(names, comps) if components[c] is None)
-            names = [x for x, c in zip(names, comps) if components[c] is not None]
+        comps = tuple(map(itemgetter(slice(cut, None)), names))
+        known = by_comps.get(comps)
+        if known is None:
+            for component in set(comps) - components.keys():
+                role = fam.classify(prefix + component, n, m)
+                components[component] = (  # the role without its layer (a new value)
+                    TensorRole(role.placement, role.component, None, role.expert,
+                               role.fused_experts, role.role)
+                    if role is not None and role.placement in ("layer", "mtp") else None)
+                link = scheme.weight_of(component) if scheme is not None else None
+                weight_of[component] = link[0] if link is not None else None
+                if link is not None:
+                    companions.add(component)
+                if components[component] is None:
+                    per_name.add(component)
+            at = [i for i, c in enumerate(comps) if c in companions]
+            keep = None if per_name.isdisjoint(comps) else \
+                [components[c] is not None for c in comps]
+            known = by_comps[comps] = (at, [weight_of[comps[i]] for i in at], keep)  # type: ignore[misc]
+        at, weight_comps, keep = known
+        if at:  # companions link to their weight when the checkpoint holds it
+            weights = list(map(prefix.__add__, weight_comps))
+            linked = map(names.__getitem__, at)
+            if all(map(wmap.__contains__, weights)):
+                links.update(zip(linked, weights))
+            else:
+                links.update((x, w) for x, w in zip(linked, weights) if w in wmap)
+        if keep is not None:  # a global pattern matched too: those names are classified apart
+            off_layer.extend(compress(names, [not k for k in keep]))
+            names = list(compress(names, keep))
         layers[layer] = names
     if scheme is not None:
         for name in off_layer:
@@ -206,11 +262,12 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
                         f"not know (num_hidden_layers={n}, mtp layers={m}): "
                         f"{', '.join(unknown[:8])}" + (" ..." if len(unknown) > 8 else ""),
                         tensor=unknown[0])
-    template = fam.template(spec) if fam.template is not None else None
+    layered = fam.layer_template(spec) if fam.layer_template is not None else None
+    template = fam.template(spec) if fam.template is not None and layered is None else None
     only = {} if template is None else {
         t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
     return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
-                           links, template, only)
+                           links, template, only, layered, _index_names=index.weight_map.keys())
 
 
 def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]

@@ -10,6 +10,7 @@ the family code under test.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from pathlib import Path
@@ -28,6 +29,7 @@ from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
 from pploader.planning.plan import RankPlan, plan_all
 from pploader.planning.spec import load_spec, spec_from_config
 from pploader.families import FAMILIES, supported_architectures
+from pploader.families.base import CheckpointFormat
 
 
 # ---- what a name is, parsed by the test -------------------------------------------------------
@@ -253,6 +255,31 @@ def test_tiny_config_layout_equals_table(row: Row) -> None:
     spec = spec_from_config(tiny_config(row.tiny))  # type: ignore[arg-type]
     assert spec.family.name == row.family
     assert spec.layer_kinds == row.kinds and spec.num_experts == row.experts
+
+
+@pytest.mark.parametrize("row", TINY_ROWS, ids=[r.family for r in TINY_ROWS])
+def test_layer_template_assembles_to_the_template(row: Row) -> None:
+    """A family's ``layer_template`` (the template by layer, which planning builds only for a
+    stage's layers) is its ``template``, in every checkpoint format: names, shapes and order.
+    A format that replaces ``template`` alone drops the by-layer one."""
+    spec = spec_from_config(tiny_config(row.tiny))  # type: ignore[arg-type]
+    base = spec.family
+    formats = [base.for_checkpoint([])] + [
+        base.for_checkpoint([f"model.layers.0.{m}" for m in ("mlp.experts.gate_up_proj",
+                                                             "mixer.experts.up_proj")])]
+    for fam in formats:
+        if fam.layer_template is None:
+            continue
+        globals_, layer, ids = fam.layer_template(spec)
+        assembled = dict(globals_)
+        for i in ids:
+            assert set(layer(i)).isdisjoint(assembled)  # each name in one layer only
+            assembled.update(layer(i))
+        assert list(assembled.items()) == list(fam.template(spec).items())  # type: ignore[misc]
+    if base.layer_template is not None:  # a format replacing ``template`` alone drops it
+        fmt = CheckpointFormat("other", "^only_in_this_format$", (("template", base.template),))
+        other = dataclasses.replace(base, formats=(fmt,)).for_checkpoint(["only_in_this_format"])
+        assert other.format == "other" and other.layer_template is None
 
 
 @pytest.mark.slow

@@ -71,6 +71,24 @@ def test_fast_header_parse_refuses_what_it_cannot_prove(tmp_path: Path) -> None:
     assert ckpt._loads_fast(escaped) is None
 
 
+@pytest.mark.parametrize("orjson", [True, False])
+def test_index_duplicates_are_refused_by_the_fast_parse(tmp_path: Path, orjson: bool,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index's weight_map is a flat string map (counted without walking it): a repeated
+    tensor, one with a ":" or '"'-free odd name, or a repeated top-level key is refused with
+    the strict parser's message; a clean index parses to the same map either way."""
+    if not orjson:
+        monkeypatch.setattr(ckpt, "_orjson", None)
+    clean = '{"metadata": {"total_size": 4}, "weight_map": {"a:b": "m.safetensors", "c": "m.safetensors"}}'
+    assert ckpt.loads_checked(clean) == ckpt._loads(clean)
+    for text in ('{"weight_map": {"a": "m.safetensors", "a": "n.safetensors"}}',
+                 '{"weight_map": {"a": "m.safetensors"}, "weight_map": {"b": "m.safetensors"}}',
+                 '{"metadata": {"k": 1, "k": 2}, "weight_map": {"a": "m.safetensors"}}'):
+        assert ckpt._loads_fast(text) is not None  # the hook-free parse alone accepts it
+        with pytest.raises(ckpt.CheckpointError, match="duplicate key"):
+            ckpt.loads_checked(text)
+
+
 def _direct_items(plan: RankPlan, spec_path: Path) -> tuple[list[ReadItem], list[str]]:
     """Every item of ``plan`` recomputed per tensor, from a fresh index and no memo; and
     the targets a memo-free exchanger picks."""
@@ -104,6 +122,9 @@ def _direct_items(plan: RankPlan, spec_path: Path) -> tuple[list[ReadItem], list
     ("llama-3.1-70b", 1, 8, 1, [0, 7]),    # every layer, TP8 (row-parallel exchanges)
     ("qwen3-next-80b-a3b", 16, 4, 1, [29]),  # TP4 hybrid (gated delta net + attention, MoE)
     ("nemotron-h-8b", 2, 4, 1, [5]),       # TP4 hybrid (Mamba2 + attention)
+    ("jamba-v0.1", 4, 2, 2, [0, 15]),      # hybrid of 4 layer kinds (Mamba / attention x
+    #                                        dense / MoE): per-component memos across stages
+    ("mixtral-8x7b", 2, 2, 2, [0, 7]),     # every rank and plan_all (shared memos) compared
 ])
 def test_fast_plans_equal_direct_per_tensor_plans(root: Path, model: str, pp: int, tp: int,
                                                   ep: int, ranks: list[int]) -> None:
