@@ -13,6 +13,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..io.backend import ReadBackend
+from ..io.read import open_threaded  # noqa: F401 - the default CPU backend imported now, so
+#   a load's rchar (/proc/self/io, vLLM's report) counts checkpoint reads, not module imports
 from ..io.registry import open_backend
 from ..planning.checkpoint import DTYPES
 from ..planning.plan import RankPlan, ReadItem

@@ -77,3 +77,28 @@ def test_placed_reads_refuse_a_file_changed_after_planning(llama: Path) -> None:
                 pass
     finally:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+_FIRST_LOAD_RCHAR = r'''
+import json, sys
+from pploader import Topology, plan_stage
+from pploader.integrations.placed import rchar_bytes, stage_weights
+staged = plan_stage(sys.argv[1], Topology(1, 2, 1, 0), range_cost_bytes=0)
+before = rchar_bytes()
+reader, stream = stage_weights(staged, "placed")
+for _ in stream:
+    pass
+print(json.dumps({"rchar": rchar_bytes() - before, "read": reader.stats.read_bytes}))
+'''
+
+
+def test_first_placed_load_rchar_counts_checkpoint_bytes_only(llama: Path) -> None:
+    """vLLM's report compares /proc/self/io rchar with the planned bytes: in a fresh process the
+    first placed read must not add the read backend's module import to rchar."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _FIRST_LOAD_RCHAR, str(llama)],
+                         capture_output=True, text=True, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["read"] <= res["rchar"] <= res["read"] + 4096, res
