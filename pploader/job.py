@@ -145,7 +145,9 @@ def load_pipeline_stage(model_dir: os.PathLike | str, comm: "Comm",
 
     On a GPU the read backend's staging (the pinned ring) is page-locked on a background
     thread from the start, while this rank measures, plans and agrees, and stopped before the
-    load begins (the load page-locks what it did not reach): the first load does not pay it.
+    load begins; the load page-locks what it did not reach. So the first load pays only the
+    part that planning and agreement did not hide (all of it when they take a few ms:
+    docs/benchmarks-gpu.md, fifth round).
     """
     options = options if options is not None else StageLoadOptions()
     staging = _early_staging(options)  # page-locked while this rank measures, plans, agrees
