@@ -14,7 +14,8 @@ is not enough), residency verified by ``mincore``.
     python -m pploader.bench.cuda --pp2 --ckdir /tmp/ck       # stages alone vs together
     python -m pploader.bench.cuda --pp2-profile --ckdir /tmp/ck
 ``pploader bench --device cuda -- ARGS`` calls this. ``--scale tiny`` makes a small checkpoint
-(for a quick check). GB = 10^9 bytes.
+(for a quick check), ``--scale 70b`` a Llama-3-70B-shaped one (``--pp 4 --stage K``: one of
+its ~35 GB stages). GB = 10^9 bytes.
 """
 from __future__ import annotations
 
@@ -46,16 +47,23 @@ COLD = _COLD_SET + ["pploader_first", "fastsafetensors_odirect", "pploader_first
                     "pploader_first", "fastsafetensors_odirect"]
 
 
+SCALES = ("full", "70b", "tiny")
+
+
 def _shapes(scale: str) -> tuple[Any, int]:
     from .data import LlamaShape
     if scale == "full":  # Llama-3-8B, 8 shards of <= 2.2 GB
         return LlamaShape(4096, 14336, 128256, 32, 32, 8, 128), 2_200_000_000
+    if scale == "70b":  # Llama-3-70B (141 GB bf16; ~35 GB per PP=4 stage), shards of <= 5 GB
+        return LlamaShape(8192, 28672, 128256, 80, 64, 8, 128), 5_000_000_000
     return LlamaShape(256, 896, 8192, 32, 4, 1, 64), 4 * MIB
 
 
 def write_checkpoint(ckdir: str, scale: str) -> None:
     """A llama checkpoint (bf16 random bytes, sharded by size, index + config) unless the
-    directory already holds the same one."""
+    directory already holds the same one. Shards are written by parallel threads (each its
+    own seeded stream; the 70b scale is 141 GB), then synced."""
+    from concurrent.futures import ThreadPoolExecutor
     from .data import _groups, _header, _ordered_template, _random_chunks, llama_config
     import random
     shape, shard_bytes = _shapes(scale)
@@ -65,23 +73,27 @@ def write_checkpoint(ckdir: str, scale: str) -> None:
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return
     out.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
     for old in out.glob("*.safetensors"):
         old.unlink()
     config = llama_config(shape)
     groups = _groups(_ordered_template(config), shard_bytes)
-    rng = random.Random(1234)
-    pool = rng.randbytes(64 * MIB)
-    weight_map = {}
-    for i, group in enumerate(groups):
-        name = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        head, _ = _header((n, "BF16", s, math.prod(s) * 2) for n, s in group)
-        with open(out / name, "wb") as fh:
+    pool = random.Random(1234).randbytes(64 * MIB)
+    names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+
+    def write(i: int) -> None:
+        rng = random.Random(1234 + i)
+        head, _ = _header((n, "BF16", s, math.prod(s) * 2) for n, s in groups[i])
+        with open(out / names[i], "wb") as fh:
             fh.write(head)
-            for tname, s in group:
+            for _tname, s in groups[i]:
                 for chunk in _random_chunks(math.prod(s) * 2, pool, rng):
                     fh.write(chunk)
-                weight_map[tname] = name
+
+    with ThreadPoolExecutor(min(8, len(groups))) as workers:
+        list(workers.map(write, range(len(groups))))
     os.sync()
+    weight_map = {t: names[i] for i, group in enumerate(groups) for t, _ in group}
     (out / "config.json").write_text(json.dumps(config))
     (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     stamp.write_text(json.dumps(want))
@@ -267,7 +279,7 @@ def _run_child(method: str, args: argparse.Namespace, timeout: float) -> dict:
     if method.startswith("fastsafetensors"):
         env.update(_cudart_shim())
     cmd = [sys.executable, "-m", "pploader.bench.cuda", "--child", method, "--ckdir", args.ckdir,
-           "--device", args.device]
+           "--device", args.device, "--pp", str(args.pp), "--stage", str(args.stage)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
         out, err = p.stdout, p.stderr
@@ -355,7 +367,7 @@ def plot(bench_json: str, png: str, title: str = "") -> None:
                   else "tab:blue" for m in names]
         ax.barh(names, [rate[(m, cache)] for m in names], color=colors)
         ax.invert_yaxis()
-        ax.set_xlabel("GB/s of the stage's ideal bytes (8.03 GB)")
+        ax.set_xlabel("GB/s of the stage's ideal bytes")
         ax.set_title(f"{cache} page cache")
         for y, m in enumerate(names):
             ax.text(rate[(m, cache)], y, f" {rate[(m, cache)]:.1f}", va="center", fontsize=8)
@@ -370,7 +382,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--ckdir", default="/tmp/ck")
     ap.add_argument("--out", default=os.environ.get("OUT") or "out/gpu-bench")
     ap.add_argument("--device", default="cuda:0")
-    ap.add_argument("--scale", default="full", choices=["full", "tiny"])
+    ap.add_argument("--scale", default="full", choices=SCALES, help="full: Llama-3-8B (16 GB); "
+                    "70b: Llama-3-70B (141 GB, for PP=4); tiny: a quick check")
     ap.add_argument("--budget", type=float, default=420.0, help="wall seconds for all methods")
     ap.add_argument("--methods", default=None, help="comma list, run in this order for each "
                     "cache (repeat a name to repeat it; default: the standard warm and cold "
@@ -386,8 +399,9 @@ def main(argv: list[str] | None = None) -> None:
                     "tiny and real size, warm and cold")
     ap.add_argument("--pp2", action="store_true")
     ap.add_argument("--pp2-profile", action="store_true")
-    ap.add_argument("--pp", type=int, default=2, help="stages for --pp2 / --pp2-profile")
-    ap.add_argument("--stage", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--pp", type=int, default=2, help="stages (of the methods' stage, and of "
+                    "--pp2 / --pp2-profile / --pp-reload)")
+    ap.add_argument("--stage", type=int, default=0, help="the stage the methods load")
     ap.add_argument("--pp-reload", action="store_true", help="PP=N with rings made before "
                     "the clock, and raw ceilings of one stage's bytes on another GPU")
     ap.add_argument("--reuse-ring", action="store_true", help=argparse.SUPPRESS)
@@ -417,7 +431,7 @@ def main(argv: list[str] | None = None) -> None:
         write_checkpoint(args.ckdir, args.scale)
         names = list(PATTERNS) if args.disk_best == "all" else args.disk_best.split(",")
         evict(_files(args.ckdir))
-        rows = disk_best(plan_stage(args.ckdir, Topology(2, rank=0)).plan, names)
+        rows = disk_best(plan_stage(args.ckdir, Topology(args.pp, rank=args.stage)).plan, names)
         Path(args.out, "disk_best.json").write_text(json.dumps(rows, indent=1))
         return None
     if args.cli_wall:
