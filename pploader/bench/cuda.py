@@ -116,7 +116,7 @@ def stage_ctx(ckdir: str, device: str, pp: int = 2, stage: int = 0) -> Any:
     if set(tensors) != names:
         raise SystemExit(f"plan names not found in the files: {sorted(names - set(tensors))[:3]}")
     return Ctx(ckdir, device, tensors, sorted({t[0] for t in tensors.values()}), all_files,
-               sum(t[2] - t[1] for t in tensors.values()))
+               sum(t[2] - t[1] for t in tensors.values()), pp, stage)
 
 
 def _rss_peak() -> Optional[int]:

@@ -35,6 +35,8 @@ class Ctx:
     files: list[str]          # the files holding the stage (sorted)
     all_files: list[str]      # every shard of the checkpoint
     ideal_bytes: int
+    pp: int = 2               # the stage loaded: stage ``stage`` of PP=``pp``
+    stage: int = 0
 
     def path(self, file: str) -> str:
         return os.path.join(self.ckdir, file)
@@ -235,7 +237,7 @@ def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = Fa
     ring = ring if ring is not None else PinnedRing(prepare=early)
     if populate:
         ring.prepare(register=False)
-    staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
+    staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage))
     t_plan = time.perf_counter() - t0
     if stop:
         ring.stop_preparing()
@@ -323,7 +325,7 @@ def m_pploader_api(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """The public API a server calls: plan_stage + load_stage(device=cuda), all timed."""
     from pploader import Topology, load_stage, plan_stage
     t0 = time.perf_counter()
-    staged = plan_stage(ctx.ckdir, Topology(2, rank=0))
+    staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage))
     t1 = time.perf_counter()
     res = load_stage(staged, device=ctx.device)
     t2 = time.perf_counter()

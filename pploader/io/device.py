@@ -67,6 +67,9 @@ class DeviceLoader:
         self._first_h2d = 0.0
         self._lock = threading.Lock()
         self._ready = threading.Event()
+        # recorded on the allocating thread's stream once the destinations exist: the readers'
+        # streams wait for it before their first copy (see _run)
+        self._allocated: Optional[torch.cuda.Event] = None
         self._buffers: list[Optional[torch.Tensor]] = []
         # True: allocate the destinations while the readers' first reads run. Off by default:
         # cudaMalloc and the readers' cudaHostRegister serialise in the driver, and measured
@@ -184,15 +187,14 @@ class DeviceLoader:
             threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
                                         name=f"pploader-h2d-{i}")
                        for i in range(min(self.ring.threads, max(1, len(chunks))))]
-            self._ready = threading.Event()
+            self._ready, self._allocated = threading.Event(), None
             if not self.overlap_alloc:
-                prepare()
-                self._ready.set()
+                self._prepare(prepare)
             for t in threads:
                 t.start()
             try:
                 if self.overlap_alloc:
-                    prepare()
+                    self._prepare(prepare)
             except BaseException as exc:  # noqa: BLE001 - stop the readers, then re-raise
                 errors.insert(0, exc)
             finally:
@@ -204,6 +206,20 @@ class DeviceLoader:
         finally:
             for fd in fds.values():
                 os.close(fd)
+
+    def _prepare(self, prepare: Callable[[], None]) -> None:
+        """Allocate the destinations, then mark on this thread's stream that they exist.
+
+        The caching allocator may hand out a block that another thread freed while its kernels
+        on the same stream still use it (safe for work on that stream, which runs after them).
+        The readers copy from their own streams, so each waits for this mark first: without
+        it, a pipelined TP=4 exchange overwrote a send buffer still being gathered (found on
+        4 GPUs, tests/gpu/test_tp_gpu.py)."""
+        prepare()
+        allocated = torch.cuda.Event()
+        allocated.record(torch.cuda.current_stream(self.device))
+        self._allocated = allocated
+        self._ready.set()
 
     def _worker(self, index: int, queue, fds: Mapping[str, int],
                 errors: list[BaseException]) -> None:
@@ -231,6 +247,8 @@ class DeviceLoader:
                     self._ready.wait()  # the destinations are being allocated
                 if errors:
                     break
+                if j == 0 and self._allocated is not None:
+                    stream.wait_event(self._allocated)  # after the allocating stream's work
                 with torch.cuda.stream(stream):
                     for p in chunk.pieces:
                         dst = self._buffers[p.target]
