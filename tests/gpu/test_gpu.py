@@ -398,24 +398,30 @@ def test_load_pipeline_stage_prepares_the_ring_while_planning(tiny_llama: Path) 
 def test_readers_wait_for_work_queued_on_a_reused_block(tmp_path: Path) -> None:
     """A destination may get a block freed while a kernel on the allocating stream still reads
     it (the caching allocator allows that on one stream); the readers' copies, on their own
-    streams, must wait for it. A 40k-token embedding (5 MiB) reuses such a block here."""
-    from pploader.io.device import DeviceLoader
+    streams, must wait for it. Everything comes from the allocator's cache and a page-locked
+    ring, as in the exchange's later groups (a cudaMalloc or page-locking in between would
+    serialise the streams and hide the race)."""
+    from pploader.io.device import DeviceLoader, PinnedRing
     model = make_model(tmp_path / "big", tiny_config(vocab_size=40_000), shard_bytes=8 << 20)
     plan = plan_stage(model, Topology(2, rank=0)).plan
-    embed = max(plan.items, key=lambda i: i.read_bytes)
+    embed = max(plan.items, key=lambda i: i.read_bytes)  # 40k x 64 bf16: 5 MiB
+    ring = PinnedRing(4, 4 << 20, device="cuda:0")
+    ring.prepare().join()
+    cpu = _cpu(plan)
+    first = DeviceLoader(plan, "cuda:0", ring=ring).load()  # the allocator caches its blocks
     torch.cuda.synchronize()
-    torch.cuda.empty_cache()  # the freed block below is the only cached large block
+    block = first[embed.target].data_ptr()
+    del first
     old = torch.full((embed.read_bytes,), 7, dtype=torch.uint8, device="cuda:0")
     seen = torch.empty_like(old)
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued on the current stream
     seen.copy_(old)                    # runs after the sleep: it must still read 7s
     lo, hi = old.data_ptr(), old.data_ptr() + old.numel()
     del old                            # back to the pool while the copy is queued
-    out = DeviceLoader(plan, "cuda:0").load()
+    out = DeviceLoader(plan, "cuda:0", ring=ring).load()
     torch.cuda.synchronize()
     reused = [n for n, t in out.items()
               if t.data_ptr() < hi and t.data_ptr() + t.numel() * t.element_size() > lo]
-    assert reused, "precondition: a destination should reuse the freed block"
+    assert reused, f"precondition: a destination reuses the freed block ({lo == block})"
     assert bool((seen == 7).all()), f"{reused} written before the queued copy read the block"
-    cpu = _cpu(plan)
     assert all(torch.equal(v.cpu(), cpu[k]) for k, v in out.items())
