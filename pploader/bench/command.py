@@ -52,7 +52,8 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--device", default="cpu",
                    choices=sorted({m.device for m in METHODS.values()} | {"cuda"}),
                    help="where tensors land (default cpu). cuda runs pploader.bench.cuda: the "
-                   "shared GPU anchors and pploader in one run (docs/benchmarks-gpu.md); "
+                   "raw ceiling, pploader and the other loaders (their wheels optional) in one "
+                   "run (docs/benchmarks-gpu.md); "
                    "arguments after -- go to it")
     p.add_argument("--methods", default=",".join(DEFAULT_METHODS),
                    help=f"comma list from {', '.join(METHODS)} (default: %(default)s)")

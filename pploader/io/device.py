@@ -213,8 +213,8 @@ class DeviceLoader:
         The caching allocator may hand out a block that another thread freed while its kernels
         on the same stream still use it (safe for work on that stream, which runs after them).
         The readers copy from their own streams, so each waits for this mark first: without
-        it, a pipelined TP=4 exchange overwrote a send buffer still being gathered (found on
-        4 GPUs, tests/gpu/test_tp_gpu.py)."""
+        it, a reader overwrote a pipelined TP=4 exchange's piece that a queued copy into its
+        send buffer had still to read (found on 4 GPUs, tests/gpu/test_tp_gpu.py)."""
         prepare()
         allocated = torch.cuda.Event()
         allocated.record(torch.cuda.current_stream(self.device))
