@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import math
+from itertools import chain
 from operator import attrgetter
 from dataclasses import dataclass, field, replace
 from functools import partial
@@ -20,7 +21,6 @@ from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, eng
                         even_windows, explicit_windows)
 from .accounting import check_expected, check_mtp
 from .quant import QuantScheme, quant_scheme, same_shape
-from .replicate import stage_items
 from .roles import CheckpointRoles, checkpoint_roles
 from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
                     tp_selection)
@@ -308,43 +308,56 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             if role.role == "embed":
                 extra.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
+    reads = chain(zip(own.keys(), own.values(), own.keys()), extra)
     needed_files = set(map(index.weight_map.__getitem__, chosen))
     index.require(needed_files)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         check_expected(roles, index, chosen, window, experts, topology)
         roles.mark_checked(window, experts)
+    items = []
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
+    take = exchanger.take if exchanger is not None else None
     # selections: same rule, shape, dtype -> same slice; relative: same shape, dtype, slice ->
-    # same relative runs; done: planning key (replicate.planning_key: component, fused, shape,
-    # dtype[, weight shape, weight dtype]) -> (item at offset 0, exchange choice), what
-    # ``_plan_one`` derives from exactly these, so a tensor equal in them to one planned
-    # before (the same component in another layer) reuses it; layers: a layer's tuple of
-    # keys -> its tensors' (item, choice) (replicate.py). Kept in ``roles`` per everything
-    # else they depend on (the TP rank and size, the local experts, the cost rules), so the
-    # ranks of ``plan_all`` share them.
-    selections, relative, done, layer_memo = roles.plan_memo((
+    # same relative runs; done: (component, fused, shape, dtype[, weight shape, weight
+    # dtype]) -> (item at offset 0, exchange choice), what ``_plan_one`` derives from exactly
+    # these, so a tensor equal in them to one planned before (the same component in another
+    # layer) reuses it. Kept in ``roles`` per everything else they depend on (the TP rank and
+    # size, the local experts, the cost rules), so the ranks of ``plan_all`` share them.
+    selections, relative, done = roles.plan_memo((
         topology.tp_rank, topology.tp_size, experts, range_cost_bytes,
         exchange_cost if exchanger is not None else None))
+    links, rule_index = roles.links, roles.rule_index
+    entries = index.entry_map(needed_files)
     qdtype = scheme.weight_dtype if scheme is not None else None
-
-    def plan_one(key: tuple, name: str, role: TensorRole, entry: TensorEntry,
-                 weight: Optional[str], wentry: Optional[TensorEntry]) -> tuple[ReadItem, Any]:
-        found = done.get(key)
+    new, item_cls, setattr_ = object.__new__, ReadItem, object.__setattr__
+    for name, role, target in reads:
+        entry = entries[name]
+        weight = links.get(name)
+        if weight is None:
+            wentry = None
+            fast: tuple = (role.component, role.fused_experts, entry.shape, entry.dtype)
+        else:
+            wentry = index.entry(weight)
+            fast = (role.component, role.fused_experts, entry.shape, entry.dtype,
+                    wentry.shape, wentry.dtype)
+        found = done.get(fast)
         if found is None:
-            found = done[key] = _plan_one(
-                spec, index, topology, experts, scheme, range_cost_bytes, exchanger,
-                selections, relative, roles.rule_index, qdtype, name, role, entry, weight,
-                wentry)
-        return found
-
-    off_layers, layers = roles.stage_layers(window, experts)
-    entries, take = index.entry_map(needed_files), \
-        exchanger.take if exchanger is not None else None
-    items = stage_items(((n, own[n], n) for n in off_layers), layers, own, entries,
-                        roles.links, index.entry, plan_one, layer_memo, take)
-    items += stage_items(extra, (), own, entries, roles.links, index.entry, plan_one,
-                         layer_memo, take)  # the tied head: after the stage's own names
+            found = done[fast] = _plan_one(
+                spec, index, topology, experts, scheme, range_cost_bytes, exchanger, selections,
+                relative, rule_index, qdtype, name, role, entry, weight, wentry)
+        made, choice = found
+        if choice is not None:
+            take(entry, target, choice)  # type: ignore[misc]
+        # ``made`` moved to the tensor's file and offset (a frozen copy, no __init__)
+        ranges, start = made.ranges, entry.start
+        fields = made.__dict__.copy()
+        fields["name"], fields["target"], fields["file"] = name, target, entry.file
+        fields["ranges"] = ((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1 \
+            else tuple((start + a, n) for a, n in ranges)
+        item = new(item_cls)
+        setattr_(item, "__dict__", fields)
+        items.append(item)
     plan = _finish(spec, index, topology, window, experts, items, list(chosen))
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None

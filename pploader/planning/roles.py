@@ -47,7 +47,7 @@ class CheckpointRoles:
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
     _index_names: Collection[str] = field(default=(), compare=False, repr=False)
-    _plan_memo: dict[tuple, tuple[dict, dict, dict, dict]] = field(default_factory=dict,
+    _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
                                                              compare=False, repr=False)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
@@ -113,20 +113,11 @@ class CheckpointRoles:
                     ) -> dict[str, TensorRole]:
         """The roles of the names ``window`` (and ``experts``) reads (a new dict; computed once
         per stage and EP rank, every TP rank of the stage shares it)."""
-        return dict(self._stage(window, experts)[0])
-
-    def stage_layers(self, window: StageWindow, experts: Optional[tuple[int, int]]
-                     ) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
-        """The names of :meth:`stage_roles`, split as (names off the layers, then the names of
-        each layer of the window, in the same order): a planner works layer by layer on them."""
-        return self._stage(window, experts)[1:]
-
-    def _stage(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> tuple:
         key = ("roles", window, experts)
         found = self._stage_memo.get(key)
         if found is None:
             found = self._stage_memo[key] = self._stage_roles(window, experts)
-        return found
+        return dict(found)
 
     def rule_index(self, component: str) -> int:
         """Position of ``component``'s TP rule in the family's ``shard_rules`` (-1: none,
@@ -160,14 +151,13 @@ class CheckpointRoles:
                 t: fam.classify(t, n, m) for t in part.keys() - self._index_names})
         return found
 
-    def plan_memo(self, key: tuple) -> tuple[dict, dict, dict, dict]:
+    def plan_memo(self, key: tuple) -> tuple[dict, dict, dict]:
         """The per-tensor memos ``plan.plan_rank`` fills (selections, relative reads, planned
-        tensors, planned layers), one set per ``key`` (everything besides a tensor's
-        component, shape and dtype that they depend on), so ranks planned with these roles
-        share them."""
+        tensors), one set per ``key`` (everything besides a tensor's component, shape and
+        dtype that they depend on), so ranks planned with these roles share them."""
         found = self._plan_memo.get(key)
         if found is None:
-            found = self._plan_memo[key] = ({}, {}, {}, {})
+            found = self._plan_memo[key] = ({}, {}, {})
         return found
 
     def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
@@ -178,20 +168,13 @@ class CheckpointRoles:
         self._stage_memo["checked", window, experts] = True
 
     def _stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
-                     ) -> tuple[dict[str, TensorRole], tuple[str, ...],
-                                tuple[tuple[str, ...], ...]]:
-        """(name -> role of the stage, the names off the layers, each layer's names)."""
+                     ) -> dict[str, TensorRole]:
         chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
-        off_layers = tuple(chosen)
-        per_layer = []
         for layer in range(window.start_layer, window.end_layer):
-            roles = self.layer_roles(layer)
-            if experts is not None:
-                roles = {n: r for n, r in roles.items()
-                         if r.expert is None or experts[0] <= r.expert < experts[1]}
-            chosen.update(roles)
-            per_layer.append(tuple(roles))
-        return chosen, off_layers, tuple(per_layer)
+            for name, role in self.layer_roles(layer).items():
+                if role.expert is None or experts is None or experts[0] <= role.expert < experts[1]:
+                    chosen[name] = role
+        return chosen
 
     @property
     def stores_head(self) -> bool:
