@@ -5,7 +5,16 @@ header JSON, entries, roles, read items) and none of them forms a reference cycl
 allocation burst makes the cyclic collector scan every live object again: on DeepSeek-V3's
 92 k tensors that scanning was more than half of the planning time. The collector is paused
 for the duration of a planning call and resumed (only if it was running) afterwards;
-reference counting still frees everything as usual. Pure: no I/O, no collective.
+reference counting still frees everything as usual.
+
+Resuming plainly would not save the scan, only move it: every object made during the pause is
+still in the youngest generation, so the first allocation after ``gc.enable()`` starts a
+collection that traverses all of them (a quarter of a TP8 rank's plan of DeepSeek-V3). On
+resume they are therefore moved to the oldest generation first (``gc.freeze()`` then
+``gc.unfreeze()``: two list splices), where only a full collection looks at them, and by then
+a released plan is long freed by reference counting. Skipped when the caller froze objects
+itself (``gc.get_freeze_count()``): unfreezing would undo its freeze. Pure: no I/O, no
+collective.
 """
 from __future__ import annotations
 
@@ -29,6 +38,9 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        if gc.get_freeze_count() == 0:  # the pause's objects to the oldest generation
+            gc.freeze()
+            gc.unfreeze()
         gc.enable()
 
 
