@@ -10,9 +10,10 @@ reference counting still frees everything as usual.
 Resuming plainly would not save the scan, only move it: every object made during the pause is
 still in the youngest generation, so the first allocation after ``gc.enable()`` starts a
 collection that traverses all of them (a quarter of a TP8 rank's plan of DeepSeek-V3). On
-resume they are therefore moved to the oldest generation first (``gc.freeze()`` then
-``gc.unfreeze()``: two list splices), where only a full collection looks at them, and by then
-a released plan is long freed by reference counting. Skipped when the caller froze objects
+resume the young generations (the pause's objects, and whatever the caller made just before)
+are therefore moved to the oldest generation first (``gc.freeze()`` then ``gc.unfreeze()``:
+two list splices), where only a full collection looks at them, and by then a released plan is
+long freed by reference counting. Skipped when the caller froze objects
 itself (``gc.get_freeze_count()``): unfreezing would undo its freeze. Pure: no I/O, no
 collective.
 """
@@ -38,7 +39,7 @@ def gc_paused() -> Iterator[None]:
     try:
         yield
     finally:
-        if gc.get_freeze_count() == 0:  # the pause's objects to the oldest generation
+        if gc.get_freeze_count() == 0:  # the young generations to the oldest one
             gc.freeze()
             gc.unfreeze()
         gc.enable()
