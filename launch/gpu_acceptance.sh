@@ -7,12 +7,12 @@
 #   ./launch/gpu_acceptance.sh 2   # PP=4 alone vs together, CLI wall vs a bare torchrun
 #
 # Needs 4 GPUs for PP=4 (2 for the rest). Competitors' wheels (instanttensor, fastsafetensors)
-# are installed from .whl/ when present. JSON and logs go to $OUT/acceptance/partN/.
+# are installed from .whl/ when present. Logs go to $OUT/partN/, JSON to $OUT/partN_NAME/ (two levels: what the device returns).
 # The numbers are written up in docs/benchmarks-gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PART="${1:?usage: $0 1|2}"
-OUT="${OUT:-out/gpu}"; DIR="$OUT/acceptance/part$PART"; mkdir -p "$DIR"
+OUT="${OUT:-out/gpu}"; DIR="$OUT/part$PART"; mkdir -p "$DIR"
 CKDIR="${CKDIR:-/tmp/ck}"
 PY="${PYTHON:-python3}"
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
@@ -28,7 +28,7 @@ fi
 } | tee "$DIR/machine.txt"
 bench() { local name="$1"; shift
   echo "== $name: $PY -m pploader.bench.cuda --ckdir $CKDIR $*" | tee -a "$DIR/commands.txt"
-  "$PY" -m pploader.bench.cuda --ckdir "$CKDIR" --out "$DIR/$name" "$@" 2>&1 | tee "$DIR/$name.log"
+  "$PY" -m pploader.bench.cuda --ckdir "$CKDIR" --out "${DIR}_$name" "$@" 2>&1 | tee "$DIR/$name.log"
 }
 case "$PART" in
   1)
