@@ -52,6 +52,33 @@ def _header(path: str) -> tuple[int, dict]:
 
 # ---- raw ceiling: 16 threads preadv -> pinned ring -> async H2D --------------------------
 
+def run_threads(threads: int, worker: Callable[[int], None],
+                device: Optional[torch.device | int | str] = None) -> None:
+    """``worker(0..threads-1)`` on their own threads; the first error is re-raised. With
+    ``device``, each thread makes it current first: a new thread's CUDA calls go to device 0
+    otherwise, and on another GPU the first of them makes a context there inside the clock."""
+    errors: list[BaseException] = []
+    index = device if device is None or isinstance(device, int) else torch.device(device).index
+    if device is not None and index is None:  # "cuda": the caller's current device
+        index = torch.cuda.current_device()
+
+    def guarded(i: int) -> None:
+        try:
+            if index is not None:
+                torch.cuda.set_device(index)
+            worker(i)
+        except BaseException as exc:  # noqa: BLE001 - re-raised below
+            errors.append(exc)
+
+    pool = [threading.Thread(target=guarded, args=(i,)) for i in range(threads)]
+    for t in pool:
+        t.start()
+    for t in pool:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
 def prep_raw(ctx: Ctx, threads: int = 16, chunk: int = 16 * MIB) -> dict:
     """The ceiling's ring exists before the clock starts (2 pinned chunks per thread)."""
     ring = torch.empty(threads * 2 * chunk, dtype=torch.uint8, pin_memory=True)
@@ -84,49 +111,42 @@ def m_raw(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
             out[name] = big[pos + ts - s:pos + te - s].view(_DT[v["dtype"]]).view(v["shape"])
         jobs += [(fds[f], o, min(chunk, e - o), pos + o - s) for o in range(s, e, chunk)]
         pos += e - s
-    it, lock, errors = iter(jobs), threading.Lock(), []
+    it, lock = iter(jobs), threading.Lock()
     flat = ring.numpy()
 
     def worker(i: int) -> None:
-        try:
-            stream = torch.cuda.Stream(device=ctx.device)
-            events: list[Optional[torch.cuda.Event]] = [None, None]
-            j = 0
-            while True:
-                with lock:
-                    job = next(it, None)
-                if job is None:
-                    break
-                fd, off, n, dst = job
-                b = j % 2
-                if events[b] is not None:
-                    events[b].synchronize()  # type: ignore[union-attr]
-                base = (2 * i + b) * chunk
-                view = memoryview(flat[base:base + n])
-                got = 0
-                while got < n:
-                    k = os.preadv(fd, [view[got:]], off + got)
-                    if k <= 0:
-                        raise OSError(f"short read at {off + got}")
-                    got += k
-                with torch.cuda.stream(stream):
-                    big[dst:dst + n].copy_(ring[base:base + n], non_blocking=True)
-                    events[b] = torch.cuda.Event()
-                    events[b].record(stream)  # type: ignore[union-attr]
-                j += 1
-            stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
+        stream = torch.cuda.Stream(device=ctx.device)
+        events: list[Optional[torch.cuda.Event]] = [None, None]
+        j = 0
+        while True:
+            with lock:
+                job = next(it, None)
+            if job is None:
+                break
+            fd, off, n, dst = job
+            b = j % 2
+            if events[b] is not None:
+                events[b].synchronize()  # type: ignore[union-attr]
+            base = (2 * i + b) * chunk
+            view = memoryview(flat[base:base + n])
+            got = 0
+            while got < n:
+                k = os.preadv(fd, [view[got:]], off + got)
+                if k <= 0:
+                    raise OSError(f"short read at {off + got}")
+                got += k
+            with torch.cuda.stream(stream):
+                big[dst:dst + n].copy_(ring[base:base + n], non_blocking=True)
+                events[b] = torch.cuda.Event()
+                events[b].record(stream)  # type: ignore[union-attr]
+            j += 1
+        stream.synchronize()
 
-    ts_ = [threading.Thread(target=worker, args=(i,)) for i in range(threads)]
-    for t in ts_:
-        t.start()
-    for t in ts_:
-        t.join()
-    for fd in fds.values():
-        os.close(fd)
-    if errors:
-        raise errors[0]
+    try:
+        run_threads(threads, worker, ctx.device)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     return out, {"logical_bytes": total, "_keep": ring,
                  "api": f"os.preadv x{threads} threads, {chunk >> 20} MiB chunks, 2 pinned "
                         "chunks/thread, per-thread stream copy_(non_blocking)"}

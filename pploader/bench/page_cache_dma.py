@@ -27,13 +27,14 @@ import mmap
 import os
 import subprocess
 import sys
-import threading
 import time
 import warnings
 from pathlib import Path
 from typing import Callable
 
 import torch
+
+from .gpu_methods import run_threads
 
 __all__ = ["main"]
 
@@ -74,24 +75,6 @@ def _chunks(sizes: list[int], chunk: int) -> list[tuple[int, int, int]]:
             for off in range(0, size, chunk)]
 
 
-def _run_threads(threads: int, worker: Callable[[int], None]) -> None:
-    errors: list[BaseException] = []
-
-    def guarded(t: int) -> None:
-        try:
-            worker(t)
-        except BaseException as exc:  # noqa: BLE001 - re-raised below
-            errors.append(exc)
-
-    pool = [threading.Thread(target=guarded, args=(t,)) for t in range(threads)]
-    for p in pool:
-        p.start()
-    for p in pool:
-        p.join()
-    if errors:
-        raise errors[0]
-
-
 def ring(paths: list[Path], dsts: list[torch.Tensor], device: int, threads: int,
          chunk: int) -> Result:
     """The pinned ring (the loader's path, with the least Python per chunk)."""
@@ -108,7 +91,6 @@ def ring(paths: list[Path], dsts: list[torch.Tensor], device: int, threads: int,
     start = time.perf_counter()
 
     def worker(t: int) -> None:
-        torch.cuda.set_device(device)
         stream = torch.cuda.Stream()
         torch.cuda.set_stream(stream)
         events = [torch.cuda.Event(), torch.cuda.Event()]
@@ -125,7 +107,7 @@ def ring(paths: list[Path], dsts: list[torch.Tensor], device: int, threads: int,
         stream.synchronize()
 
     try:
-        _run_threads(threads, worker)
+        run_threads(threads, worker, device)
         torch.cuda.synchronize()
         return time.perf_counter() - start, {}
     finally:
@@ -157,7 +139,6 @@ def register_chunks(paths: list[Path], dsts: list[torch.Tensor], device: int, th
     reg_s, unreg_s = [0.0] * threads, [0.0] * threads
 
     def worker(t: int) -> None:
-        torch.cuda.set_device(device)
         stream = torch.cuda.Stream()
         torch.cuda.set_stream(stream)
         pending: list[tuple[torch.cuda.Event, int]] = []
@@ -184,7 +165,7 @@ def register_chunks(paths: list[Path], dsts: list[torch.Tensor], device: int, th
         for event, ptr in pending:
             unlock(event, ptr)
 
-    _run_threads(threads, worker)
+    run_threads(threads, worker, device)
     torch.cuda.synchronize()
     return time.perf_counter() - start, {"register_s_summed": round(sum(reg_s), 3),
                                          "unregister_s_summed": round(sum(unreg_s), 3)}

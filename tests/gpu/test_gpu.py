@@ -318,8 +318,19 @@ def test_stacked_experts_onto_cuda_equal_cpu(tmp_path: Path, device_loads: list[
     assert sum(device_loads) == len(staged.plan.items)
 
 
-_ONLY_GPU1 = r'''
-import ctypes, json, sys
+_GPU0_CONTEXT = r'''
+def gpu0_context() -> int:
+    """1 when the driver's primary context of device 0 is active in this process."""
+    import ctypes
+    cuda = ctypes.CDLL("libcuda.so.1")
+    dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
+    assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
+    return active.value
+'''
+
+_ONLY_GPU1 = _GPU0_CONTEXT + r'''
+import json, sys
 import torch
 from pploader import Topology, plan_stage
 from pploader.io.device import DeviceLoader
@@ -331,11 +342,19 @@ loaded = DeviceLoader(plan, "cuda:1").load()          # reader threads page-lock
 ring = PinnedRing(threads=2, slot_bytes=1 << 16, prepare=True, device="cuda:1")
 ring.prepare().join()                                 # the background preparer
 same = all(torch.equal(loaded[k].cpu(), v) for k, v in Reader(plan))
-cuda = ctypes.CDLL("libcuda.so.1")
-dev, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
-assert cuda.cuDeviceGet(ctypes.byref(dev), 0) == 0
-assert cuda.cuDevicePrimaryCtxGetState(dev, ctypes.byref(flags), ctypes.byref(active)) == 0
-print(json.dumps({"same": same, "gpu0_context": active.value, "registered": ring.nbytes}))
+print(json.dumps({"same": same, "gpu0_context": gpu0_context(), "registered": ring.nbytes}))
+'''
+
+_RAW_CEILING_GPU1 = _GPU0_CONTEXT + r'''
+import json, sys
+import torch
+from pploader.bench.cuda import stage_ctx
+from pploader.bench.gpu_methods import m_raw, prep_raw, verify
+torch.cuda.set_device(1)
+ctx = stage_ctx(sys.argv[1], "cuda:1", pp=1, stage=0)
+out, _ = m_raw(ctx, prep_raw(ctx, threads=4, chunk=1 << 16))
+print(json.dumps({"verify": verify(ctx, out), "gpu0_context": gpu0_context(),
+                  "devices": sorted({str(t.device) for t in out.values()})}))
 '''
 
 
@@ -353,6 +372,20 @@ def test_background_threads_touch_only_their_gpu(tiny_llama: Path) -> None:
     res = json.loads(out.stdout.strip().splitlines()[-1])
     assert res["same"] and res["registered"] == 4 * (1 << 16)
     assert res["gpu0_context"] == 0, res
+
+
+@two_gpus
+def test_raw_ceiling_on_gpu1_stays_on_gpu1(tiny_llama: Path) -> None:
+    """The benchmark's raw ceiling on GPU 1: its reader threads make GPU 1 current, so no
+    context on GPU 0 is made inside its clock (that cost made GPUs 1-3 look ~40% slower)."""
+    import json
+    import subprocess
+    import sys
+    out = subprocess.run([sys.executable, "-c", _RAW_CEILING_GPU1, str(tiny_llama)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res == {"verify": "ok", "gpu0_context": 0, "devices": ["cuda:1"]}, res
 
 
 def _pipeline_stage_with_early_staging(rank: int, world: int, model: str) -> dict:
