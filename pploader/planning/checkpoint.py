@@ -245,8 +245,8 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
                               file=name)
     try:
-        text = index_path.read_bytes().decode("utf-8")
-        obj = loads_checked(text)
+        raw = index_path.read_bytes()
+        obj = loads_checked(raw.decode("utf-8"), raw)
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:

@@ -158,17 +158,18 @@ def _loads(raw: bytes | str) -> object:
     return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
-def _loads_fast(text: str) -> Optional[object]:
+def _loads_fast(text: str, raw: Optional[bytes] = None) -> Optional[object]:
     """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
     fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
     no backslash qualifies: without escapes no string holds a ``"``, so every ``"`` of the
     text delimits a string token, and the caller's count (:func:`_strings`) proves that no
-    key was lost to a duplicate. NaN / Infinity are refused by both parsers."""
+    key was lost to a duplicate. NaN / Infinity are refused by both parsers. ``raw``: the
+    UTF-8 bytes ``text`` was decoded from; orjson parses bytes ~1.3x faster than a str."""
     if "\\" in text:
         return None
     try:
         if _orjson is not None:
-            return _orjson.loads(text)
+            return _orjson.loads(text if raw is None else raw)
         return json.loads(text, parse_constant=_no_constants)
     except (ValueError, RecursionError, TypeError):
         return None  # the strict parse reports it (with its own message)
@@ -190,10 +191,11 @@ def _strings(value: object) -> int:
     return 0
 
 
-def loads_checked(text: str) -> object:
+def loads_checked(text: str, raw: Optional[bytes] = None) -> object:
     """JSON text parsed as headers are: the fast parse when it provably saw every key (no
-    duplicate hidden), else the strict one (duplicates and non-finite constants refused)."""
-    obj = _loads_fast(text)
+    duplicate hidden), else the strict one (duplicates and non-finite constants refused).
+    ``raw``: the UTF-8 bytes of ``text``, when the caller has them (a faster parse)."""
+    obj = _loads_fast(text, raw)
     if obj is None or text.count('"') != 2 * _strings(obj):
         obj = _loads(text)  # escapes or a duplicate key: the strict parse decides
     return obj
@@ -248,7 +250,7 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
                               file=name) from exc
     data_start = 8 + n
     data_len = st.st_size - data_start
-    fast = _fast_header(name, text, data_start, data_len, max_tensors)
+    fast = _fast_header(name, text, data_start, data_len, max_tensors, raw)
     if fast is not None:
         return ShardHeader(name, path, FileIdentity.of(st), n, data_start, *fast)
     try:
@@ -284,14 +286,14 @@ _ITEMSIZE = {code: size for code, (_, size) in DTYPES.items()}
 _new = object.__new__
 
 
-def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tensors: int
-                 ) -> Optional[tuple[dict[str, TensorEntry], dict]]:
+def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tensors: int,
+                 raw: Optional[bytes] = None) -> Optional[tuple[dict[str, TensorEntry], dict]]:
     """The entries and metadata of a well-formed header, parsed without per-object Python
     hooks and checked in whole-header passes; None when anything is unusual (escapes, a duplicate
     key, any entry the strict checks would refuse), and then ``parse_header`` parses the
     text again strictly, so every error keeps its precise message. Accepts exactly what the
     strict path accepts, with the same entries (tests/planning/test_plan_equivalence.py, the fuzzer)."""
-    obj = _loads_fast(text)
+    obj = _loads_fast(text, raw)
     if type(obj) is not dict:
         return None
     had_metadata = "__metadata__" in obj
