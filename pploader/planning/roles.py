@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import bisect
 import re
-from itertools import compress
-from operator import itemgetter
+from itertools import compress, repeat
+from collections import deque
+from operator import itemgetter, setitem
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Mapping, Optional
 
@@ -48,6 +49,10 @@ class CheckpointRoles:
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
+    #: (a layer's components, whether each links to a weight) -> each name's role fields
+    #: (``_role_fields``' values, in name order): what a layer like it needs, no lookups
+    _layer_fields: dict[tuple, list[dict]] = field(default_factory=dict, compare=False,
+                                                   repr=False)
     _index_names: Collection[str] = field(default=(), compare=False, repr=False)
     _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
                                                              compare=False, repr=False)
@@ -103,8 +108,17 @@ class CheckpointRoles:
         memo, links, known = self._role_fields, self.links, self.components
         new, setattr_, role_cls, out = object.__new__, object.__setattr__, TensorRole, {}
         names = self.layers.get(layer, ())
-        for name, key in zip(names, zip(map(itemgetter(slice(prefix_len, None)), names),
-                                        map(links.__contains__, names))):
+        comps = tuple(map(itemgetter(slice(prefix_len, None)), names))
+        linked = tuple(map(links.__contains__, names))
+        fields_of = self._layer_fields.get((comps, linked))
+        if fields_of is not None:  # a layer like an earlier one: every role built in C passes
+            values = list(map(dict.copy, fields_of))  # the per-component fields + this layer
+            deque(map(setitem, values, repeat("layer"), repeat(layer)), maxlen=0)
+            deque(map(setitem, values, repeat("placement"), repeat(placement)), maxlen=0)
+            roles = list(map(new, repeat(role_cls, len(values))))  # frozen values, no __init__
+            deque(map(setattr_, roles, repeat("__dict__"), values), maxlen=0)
+            return dict(zip(names, roles))
+        for name, key in zip(names, zip(comps, linked)):
             component = key[0]  # key: (component, whether it links to a weight)
             fields = memo.get(key)
             if fields is None:
@@ -115,11 +129,14 @@ class CheckpointRoles:
                         and role.placement == placement:
                     memo[key] = dict(vars(role))
                 continue
-            values = fields.copy()  # a frozen value: the per-component fields + this layer
-            values["layer"], values["placement"] = layer, placement
+            fields = fields.copy()  # a frozen value: the per-component fields + this layer
+            fields["layer"], fields["placement"] = layer, placement
             role = new(role_cls)
-            setattr_(role, "__dict__", values)
+            setattr_(role, "__dict__", fields)
             out[name] = role
+        every = list(map(memo.get, zip(comps, linked)))
+        if None not in every:  # a later layer with these components takes the C passes above
+            self._layer_fields[comps, linked] = [f for f in every if f is not None]
         return out
 
     def _prefix_len(self, layer: int) -> int:
