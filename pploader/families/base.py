@@ -187,6 +187,10 @@ class CheckpointFormat:
     changes: tuple[tuple[str, object], ...]
 
 
+#: rule syntax that reads differently inside an alternation of named groups: group
+#: references (by number or name) and inline flags
+_NOT_COMBINABLE = re.compile(r"\\[1-9]|\(\?P[=<]|\(\?[aiLmsux-]+[:)]|\\g")
+
 #: marker syntax that could match a newline or anchor the whole text (\s, \W, \D, [^...],
 #: \A, \Z, the s flag): such a marker is searched name by name
 _SPANS_NAMES = re.compile(r"\\[sWDAZ]|\[\^|\(\?[a-zA-Z]*s")
@@ -210,7 +214,8 @@ class QuantNaming:
 
     def weight_of(self, name: str, suffixes: Iterable[str]) -> Optional[tuple[str, str]]:
         """``(weight name, suffix)`` when ``name`` is a companion (longest suffix first)."""
-        for suffix in sorted(suffixes, key=len, reverse=True):
+        suffixes = list(suffixes)
+        for suffix in suffixes if len(suffixes) < 2 else sorted(suffixes, key=len, reverse=True):
             if name == suffix or name.endswith("." + suffix):
                 return name[:len(name) - len(suffix)] + self.weight, suffix
         return None
@@ -344,11 +349,32 @@ class Family:
         return TensorRole(placement, component, layer, expert, fused)
 
     def shard_rule(self, component: str) -> Optional[ShardRule]:
-        """The first TP rule whose pattern fully matches ``component`` (None = replicated)."""
+        """The first TP rule whose pattern fully matches ``component`` (None = replicated).
+        All rules are tried in one regex call (an alternation in rule order: fullmatch takes
+        the first alternative that matches the whole name), the rule by its named group."""
+        rules = self._rules_rx()
+        if rules is not None:
+            m = rules.fullmatch(component)
+            return None if m is None else self.shard_rules[int(m.lastgroup[1:])]  # type: ignore[index]
         for rule in self.shard_rules:
             if self._re(rule.pattern).fullmatch(component):
                 return rule
         return None
+
+    def _rules_rx(self) -> "Optional[re.Pattern[str]]":
+        """The rules as one alternation ``(?P<r0>...)|(?P<r1>...)``, compiled once; None when
+        there are none or a pattern could read differently inside it (a backreference or
+        inline flag), and then they are tried one by one."""
+        if "__rules__" not in self._compiled:
+            found = None
+            pats = [r.pattern for r in self.shard_rules]
+            if pats and not any(_NOT_COMBINABLE.search(p) for p in pats):
+                try:
+                    found = re.compile("|".join(f"(?P<r{i}>{p})" for i, p in enumerate(pats)))
+                except re.error:  # pragma: no cover - each pattern alone still applies
+                    found = None
+            self._compiled["__rules__"] = found
+        return self._compiled["__rules__"]  # type: ignore[no-any-return]
 
     def head_name(self) -> Optional[str]:
         """The name of the output head (the name a tied embedding is read as), or None."""

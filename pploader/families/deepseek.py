@@ -71,12 +71,17 @@ FUSED_QKV_A = FusedTarget("self_attn.fused_qkv_a_proj.{p}",
                           ("self_attn.q_a_proj.{p}", "self_attn.kv_a_proj_with_mqa.{p}"))
 
 
+def _is_moe(spec: SpecView, layer: int) -> bool:
+    """True when ``layer`` has routed experts (the first ``first_k_dense_replace`` are dense)."""
+    first_dense = int(cfg_opt(spec.config, "first_k_dense_replace", 0))  # type: ignore[arg-type]
+    return bool(spec.num_experts) and layer >= first_dense
+
+
 def _decoder_layer(spec: SpecView, layer: int, fused: bool) -> Shapes:
     h = spec.hidden_size
     out: Shapes = {"input_layernorm.weight": (h,), "post_attention_layernorm.weight": (h,),
                    **mla_tensors(spec)}
-    first_dense = int(cfg_opt(spec.config, "first_k_dense_replace", 0))  # type: ignore[arg-type]
-    if spec.num_experts and layer >= first_dense:
+    if _is_moe(spec, layer):
         inter = spec.int("moe_intermediate_size")
         shared = inter * int(cfg_opt(spec.config, "n_shared_experts", 1))  # type: ignore[arg-type]
         out.update({"mlp.gate.weight": (spec.num_experts, h),
@@ -98,11 +103,17 @@ def _mtp_extras(spec: SpecView) -> Shapes:
 def _layered(spec: SpecView, fused: bool = False
              ) -> tuple[Shapes, Callable[[int], Shapes], range]:
     """The template by layer: main layers, then MTP layers ``num_layers ..
-    num_layers + num_mtp_layers - 1`` (each a decoder layer plus the MTP extras)."""
+    num_layers + num_mtp_layers - 1`` (each a decoder layer plus the MTP extras). A layer's
+    components depend only on (MoE, MTP): each kind is built once, then prefixed per layer."""
+    kinds: dict[tuple[bool, bool], Shapes] = {}
+
     def layer(i: int) -> Shapes:
-        out = _decoder_layer(spec, i, fused)
-        if i >= spec.num_layers:
-            out.update(_mtp_extras(spec))
+        kind = (_is_moe(spec, i), i >= spec.num_layers)
+        out = kinds.get(kind)
+        if out is None:
+            out = kinds[kind] = _decoder_layer(spec, i, fused)
+            if kind[1]:
+                out.update(_mtp_extras(spec))
         return prefixed(f"model.layers.{i}.", out)
     return globals_tensors(spec), layer, range(spec.num_layers + spec.num_mtp_layers)
 

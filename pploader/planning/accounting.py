@@ -8,7 +8,8 @@ the messages are those of the per-name checks.
 """
 from __future__ import annotations
 
-from operator import attrgetter
+from itertools import compress, repeat
+from operator import attrgetter, itemgetter, not_
 from typing import Callable, Mapping, Optional, Sequence
 
 from ..errors import PlanError
@@ -23,6 +24,8 @@ from .topology import Topology
 __all__ = ["check_expected", "check_mtp"]
 
 _shape_of = attrgetter("shape")
+_placement_of = attrgetter("placement")
+_LAYER = "layer"
 
 
 def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
@@ -37,12 +40,19 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
     expected = dict(zip(in_template, map(tuple, map(template.__getitem__, in_template))))
     expected.update({n: tuple(template[n]) for n, r in template_only.items()
                      if r is not None and wanted(r, window, experts)})
-    entries = index.entry_map({index.weight_map[n] for n in chosen})
+    entries = index.entry_map(set(map(index.weight_map.__getitem__, chosen)))
     scheme = quant_scheme(spec)
     if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
         expected = _expand(scheme, expected, entries)  # an error like any missing tensor)
     # the stage's names, as ``wanted`` keeps them (a chosen "layer" name always is)
-    have = [n for n, r in chosen.items() if r.placement == "layer" or wanted(r, window, experts)]
+    have = _stage_names(chosen, window, experts)
+    if len(have) == len(expected):  # the common case in one pass: every name of the stage
+        try:  # expected and as many as expected = the same set (no missing, no unexpected:
+            want = list(map(expected.__getitem__, have))  # the stage's names are the index's)
+        except KeyError:
+            want = None
+        if want is not None and list(map(_shape_of, map(entries.__getitem__, have))) == want:
+            return  # every shape exactly as expected too
     missing = sorted(expected.keys() - index.weight_map.keys())
     unexpected = sorted(set(have) - expected.keys())
     where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
@@ -66,33 +76,74 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
                             rank=topology.rank)
 
 
+def _stage_names(chosen: Mapping[str, TensorRole], window: StageWindow,
+                 experts: Optional[tuple[int, int]]) -> list[str]:
+    """The names of ``chosen`` the stage holds: every "layer" one, the others as ``wanted``
+    keeps them (the few globals, looked at one by one; the ~90 k layer names in C passes)."""
+    roles = list(chosen.values())
+    keep = list(map(_LAYER.__eq__, map(_placement_of, roles)))
+    at = -1
+    while True:
+        try:
+            at = keep.index(False, at + 1)
+        except ValueError:
+            return list(compress(chosen, keep))
+        keep[at] = wanted(roles[at], window, experts)
+
+
 def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
             entries: Mapping[str, TensorEntry]) -> dict[str, tuple[int, ...]]:
     """``expand_template(scheme, expected, dtype_of=<stored dtype>)``, computed once per
     (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
-    weights share a handful of such keys. Names whose expansion is themselves alone (not
-    quantized) are copied in one pass."""
+    weights share a handful of such keys. The keys are made, and the names whose expansion
+    is themselves alone (not quantized) copied, in C passes; only quantized names are
+    expanded one by one (the result's order is immaterial: it is looked up and diffed)."""
     names = list(expected)
     weight = "weight"
-    keys = [(shape, entry.dtype if entry is not None else None,
-             name == weight or name.endswith(".weight"))
-            for name, shape, entry in zip(names, expected.values(), map(entries.get, names))]
+    if weight in expected:  # a bare "weight" is weight-named too
+        weighty: list[bool] = [n == weight or n.endswith("." + weight) for n in names]
+    else:
+        weighty = list(map(str.endswith, names, repeat("." + weight)))
+    keys = list(zip(expected.values(),
+                    map(_dtype_of, map(entries.get, names, repeat(_ABSENT))), weighty))
     made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
     for key in set(keys):  # the expansion of a stand-in name "x.weight" / "x", relative to it
         probe = "x." + weight if key[2] else "x"
         got = expand_template(scheme, {probe: key[0]}, dtype_of=_stored(key[1]))
         stem = probe[:-len(weight)] if key[2] else probe
         made[key] = tuple((n[len(stem):] if n != probe else None, s) for n, s in got.items())
-    out: dict[str, tuple[int, ...]] = {}
-    for name, key in zip(names, keys):
-        rel = made[key]
-        if len(rel) == 1 and rel[0][0] is None:  # not quantized: itself, as expected
-            out[name] = rel[0][1]
-            continue
+    itself = {k for k, rel in made.items() if len(rel) == 1 and rel[0][0] is None}
+    plain = list(map(itself.__contains__, keys))
+    out = dict(zip(compress(names, plain),  # rel[0][1]: the shape of the name itself
+                   map(itemgetter(1), map(itemgetter(0), map(made.__getitem__,
+                                                              compress(keys, plain))))))
+    if all(plain):
+        return out
+    quantized: dict[str, tuple[int, ...]] = {}
+    mixed = list(map(not_, plain))
+    for name, key in zip(compress(names, mixed), compress(keys, mixed)):
         stem = name[:-len(weight)] if key[2] else name
-        for suffix, s in rel:
+        for suffix, s in made[key]:
+            quantized[name if suffix is None else stem + suffix] = s
+    if quantized.keys().isdisjoint(out):
+        out.update(quantized)
+        return out
+    out = {}  # a companion also named by the template: applied in the template's order
+    for name, key in zip(names, keys):
+        stem = name[:-len(weight)] if key[2] else name
+        for suffix, s in made[key]:
             out[name if suffix is None else stem + suffix] = s
     return out
+
+
+class _Absent:
+    """Stands in for the entry of a template name the checkpoint lacks (no dtype)."""
+
+    dtype: Optional[str] = None
+
+
+_ABSENT = _Absent()
+_dtype_of = attrgetter("dtype")
 
 
 def _stored(dtype: Optional[str]) -> Callable[[str], Optional[str]]:

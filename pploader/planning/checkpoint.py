@@ -34,12 +34,17 @@ def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
     if not isinstance(value, str) or not _is_text(value) or not value:
         raise CheckpointError(f"weight_map value {_short(value)} is not a file name",
                               file=index_file, tensor=tensor)
-    parts = value.split("/")
-    if ("\x00" in value or "\\" in value or value.startswith("/") or os.path.isabs(value)
-            or any(p in ("", ".", "..") for p in parts)):
+    if not _plain_file(value):
         raise CheckpointError(f"weight_map value {value!r} is not a plain relative file name",
                               file=index_file, tensor=tensor)
     return value
+
+
+def _plain_file(value: str) -> bool:
+    """``value`` passes :func:`_safe_relpath` (a str the caller checked; any name)."""
+    return bool(value) and _is_text(value) and not (
+        "\x00" in value or "\\" in value or value.startswith("/") or os.path.isabs(value)
+        or any(p in ("", ".", "..") for p in value.split("/")))
 
 
 def check_model_dir(model_dir: os.PathLike | str) -> Path:
@@ -210,10 +215,11 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     index_path = root / INDEX_NAME
     if os.path.lexists(index_path):
         weight_map = _read_index(_resolve(root, [INDEX_NAME], roots, str(root))[INDEX_NAME])
-        files = list(dict.fromkeys(weight_map.values()))
+        counts = Counter(weight_map.values())  # the shards in first-use order, and the
+        files = list(counts)                   # header cross-check's names per shard
         present = [f for f in files if (root / f).is_file()]
         paths = _resolve(root, present, roots, INDEX_NAME)
-        return CheckpointIndex(root, weight_map, paths, INDEX_NAME,
+        return CheckpointIndex(root, weight_map, paths, INDEX_NAME, _counts=counts,
                                missing=tuple(f for f in files if f not in paths))
     shards = sorted(p.name for p in root.glob("*.safetensors"))
     if not shards:
@@ -245,8 +251,8 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
                               file=name)
     try:
-        text = index_path.read_bytes().decode("utf-8")
-        obj = loads_checked(text)
+        raw = index_path.read_bytes()
+        obj = loads_checked(raw)  # UTF-8 checked by the parse (or decoded for the strict one)
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -256,9 +262,14 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
         raise CheckpointError("missing or empty weight_map object", file=name)
     values = wmap.values()
     if set(map(type, values)) == {str}:  # the usual case: each distinct file checked once,
-        # with the first tensor naming it (reversed: the earliest name wins), in index order
+        files = dict.fromkeys(values)
+        if b"\\" not in raw and "" not in wmap and all(map(_plain_file, files)):
+            # no escape: every key is valid text (non-empty checked), every file is fine
+            return wmap if type(wmap) is dict else dict(wmap)
+        # one is not: named with the first tensor naming it (reversed: the earliest name
+        # wins), in index order
         first = dict(zip(reversed(values), reversed(wmap.keys())))
-        for f in dict.fromkeys(values):
+        for f in files:
             _safe_relpath(f, first[f], name)
         return wmap if type(wmap) is dict else dict(wmap)
     checked: set = set()  # shards repeat: validate each distinct value once
@@ -277,8 +288,14 @@ def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
                               + ", ".join(missing) + " (copy or download them into the model "
                               "directory)", file=source)
     paths = {}
+    base = root.resolve()
+    plain = base in roots  # a plain name in ``root`` that is not a link resolves to base / f
     for f in files:
-        real = (root / f).resolve()
+        path = root / f
+        if plain and "/" not in f and f not in (".", "..") and not path.is_symlink():
+            paths[f] = base / f  # what ``resolve`` gives, without its lstat per component
+            continue
+        real = path.resolve()
         if not any(real == r or r in real.parents for r in roots):
             raise CheckpointError(f"resolves to {real}, outside the allowed roots "
                                   f"({', '.join(map(str, roots))}); allow its directory with "

@@ -158,19 +158,23 @@ def _loads(raw: bytes | str) -> object:
     return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
-def _loads_fast(text: str) -> Optional[object]:
+def _loads_fast(text: str | bytes) -> Optional[object]:
     """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
     fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
     no backslash qualifies: without escapes no string holds a ``"``, so every ``"`` of the
     text delimits a string token, and the caller's count (:func:`_strings`) proves that no
-    key was lost to a duplicate. NaN / Infinity are refused by both parsers."""
-    if "\\" in text:
+    key was lost to a duplicate. NaN / Infinity are refused by both parsers. ``bytes`` are
+    UTF-8 (invalid UTF-8: None, the caller's decode reports it): orjson parses them ~1.3x
+    faster than a str, and the caller need not decode at all."""
+    if (b"\\" if type(text) is bytes else "\\") in text:  # type: ignore[operator]
         return None
     try:
         if _orjson is not None:
             return _orjson.loads(text)
+        if type(text) is bytes:
+            text = text.decode("utf-8")  # json.loads would also accept UTF-16 / 32
         return json.loads(text, parse_constant=_no_constants)
-    except (ValueError, RecursionError, TypeError):
+    except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError is a ValueError
         return None  # the strict parse reports it (with its own message)
 
 
@@ -190,12 +194,15 @@ def _strings(value: object) -> int:
     return 0
 
 
-def loads_checked(text: str) -> object:
-    """JSON text parsed as headers are: the fast parse when it provably saw every key (no
-    duplicate hidden), else the strict one (duplicates and non-finite constants refused)."""
+def loads_checked(text: str | bytes) -> object:
+    """JSON text (or its UTF-8 bytes) parsed as headers are: the fast parse when it provably
+    saw every key (no duplicate hidden), else the strict one (duplicates and non-finite
+    constants refused; bytes are decoded for it: UnicodeDecodeError when not UTF-8)."""
     obj = _loads_fast(text)
-    if obj is None or text.count('"') != 2 * _strings(obj):
-        obj = _loads(text)  # escapes or a duplicate key: the strict parse decides
+    quotes = text.count(b'"' if type(text) is bytes else '"')  # type: ignore[arg-type]
+    if obj is None or quotes != 2 * _strings(obj):
+        # escapes or a duplicate key: the strict parse decides
+        obj = _loads(text.decode("utf-8") if type(text) is bytes else text)  # type: ignore[union-attr]
     return obj
 
 
@@ -241,16 +248,16 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
         raise CheckpointError(f"header has room for more than {max_tensors} tensors "
                               f"({raw.count(b'{') - 1} JSON objects): refusing to parse it",
                               file=name)
+    data_start = 8 + n
+    data_len = st.st_size - data_start
+    fast = _fast_header(name, raw, data_start, data_len, max_tensors)  # no decode: UTF-8
+    if fast is not None:  # is checked by orjson (invalid: None, and the decode below says so)
+        return ShardHeader(name, path, FileIdentity.of(st), n, data_start, *fast)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise CheckpointError(f"header is not valid UTF-8 ({exc.reason} at byte {exc.start})",
                               file=name) from exc
-    data_start = 8 + n
-    data_len = st.st_size - data_start
-    fast = _fast_header(name, text, data_start, data_len, max_tensors)
-    if fast is not None:
-        return ShardHeader(name, path, FileIdentity.of(st), n, data_start, *fast)
     try:
         obj = _loads(text)
     except CheckpointError as exc:
@@ -284,14 +291,14 @@ _ITEMSIZE = {code: size for code, (_, size) in DTYPES.items()}
 _new = object.__new__
 
 
-def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tensors: int
+def _fast_header(file: str, raw: bytes, data_start: int, data_len: int, max_tensors: int
                  ) -> Optional[tuple[dict[str, TensorEntry], dict]]:
     """The entries and metadata of a well-formed header, parsed without per-object Python
     hooks and checked in whole-header passes; None when anything is unusual (escapes, a duplicate
     key, any entry the strict checks would refuse), and then ``parse_header`` parses the
-    text again strictly, so every error keeps its precise message. Accepts exactly what the
+    header again strictly, so every error keeps its precise message. Accepts exactly what the
     strict path accepts, with the same entries (tests/planning/test_plan_equivalence.py, the fuzzer)."""
-    obj = _loads_fast(text)
+    obj = _loads_fast(raw)  # the UTF-8 bytes (orjson refuses invalid UTF-8: None)
     if type(obj) is not dict:
         return None
     had_metadata = "__metadata__" in obj
@@ -308,7 +315,7 @@ def _fast_header(file: str, text: str, data_start: int, data_len: int, max_tenso
         return None
     # every '"' delimits a string (no escapes): equal counts = no key was lost to a duplicate
     # (a tensor: its name, 3 entry keys, the dtype; metadata: its key, then keys and values)
-    if text.count('"') != 2 * (5 * len(obj) + had_metadata + 2 * len(metadata)):
+    if raw.count(b'"') != 2 * (5 * len(obj) + had_metadata + 2 * len(metadata)):
         return None
     return tensors, metadata
 

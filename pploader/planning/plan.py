@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import math
 from itertools import chain
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -338,7 +338,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             wentry = None
             fast: tuple = (role.component, role.fused_experts, entry.shape, entry.dtype)
         else:
-            wentry = index.entry(weight)
+            wentry = entries.get(weight) or index.entry(weight)  # its shard: parsed already
             fast = (role.component, role.fused_experts, entry.shape, entry.dtype,
                     wentry.shape, wentry.dtype)
         found = done.get(fast)
@@ -435,11 +435,20 @@ def _head_name(family: Family) -> str:
     return head
 
 
+_ranges_of, _file_of, _target_of = attrgetter("ranges"), attrgetter("file"), attrgetter("target")
+_first = itemgetter(0)
+
+
 def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window: StageWindow,
             experts: Optional[tuple[int, int]], items: list[ReadItem],
             names: list[str]) -> RankPlan:
     order = {f: i for i, f in enumerate(sorted(index.paths))}
-    keys = [(order[it.file], it.ranges[0][0] if it.ranges else 0, it.target) for it in items]
+    ranges = list(map(_ranges_of, items))
+    if all(ranges):  # every item reads bytes (the usual case): its keys in C passes
+        keys = list(zip(map(order.__getitem__, map(_file_of, items)),
+                        map(_first, map(_first, ranges)), map(_target_of, items)))
+    else:
+        keys = [(order[it.file], it.ranges[0][0] if it.ranges else 0, it.target) for it in items]
     items = list(map(items.__getitem__, sorted(range(len(items)), key=keys.__getitem__)))
     files = list(dict.fromkeys(map(attrgetter("file"), items)))
     headers = {f: index.header(f) for f in files}

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import bisect
 import re
-from itertools import compress
-from operator import itemgetter
+from itertools import compress, repeat
+from collections import deque
+from operator import itemgetter, setitem
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Collection, Mapping, Optional
 
@@ -34,7 +35,9 @@ class CheckpointRoles:
     layers: Mapping[int, tuple[str, ...]]            # global layer id (MTP ids after) -> names
     components: Mapping[str, Optional[TensorRole]]   # component -> role (layer None); None:
     others: Mapping[str, TensorRole]                 #   classify per name; names off the layers
-    links: Mapping[str, str]                         # quant companion name -> its weight's name
+    #: quant companion name -> its weight's name: the names off the layers, and a layer's once
+    #: its roles were asked for (``layer_roles`` links the layer on first use, see ``_unlinked``)
+    links: Mapping[str, str]
     #: the whole family template (None: the family has none, or ``layered`` has it by layer)
     template: Optional[Mapping[str, tuple[int, ...]]]
     template_only: Mapping[str, Optional[TensorRole]]  # template names absent from the index
@@ -46,9 +49,33 @@ class CheckpointRoles:
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
+    #: (a layer's components, whether each links to a weight) -> each name's role fields
+    #: (``_role_fields``' values, in name order): what a layer like it needs, no lookups
+    _layer_fields: dict[tuple, list[dict]] = field(default_factory=dict, compare=False,
+                                                   repr=False)
     _index_names: Collection[str] = field(default=(), compare=False, repr=False)
     _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
                                                              compare=False, repr=False)
+    #: layer -> (its prefix, positions of its companions among its names, their weights'
+    #: components) for the layers not linked yet: a rank links only the layers it plans
+    #: (DeepSeek-V3: 46 k companions, of which a PP16 stage needs 3 k)
+    _unlinked: dict[int, tuple[str, list[int], list[str]]] = field(
+        default_factory=dict, compare=False, repr=False)
+
+    def _link_layer(self, layer: int) -> None:
+        """Add ``layer``'s companions to ``links`` (those whose weight the checkpoint holds)."""
+        pending = self._unlinked.pop(layer, None)
+        if pending is None:
+            return
+        prefix, at, weight_comps = pending
+        names, wmap, links = self.layers[layer], self._index_names, self.links
+        weights = list(map(prefix.__add__, weight_comps))
+        linked = map(names.__getitem__, at)
+        if all(map(wmap.__contains__, weights)):
+            links.update(zip(linked, weights))  # type: ignore[attr-defined]
+        else:
+            links.update((x, w) for x, w in zip(linked, weights)  # type: ignore[attr-defined]
+                         if w in wmap)
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -75,13 +102,23 @@ class CheckpointRoles:
         """``{name: role}`` of the names of ``layer``. A role whose component the family
         classified once (``components``) depends only on (component, layer, whether it links
         to a weight): its fields are kept per component and copied with the layer set."""
+        self._link_layer(layer)
         prefix_len = self._prefix_len(layer)
         placement = "layer" if layer < self.spec.num_layers else "mtp"
         memo, links, known = self._role_fields, self.links, self.components
         new, setattr_, role_cls, out = object.__new__, object.__setattr__, TensorRole, {}
         names = self.layers.get(layer, ())
-        for name, key in zip(names, zip(map(itemgetter(slice(prefix_len, None)), names),
-                                        map(links.__contains__, names))):
+        comps = tuple(map(itemgetter(slice(prefix_len, None)), names))
+        linked = tuple(map(links.__contains__, names))
+        fields_of = self._layer_fields.get((comps, linked))
+        if fields_of is not None:  # a layer like an earlier one: every role built in C passes
+            values = list(map(dict.copy, fields_of))  # the per-component fields + this layer
+            deque(map(setitem, values, repeat("layer"), repeat(layer)), maxlen=0)
+            deque(map(setitem, values, repeat("placement"), repeat(placement)), maxlen=0)
+            roles = list(map(new, repeat(role_cls, len(values))))  # frozen values, no __init__
+            deque(map(setattr_, roles, repeat("__dict__"), values), maxlen=0)
+            return dict(zip(names, roles))
+        for name, key in zip(names, zip(comps, linked)):
             component = key[0]  # key: (component, whether it links to a weight)
             fields = memo.get(key)
             if fields is None:
@@ -92,11 +129,14 @@ class CheckpointRoles:
                         and role.placement == placement:
                     memo[key] = dict(vars(role))
                 continue
-            values = fields.copy()  # a frozen value: the per-component fields + this layer
-            values["layer"], values["placement"] = layer, placement
+            fields = fields.copy()  # a frozen value: the per-component fields + this layer
+            fields["layer"], fields["placement"] = layer, placement
             role = new(role_cls)
-            setattr_(role, "__dict__", values)
+            setattr_(role, "__dict__", fields)
             out[name] = role
+        every = list(map(memo.get, zip(comps, linked)))
+        if None not in every:  # a later layer with these components takes the C passes above
+            self._layer_fields[comps, linked] = [f for f in every if f is not None]
         return out
 
     def _prefix_len(self, layer: int) -> int:
@@ -195,6 +235,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     off_layer: list[str] = []
     weight_of: dict[str, Optional[str]] = {}  # component -> its weight's component (companions)
     links: dict[str, str] = {}
+    unlinked: dict[int, tuple[str, list[int], list[str]]] = {}
     wmap = index.weight_map
     by_prefix = _bucket_by_prefix(list(wmap), fam.layer_prefix, off_layer)
     companions: set[str] = set()   # components naming a quantization companion
@@ -229,13 +270,12 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
                 [components[c] is not None for c in comps]
             known = by_comps[comps] = (at, [weight_of[comps[i]] for i in at], keep)  # type: ignore[misc]
         at, weight_comps, keep = known
-        if at:  # companions link to their weight when the checkpoint holds it
+        if at and keep is None:  # companions link to their weight when the checkpoint holds
+            unlinked[layer] = (prefix, at, weight_comps)  # it: on the layer's first use
+        elif at:
             weights = list(map(prefix.__add__, weight_comps))
             linked = map(names.__getitem__, at)
-            if all(map(wmap.__contains__, weights)):
-                links.update(zip(linked, weights))
-            else:
-                links.update((x, w) for x, w in zip(linked, weights) if w in wmap)
+            links.update((x, w) for x, w in zip(linked, weights) if w in wmap)
         if keep is not None:  # a global pattern matched too: those names are classified apart
             off_layer.extend(compress(names, [not k for k in keep]))
             names = list(compress(names, keep))
@@ -267,7 +307,8 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     only = {} if template is None else {
         t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
     return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
-                           links, template, only, layered, _index_names=index.weight_map.keys())
+                           links, template, only, layered, _index_names=index.weight_map.keys(),
+                           _unlinked=unlinked)
 
 
 def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]

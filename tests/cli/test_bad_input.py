@@ -273,7 +273,7 @@ def test_row04_huge_header_and_absurd_tensor_count(tmp_path: Path,
     real_loads, real_fast = ckpt._loads, ckpt._loads_fast
     monkeypatch.setattr(ckpt, "_loads", lambda raw: parsed.append(1) or real_loads(raw))
     # the fast parse (no per-object hook) counts as a parse too
-    monkeypatch.setattr(ckpt, "_loads_fast", lambda raw: parsed.append(1) or real_fast(raw))
+    monkeypatch.setattr(ckpt, "_loads_fast", lambda *a: parsed.append(1) or real_fast(*a))
     big = _raw_file(tmp_path / "big.safetensors", b"{}", length=100 * 1024 * 1024 + 1)
     with pytest.raises(CheckpointError, match="exceeds the 104857600-byte limit") as err:
         parse_header(big)
