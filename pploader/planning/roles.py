@@ -79,6 +79,7 @@ class CheckpointRoles:
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
+        self._link_layer(layer)  # a no-op once the layer is linked
         weight = self.links.get(name)
         if weight is not None:
             naming = self.spec.family.quant_naming  # the family's naming, no string cutting
