@@ -13,9 +13,11 @@ import argparse
 import json
 import os
 import platform
+import struct
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 CODE = r'''
 import time, sys, json
@@ -54,6 +56,26 @@ def _run(tree: str, case: str, model: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def json_floor(model: str, repeat: int = 5) -> str:
+    """CPU seconds of ``orjson.loads`` of the index and of every shard header (best of
+    ``repeat``): what any per-process plan that parses them in Python spends at least."""
+    import orjson
+    root = Path(model)
+    raws = [(root / "model.safetensors.index.json").read_bytes()]
+    for path in sorted(root.glob("*.safetensors")):
+        with open(path, "rb") as fh:
+            raws.append(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+    best = float("inf")
+    for _ in range(repeat):
+        t0 = time.process_time()
+        for raw in raws:
+            orjson.loads(raw)
+        best = min(best, time.process_time() - t0)
+    return (f"# JSON floor: orjson.loads of the index ({len(raws[0]) / 1e6:.1f} MB) and "
+            f"{len(raws) - 1} headers ({sum(map(len, raws[1:])) / 1e6:.1f} MB): {best:.3f} s "
+            f"CPU, best of {repeat}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("before")
@@ -62,6 +84,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default=CASES, help="comma separated: one:PPxTPxEP, "
                     "all:PPxTPxEP, help")
+    ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor")
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, python "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
@@ -81,6 +104,8 @@ def main() -> None:
         key = "wall" if case == "help" else "cpu"
         print(f"| {case} | {a['items']} | {b['cpu']:.3f} ({b['wall']:.3f}) | "
               f"{a['cpu']:.3f} ({a['wall']:.3f}) | {b[key] / a[key]:.1f}x |", flush=True)
+    if args.floor:
+        print(json_floor(args.model))
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
 
 
