@@ -49,12 +49,6 @@ from pploader import (
 from pploader.planning.checkpoint import INDEX_NAME, open_checkpoint, parse_header
 
 
-@pytest.fixture()
-def model(tiny_llama: Path, tmp_path: Path) -> Path:
-    """A private copy of the tiny llama (8 layers, 12 shards + index) to damage."""
-    return copy_model(tiny_llama, tmp_path / "model")
-
-
 # ---- the A rows: one 2-rank gloo job runs every scenario (rows 1, 21) --------------------
 
 

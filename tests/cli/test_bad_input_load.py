@@ -46,12 +46,6 @@ from pploader.planning.checkpoint import INDEX_NAME
 from pploader.planning.dtypes import DTYPE_POLICY, dtype_action
 
 
-@pytest.fixture()
-def model(tiny_llama: Path, tmp_path: Path) -> Path:
-    """A private copy of the tiny llama (8 layers, 12 shards + index) to damage."""
-    return copy_model(tiny_llama, tmp_path / "model")
-
-
 def _hf_cache(src: Path, cache: Path) -> Path:
     """The Hugging Face hub cache layout: snapshots/<rev>/<file> -> ../../blobs/<sha256>."""
     blobs, snap = cache / "blobs", cache / "snapshots" / "0123abcd"
