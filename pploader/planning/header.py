@@ -153,27 +153,25 @@ def _is_int(x: object) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _loads(raw: bytes | str) -> object:
+def _loads(raw: str) -> object:
     """Strict JSON: no duplicate keys, no NaN/Infinity."""
     return json.loads(raw, object_pairs_hook=_no_duplicates, parse_constant=_no_constants)
 
 
-def _loads_fast(text: str | bytes) -> Optional[object]:
-    """The JSON value of ``text`` without the per-object duplicate-key hook, or None when this
-    fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only text with
-    no backslash qualifies: without escapes no string holds a ``"``, so every ``"`` of the
-    text delimits a string token, and the caller's count (:func:`_strings`) proves that no
-    key was lost to a duplicate. NaN / Infinity are refused by both parsers. ``bytes`` are
-    UTF-8 (invalid UTF-8: None, the caller's decode reports it): orjson parses them ~1.3x
-    faster than a str, and the caller need not decode at all."""
-    if (b"\\" if type(text) is bytes else "\\") in text:  # type: ignore[operator]
+def _loads_fast(raw: bytes) -> Optional[object]:
+    """The JSON value of the UTF-8 ``raw`` without the per-object duplicate-key hook, or None
+    when this fast parse cannot be trusted (then the caller parses with :func:`_loads`). Only
+    text with no backslash qualifies: without escapes no string holds a ``"``, so every ``"``
+    delimits a string token, and the caller's count (:func:`_strings`) proves that no key was
+    lost to a duplicate. NaN / Infinity are refused by both parsers; invalid UTF-8 gives None
+    (the caller's decode reports it). orjson parses bytes ~1.3x faster than a str."""
+    if b"\\" in raw:
         return None
     try:
         if _orjson is not None:
-            return _orjson.loads(text)
-        if type(text) is bytes:
-            text = text.decode("utf-8")  # json.loads would also accept UTF-16 / 32
-        return json.loads(text, parse_constant=_no_constants)
+            return _orjson.loads(raw)
+        # decoded first: json.loads would also accept UTF-16 / 32 bytes
+        return json.loads(raw.decode("utf-8"), parse_constant=_no_constants)
     except (ValueError, RecursionError, TypeError):  # UnicodeDecodeError is a ValueError
         return None  # the strict parse reports it (with its own message)
 
@@ -194,15 +192,13 @@ def _strings(value: object) -> int:
     return 0
 
 
-def loads_checked(text: str | bytes) -> object:
-    """JSON text (or its UTF-8 bytes) parsed as headers are: the fast parse when it provably
-    saw every key (no duplicate hidden), else the strict one (duplicates and non-finite
-    constants refused; bytes are decoded for it: UnicodeDecodeError when not UTF-8)."""
-    obj = _loads_fast(text)
-    quotes = text.count(b'"' if type(text) is bytes else '"')  # type: ignore[arg-type]
-    if obj is None or quotes != 2 * _strings(obj):
-        # escapes or a duplicate key: the strict parse decides
-        obj = _loads(text.decode("utf-8") if type(text) is bytes else text)  # type: ignore[union-attr]
+def loads_checked(raw: bytes) -> object:
+    """UTF-8 JSON parsed as headers are: the fast parse when it provably saw every key (no
+    duplicate hidden), else the strict one (duplicates and non-finite constants refused; the
+    decode raises UnicodeDecodeError when ``raw`` is not UTF-8)."""
+    obj = _loads_fast(raw)
+    if obj is None or raw.count(b'"') != 2 * _strings(obj):
+        obj = _loads(raw.decode("utf-8"))  # escapes or a duplicate key: the strict parse decides
     return obj
 
 

@@ -11,7 +11,7 @@ from itertools import compress, repeat
 from collections import deque
 from operator import itemgetter, setitem
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Collection, Mapping, Optional
+from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 from ..errors import PlanError
 from ..families.base import TensorRole
@@ -67,15 +67,7 @@ class CheckpointRoles:
         pending = self._unlinked.pop(layer, None)
         if pending is None:
             return
-        prefix, at, weight_comps = pending
-        names, wmap, links = self.layers[layer], self._index_names, self.links
-        weights = list(map(prefix.__add__, weight_comps))
-        linked = map(names.__getitem__, at)
-        if all(map(wmap.__contains__, weights)):
-            links.update(zip(linked, weights))  # type: ignore[attr-defined]
-        else:
-            links.update((x, w) for x, w in zip(linked, weights)  # type: ignore[attr-defined]
-                         if w in wmap)
+        _link(self.links, self.layers[layer], *pending, self._index_names)  # type: ignore[arg-type]
 
     def role(self, name: str, layer: int, component: str) -> TensorRole:
         """The role of ``name`` (in ``layer``; quantization companions take their weight's)."""
@@ -274,9 +266,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         if at and keep is None:  # companions link to their weight when the checkpoint holds
             unlinked[layer] = (prefix, at, weight_comps)  # it: on the layer's first use
         elif at:
-            weights = list(map(prefix.__add__, weight_comps))
-            linked = map(names.__getitem__, at)
-            links.update((x, w) for x, w in zip(linked, weights) if w in wmap)
+            _link(links, names, prefix, at, weight_comps, wmap)
         if keep is not None:  # a global pattern matched too: those names are classified apart
             off_layer.extend(compress(names, [not k for k in keep]))
             names = list(compress(names, keep))
@@ -310,6 +300,18 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
                            links, template, only, layered, _index_names=index.weight_map.keys(),
                            _unlinked=unlinked)
+
+
+def _link(links: dict[str, str], names: Sequence[str], prefix: str, at: list[int],
+          weight_comps: list[str], index_names: Collection[str]) -> None:
+    """Link a layer's companions (``names[i]`` for ``i`` in ``at``) to their weights
+    (``prefix`` + the weight's component), those whose weight the checkpoint holds."""
+    weights = list(map(prefix.__add__, weight_comps))
+    linked = map(names.__getitem__, at)
+    if all(map(index_names.__contains__, weights)):
+        links.update(zip(linked, weights))
+    else:
+        links.update((x, w) for x, w in zip(linked, weights) if w in index_names)
 
 
 def _bucket_by_prefix(names: list[str], pattern: str, off_layer: list[str]

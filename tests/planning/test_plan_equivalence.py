@@ -64,11 +64,11 @@ def test_fast_header_parse_refuses_what_it_cannot_prove(tmp_path: Path) -> None:
         raw += b" " * (-len(raw) % 8)
         path = tmp_path / f"{what}.safetensors"
         path.write_bytes(len(raw).to_bytes(8, "little") + raw + b"\0\0")
-        assert ckpt._loads_fast(header) is not None  # the hook-free parse alone accepts it
+        assert ckpt._loads_fast(header.encode()) is not None  # the hook-free parse alone accepts it
         with pytest.raises(ckpt.CheckpointError, match="duplicate key"):
             parse_header(path)
     escaped = '{"\\u0061":%s}' % (entry % (0, 1))
-    assert ckpt._loads_fast(escaped) is None
+    assert ckpt._loads_fast(escaped.encode()) is None
 
 
 @pytest.mark.parametrize("orjson", [True, False])
@@ -80,13 +80,13 @@ def test_index_duplicates_are_refused_by_the_fast_parse(tmp_path: Path, orjson: 
     if not orjson:
         monkeypatch.setattr(ckpt, "_orjson", None)
     clean = '{"metadata": {"total_size": 4}, "weight_map": {"a:b": "m.safetensors", "c": "m.safetensors"}}'
-    assert ckpt.loads_checked(clean) == ckpt._loads(clean)
+    assert ckpt.loads_checked(clean.encode()) == ckpt._loads(clean)
     for text in ('{"weight_map": {"a": "m.safetensors", "a": "n.safetensors"}}',
                  '{"weight_map": {"a": "m.safetensors"}, "weight_map": {"b": "m.safetensors"}}',
                  '{"metadata": {"k": 1, "k": 2}, "weight_map": {"a": "m.safetensors"}}'):
-        assert ckpt._loads_fast(text) is not None  # the hook-free parse alone accepts it
+        assert ckpt._loads_fast(text.encode()) is not None  # the hook-free parse alone accepts it
         with pytest.raises(ckpt.CheckpointError, match="duplicate key"):
-            ckpt.loads_checked(text)
+            ckpt.loads_checked(text.encode())
 
 
 def _direct_items(plan: RankPlan, spec_path: Path) -> tuple[list[ReadItem], list[str]]:
