@@ -8,6 +8,7 @@ the messages are those of the per-name checks.
 """
 from __future__ import annotations
 
+from collections import deque
 from itertools import compress, repeat
 from operator import attrgetter, itemgetter, not_
 from typing import Callable, Mapping, Optional, Sequence
@@ -23,7 +24,7 @@ from .topology import Topology
 
 __all__ = ["check_expected", "check_mtp"]
 
-_shape_of = attrgetter("shape")
+_shape_of, _dtype_of = attrgetter("shape"), attrgetter("dtype")
 _placement_of = attrgetter("placement")
 _LAYER = "layer"
 
@@ -31,16 +32,79 @@ _LAYER = "layer"
 def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
                    chosen: Mapping[str, TensorRole], window: StageWindow,
                    experts: Optional[tuple[int, int]], topology: Topology) -> None:
-    """Strict accounting: the stage's tensors must equal the family template's, shapes too."""
-    spec, found = roles.spec, roles.stage_template(window)
+    """Strict accounting: the stage's tensors must equal the family template's, shapes too.
+
+    A layer whose signature (its names, shapes and dtypes, and its template, all relative to
+    the layer's prefix) equals that of a layer checked before passes as that one did, so only
+    the first layer of each kind is checked name by name (a MoE model: ~3 of 61)."""
+    found = roles.stage_template(window)
     if found is None:
         return
     template, template_only = found
+    entries = index.entry_map(set(map(index.weight_map.__getitem__, chosen)))
+    signatures, like_earlier = _layer_signatures(roles, entries, window, experts)
+    first_of_kind, names = template, chosen
+    if like_earlier:
+        first_of_kind, names = dict(template), dict(chosen)
+        for layer in like_earlier:
+            deque(map(names.pop, roles.layers[layer]), maxlen=0)
+            deque(map(first_of_kind.pop, signatures[layer][1]), maxlen=0)
+    try:
+        _check_names(roles, index, entries, first_of_kind, template_only, names, window,
+                     experts, topology)
+    except PlanError:
+        if like_earlier:  # the error names what the whole stage lacks, as a full check does
+            _check_names(roles, index, entries, template, template_only, chosen, window,
+                         experts, topology)
+        raise
+    roles.checked_layers.update(sig for sig, _ in signatures.values())
+
+
+def _layer_signatures(roles: CheckpointRoles, entries: Mapping[str, TensorEntry],
+                      window: StageWindow,
+                      experts: Optional[tuple[int, int]]
+                      ) -> tuple[dict[int, tuple[tuple, Sequence[str]]], list[int]]:
+    """(layer -> (signature, its template's names)) of the window's layers, and the layers
+    whose signature equals one checked before or an earlier layer's of this window. Only
+    with a per-layer template and all experts (an EP rank's stage is small)."""
+    if roles.layered is None or experts is not None:
+        return {}, []
+    _, layer_template, ids = roles.layered
+    out: dict[int, tuple[tuple, Sequence[str]]] = {}
+    like: list[int] = []
+    seen = set(roles.checked_layers)
+    for layer in range(window.start_layer, window.end_layer):
+        names = roles.layers.get(layer)
+        if not names or layer not in ids:
+            continue
+        prefix = roles.spec.family.layer_name(layer, "")
+        template = layer_template(layer)
+        if not all(map(str.startswith, template, repeat(prefix))) \
+                or not all(map(str.startswith, names, repeat(prefix))):
+            continue  # a template or name off the prefix: checked name by name
+        cut = itemgetter(slice(len(prefix), None))
+        ents = list(map(entries.__getitem__, names))
+        sig = (tuple(map(cut, names)), tuple(map(_shape_of, ents)), tuple(map(_dtype_of, ents)),
+               tuple(map(cut, template)), tuple(map(tuple, template.values())))
+        out[layer] = (sig, tuple(template))
+        if sig in seen:
+            like.append(layer)
+        seen.add(sig)
+    return out, like
+
+
+def _check_names(roles: CheckpointRoles, index: CheckpointIndex,
+                 entries: Mapping[str, TensorEntry], template: Mapping[str, tuple[int, ...]],
+                 template_only: Mapping[str, Optional[TensorRole]],
+                 chosen: Mapping[str, TensorRole], window: StageWindow,
+                 experts: Optional[tuple[int, int]], topology: Topology) -> None:
+    """The name-by-name check of ``chosen`` against ``template`` (the whole stage, or its
+    globals and first layer of each kind)."""
+    spec = roles.spec
     in_template = list(filter(template.__contains__, chosen))
     expected = dict(zip(in_template, map(tuple, map(template.__getitem__, in_template))))
     expected.update({n: tuple(template[n]) for n, r in template_only.items()
                      if r is not None and wanted(r, window, experts)})
-    entries = index.entry_map(set(map(index.weight_map.__getitem__, chosen)))
     scheme = quant_scheme(spec)
     if scheme is not None:  # quantized weights: stored shape + companions (a missing scale is
         expected = _expand(scheme, expected, entries)  # an error like any missing tensor)
@@ -143,7 +207,6 @@ class _Absent:
 
 
 _ABSENT = _Absent()
-_dtype_of = attrgetter("dtype")
 
 
 def _stored(dtype: Optional[str]) -> Callable[[str], Optional[str]]:

@@ -11,11 +11,12 @@ import json
 import math
 import os
 import struct
-from itertools import chain
-from operator import itemgetter, le, mul, sub
+from itertools import chain, repeat
+from operator import add, itemgetter, le, mul, sub
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from functools import partial
+from typing import Mapping, NamedTuple, Optional
 
 import torch
 
@@ -64,9 +65,12 @@ class FileIdentity:
         return cls(st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
-@dataclass(frozen=True)
-class TensorEntry:
-    """One tensor of one shard: absolute byte range ``[start, end)`` inside ``file``."""
+class TensorEntry(NamedTuple):
+    """One tensor of one shard: absolute byte range ``[start, end)`` inside ``file``.
+
+    An immutable named tuple, not a frozen dataclass: a header of 100 k tensors builds its
+    entries in one C pass (``map(tuple.__new__, ...)``), 6x faster than a dataclass per entry
+    (docs/benchmarks.md, planning sixth round)."""
 
     name: str
     file: str
@@ -284,7 +288,8 @@ def _metadata(file: str, metadata: object) -> dict:
 
 #: dtype code -> bytes per element (the fast path's lookup)
 _ITEMSIZE = {code: size for code, (_, size) in DTYPES.items()}
-_new = object.__new__
+#: a TensorEntry from its six fields as one tuple (no per-field ``__init__`` call)
+_make_entry = partial(tuple.__new__, TensorEntry)
 
 
 def _fast_header(file: str, raw: bytes, data_start: int, data_len: int, max_tensors: int
@@ -356,14 +361,9 @@ def _bulk_entries(file: str, obj: dict, data_start: int, data_len: int
         if spans[0][0] != 0 or spans[-1][1] != data_len or \
                 [b for b, _ in spans[1:]] != [e for _, e in spans[:-1]]:
             return None
-    tensors: dict[str, TensorEntry] = {}
-    new, entry_cls, setattr_ = _new, TensorEntry, object.__setattr__
-    for tname, dtype, shape, begin, end in zip(names, dtypes, map(tuple, shapes), begins, ends):
-        e = new(entry_cls)  # a frozen value, built without the per-field __init__
-        setattr_(e, "__dict__", {"name": tname, "file": file, "dtype": dtype, "shape": shape,
-                                 "start": data_start + begin, "end": data_start + end})
-        tensors[tname] = e
-    return tensors
+    at = repeat(data_start)
+    return dict(zip(names, map(_make_entry, zip(  # the entries in one C pass
+        names, repeat(file), dtypes, map(tuple, shapes), map(add, at, begins), map(add, at, ends)))))
 
 
 def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) -> TensorEntry:

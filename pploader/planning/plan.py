@@ -5,25 +5,24 @@ Called on any process (no torch.distributed); ``pploader plan`` prints it for ev
 from __future__ import annotations
 
 import logging
-import math
-from itertools import chain
-from operator import attrgetter, itemgetter
+from itertools import repeat
+from operator import add, attrgetter, itemgetter
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
 
 from .gcpause import without_gc
-from .checkpoint import DTYPES, CheckpointIndex, FileIdentity, TensorEntry
+from .checkpoint import CheckpointIndex, FileIdentity, TensorEntry
 from ..errors import PlanError
 from ..families.base import Family, TensorRole
 from ..families.heads import check_tp_heads
 from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, engine_windows,
                         even_windows, explicit_windows)
 from .accounting import check_expected, check_mtp
-from .quant import QuantScheme, quant_scheme, same_shape
+from .quant import QuantScheme, quant_scheme
 from .roles import CheckpointRoles, checkpoint_roles
-from .shard import (DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, local_experts,
-                    tp_selection)
+from .items import ReadItem, make_item, peer_selection, read_item, tensor_selection
+from .shard import DEFAULT_RANGE_COST_BYTES, Selection, local_experts
 from .spec import ModelSpec
 from .topology import Topology
 
@@ -40,47 +39,14 @@ DEFAULT_EXCHANGE_COST: Optional[float] = 0.5
 __all__ = ["ReadItem", "RankPlan", "Partition", "make_windows", "plan_rank", "plan_all",
            "plan_mtp", "layer_bytes", "read_item", "CheckpointRoles", "checkpoint_roles"]
 
+#: field getters of the C passes (``map``) over a stage's entries, roles and items
+_ranges_of, _file_of, _target_of = attrgetter("ranges"), attrgetter("file"), attrgetter("target")
+_shape_of, _dtype_of, _start_of = attrgetter("shape"), attrgetter("dtype"), attrgetter("start")
+_component_of, _fused_of = attrgetter("component"), attrgetter("fused_experts")
+_first, _second = itemgetter(0), itemgetter(1)
+
 #: "even", "balanced", "vllm", "sglang", explicit layer counts per stage, or an EngineSplit.
 Partition = Union[str, Sequence[int], EngineSplit]
-
-
-@dataclass(frozen=True)
-class ReadItem:
-    """One tensor (or slice) to read: byte ``ranges`` concatenated form ``buffer_shape``;
-    ``gather`` then narrows it (coalesced strided reads); ``pad_rows`` zero rows follow."""
-
-    name: str
-    target: str
-    file: str
-    dtype: str
-    shape: tuple[int, ...]
-    source_shape: tuple[int, ...]
-    ranges: tuple[tuple[int, int], ...]
-    buffer_shape: tuple[int, ...]
-    gather: tuple[tuple[int, tuple[Interval, ...]], ...] = ()
-    pad_rows: int = 0
-
-    @property
-    def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
-
-    @property
-    def read_bytes(self) -> int:
-        return sum(n for _, n in self.ranges)
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * self.itemsize
-
-    @property
-    def ideal_bytes(self) -> int:
-        rows = self.shape[0] - self.pad_rows if self.shape else 1
-        return rows * math.prod(self.shape[1:]) * self.itemsize
-
-    @property
-    def direct(self) -> bool:
-        """True when the ranges land straight in the output (no temporary buffer)."""
-        return not self.gather
 
 
 @dataclass(frozen=True)
@@ -195,84 +161,6 @@ def make_windows(spec: ModelSpec, index: CheckpointIndex, pp: int,
     return explicit_windows(list(partition), spec.num_layers, pp)
 
 
-def read_item(entry: TensorEntry, target: str, selection: Selection,
-              range_cost: int = DEFAULT_RANGE_COST_BYTES) -> ReadItem:
-    """The ReadItem of ``selection`` of ``entry``: direct byte runs (concatenated in C order),
-    or one covering box + gather when ``n_runs x range_cost`` makes run-by-run dearer."""
-    shape, itemsize = entry.shape, entry.itemsize
-    out_shape = selection.shape(shape)
-    if not selection.dims:
-        ranges = ((entry.start, entry.nbytes),) if entry.nbytes else ()
-        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape, ranges,
-                        shape, pad_rows=selection.pad_rows)
-    sel = dict(selection.dims)
-    k, j = max(sel), min(sel)
-    n_runs = len(sel[k]) * math.prod(sum(n for _, n in sel[d]) if d in sel else shape[d]
-                                     for d in range(k))
-    needed = (math.prod(out_shape) - (selection.pad_rows * math.prod(shape[1:]))) * itemsize
-    row_bytes = math.prod(shape[1:]) * itemsize
-    lo = min(a for a, _ in sel[0]) if j == 0 else 0
-    hi = max(a + n for a, n in sel[0]) if j == 0 else shape[0]
-    box_bytes = (hi - lo) * row_bytes
-    if n_runs <= 1 or needed + n_runs * range_cost <= box_bytes:
-        runs = byte_runs(shape, itemsize, entry.start, Selection(selection.dims))
-        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
-                        tuple(runs), _unpadded(out_shape, selection.pad_rows),
-                        pad_rows=selection.pad_rows)
-    gather = tuple((d, tuple((a - lo, n) for a, n in iv) if d == 0 else iv)
-                   for d, iv in selection.dims)
-    box_shape = (hi - lo,) + shape[1:]
-    return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
-                    ((entry.start + lo * row_bytes, box_bytes),), box_shape, gather,
-                    selection.pad_rows)
-
-
-def _unpadded(shape: tuple[int, ...], pad_rows: int) -> tuple[int, ...]:
-    return (shape[0] - pad_rows,) + shape[1:] if pad_rows else shape
-
-
-def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tuple[int, ...],
-                       topo: Topology, experts: Optional[tuple[int, int]]) -> Selection:
-    """TP rule + local experts on a (logical) shape."""
-    rule = spec.family.shard_rule(role.component)
-    sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
-    if role.fused_experts and experts is not None:
-        if not shape or shape[0] != spec.num_experts:
-            raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
-                            f"num_experts {spec.num_experts}", tensor=name)
-        if experts != (0, spec.num_experts):
-            sel = Selection(((0, ((experts[0], experts[1] - experts[0]),)),)).merged(sel)
-    return sel
-
-
-def _selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
-               experts: Optional[tuple[int, int]], index: CheckpointIndex,
-               scheme: Optional[QuantScheme]) -> Selection:
-    """The rank's selection of ``entry``; quantized weights and their companions are sliced
-    from the weight's logical selection (planning/quant.py)."""
-    link = scheme.weight_of(entry.name) if scheme is not None else None
-    if scheme is not None and link is not None and link[0] in index.weight_map:
-        weight, comp = index.entry(link[0]), link[1]
-        if not scheme.is_quantized(weight.name, weight.dtype, len(weight.shape)):
-            raise PlanError(f"{comp.suffix} of a weight stored as {weight.dtype} {list(weight.shape)}"
-                            f" ({scheme.name} weights are {scheme.weight_dtype}, >= 2-d)",
-                            file=entry.file, tensor=entry.name, rank=topo.rank)
-        logical = scheme.logical_shape(weight.shape)
-        if not same_shape(comp.shape(logical), entry.shape):
-            raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
-                            f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
-                            file=entry.file, tensor=entry.name, rank=topo.rank)
-        wcomp = scheme.weight_of(role.component)  # the family's naming, not string cutting
-        wrole = replace(role, component=wcomp[0] if wcomp is not None else role.component)
-        wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
-        return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
-    if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
-        logical = scheme.logical_shape(entry.shape)
-        wsel = _logical_selection(spec, role, entry.name, logical, topo, experts)
-        return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
-    return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
-
-
 @without_gc
 def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               window: StageWindow, *, strict: bool = True,
@@ -308,56 +196,74 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             if role.role == "embed":
                 extra.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
-    reads = chain(zip(own.keys(), own.values(), own.keys()), extra)
     needed_files = set(map(index.weight_map.__getitem__, chosen))
     index.require(needed_files)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         check_expected(roles, index, chosen, window, experts, topology)
         roles.mark_checked(window, experts)
-    items = []
     scheme = quant_scheme(spec)
     exchanger = _exchanger(topology, range_cost_bytes, exchange_cost, exchange_batch_bytes)
-    take = exchanger.take if exchanger is not None else None
     # selections: same rule, shape, dtype -> same slice; relative: same shape, dtype, slice ->
-    # same relative runs; done: (component, fused, shape, dtype[, weight shape, weight
-    # dtype]) -> (item at offset 0, exchange choice), what ``_plan_one`` derives from exactly
-    # these, so a tensor equal in them to one planned before (the same component in another
-    # layer) reuses it. Kept in ``roles`` per everything else they depend on (the TP rank and
-    # size, the local experts, the cost rules), so the ranks of ``plan_all`` share them.
+    # same relative runs; done: (component, fused, shape, dtype, weight shape, weight dtype)
+    # -> (item at offset 0, exchange choice), what ``_plan_one`` derives from exactly these,
+    # so a tensor equal in them to one planned before (the same component in another layer)
+    # reuses it. Kept in ``roles`` per everything else they depend on (the TP rank and size,
+    # the local experts, the cost rules), so the ranks of ``plan_all`` share them.
     selections, relative, done = roles.plan_memo((
         topology.tp_rank, topology.tp_size, experts, range_cost_bytes,
         exchange_cost if exchanger is not None else None))
-    links, rule_index = roles.links, roles.rule_index
     entries = index.entry_map(needed_files)
+    # every per-tensor step below is a C pass over the stage's columns; Python runs only
+    # for the first tensor of each kind (``_plan_one``) and for multi-range items
+    names = list(own)
+    role_list = list(own.values())
+    targets = names
+    if extra:
+        names = names + [n for n, _, _ in extra]
+        role_list += [r for _, r, _ in extra]
+        targets = list(own) + [t for _, _, t in extra]
+    ents = list(map(entries.__getitem__, names))
+    weights = list(map(roles.links.get, names))
+    wents: list = weights
+    wshapes: Any = repeat(None)
+    wdtypes: Any = wshapes
+    if weights.count(None) != len(weights):  # companions: their weights' shapes and dtypes
+        wents = [None if w is None else entries.get(w) or index.entry(w) for w in weights]
+        wshapes = [None if w is None else w.shape for w in wents]
+        wdtypes = [None if w is None else w.dtype for w in wents]
+    keys = list(zip(map(_component_of, role_list), map(_fused_of, role_list),
+                    map(_shape_of, ents), map(_dtype_of, ents), wshapes, wdtypes))
+    found: list[Any] = list(map(done.get, keys))
+    at = -1
     qdtype = scheme.weight_dtype if scheme is not None else None
-    new, item_cls, setattr_ = object.__new__, ReadItem, object.__setattr__
-    for name, role, target in reads:
-        entry = entries[name]
-        weight = links.get(name)
-        if weight is None:
-            wentry = None
-            fast: tuple = (role.component, role.fused_experts, entry.shape, entry.dtype)
-        else:
-            wentry = entries.get(weight) or index.entry(weight)  # its shard: parsed already
-            fast = (role.component, role.fused_experts, entry.shape, entry.dtype,
-                    wentry.shape, wentry.dtype)
-        found = done.get(fast)
-        if found is None:
-            found = done[fast] = _plan_one(
-                spec, index, topology, experts, scheme, range_cost_bytes, exchanger, selections,
-                relative, rule_index, qdtype, name, role, entry, weight, wentry)
-        made, choice = found
-        if choice is not None:
-            take(entry, target, choice)  # type: ignore[misc]
-        # ``made`` moved to the tensor's file and offset (a frozen copy, no __init__)
-        ranges, start = made.ranges, entry.start
-        fields = made.__dict__.copy()
-        fields["name"], fields["target"], fields["file"] = name, target, entry.file
-        fields["ranges"] = ((start + ranges[0][0], ranges[0][1]),) if len(ranges) == 1 \
-            else tuple((start + a, n) for a, n in ranges)
-        item = new(item_cls)
-        setattr_(item, "__dict__", fields)
-        items.append(item)
+    while True:  # the first tensor of each kind
+        try:
+            at = found.index(None, at + 1)
+        except ValueError:
+            break
+        key = keys[at]
+        got = done.get(key)
+        if got is None:
+            got = done[key] = _plan_one(
+                spec, index, topology, experts, scheme, range_cost_bytes, exchanger,
+                selections, relative, roles.rule_index, qdtype, names[at], role_list[at],
+                ents[at], weights[at], wents[at])
+        found[at] = got
+    made = list(map(_first, found))
+    if exchanger is not None:
+        choices = list(map(_second, found))
+        exchanger.take_many(ents, targets, choices)
+    # ``made`` moved to each tensor's name, file and offset (frozen copies, no __init__)
+    starts, rels = list(map(_start_of, ents)), list(map(_ranges_of, made))
+    if set(map(len, rels)) == {1}:  # one range each (the usual case)
+        firsts = list(map(_first, rels))
+        ranges: list = list(zip(zip(map(add, starts, map(_first, firsts)),
+                                    map(_second, firsts))))
+    else:
+        ranges = [tuple((s + a, n) for a, n in r) for s, r in zip(starts, rels)]
+    items = list(map(make_item, zip(
+        names, targets, map(_file_of, ents), *(map(itemgetter(k), made) for k in (3, 4, 5)),
+        ranges, *(map(itemgetter(k), made) for k in (7, 8, 9)))))
     plan = _finish(spec, index, topology, window, experts, items, list(chosen))
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
@@ -390,11 +296,11 @@ def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     choice = None
     try:
         if sel is None:
-            sel = selections[key] = _selection(spec, role, entry, topology, experts, index,
+            sel = selections[key] = tensor_selection(spec, role, entry, topology, experts, index,
                                                scheme)
         if exchanger is not None:
             choice = exchanger.choice(entry, sel, key, partial(
-                _peer_selection, spec, role, entry, experts, index, scheme))
+                peer_selection, spec, role, entry, experts, index, scheme))
             if choice.box is None:
                 choice = None  # read directly: nothing to record
     except PlanError as exc:  # name the file and rank of the tensor being planned
@@ -407,13 +313,6 @@ def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
             TensorEntry("", "", entry.dtype, entry.shape, 0, entry.nbytes), "", sel,
             range_cost_bytes)
     return made, choice
-
-
-def _peer_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry,
-                    experts: Optional[tuple[int, int]], index: CheckpointIndex,
-                    scheme: Optional[QuantScheme], peer: Topology) -> Selection:
-    """A TP peer's selection of ``entry`` (the exchange planner needs the whole group's)."""
-    return _selection(spec, role, entry, peer, experts, index, scheme)
 
 
 def _exchanger(topology: Topology, range_cost_bytes: int, exchange_cost: Optional[float],
@@ -435,8 +334,6 @@ def _head_name(family: Family) -> str:
     return head
 
 
-_ranges_of, _file_of, _target_of = attrgetter("ranges"), attrgetter("file"), attrgetter("target")
-_first = itemgetter(0)
 
 
 def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window: StageWindow,
@@ -503,7 +400,7 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
         if role.placement == "mtp" and role.layer == layer and (
                 role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
             entry = index.entry(name)
-            sel = _selection(spec, role, entry, topo, experts, index, scheme)
+            sel = tensor_selection(spec, role, entry, topo, experts, index, scheme)
             items.append(read_item(entry, spec.family.layer_name(0, role.component), sel))
             names.append(name)
     if not items:

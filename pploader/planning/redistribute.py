@@ -18,6 +18,8 @@ Every rank of a TP group computes the same choices and batches from the same hea
 from __future__ import annotations
 
 import math
+from itertools import compress, repeat
+from operator import is_not
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -213,6 +215,13 @@ class Exchanger:
         self._chosen.append((entry, target, choice))
         return True
 
+    def take_many(self, entries: Sequence[TensorEntry], targets: Sequence[str],
+                  choices: Sequence[Optional[_Choice]]) -> None:
+        """:meth:`take` for a whole stage in one C pass (``None``: read directly)."""
+        keep = list(map(is_not, choices, repeat(None)))
+        self._chosen.extend(zip(compress(entries, keep), compress(targets, keep),
+                                compress(choices, keep)))  # type: ignore[arg-type]
+
     def choice(self, entry: TensorEntry, selection: Selection, key: tuple,
                peer_selection: Callable[["Topology"], Selection]) -> _Choice:
         """The group's decision for ``entry`` sliced as ``selection`` (not yet recorded)."""
@@ -286,8 +295,7 @@ class Exchanger:
         #: (shape, dtype, box) -> per chunk: (rows, every rank's share, this rank's share
         #: shape, its byte offset from the tensor's start, its bytes, first row)
         chunks_of: dict[tuple, list[tuple]] = {}
-        new, setattr_, item_cls, read_cls = object.__new__, object.__setattr__, ExchangeItem, \
-            ReadItem
+        new, setattr_, item_cls = object.__new__, object.__setattr__, ExchangeItem
         for entry, target, choice in chosen:
             shape = entry.shape
             shape_key = (shape, entry.dtype, choice.box)
@@ -311,12 +319,10 @@ class Exchanger:
                     batch, used = batch + 1, 0
                 # rows [first_row, first_row + k) as one direct read (its target
                 # ``name@first_row`` is unique per chunk); frozen values without __init__
-                share = new(read_cls)
-                setattr_(share, "__dict__", {
-                    "name": entry.name, "target": f"{target}@{first_row}", "file": entry.file,
-                    "dtype": entry.dtype, "shape": share_shape, "source_shape": shape,
-                    "ranges": ((entry.start + offset, share_bytes),) if share_bytes else (),
-                    "buffer_shape": share_shape, "gather": (), "pad_rows": 0})
+                share = ReadItem(
+                    entry.name, f"{target}@{first_row}", entry.file, entry.dtype, share_shape,
+                    shape, ((entry.start + offset, share_bytes),) if share_bytes else (),
+                    share_shape)
                 item = new(item_cls)
                 setattr_(item, "__dict__", {
                     "target": target, "name": entry.name, "file": entry.file,

@@ -8,9 +8,9 @@ from __future__ import annotations
 import bisect
 import re
 from itertools import compress, repeat
-from collections import deque
-from operator import itemgetter, setitem
-from dataclasses import dataclass, field, replace
+from functools import partial
+from operator import attrgetter, itemgetter
+from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 from ..errors import PlanError
@@ -22,6 +22,9 @@ from .quant import quant_scheme
 from .spec import ModelSpec
 
 __all__ = ["CheckpointRoles", "checkpoint_roles", "wanted"]
+
+#: a TensorRole from its six fields as one tuple (no per-field ``__init__`` call)
+_make_role = partial(tuple.__new__, TensorRole)
 
 
 @dataclass(frozen=True)
@@ -48,12 +51,17 @@ class CheckpointRoles:
     #: check): keyed by (what, window, experts); derived from the fields above only
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
-    _role_fields: dict[tuple, dict] = field(default_factory=dict, compare=False, repr=False)
-    #: (a layer's components, whether each links to a weight) -> each name's role fields
-    #: (``_role_fields``' values, in name order): what a layer like it needs, no lookups
-    _layer_fields: dict[tuple, list[dict]] = field(default_factory=dict, compare=False,
-                                                   repr=False)
+    #: (component, whether it links to a weight) -> a role of it in some layer
+    _role_fields: dict[tuple, TensorRole] = field(default_factory=dict, compare=False,
+                                                  repr=False)
+    #: (a layer's components, whether each links to a weight) -> its roles' component,
+    #: expert, fused_experts and role columns (in name order): what a layer like it needs
+    _layer_fields: dict[tuple, tuple[list, ...]] = field(default_factory=dict, compare=False,
+                                                         repr=False)
     _index_names: Collection[str] = field(default=(), compare=False, repr=False)
+    #: signatures of layers the strict check passed (planning/accounting.py): a layer with
+    #: one of them passes as that layer did
+    checked_layers: set[tuple] = field(default_factory=set, compare=False, repr=False)
     _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
                                                              compare=False, repr=False)
     #: layer -> (its prefix, positions of its companions among its names, their weights'
@@ -99,37 +107,33 @@ class CheckpointRoles:
         prefix_len = self._prefix_len(layer)
         placement = "layer" if layer < self.spec.num_layers else "mtp"
         memo, links, known = self._role_fields, self.links, self.components
-        new, setattr_, role_cls, out = object.__new__, object.__setattr__, TensorRole, {}
         names = self.layers.get(layer, ())
         comps = tuple(map(itemgetter(slice(prefix_len, None)), names))
         linked = tuple(map(links.__contains__, names))
-        fields_of = self._layer_fields.get((comps, linked))
-        if fields_of is not None:  # a layer like an earlier one: every role built in C passes
-            values = list(map(dict.copy, fields_of))  # the per-component fields + this layer
-            deque(map(setitem, values, repeat("layer"), repeat(layer)), maxlen=0)
-            deque(map(setitem, values, repeat("placement"), repeat(placement)), maxlen=0)
-            roles = list(map(new, repeat(role_cls, len(values))))  # frozen values, no __init__
-            deque(map(setattr_, roles, repeat("__dict__"), values), maxlen=0)
-            return dict(zip(names, roles))
+        columns = self._layer_fields.get((comps, linked))
+        if columns is not None:  # a layer like an earlier one: every role in one C pass
+            components, expert, fused, kind = columns
+            return dict(zip(names, map(_make_role, zip(
+                repeat(placement), components, repeat(layer), expert, fused, kind))))
+        out = {}
         for name, key in zip(names, zip(comps, linked)):
             component = key[0]  # key: (component, whether it links to a weight)
-            fields = memo.get(key)
-            if fields is None:
+            base = memo.get(key)
+            if base is None:
                 role = out[name] = self.role(name, layer, component)
-                base = component if not key[1] else \
+                weight = component if not key[1] else \
                     component[:len(component) - len(name) + len(links[name])]
-                if known.get(base) is not None and role.layer == layer \
+                if known.get(weight) is not None and role.layer == layer \
                         and role.placement == placement:
-                    memo[key] = dict(vars(role))
+                    memo[key] = role
                 continue
-            fields = fields.copy()  # a frozen value: the per-component fields + this layer
-            fields["layer"], fields["placement"] = layer, placement
-            role = new(role_cls)
-            setattr_(role, "__dict__", fields)
-            out[name] = role
+            out[name] = _make_role((placement, base.component, layer, base.expert,
+                                    base.fused_experts, base.role))
         every = list(map(memo.get, zip(comps, linked)))
-        if None not in every:  # a later layer with these components takes the C passes above
-            self._layer_fields[comps, linked] = [f for f in every if f is not None]
+        if None not in every:  # a later layer with these components takes the C pass above
+            self._layer_fields[comps, linked] = tuple(
+                list(map(attrgetter(f), every)) for f in ("component", "expert", "fused_experts",
+                                                           "role"))
         return out
 
     def _prefix_len(self, layer: int) -> int:
@@ -280,7 +284,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         weight = links.get(name, name)
         role = fam.classify(weight, n, m)
         if role is not None and weight != name:
-            role = replace(role, component=fam.quant_naming.companion_component(
+            role = role._replace(component=fam.quant_naming.companion_component(
                 role.component, weight, name))
         if role is None:
             unknown.append(name)

@@ -10,13 +10,17 @@ item and exchange choice recomputed per tensor without any memo.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
 import pploader.planning.header as ckpt
+from pploader.errors import PlanError
 from pploader.planning.checkpoint import open_checkpoint, parse_header
-from pploader.planning.plan import (DEFAULT_EXCHANGE_COST, RankPlan, ReadItem, _selection,
+from pploader.planning.items import tensor_selection
+from pploader.planning.plan import (DEFAULT_EXCHANGE_COST, RankPlan, ReadItem,
                                     checkpoint_roles, make_windows, plan_all, plan_rank,
                                     read_item)
 from pploader.planning.quant import quant_scheme
@@ -105,12 +109,12 @@ def _direct_items(plan: RankPlan, spec_path: Path) -> tuple[list[ReadItem], list
     for item in plan.items:
         entry = index.entry(item.name)
         role = every[item.name]
-        sel = _selection(spec, role, entry, topo, experts, index, scheme)
+        sel = tensor_selection(spec, role, entry, topo, experts, index, scheme)
         items.append(read_item(entry, item.target, sel, plan.range_cost_bytes))
         if topo.tp_size > 1:
             chooser = Exchanger(topo, range_cost_bytes=plan.range_cost_bytes,
                                 exchange_cost=DEFAULT_EXCHANGE_COST)  # fresh: no memo
-            if chooser.consider(entry, item.target, sel, (item.name,), lambda peer: _selection(
+            if chooser.consider(entry, item.target, sel, (item.name,), lambda peer: tensor_selection(
                     spec, role, entry, peer, experts, index, scheme)):
                 exchanged.append(item.target)
     return items, exchanged
@@ -154,8 +158,57 @@ def test_fast_plans_equal_direct_per_tensor_plans(root: Path, model: str, pp: in
         assert list(plan.items) == direct
         ex = plan.redistribute
         assert sorted(ex.targets if ex is not None else ()) == sorted(exchanged)
-    fields = {f.name for f in dataclasses.fields(ReadItem)}
+    # items and shares are built from columns (tuple.__new__): each a whole ReadItem
     shares = [i.share for p in plans if p.redistribute for i in p.redistribute.items]
-    assert all(set(vars(s)) == fields for s in shares)
+    assert all(type(i) is ReadItem and len(i) == len(ReadItem._fields)
+               for i in [*shares, *(i for p in plans for i in p.items)])
     assert all(set(vars(i)) == {f.name for f in dataclasses.fields(ExchangeItem)}
                for p in plans if p.redistribute for i in p.redistribute.items)
+
+
+def _small_deepseek(root: Path, change: Callable[[dict], None]) -> Path:
+    """A 6-layer, 8-expert DeepSeek-V3 (FP8 + block scales) as one sparse shard, its
+    ``{name: (dtype, shape)}`` edited by ``change`` first."""
+    from real_layouts import _write_sparse, real_config, real_tensors
+    from pploader.planning.spec import spec_from_config
+    config = dict(real_config("deepseek-v3"), num_hidden_layers=6, n_routed_experts=8,
+                  num_experts_per_tok=2, n_group=1, topk_group=1, num_nextn_predict_layers=0,
+                  first_k_dense_replace=1)
+    tensors = real_tensors(spec_from_config(config))
+    change(tensors)
+    root.mkdir()
+    _write_sparse(root / "model.safetensors", tensors)
+    (root / "config.json").write_text(json.dumps(config))
+    return root
+
+
+def test_a_layer_like_a_checked_one_is_not_rechecked_but_a_different_one_is(
+        tmp_path: Path) -> None:
+    """Strict accounting checks the first layer of each kind name by name and the others by
+    signature (planning/accounting.py): a defect in a later layer changes its signature, so
+    it is still found, with the message of a full check (every bad layer named)."""
+    good = _small_deepseek(tmp_path / "good", lambda t: None)
+    index = open_checkpoint(good)
+    roles = checkpoint_roles(load_spec(good), index)
+    plan_rank(roles.spec, index, Topology(1), make_windows(roles.spec, index, 1)[0], roles=roles)
+    assert len(roles.checked_layers) == 2  # the dense layer 0 and the MoE layers 1-5: 2 kinds
+    scale = "model.layers.{}.mlp.experts.3.down_proj.weight_scale_inv"
+
+    def bad_shape(t: dict) -> None:
+        dtype, shape = t[scale.format(4)]
+        t[scale.format(4)] = (dtype, (shape[0] + 1,) + shape[1:])
+
+    with pytest.raises(PlanError, match=r"shape \[.*\] in the checkpoint .* expected") as err:
+        plan_all(*_opened(_small_deepseek(tmp_path / "shape", bad_shape)), 1)
+    assert err.value.tensor == scale.format(4)
+
+    def two_missing(t: dict) -> None:
+        del t[scale.format(2)], t[scale.format(5)]
+
+    with pytest.raises(PlanError, match="2 required tensor") as err:
+        plan_all(*_opened(_small_deepseek(tmp_path / "missing", two_missing)), 1)
+    assert scale.format(2) in str(err.value) and scale.format(5) in str(err.value)
+
+
+def _opened(path: Path) -> tuple:
+    return load_spec(path), open_checkpoint(path)

@@ -1,0 +1,150 @@
+"""One tensor's read: ``ReadItem``, the rank's selection of a tensor (TP rule, local
+experts, quantization companions) and its byte runs. Pure; ``plan.plan_rank`` calls these
+once per kind of tensor and copies the result to every tensor of that kind."""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import NamedTuple, Optional
+
+from ..errors import PlanError
+from ..families.base import TensorRole
+from .checkpoint import DTYPES, CheckpointIndex, TensorEntry
+from .quant import QuantScheme, same_shape
+from .shard import DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, tp_selection
+from .spec import ModelSpec
+from .topology import Topology
+
+__all__ = ["ReadItem", "read_item", "make_item", "tensor_selection", "peer_selection"]
+
+
+class ReadItem(NamedTuple):
+    """One tensor (or slice) to read: byte ``ranges`` concatenated form ``buffer_shape``;
+    ``gather`` then narrows it (coalesced strided reads); ``pad_rows`` zero rows follow.
+
+    An immutable named tuple, not a frozen dataclass: a rank of a large MoE plans ~100 k of
+    them, built in C passes from one item per tensor kind (``plan_rank``)."""
+
+    name: str
+    target: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    source_shape: tuple[int, ...]
+    ranges: tuple[tuple[int, int], ...]
+    buffer_shape: tuple[int, ...]
+    gather: tuple[tuple[int, tuple[Interval, ...]], ...] = ()
+    pad_rows: int = 0
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPES[self.dtype][1]
+
+    @property
+    def read_bytes(self) -> int:
+        return sum(n for _, n in self.ranges)
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    @property
+    def ideal_bytes(self) -> int:
+        rows = self.shape[0] - self.pad_rows if self.shape else 1
+        return rows * math.prod(self.shape[1:]) * self.itemsize
+
+    @property
+    def direct(self) -> bool:
+        """True when the ranges land straight in the output (no temporary buffer)."""
+        return not self.gather
+
+
+#: a ReadItem from its ten fields as one tuple (no per-field ``__init__`` call)
+make_item = partial(tuple.__new__, ReadItem)
+
+
+def read_item(entry: TensorEntry, target: str, selection: Selection,
+              range_cost: int = DEFAULT_RANGE_COST_BYTES) -> ReadItem:
+    """The ReadItem of ``selection`` of ``entry``: direct byte runs (concatenated in C order),
+    or one covering box + gather when ``n_runs x range_cost`` makes run-by-run dearer."""
+    shape, itemsize = entry.shape, entry.itemsize
+    out_shape = selection.shape(shape)
+    if not selection.dims:
+        ranges = ((entry.start, entry.nbytes),) if entry.nbytes else ()
+        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape, ranges,
+                        shape, pad_rows=selection.pad_rows)
+    sel = dict(selection.dims)
+    k, j = max(sel), min(sel)
+    n_runs = len(sel[k]) * math.prod(sum(n for _, n in sel[d]) if d in sel else shape[d]
+                                     for d in range(k))
+    needed = (math.prod(out_shape) - (selection.pad_rows * math.prod(shape[1:]))) * itemsize
+    row_bytes = math.prod(shape[1:]) * itemsize
+    lo = min(a for a, _ in sel[0]) if j == 0 else 0
+    hi = max(a + n for a, n in sel[0]) if j == 0 else shape[0]
+    box_bytes = (hi - lo) * row_bytes
+    if n_runs <= 1 or needed + n_runs * range_cost <= box_bytes:
+        runs = byte_runs(shape, itemsize, entry.start, Selection(selection.dims))
+        return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
+                        tuple(runs), _unpadded(out_shape, selection.pad_rows),
+                        pad_rows=selection.pad_rows)
+    gather = tuple((d, tuple((a - lo, n) for a, n in iv) if d == 0 else iv)
+                   for d, iv in selection.dims)
+    box_shape = (hi - lo,) + shape[1:]
+    return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
+                    ((entry.start + lo * row_bytes, box_bytes),), box_shape, gather,
+                    selection.pad_rows)
+
+
+def _unpadded(shape: tuple[int, ...], pad_rows: int) -> tuple[int, ...]:
+    return (shape[0] - pad_rows,) + shape[1:] if pad_rows else shape
+
+
+def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tuple[int, ...],
+                       topo: Topology, experts: Optional[tuple[int, int]]) -> Selection:
+    """TP rule + local experts on a (logical) shape."""
+    rule = spec.family.shard_rule(role.component)
+    sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
+    if role.fused_experts and experts is not None:
+        if not shape or shape[0] != spec.num_experts:
+            raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
+                            f"num_experts {spec.num_experts}", tensor=name)
+        if experts != (0, spec.num_experts):
+            sel = Selection(((0, ((experts[0], experts[1] - experts[0]),)),)).merged(sel)
+    return sel
+
+
+def tensor_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
+               experts: Optional[tuple[int, int]], index: CheckpointIndex,
+               scheme: Optional[QuantScheme]) -> Selection:
+    """The rank's selection of ``entry``; quantized weights and their companions are sliced
+    from the weight's logical selection (planning/quant.py)."""
+    link = scheme.weight_of(entry.name) if scheme is not None else None
+    if scheme is not None and link is not None and link[0] in index.weight_map:
+        weight, comp = index.entry(link[0]), link[1]
+        if not scheme.is_quantized(weight.name, weight.dtype, len(weight.shape)):
+            raise PlanError(f"{comp.suffix} of a weight stored as {weight.dtype} {list(weight.shape)}"
+                            f" ({scheme.name} weights are {scheme.weight_dtype}, >= 2-d)",
+                            file=entry.file, tensor=entry.name, rank=topo.rank)
+        logical = scheme.logical_shape(weight.shape)
+        if not same_shape(comp.shape(logical), entry.shape):
+            raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
+                            f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
+                            file=entry.file, tensor=entry.name, rank=topo.rank)
+        wcomp = scheme.weight_of(role.component)  # the family's naming, not string cutting
+        wrole = role._replace(component=wcomp[0] if wcomp is not None else role.component)
+        wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
+        return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
+    if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
+        logical = scheme.logical_shape(entry.shape)
+        wsel = _logical_selection(spec, role, entry.name, logical, topo, experts)
+        return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
+    return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
+
+
+def peer_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry,
+                    experts: Optional[tuple[int, int]], index: CheckpointIndex,
+                    scheme: Optional[QuantScheme], peer: Topology) -> Selection:
+    """A TP peer's selection of ``entry`` (the exchange planner needs the whole group's)."""
+    return tensor_selection(spec, role, entry, peer, experts, index, scheme)
+
+
