@@ -98,9 +98,10 @@ class SpecView(Protocol):
 Template = Callable[[SpecView], Mapping[str, tuple[int, ...]]]
 
 #: The same set split by layer: (the names outside the layers -> shape, a function giving
-#: layer ``i``'s names -> shapes, the layer ids, MTP layers included), so a planner builds only
-#: the layers a stage reads. Must agree with ``Template`` (tests/families check every family
-#: that has one).
+#: layer ``i``'s components -> shapes (its names are ``Family.layer_name(i, component)``; layers
+#: of one kind may share one mapping, never mutated), the layer ids, MTP layers included), so a
+#: planner builds only the layers a stage reads and compares layers by their components. Must
+#: agree with ``Template`` (tests/families check every family that has one).
 LayerTemplate = Callable[[SpecView], tuple[Mapping[str, tuple[int, ...]],
                                            Callable[[int], Mapping[str, tuple[int, ...]]], range]]
 

@@ -104,7 +104,7 @@ def _layered(spec: SpecView, fused: bool = False
              ) -> tuple[Shapes, Callable[[int], Shapes], range]:
     """The template by layer: main layers, then MTP layers ``num_layers ..
     num_layers + num_mtp_layers - 1`` (each a decoder layer plus the MTP extras). A layer's
-    components depend only on (MoE, MTP): each kind is built once, then prefixed per layer."""
+    components depend only on (MoE, MTP): each kind is built once and shared."""
     kinds: dict[tuple[bool, bool], Shapes] = {}
 
     def layer(i: int) -> Shapes:
@@ -114,7 +114,7 @@ def _layered(spec: SpecView, fused: bool = False
             out = kinds[kind] = _decoder_layer(spec, i, fused)
             if kind[1]:
                 out.update(_mtp_extras(spec))
-        return prefixed(f"model.layers.{i}.", out)
+        return out
     return globals_tensors(spec), layer, range(spec.num_layers + spec.num_mtp_layers)
 
 
@@ -123,7 +123,7 @@ def _template(spec: SpecView, fused: bool = False) -> Shapes:
     globals_, layer, layers = _layered(spec, fused)
     out = dict(globals_)
     for i in layers:
-        out.update(layer(i))
+        out.update(prefixed(f"model.layers.{i}.", layer(i)))
     return out
 
 

@@ -57,39 +57,42 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
             _check_names(roles, index, entries, template, template_only, chosen, window,
                          experts, topology)
         raise
-    roles.checked_layers.update(sig for sig, _ in signatures.values())
+    for sig, _, key in signatures.values():  # the candidates of later stages
+        found = roles.checked_layers.setdefault(key, [])
+        if not any(map(sig.__eq__, found)):
+            found.append(sig)
 
 
 def _layer_signatures(roles: CheckpointRoles, entries: Mapping[str, TensorEntry],
                       window: StageWindow,
                       experts: Optional[tuple[int, int]]
-                      ) -> tuple[dict[int, tuple[tuple, Sequence[str]]], list[int]]:
-    """(layer -> (signature, its template's names)) of the window's layers, and the layers
+                      ) -> tuple[dict[int, tuple[tuple, Sequence[str], int]], list[int]]:
+    """(layer -> (signature, its template's names, its template's id)) of the window's layers,
+    and the layers
     whose signature equals one checked before or an earlier layer's of this window. Only
     with a per-layer template and all experts (an EP rank's stage is small)."""
     if roles.layered is None or experts is not None:
         return {}, []
-    _, layer_template, ids = roles.layered
-    out: dict[int, tuple[tuple, Sequence[str]]] = {}
+    _, components_of, ids = roles.layered
+    out: dict[int, tuple[tuple, Sequence[str], int]] = {}
     like: list[int] = []
-    seen = set(roles.checked_layers)
+    # candidates by template object (a family shares one per kind of layer); a layer is
+    # "like" a candidate only when the whole signature is equal (no hashing of ~100 k shapes)
+    seen = {key: list(sigs) for key, sigs in roles.checked_layers.items()}
     for layer in range(window.start_layer, window.end_layer):
         names = roles.layers.get(layer)
         if not names or layer not in ids:
             continue
-        prefix = roles.spec.family.layer_name(layer, "")
-        template = layer_template(layer)
-        if not all(map(str.startswith, template, repeat(prefix))) \
-                or not all(map(str.startswith, names, repeat(prefix))):
-            continue  # a template or name off the prefix: checked name by name
-        cut = itemgetter(slice(len(prefix), None))
+        template = components_of(layer)  # relative to the layer's prefix, as the names are
         ents = list(map(entries.__getitem__, names))
-        sig = (tuple(map(cut, names)), tuple(map(_shape_of, ents)), tuple(map(_dtype_of, ents)),
-               tuple(map(cut, template)), tuple(map(tuple, template.values())))
-        out[layer] = (sig, tuple(template))
-        if sig in seen:
+        sig = (roles.layer_components(layer), tuple(map(_shape_of, ents)),
+               tuple(map(_dtype_of, ents)), tuple(template), tuple(map(tuple, template.values())))
+        out[layer] = (sig, tuple(roles.layer_template(layer)), id(template))
+        candidates = seen.setdefault(id(template), [])
+        if any(map(sig.__eq__, candidates)):
             like.append(layer)
-        seen.add(sig)
+        else:
+            candidates.append(sig)
     return out, like
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 from itertools import repeat
-from operator import add, attrgetter, itemgetter
+from operator import add, attrgetter, itemgetter, mul
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -341,9 +341,15 @@ def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window:
             names: list[str]) -> RankPlan:
     order = {f: i for i, f in enumerate(sorted(index.paths))}
     ranges = list(map(_ranges_of, items))
-    if all(ranges):  # every item reads bytes (the usual case): its keys in C passes
-        keys = list(zip(map(order.__getitem__, map(_file_of, items)),
-                        map(_first, map(_first, ranges)), map(_target_of, items)))
+    keys: list = []
+    if ranges and all(ranges):  # every item reads bytes (the usual case): its keys in C passes
+        at = list(map(order.__getitem__, map(_file_of, items)))
+        starts = list(map(_first, map(_first, ranges)))
+        flat = list(map(add, map(mul, at, repeat(max(starts) + 1)), starts))
+        # (file, start) as one int when no two items start at one byte (else the target
+        # breaks the tie)
+        keys = flat if len(set(flat)) == len(flat) else \
+            list(zip(at, starts, map(_target_of, items)))
     else:
         keys = [(order[it.file], it.ranges[0][0] if it.ranges else 0, it.target) for it in items]
     items = list(map(items.__getitem__, sorted(range(len(items)), key=keys.__getitem__)))

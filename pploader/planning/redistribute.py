@@ -21,10 +21,12 @@ import math
 from itertools import compress, repeat
 from operator import is_not
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional, Sequence
+from functools import partial
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 from .checkpoint import TensorEntry
-from .plan import DEFAULT_EXCHANGE_COST, RankPlan, ReadItem
+from .items import ReadItem, make_item
+from .plan import DEFAULT_EXCHANGE_COST, RankPlan
 from .shard import Interval, Selection
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -38,9 +40,9 @@ __all__ = ["ExchangeItem", "Redistribute", "Exchanger", "DEFAULT_EXCHANGE_COST",
 DEFAULT_EXCHANGE_BATCH_BYTES = 64 << 20
 
 
-@dataclass(frozen=True)
-class ExchangeItem:
-    """One tensor (or one row chunk of it) read as row shares and exchanged.
+class ExchangeItem(NamedTuple):
+    """One tensor (or one row chunk of it) read as row shares and exchanged (an immutable
+    named tuple, built without a per-field ``__init__``: a TP8 rank has ~30 k).
 
     ``rows[p]``: the (first row, count) that TP rank ``p`` reads; together they tile the chunk
     in order. ``selections[p]``: rank ``p``'s slice of the whole tensor. ``share``: this rank's
@@ -76,6 +78,10 @@ class ExchangeItem:
         """Where this chunk's part of ``dst``'s slice starts in its output (bytes)."""
         return rows_in(self.selections[dst], 0, self.rows[0][0]) * _inner_bytes(
             self.selections[dst], self.source_shape, self.share.itemsize)
+
+
+#: an ExchangeItem from its eleven fields as one tuple (no per-field ``__init__`` call)
+_make_exchange_item = partial(tuple.__new__, ExchangeItem)
 
 
 @dataclass(frozen=True)
@@ -295,41 +301,35 @@ class Exchanger:
         #: (shape, dtype, box) -> per chunk: (rows, every rank's share, this rank's share
         #: shape, its byte offset from the tensor's start, its bytes, first row)
         chunks_of: dict[tuple, list[tuple]] = {}
-        new, setattr_, item_cls = object.__new__, object.__setattr__, ExchangeItem
+        make_share, make_exchange, batch_bytes = make_item, _make_exchange_item, self.batch_bytes
         for entry, target, choice in chosen:
-            shape = entry.shape
-            shape_key = (shape, entry.dtype, choice.box)
+            name, file, dtype, shape, start, _ = entry
+            shape_key = (shape, dtype, choice.box)
             chunks = chunks_of.get(shape_key)
             if chunks is None:  # worked out once per shape, dtype and exchanged rows
                 lo, count = choice.box  # type: ignore[misc]
                 row_bytes = math.prod(shape[1:]) * entry.itemsize
-                per_chunk = max(1, self.batch_bytes // max(row_bytes, 1))
+                per_chunk = max(1, batch_bytes // max(row_bytes, 1))
                 starts = list(range(lo, lo + count, per_chunk)) or [lo]
                 chunks = chunks_of[shape_key] = []
-                for start in starts:
-                    n = min(per_chunk, lo + count - start)
-                    rows = _shares(start, start + n, t.tp_size)
+                for chunk_start in starts:
+                    n = min(per_chunk, lo + count - chunk_start)
+                    rows = _shares(chunk_start, chunk_start + n, t.tp_size)
                     a, k = rows[tp_rank]
                     chunks.append((n * row_bytes, rows, (k,) + shape[1:], a * row_bytes,
                                    k * row_bytes, a))
             last = len(chunks) - 1
             for i, (chunk_bytes, rows, share_shape, offset, share_bytes, first_row) in \
                     enumerate(chunks):
-                if used and used + chunk_bytes > self.batch_bytes:
+                if used and used + chunk_bytes > batch_bytes:
                     batch, used = batch + 1, 0
                 # rows [first_row, first_row + k) as one direct read (its target
-                # ``name@first_row`` is unique per chunk); frozen values without __init__
-                share = ReadItem(
-                    entry.name, f"{target}@{first_row}", entry.file, entry.dtype, share_shape,
-                    shape, ((entry.start + offset, share_bytes),) if share_bytes else (),
-                    share_shape)
-                item = new(item_cls)
-                setattr_(item, "__dict__", {
-                    "target": target, "name": entry.name, "file": entry.file,
-                    "dtype": entry.dtype, "source_shape": shape, "rows": rows,
-                    "selections": choice.selections, "share": share, "batch": batch,
-                    "first": i == 0, "last": i == last})
-                items.append(item)
+                # ``name@first_row`` is unique per chunk)
+                share = make_share((name, f"{target}@{first_row}", file, dtype, share_shape,
+                                    shape, ((start + offset, share_bytes),) if share_bytes
+                                    else (), share_shape, (), 0))
+                items.append(make_exchange((target, name, file, dtype, shape, rows,
+                                            choice.selections, share, batch, i == 0, i == last)))
                 used += chunk_bytes
         return Redistribute(t.tp_group(), t.tp_rank, tuple(items), self.cost, self.batch_bytes)
 

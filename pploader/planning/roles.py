@@ -59,9 +59,14 @@ class CheckpointRoles:
     _layer_fields: dict[tuple, tuple[list, ...]] = field(default_factory=dict, compare=False,
                                                          repr=False)
     _index_names: Collection[str] = field(default=(), compare=False, repr=False)
-    #: signatures of layers the strict check passed (planning/accounting.py): a layer with
-    #: one of them passes as that layer did
-    checked_layers: set[tuple] = field(default_factory=set, compare=False, repr=False)
+    #: signatures of layers the strict check passed, by the id of their (relative) template
+    #: (planning/accounting.py): a layer with one of them passes as that layer did
+    checked_layers: dict[int, list[tuple]] = field(default_factory=dict, compare=False,
+                                                   repr=False)
+    _components_of: dict[int, tuple[str, ...]] = field(default_factory=dict, compare=False,
+                                                       repr=False)
+    _layer_templates: dict[int, Mapping[str, tuple[int, ...]]] = field(
+        default_factory=dict, compare=False, repr=False)
     _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
                                                              compare=False, repr=False)
     #: layer -> (its prefix, positions of its companions among its names, their weights'
@@ -104,11 +109,10 @@ class CheckpointRoles:
         classified once (``components``) depends only on (component, layer, whether it links
         to a weight): its fields are kept per component and copied with the layer set."""
         self._link_layer(layer)
-        prefix_len = self._prefix_len(layer)
         placement = "layer" if layer < self.spec.num_layers else "mtp"
         memo, links, known = self._role_fields, self.links, self.components
         names = self.layers.get(layer, ())
-        comps = tuple(map(itemgetter(slice(prefix_len, None)), names))
+        comps = self.layer_components(layer)
         linked = tuple(map(links.__contains__, names))
         columns = self._layer_fields.get((comps, linked))
         if columns is not None:  # a layer like an earlier one: every role in one C pass
@@ -138,6 +142,24 @@ class CheckpointRoles:
 
     def _prefix_len(self, layer: int) -> int:
         return len(self.spec.family.layer_name(layer, ""))
+
+    def layer_components(self, layer: int) -> tuple[str, ...]:
+        """The names of ``layer`` without its prefix, in name order (computed once)."""
+        found = self._components_of.get(layer)
+        if found is None:
+            cut = itemgetter(slice(self._prefix_len(layer), None))
+            found = self._components_of[layer] = tuple(map(cut, self.layers.get(layer, ())))
+        return found
+
+    def layer_template(self, layer: int) -> Mapping[str, tuple[int, ...]]:
+        """The template's names -> shapes of ``layer`` (``layered`` only; computed once)."""
+        found = self._layer_templates.get(layer)
+        if found is None:
+            assert self.layered is not None
+            prefix = self.spec.family.layer_name(layer, "")
+            found = self._layer_templates[layer] = {
+                prefix + c: tuple(s) for c, s in self.layered[1](layer).items()}
+        return found
 
     def items(self) -> list[tuple[str, TensorRole]]:
         """(name, role) of every checkpoint tensor."""
@@ -178,11 +200,11 @@ class CheckpointRoles:
         key = ("template", window.start_layer, window.end_layer)
         found = self._stage_memo.get(key)
         if found is None:
-            globals_, layer, ids = self.layered
+            globals_, _, ids = self.layered
             part = dict(globals_)
             for i in range(window.start_layer, window.end_layer):
                 if i in ids:
-                    part.update(layer(i))
+                    part.update(self.layer_template(i))
             fam, n, m = self.spec.family, self.spec.num_layers, self.spec.num_mtp_layers
             found = self._stage_memo[key] = (part, {
                 t: fam.classify(t, n, m) for t in part.keys() - self._index_names})
@@ -208,8 +230,11 @@ class CheckpointRoles:
                      ) -> dict[str, TensorRole]:
         chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
         for layer in range(window.start_layer, window.end_layer):
+            if experts is None:  # every name of the layer
+                chosen.update(self.layer_roles(layer))
+                continue
             for name, role in self.layer_roles(layer).items():
-                if role.expert is None or experts is None or experts[0] <= role.expert < experts[1]:
+                if role.expert is None or experts[0] <= role.expert < experts[1]:
                     chosen[name] = role
         return chosen
 

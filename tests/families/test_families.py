@@ -272,9 +272,10 @@ def test_layer_template_assembles_to_the_template(row: Row) -> None:
             continue
         globals_, layer, ids = fam.layer_template(spec)
         assembled = dict(globals_)
-        for i in ids:
-            assert set(layer(i)).isdisjoint(assembled)  # each name in one layer only
-            assembled.update(layer(i))
+        for i in ids:  # layer i's components, named by the family's layer prefix
+            names = {fam.layer_name(i, c): tuple(s) for c, s in layer(i).items()}
+            assert set(names).isdisjoint(assembled)  # each name in one layer only
+            assembled.update(names)
         assert list(assembled.items()) == list(fam.template(spec).items())  # type: ignore[misc]
     if base.layer_template is not None:  # a format replacing ``template`` alone drops it
         fmt = CheckpointFormat("other", "^only_in_this_format$", (("template", base.template),))

@@ -9,7 +9,6 @@ item and exchange choice recomputed per tensor without any memo.
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 from typing import Callable
@@ -162,7 +161,7 @@ def test_fast_plans_equal_direct_per_tensor_plans(root: Path, model: str, pp: in
     shares = [i.share for p in plans if p.redistribute for i in p.redistribute.items]
     assert all(type(i) is ReadItem and len(i) == len(ReadItem._fields)
                for i in [*shares, *(i for p in plans for i in p.items)])
-    assert all(set(vars(i)) == {f.name for f in dataclasses.fields(ExchangeItem)}
+    assert all(type(i) is ExchangeItem and len(i) == len(ExchangeItem._fields)
                for p in plans if p.redistribute for i in p.redistribute.items)
 
 
@@ -191,7 +190,7 @@ def test_a_layer_like_a_checked_one_is_not_rechecked_but_a_different_one_is(
     index = open_checkpoint(good)
     roles = checkpoint_roles(load_spec(good), index)
     plan_rank(roles.spec, index, Topology(1), make_windows(roles.spec, index, 1)[0], roles=roles)
-    assert len(roles.checked_layers) == 2  # the dense layer 0 and the MoE layers 1-5: 2 kinds
+    assert sum(map(len, roles.checked_layers.values())) == 2  # dense layer 0, MoE layers 1-5
     scale = "model.layers.{}.mlp.experts.3.down_proj.weight_scale_inv"
 
     def bad_shape(t: dict) -> None:
