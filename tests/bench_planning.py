@@ -76,6 +76,53 @@ def json_floor(model: str, repeat: int = 5) -> str:
             f"CPU, best of {repeat}")
 
 
+#: The least a plan that keeps one record per tensor costs, whatever its code: parse the index
+#: and every header (orjson), one 6-field tuple per tensor, one 10-field tuple per item (all in
+#: C passes, no check, no roles, no TP logic), sorted by one int key. Runs in a fresh process,
+#: like the plans (fresh memory is slow to touch on some VMs, and a plan pays for it too).
+SKELETON = r'''
+import gc, json, struct, sys, time, orjson
+from itertools import repeat
+from operator import add, itemgetter
+from pathlib import Path
+gc.disable()
+root = Path(sys.argv[1])
+c0 = time.process_time()
+index = orjson.loads((root / "model.safetensors.index.json").read_bytes())["weight_map"]
+files = sorted(set(index.values()))
+records = {}
+for f in files:
+    with open(root / f, "rb") as fh:
+        obj = orjson.loads(fh.read(struct.unpack("<Q", fh.read(8))[0]))
+    obj.pop("__metadata__", None)
+    names, infos = list(obj), list(obj.values())
+    offs = list(map(itemgetter("data_offsets"), infos))
+    records.update(zip(names, zip(names, repeat(f), map(itemgetter("dtype"), infos),
+                                  map(tuple, map(itemgetter("shape"), infos)),
+                                  map(itemgetter(0), offs), map(itemgetter(1), offs))))
+names = list(index)
+recs = list(map(records.__getitem__, names))
+starts = list(map(itemgetter(4), recs))
+shapes = list(map(itemgetter(3), recs))
+items = list(zip(names, names, map(itemgetter(1), recs), map(itemgetter(2), recs), shapes,
+                 shapes, zip(zip(starts, map(itemgetter(5), recs))), shapes, repeat(()),
+                 repeat(0)))
+order = {f: i << 48 for i, f in enumerate(files)}
+keys = list(map(add, map(order.__getitem__, map(itemgetter(2), items)), starts))
+items = list(map(items.__getitem__, sorted(range(len(items)), key=keys.__getitem__)))
+print(json.dumps({"cpu": time.process_time() - c0, "items": len(items)}))
+'''
+
+
+def skeleton_floor(model: str, repeat: int = 5) -> str:
+    """CPU seconds of :data:`SKELETON` (best of ``repeat`` fresh processes)."""
+    runs = [json.loads(subprocess.run([sys.executable, "-c", SKELETON, model], check=True,
+                                      capture_output=True, text=True).stdout) for _ in range(repeat)]
+    return (f"# record-per-tensor floor: index + headers parsed, one record and one item per "
+            f"tensor ({runs[0]['items']}), sorted, no check: "
+            f"{min(r['cpu'] for r in runs):.3f} s CPU, best of {repeat} fresh processes")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("before")
@@ -84,7 +131,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default=CASES, help="comma separated: one:PPxTPxEP, "
                     "all:PPxTPxEP, help")
-    ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor")
+    ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor and "
+                    "the record-per-tensor floor")
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, python "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
@@ -106,6 +154,7 @@ def main() -> None:
               f"{a['cpu']:.3f} ({a['wall']:.3f}) | {b[key] / a[key]:.1f}x |", flush=True)
     if args.floor:
         print(json_floor(args.model))
+        print(skeleton_floor(args.model))
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
 
 
