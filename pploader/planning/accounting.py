@@ -58,9 +58,9 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
                          experts, topology)
         raise
     for sig, _, key in signatures.values():  # the candidates of later stages
-        found = roles.checked_layers.setdefault(key, [])
-        if not any(map(sig.__eq__, found)):
-            found.append(sig)
+        checked = roles.checked_layers.setdefault(key, [])
+        if not any(map(sig.__eq__, checked)):
+            checked.append(sig)
 
 
 def _layer_signatures(roles: CheckpointRoles, entries: Mapping[str, TensorEntry],
