@@ -52,8 +52,8 @@ class CheckpointRoles:
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     #: (component, whether it links to a weight) -> a role of it in some layer
-    _role_fields: dict[tuple, TensorRole] = field(default_factory=dict, compare=False,
-                                                  repr=False)
+    _component_roles: dict[tuple, TensorRole] = field(default_factory=dict, compare=False,
+                                                      repr=False)
     #: (a layer's components, whether each links to a weight) -> its roles' component,
     #: expert, fused_experts and role columns (in name order): what a layer like it needs
     _layer_fields: dict[tuple, tuple[list, ...]] = field(default_factory=dict, compare=False,
@@ -110,7 +110,7 @@ class CheckpointRoles:
         to a weight): its fields are kept per component and copied with the layer set."""
         self._link_layer(layer)
         placement = "layer" if layer < self.spec.num_layers else "mtp"
-        memo, links, known = self._role_fields, self.links, self.components
+        memo, links, known = self._component_roles, self.links, self.components
         names = self.layers.get(layer, ())
         comps = self.layer_components(layer)
         linked = tuple(map(links.__contains__, names))
