@@ -1,8 +1,9 @@
 """The fast planner equals a straightforward one (issue 17 item 6: planning speed).
 
 The speed-ups (a hook-free header parse, per-stage results shared by a stage's ranks, one
-selection per TP rule instead of per name, memoised exchange choices, frozen values built
-without their ``__init__``) must not change a single byte range. Checked on real published
+selection per TP rule instead of per name, memoised exchange choices, per-tensor records built
+in column passes, later layers of a kind checked by signature) must not change a single byte
+range or error. Checked on real published
 layouts (sparse files, tests/real_layouts.py) against computations that share nothing:
 the strict header parser, a fresh index + roles per rank, and every item's selection, read
 item and exchange choice recomputed per tensor without any memo.
