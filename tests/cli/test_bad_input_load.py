@@ -16,7 +16,6 @@ import pytest
 import torch
 from bad_inputs import (
     Opens,
-    copy_model,
     index_json,
     last_shard,
     no_data_reads,

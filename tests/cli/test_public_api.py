@@ -52,3 +52,9 @@ def test_internals_stay_reachable_through_their_subpackages() -> None:
         assert name not in pploader.__all__
         with pytest.raises(AttributeError):
             getattr(pploader, name)
+
+
+def test_public_api_lists_and_lazy_exports_agree() -> None:
+    assert pploader.__all__ == ["__version__", *pploader._EXPORTS]
+    for name in pploader._EXPORTS:
+        assert getattr(pploader, name) is not None

@@ -3,8 +3,10 @@ default one and of safe_open (TP slices with vocab padding, coalesced strided re
 fails with the same error on a changed file, and is picked in one place."""
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +285,21 @@ def test_staging_is_prepared_only_where_a_backend_declares_one(
         assert prepare_staging("cpu", name=name) is None
     with pytest.raises(ValueError, match="unknown read backend"):
         prepare_staging("cpu", name="nope")
+
+
+def test_same_size_rewrite_restoring_mtime_is_detected(tmp_path: Path) -> None:
+    """A shard rewritten in place (same size) with its mtime put back still fails the load:
+    ctime cannot be reset."""
+    model = make_model(tmp_path / "m")
+    plan = plan_stage(model, Topology(1)).plan
+    shard = model / plan.files[-1]
+    st = os.stat(shard)
+    time.sleep(0.01)
+    with open(shard, "r+b") as fh:  # same bytes back: only the inode's ctime moves
+        data = fh.read()
+        fh.seek(0)
+        fh.write(data)
+    os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(shard).st_mtime_ns == st.st_mtime_ns and os.stat(shard).st_size == st.st_size
+    with pytest.raises(ReadError, match="file changed during load.*ctime_ns"):
+        dict(Reader(plan))

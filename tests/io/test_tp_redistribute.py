@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from helpers import make_model, reference_tensors, run_ranks, tiny_config
-from pploader import PlanError, Topology
+from pploader import Topology
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec

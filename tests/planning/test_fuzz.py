@@ -10,7 +10,6 @@ import struct
 from pathlib import Path, PurePosixPath
 from typing import Any, Optional
 
-import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
