@@ -114,6 +114,72 @@ print(json.dumps({"cpu": time.process_time() - c0, "items": len(items)}))
 '''
 
 
+#: The least a plan costs that keeps no per-tensor record at all and does only what issue 16
+#: itself requires before any planning: parse the index (strict accounting: every name in it is
+#: owned once) and every header (the rank reads part of every tensor), gather each header's
+#: offsets, shapes and dtypes into numpy columns, check span = numel x itemsize and that the
+#: spans tile each data region, and check that the headers hold exactly the index's names in
+#: the index's files. No roles, no TP selection, no items, no exchange. Fresh process.
+COLUMNAR = r"""
+import gc, json, os, struct, sys, time, orjson
+from itertools import chain
+from operator import itemgetter
+from pathlib import Path
+import numpy as np
+gc.disable()
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+            "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+root = Path(sys.argv[1])
+c0 = time.process_time()
+index = orjson.loads((root / "model.safetensors.index.json").read_bytes())["weight_map"]
+files = sorted(set(index.values()))
+headers, data_lens = [], []
+for f in files:
+    with open(root / f, "rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        obj = orjson.loads(fh.read(n))
+        data_lens.append(os.fstat(fh.fileno()).st_size - 8 - n)
+    obj.pop("__metadata__", None)
+    headers.append(obj)
+c1 = time.process_time()
+names = list(chain.from_iterable(headers))
+infos = list(chain.from_iterable(h.values() for h in headers))
+count = len(infos)
+offsets = np.fromiter(chain.from_iterable(map(itemgetter("data_offsets"), infos)),
+                      dtype=np.int64, count=2 * count).reshape(-1, 2)
+shapes = list(map(itemgetter("shape"), infos))
+ndim = np.fromiter(map(len, shapes), dtype=np.int64, count=count)
+dims = np.fromiter(chain.from_iterable(shapes), dtype=np.int64)
+itemsize = np.fromiter(map(ITEMSIZE.__getitem__, map(itemgetter("dtype"), infos)),
+                       dtype=np.int64, count=count)
+padded = np.ones((count, max(int(ndim.max()), 1)), dtype=np.int64)
+padded[np.arange(padded.shape[1]) < ndim[:, None]] = dims
+assert (padded.prod(axis=1) * itemsize == offsets[:, 1] - offsets[:, 0]).all()
+file_id = np.repeat(np.arange(len(files)), list(map(len, headers)))
+order = np.lexsort((offsets[:, 0], file_id))
+begin, end, fid = offsets[order, 0], offsets[order, 1], file_id[order]
+first = np.r_[True, fid[1:] != fid[:-1]]
+last = np.r_[first[1:], True]
+assert (begin[first] == 0).all() and (begin[~first] == end[np.flatnonzero(~first) - 1]).all()
+assert (end[last] == np.array(data_lens)[fid[last]]).all()
+assert dict(zip(names, map(files.__getitem__, file_id.tolist()))) == index
+c2 = time.process_time()
+print(json.dumps({"cpu": c2 - c0, "parse": c1 - c0, "tensors": count}))
+"""
+
+
+def columnar_floor(model: str, repeat: int = 5) -> str:
+    """CPU seconds of :data:`COLUMNAR` (best and worst of ``repeat`` fresh processes)."""
+    runs = [json.loads(subprocess.run([sys.executable, "-c", COLUMNAR, model], check=True,
+                                      capture_output=True, text=True).stdout) for _ in range(repeat)]
+    cpu = sorted(r["cpu"] for r in runs)
+    parse = sorted(r["parse"] for r in runs)
+    return (f"# columnar floor: index + headers parsed ({parse[0]:.3f}-{parse[-1]:.3f} s), "
+            f"numpy columns, span and tiling checks, names and files equal to the index's; no "
+            f"per-tensor record, no roles, no TP, no items ({runs[0]['tensors']} tensors): "
+            f"{cpu[0]:.3f} s CPU best, {cpu[-1]:.3f} s worst of {repeat} fresh processes")
+
+
 def skeleton_floor(model: str, repeat: int = 5) -> str:
     """CPU seconds of :data:`SKELETON` (best of ``repeat`` fresh processes)."""
     runs = [json.loads(subprocess.run([sys.executable, "-c", SKELETON, model], check=True,
@@ -131,8 +197,8 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default=CASES, help="comma separated: one:PPxTPxEP, "
                     "all:PPxTPxEP, help")
-    ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor and "
-                    "the record-per-tensor floor")
+    ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor, "
+                    "the record-per-tensor floor and the columnar floor")
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, python "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
@@ -140,7 +206,7 @@ def main() -> None:
     print("| case (PPxTPxEP) | items | before: CPU s (wall s) | after: CPU s (wall s) | "
           "speed-up (CPU; wall for --help) |")
     print("|---|---|---|---|---|")
-    for case in args.cases.split(","):
+    for case in filter(None, args.cases.split(",")):  # --cases "": the floors only
         best: list = [None, None]
         for _ in range(args.repeat):
             for i, tree in enumerate((args.before, args.after)):  # alternating
@@ -155,6 +221,7 @@ def main() -> None:
     if args.floor:
         print(json_floor(args.model))
         print(skeleton_floor(args.model))
+        print(columnar_floor(args.model))
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
 
 
