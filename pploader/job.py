@@ -25,6 +25,7 @@ from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capac
 from .errors import ConfigError, PlanError
 from .planning.checkpoint import open_checkpoint
 from .planning.dtypes import dtype_casts
+from .planning.gcpause import without_gc
 from .planning.plan import DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_all
 from .planning.shard import DEFAULT_RANGE_COST_BYTES
 from .planning.spec import ModelSpec, load_spec
@@ -352,6 +353,7 @@ def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
                               str(device).partition(":")[0])
 
 
+@without_gc  # the summaries walk millions of plan objects: no full collection in the middle
 def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
              partition: Partition = "even", pools: Optional[PoolOptions] = None,
              allowed_roots: Sequence[str] = (), **plan_options: Any) -> JobPlan:

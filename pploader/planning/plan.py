@@ -5,8 +5,8 @@ Called on any process (no torch.distributed); ``pploader plan`` prints it for ev
 from __future__ import annotations
 
 import logging
-from itertools import repeat
-from operator import add, attrgetter, itemgetter, mul
+from itertools import compress, repeat
+from operator import add, attrgetter, itemgetter, mul, not_
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
@@ -21,7 +21,8 @@ from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, eng
 from .accounting import check_expected, check_mtp
 from .quant import QuantScheme, quant_scheme
 from .roles import CheckpointRoles, checkpoint_roles
-from .items import ReadItem, make_item, peer_selection, read_item, tensor_selection
+from .items import (ReadItem, make_item, peer_selection, read_item, tensor_selection,
+                    total_ideal_bytes, total_read_bytes)
 from .shard import DEFAULT_RANGE_COST_BYTES, Selection, local_experts
 from .spec import ModelSpec
 from .topology import Topology
@@ -69,15 +70,26 @@ class RankPlan:
 
     @property
     def files(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(i.file for i in self.items if i.ranges))
+        return tuple(dict.fromkeys(map(_file_of, compress(self.items,
+                                                          map(_ranges_of, self.items)))))
 
     @property
     def ideal_bytes(self) -> int:
-        return sum(i.ideal_bytes for i in self.items)
+        return total_ideal_bytes(self.items)
 
     @property
     def read_bytes(self) -> int:
-        return sum(i.read_bytes for i in self.items)
+        return total_read_bytes(self.items)
+
+    @property
+    def direct_items(self) -> list[ReadItem]:
+        """The items read directly when loaded with a Comm (all but the exchanged ones)."""
+        ex = self.redistribute
+        if ex is None:
+            return list(self.items)
+        skip = ex.targets
+        return list(compress(self.items, map(not_, map(skip.__contains__,
+                                                       map(_target_of, self.items)))))
 
     @property
     def planned_read_bytes(self) -> int:
@@ -85,8 +97,7 @@ class RankPlan:
         ex = self.redistribute
         if ex is None:
             return self.read_bytes
-        skip = ex.targets
-        return sum(i.read_bytes for i in self.items if i.target not in skip) + ex.read_bytes
+        return total_read_bytes(self.direct_items) + ex.read_bytes
 
     @property
     def largest_item_bytes(self) -> int:

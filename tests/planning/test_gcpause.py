@@ -35,6 +35,8 @@ def test_a_callers_freeze_is_kept() -> None:
         assert frozen > 0
         with gc_paused():
             [[i] for i in range(100)]
-        assert gc.get_freeze_count() == frozen and gc.isenabled()
+        # still frozen (an unfreeze would empty it); "<=": another thread of the test process
+        # may free a frozen object meanwhile, which lowers the count
+        assert 0 < gc.get_freeze_count() <= frozen and gc.isenabled()
     finally:
         gc.unfreeze()
