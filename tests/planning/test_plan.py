@@ -116,3 +116,77 @@ def test_tied_single_stage_reads_the_embedding_once(tmp_path: Path) -> None:
     assert [i.name for i in plan.items].count("model.embed_tokens.weight") == 1
     assert plan.ideal_bytes == plan.read_bytes == sum(
         index.entry(n).nbytes for n in index.weight_map)
+
+
+@pytest.fixture(scope="module")
+def padded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("totals")
+    return {"llama": make_model(root / "llama", tiny_config(vocab_size=250)),  # padded vocab
+            "moe": make_model(root / "moe", tiny_config("tiny-qwen3_moe"))}
+
+
+@pytest.mark.parametrize("model, pp, tp, ep, options", [
+    ("llama", 1, 4, 1, {}),                                                  # exchanged
+    ("llama", 2, 4, 1, {"exchange_cost": None, "range_cost_bytes": 1 << 30}),  # boxes
+    ("llama", 1, 4, 1, {"exchange_cost": None, "range_cost_bytes": 0}),        # row runs
+    ("moe", 1, 2, 2, {"exchange_batch_bytes": 3000}),                        # row chunks
+])
+def test_plan_totals_equal_the_per_item_sums(padded: dict[str, Path], model: str, pp: int,
+                                             tp: int, ep: int, options: dict) -> None:
+    """The totals ``pploader plan`` prints, computed in C passes and once per kind of item,
+    equal the per-item properties they stand for (read and ideal bytes, files, read methods,
+    bytes exchanged)."""
+    from pploader.planning.items import read_method_items
+    plans = plan_all(load_spec(padded[model]), open_checkpoint(padded[model]), pp, tp, ep,
+                     **options)
+    seen: set[str] = set()
+    for plan in plans:
+        items = plan.items
+        assert plan.read_bytes == sum(i.read_bytes for i in items)
+        assert plan.ideal_bytes == sum(i.ideal_bytes for i in items)
+        assert plan.files == tuple(dict.fromkeys(i.file for i in items if i.ranges))
+        ex = plan.redistribute
+        skip = ex.targets if ex is not None else frozenset()
+        direct = [i for i in items if i.target not in skip]
+        assert plan.direct_items == direct
+        by = read_method_items(direct)
+        assert by == {"whole": [i for i in direct if not i.gather and len(i.ranges) <= 1],
+                      "rows": [i for i in direct if not i.gather and len(i.ranges) > 1],
+                      "box": [i for i in direct if i.gather]}
+        seen.update(k for k, v in by.items() if v)
+        seen.update(["padded"] if any(i.pad_rows for i in items) else [])
+        if ex is not None:
+            seen.add("exchanged")
+            me, peers = ex.tp_rank, range(len(ex.group))
+            assert ex.read_bytes == sum(i.share.read_bytes for i in ex.items)
+            assert ex.sent_bytes == sum(i.piece_bytes(me, q) for i in ex.items
+                                        for q in peers if q != me)
+            assert ex.received_bytes == sum(i.piece_bytes(p, me) for i in ex.items
+                                            for p in peers if p != me)
+    wanted = {"llama": {"whole", "padded"}, "moe": {"whole"}}[model] | (
+        {"exchanged"} if options.get("exchange_cost", 0.5) is not None else
+        {"box"} if options["range_cost_bytes"] else {"rows"})
+    assert wanted <= seen  # each case exercises what it is there for
+
+
+def test_totals_tell_apart_items_that_differ_in_one_field() -> None:
+    """Hand-made items that share everything but pad rows, or rows but not selections, or
+    selections but not rows: the totals computed once per kind count each kind apart."""
+    from pploader.planning.items import ReadItem, total_ideal_bytes, total_read_bytes
+    from pploader.planning.redistribute import ExchangeItem, Redistribute
+    from pploader.planning.shard import Selection
+    plain = ReadItem("a", "a", "f", "BF16", (4, 8), (4, 8), ((0, 64),), (4, 8))
+    padded = plain._replace(name="b", target="b", pad_rows=1, ranges=((64, 48),))
+    assert total_ideal_bytes([plain, padded, plain]) == 64 + 48 + 64
+    assert total_read_bytes([plain, padded, plain]) == 64 + 48 + 64
+    by_cols = tuple(Selection(((1, ((4 * q, 4),)),)) for q in range(2))  # column halves
+    by_rows = tuple(Selection(((0, ((2 * q, 2),)),)) for q in range(2))  # row halves
+    rows, other_rows = ((0, 2), (2, 2)), ((0, 1), (1, 3))
+    share = plain._replace(ranges=((0, 32),), shape=(2, 8), buffer_shape=(2, 8))
+    items = [ExchangeItem("w", "w", "f", "BF16", (4, 8), r, s, share, 0)
+             for r, s in ((rows, by_cols), (rows, by_rows), (other_rows, by_cols),
+                          (rows, by_cols))]
+    for me in range(2):
+        ex = Redistribute((0, 1), me, tuple(items), 0.5, 1 << 20)
+        assert ex.sent_bytes == sum(i.piece_bytes(me, 1 - me) for i in items)
+        assert ex.received_bytes == sum(i.piece_bytes(1 - me, me) for i in items)
