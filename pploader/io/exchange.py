@@ -326,13 +326,15 @@ class NodeReadOnceReader:
                  io_backend: Optional[str] = None) -> None:
         from ..errors import PlanError
         from ..planning.plan import make_windows, plan_rank
+        from ..planning.roles import checkpoint_roles
         from ..planning.share import share_node_reads
         plan, topo = staged.plan, staged.plan.topology
         ranks = sorted(set(node_ranks))
         if topo.rank not in ranks or not all(0 <= r < topo.world_size for r in ranks):
             raise PlanError(f"node ranks {ranks} must include this rank and lie in the world "
                             f"of {topo.world_size}", rank=topo.rank)
-        windows = make_windows(staged.spec, staged.index, topo.pp_size, partition)
+        roles = checkpoint_roles(staged.spec, staged.index)  # classified once for the node
+        windows = make_windows(staged.spec, staged.index, topo.pp_size, partition, roles=roles)
         if windows[topo.pp_rank] != plan.window:
             raise PlanError(f"partition {partition!r} gives stage {topo.pp_rank} layers "
                             f"{windows[topo.pp_rank].start_layer}-"
@@ -341,8 +343,8 @@ class NodeReadOnceReader:
                             "partition the plan was made with", rank=topo.rank)
         plans = [plan if r == topo.rank else plan_rank(
             staged.spec, staged.index, topo.with_rank(r), windows[topo.with_rank(r).pp_rank],
-            strict=False, range_cost_bytes=plan.range_cost_bytes, exchange_cost=None)
-            for r in ranks]
+            strict=False, range_cost_bytes=plan.range_cost_bytes, exchange_cost=None,
+            roles=roles) for r in ranks]
         self.node = share_node_reads(plans)[topo.rank]
         me = topo.rank
         first: dict[int, object] = {}

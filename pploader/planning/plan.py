@@ -196,18 +196,10 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     if topology.ep_size > 1 and not spec.num_experts:
         raise PlanError(f"ep={topology.ep_size} but {spec.architecture} has no experts: leave "
                         "--ep at 1 (use --tp to split the stage)")
-    own = chosen = roles.stage_roles(window, experts)   # a fresh dict, read as themselves
-    extra: list[tuple[str, TensorRole, str]] = []      # (checkpoint name, role, target)
-    if window.has_head and not window.has_embed and spec.tie_word_embeddings \
-            and not roles.stores_head:
-        # the declared replica: the last stage reads the embedding as its head (a stage
-        # holding both reads it once; the model ties the head to it)
-        chosen = dict(own)
-        for name, role in roles.others.items():
-            if role.role == "embed":
-                extra.append((name, role, _head_name(spec.family)))
-                chosen.setdefault(name, role)
-    needed_files = set(map(index.weight_map.__getitem__, chosen))
+    # what a stage (and EP rank) reads, and its per-tensor columns, are the same for every TP
+    # rank of it: worked out once and kept in ``roles`` (``plan_all``, read-once groups)
+    chosen, needed_files, names, targets, role_list, tensors = roles.stage_value(
+        ("reads", window, experts), partial(_stage_reads, spec, index, roles, window, experts))
     index.require(needed_files)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         check_expected(roles, index, chosen, window, experts, topology)
@@ -223,27 +215,11 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     selections, relative, done = roles.plan_memo((
         topology.tp_rank, topology.tp_size, experts, range_cost_bytes,
         exchange_cost if exchanger is not None else None))
-    entries = index.entry_map(needed_files)
     # every per-tensor step below is a C pass over the stage's columns; Python runs only
     # for the first tensor of each kind (``_plan_one``) and for multi-range items
-    names = list(own)
-    role_list = list(own.values())
-    targets = names
-    if extra:
-        names = names + [n for n, _, _ in extra]
-        role_list += [r for _, r, _ in extra]
-        targets = list(own) + [t for _, _, t in extra]
-    ents = list(map(entries.__getitem__, names))
-    weights = list(map(roles.links.get, names))
-    wents: list = weights
-    wshapes: Any = repeat(None)
-    wdtypes: Any = wshapes
-    if weights.count(None) != len(weights):  # companions: their weights' shapes and dtypes
-        wents = [None if w is None else entries.get(w) or index.entry(w) for w in weights]
-        wshapes = [None if w is None else w.shape for w in wents]
-        wdtypes = [None if w is None else w.dtype for w in wents]
-    keys = list(zip(map(_component_of, role_list), map(_fused_of, role_list),
-                    map(_shape_of, ents), map(_dtype_of, ents), wshapes, wdtypes))
+    ents, weights, wents, keys, starts = roles.stage_value(
+        ("columns", window, experts),
+        partial(_stage_columns, index, roles, needed_files, names, role_list))
     found: list[Any] = list(map(done.get, keys))
     at = -1
     qdtype = scheme.weight_dtype if scheme is not None else None
@@ -265,7 +241,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         choices = list(map(_second, found))
         exchanger.take_many(ents, targets, choices)
     # ``made`` moved to each tensor's name, file and offset (frozen copies, no __init__)
-    starts, rels = list(map(_start_of, ents)), list(map(_ranges_of, made))
+    rels = list(map(_ranges_of, made))
     if set(map(len, rels)) == {1}:  # one range each (the usual case)
         firsts = list(map(_first, rels))
         ranges: list = list(zip(zip(map(add, starts, map(_first, firsts)),
@@ -275,7 +251,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     items = list(map(make_item, zip(
         names, targets, map(_file_of, ents), *(map(itemgetter(k), made) for k in (3, 4, 5)),
         ranges, *(map(itemgetter(k), made) for k in (7, 8, 9)))))
-    plan = _finish(spec, index, topology, window, experts, items, list(chosen))
+    plan = _finish(spec, index, topology, window, experts, items, tensors)
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None
     plan = replace(plan, range_cost_bytes=range_cost_bytes, redistribute=redistribute)
@@ -283,6 +259,56 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         logger.debug("%s: %d item(s), %d bytes to read, files %s", topology.describe(),
                      len(plan.items), plan.read_bytes, ", ".join(plan.files))
     return plan
+
+
+def _stage_reads(spec: ModelSpec, index: CheckpointIndex, roles: CheckpointRoles,
+                 window: StageWindow, experts: Optional[tuple[int, int]]
+                 ) -> tuple[dict[str, TensorRole], set[str], list[str], list[str],
+                            list[TensorRole], tuple[str, ...]]:
+    """What a stage (and EP rank) reads: names -> roles (the tied head's replica included),
+    their files, the checkpoint names, targets and roles in planning order, and the names
+    sorted (``RankPlan.tensors``)."""
+    own = chosen = roles.stage_roles(window, experts)   # a fresh dict, read as themselves
+    extra: list[tuple[str, TensorRole, str]] = []      # (checkpoint name, role, target)
+    if window.has_head and not window.has_embed and spec.tie_word_embeddings \
+            and not roles.stores_head:
+        # the declared replica: the last stage reads the embedding as its head (a stage
+        # holding both reads it once; the model ties the head to it)
+        chosen = dict(own)
+        for name, role in roles.others.items():
+            if role.role == "embed":
+                extra.append((name, role, _head_name(spec.family)))
+                chosen.setdefault(name, role)
+    names = list(own)
+    role_list = list(own.values())
+    targets = names
+    if extra:
+        names = names + [n for n, _, _ in extra]
+        role_list += [r for _, r, _ in extra]
+        targets = list(own) + [t for _, _, t in extra]
+    return (chosen, set(map(index.weight_map.__getitem__, chosen)), names, targets, role_list,
+            tuple(sorted(chosen)))
+
+
+def _stage_columns(index: CheckpointIndex, roles: CheckpointRoles, needed_files: set[str],
+                   names: list[str], role_list: list[TensorRole]) -> tuple[list, ...]:
+    """Per tensor of a stage: its entry, its weight's name and entry (quantization
+    companions; None otherwise), its planning key and its start offset (read-only lists
+    the stage's TP ranks share). The key is what ``_plan_one`` derives an item from:
+    (component, fused, shape, dtype, weight shape, weight dtype)."""
+    entries = index.entry_map(needed_files)
+    ents = list(map(entries.__getitem__, names))
+    weights = list(map(roles.links.get, names))
+    wents: list = weights
+    wshapes: Any = repeat(None)
+    wdtypes: Any = wshapes
+    if weights.count(None) != len(weights):  # companions: their weights' shapes and dtypes
+        wents = [None if w is None else entries.get(w) or index.entry(w) for w in weights]
+        wshapes = [None if w is None else w.shape for w in wents]
+        wdtypes = [None if w is None else w.dtype for w in wents]
+    keys = list(zip(map(_component_of, role_list), map(_fused_of, role_list),
+                    map(_shape_of, ents), map(_dtype_of, ents), wshapes, wdtypes))
+    return ents, weights, wents, keys, list(map(_start_of, ents))
 
 
 def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
@@ -349,7 +375,9 @@ def _head_name(family: Family) -> str:
 
 def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window: StageWindow,
             experts: Optional[tuple[int, int]], items: list[ReadItem],
-            names: list[str]) -> RankPlan:
+            tensors: tuple[str, ...]) -> RankPlan:
+    """The plan of ``items`` in reading order (file, start); ``tensors``: the checkpoint
+    names it covers, sorted."""
     order = {f: i for i, f in enumerate(sorted(index.paths))}
     ranges = list(map(_ranges_of, items))
     keys: list = []
@@ -371,7 +399,7 @@ def _finish(spec: ModelSpec, index: CheckpointIndex, topology: Topology, window:
         items=tuple(items), paths={f: str(h.path) for f, h in headers.items()},
         identities={f: h.identity for f, h in headers.items()},
         header_bytes=sum(8 + h.header_bytes for h in headers.values()),
-        tensors=tuple(sorted(dict.fromkeys(names))))
+        tensors=tensors)
 
 
 @without_gc
@@ -423,4 +451,4 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
     if not items:
         raise PlanError(f"no tensors for MTP layer {mtp_layer} (global layer {layer})")
     check_mtp(spec, index, layer, names, experts)
-    return _finish(spec, index, topo, window, experts, items, names)
+    return _finish(spec, index, topo, window, experts, items, tuple(sorted(set(names))))

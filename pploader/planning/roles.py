@@ -25,6 +25,7 @@ __all__ = ["CheckpointRoles", "checkpoint_roles", "wanted"]
 
 #: a TensorRole from its six fields as one tuple (no per-field ``__init__`` call)
 _make_role = partial(tuple.__new__, TensorRole)
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -177,6 +178,14 @@ class CheckpointRoles:
         if found is None:
             found = self._stage_memo[key] = self._stage_roles(window, experts)
         return dict(found)
+
+    def stage_value(self, key: tuple, make: Callable[[], Any]) -> Any:
+        """``make()``, worked out once per ``key`` (e.g. ``("columns", window, experts)``):
+        what every TP rank of a stage shares. Values are read-only, like the fields."""
+        found = self._stage_memo.get(key, _MISSING)
+        if found is _MISSING:
+            found = self._stage_memo[key] = make()
+        return found
 
     def rule_index(self, component: str) -> int:
         """Position of ``component``'s TP rule in the family's ``shard_rules`` (-1: none,
