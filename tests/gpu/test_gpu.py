@@ -1,7 +1,6 @@
 """GPU path (``pytest -m gpu`` on a CUDA machine; skipped cleanly without CUDA)."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pytest
