@@ -28,6 +28,10 @@ _make_role = partial(tuple.__new__, TensorRole)
 _MISSING = object()
 
 
+def _three_dicts() -> tuple[dict, dict, dict]:
+    return {}, {}, {}
+
+
 @dataclass(frozen=True)
 class CheckpointRoles:
     """Every checkpoint name's role, worked out once per (spec, index) and passed explicitly
@@ -48,8 +52,9 @@ class CheckpointRoles:
     #: the family's ``layer_template(spec)``: a stage builds only its own layers' part
     layered: Optional[tuple[Mapping[str, tuple[int, ...]],
                             Callable[[int], Mapping[str, tuple[int, ...]]], range]] = None
-    #: per-stage results every rank of a stage shares (``stage_roles``, the strict template
-    #: check): keyed by (what, window, experts); derived from the fields above only
+    #: per-stage results every rank of a stage shares (``stage_value``: its reads and columns,
+    #: the plan memos, the stage template, the strict check): keyed by (what, ...); derived
+    #: from the fields above only
     _stage_memo: dict[tuple, Any] = field(default_factory=dict, compare=False, repr=False)
     _rules: dict[str, int] = field(default_factory=dict, compare=False, repr=False)
     #: (component, whether it links to a weight) -> a role of it in some layer
@@ -68,8 +73,6 @@ class CheckpointRoles:
                                                        repr=False)
     _layer_templates: dict[int, Mapping[str, tuple[int, ...]]] = field(
         default_factory=dict, compare=False, repr=False)
-    _plan_memo: dict[tuple, tuple[dict, dict, dict]] = field(default_factory=dict,
-                                                             compare=False, repr=False)
     #: layer -> (its prefix, positions of its companions among its names, their weights'
     #: components) for the layers not linked yet: a rank links only the layers it plans
     #: (DeepSeek-V3: 46 k companions, of which a PP16 stage needs 3 k)
@@ -171,13 +174,17 @@ class CheckpointRoles:
 
     def stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
                     ) -> dict[str, TensorRole]:
-        """The roles of the names ``window`` (and ``experts``) reads (a new dict; computed once
-        per stage and EP rank, every TP rank of the stage shares it)."""
-        key = ("roles", window, experts)
-        found = self._stage_memo.get(key)
-        if found is None:
-            found = self._stage_memo[key] = self._stage_roles(window, experts)
-        return dict(found)
+        """The roles of the names ``window`` (and ``experts``) reads (a new dict; ``plan_rank``
+        keeps it per stage and EP rank with ``stage_value``, every TP rank shares it)."""
+        chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
+        for layer in range(window.start_layer, window.end_layer):
+            if experts is None:  # every name of the layer
+                chosen.update(self.layer_roles(layer))
+                continue
+            for name, role in self.layer_roles(layer).items():
+                if role.expert is None or experts[0] <= role.expert < experts[1]:
+                    chosen[name] = role
+        return chosen
 
     def stage_value(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, worked out once per ``key`` (e.g. ``("columns", window, experts)``):
@@ -223,10 +230,7 @@ class CheckpointRoles:
         """The per-tensor memos ``plan.plan_rank`` fills (selections, relative reads, planned
         tensors), one set per ``key`` (everything besides a tensor's component, shape and
         dtype that they depend on), so ranks planned with these roles share them."""
-        found = self._plan_memo.get(key)
-        if found is None:
-            found = self._plan_memo[key] = ({}, {}, {})
-        return found
+        return self.stage_value(("plan",) + key, _three_dicts)
 
     def stage_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> bool:
         """True when the strict template check already passed for this stage and EP rank."""
@@ -234,18 +238,6 @@ class CheckpointRoles:
 
     def mark_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> None:
         self._stage_memo["checked", window, experts] = True
-
-    def _stage_roles(self, window: StageWindow, experts: Optional[tuple[int, int]]
-                     ) -> dict[str, TensorRole]:
-        chosen = {n: r for n, r in self.others.items() if wanted(r, window, experts)}
-        for layer in range(window.start_layer, window.end_layer):
-            if experts is None:  # every name of the layer
-                chosen.update(self.layer_roles(layer))
-                continue
-            for name, role in self.layer_roles(layer).items():
-                if role.expert is None or experts[0] <= role.expert < experts[1]:
-                    chosen[name] = role
-        return chosen
 
     @property
     def stores_head(self) -> bool:
