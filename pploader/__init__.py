@@ -16,9 +16,9 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     # who: the ranks, the process group, fail-together steps
     "Topology": "planning.topology",
-    "init_distributed": "dist.bootstrap",
-    "Comm": "dist.comm",
-    "run_guarded": "dist.comm",
+    "init_distributed": "distributed.bootstrap",
+    "Comm": "distributed.comm",
+    "run_guarded": "distributed.comm",
     # the job: the agreed sequence every rank runs; the job's plan
     "load_pipeline_stage": "job",
     "StageLoadOptions": "job",
@@ -103,8 +103,8 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .planning.topology import Topology
-    from .dist.bootstrap import init_distributed
-    from .dist.comm import Comm, run_guarded
+    from .distributed.bootstrap import init_distributed
+    from .distributed.comm import Comm, run_guarded
     from .job import (JobPlan, StageLoad, StageLoadOptions, load_pipeline_stage,
                       measure_exchange_cost, plan_job)
     from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights,

@@ -5,7 +5,7 @@ with a process group calls instead of rebuilding it::
 
     plan this rank's stage ──► agree ──► load it (+ its cache pools) ──► agree
 
-Each arrow is one :func:`pploader.dist.comm.run_agreed` step: if any rank fails a step (bad
+Each arrow is one :func:`pploader.distributed.comm.run_agreed` step: if any rank fails a step (bad
 input, a bad file, an I/O error, a hang, a death), every rank raises the same
 :class:`~pploader.errors.RankFailure`, naming each failing rank and its error, and no rank
 goes on to the next step. Nothing here reads the environment: the caller resolves who it is
@@ -35,7 +35,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from .cache.pools import CachePools
-    from .dist.comm import Comm
+    from .distributed.comm import Comm
     from .stage import StagePlan, StageResult
 
 logger = logging.getLogger(__name__)
@@ -184,7 +184,7 @@ def _load_job(model_dir: os.PathLike | str, comm: "Comm", options: StageLoadOpti
               staging: Any, check_plan: Optional[Callable[["StagePlan"], None]],
               after_load: Optional[Callable[["StageResult"], None]],
               on_progress: Optional[Callable[[int], None]]) -> StageLoad:
-    from .dist.comm import run_agreed
+    from .distributed.comm import run_agreed
     topology = comm.topology
     if options.exchange_cost == "auto":  # every rank of a TP group must plan the same exchange
         asked = options

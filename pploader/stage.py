@@ -28,7 +28,7 @@ from .planning.spec import ModelSpec, load_spec
 from .planning.topology import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .dist.comm import Comm
+    from .distributed.comm import Comm
     from .io.device import PinnedRing
     from .io.exchange import ExchangeReader, NodeReadOnceReader
 

@@ -19,8 +19,8 @@ import argparse
 import torch
 
 from pploader import Topology
-from pploader.dist.bootstrap import init_distributed
-from pploader.dist.comm import Comm, run_guarded
+from pploader.distributed.bootstrap import init_distributed
+from pploader.distributed.comm import Comm, run_guarded
 from pploader.integrations.hf import HFStage, build_stage, pipeline_forward
 
 

@@ -87,8 +87,8 @@ def _measure_link(comm: object, nbytes: int, repeat: int = 5) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..dist.bootstrap import init_distributed
-    from ..dist.comm import Comm
+    from ..distributed.bootstrap import init_distributed
+    from ..distributed.comm import Comm
     from ..planning.topology import Topology
 
     p = argparse.ArgumentParser(prog="python -m pploader.bench.tp_costs", description=__doc__,

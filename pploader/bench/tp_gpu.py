@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
 __all__ = ["main", "tp_bench"]
 
@@ -112,8 +112,8 @@ def tp_bench(comm: "Comm", model: str, device: str, *, repeat: int = 2, cold_rep
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from ..dist.bootstrap import init_distributed
-    from ..dist.comm import Comm
+    from ..distributed.bootstrap import init_distributed
+    from ..distributed.comm import Comm
     from ..planning.topology import Topology
     p = argparse.ArgumentParser(prog="python -m pploader.bench.tp_gpu")
     p.add_argument("--model", required=True)

@@ -25,7 +25,7 @@ from ..planning.shard import DEFAULT_RANGE_COST_BYTES
 from ..planning.spec import load_spec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
 __all__ = ["compare_tp_reads", "redistribute_bench"]
 
@@ -156,8 +156,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     prints one JSON line per cache state (docs/benchmarks.md, TP rows)."""
     import argparse
     import json
-    from ..dist.bootstrap import init_distributed
-    from ..dist.comm import Comm
+    from ..distributed.bootstrap import init_distributed
+    from ..distributed.comm import Comm
     from ..planning.topology import Topology
     p = argparse.ArgumentParser(prog="python -m pploader.bench.tp_reads")
     p.add_argument("--model", required=True)

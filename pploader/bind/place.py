@@ -15,7 +15,7 @@ device or on its target device). Phases, so that nothing is written unless every
 4. record what was filled (``BindResult.record``: the caller keeps it and passes it to
    ``reload_from_disk`` / ``load_layerwise``), run ``process_weights_after_loading``.
 
-Both agreements are :func:`pploader.dist.comm.run_guarded` steps.
+Both agreements are :func:`pploader.distributed.comm.run_guarded` steps.
 """
 from __future__ import annotations
 
@@ -41,11 +41,11 @@ from ..planning.spec import ModelSpec
 from ..stage import StagePlan, plan_stage
 from .stage_layers import placeholder_problems
 from ..planning.topology import Topology
-from ..dist.comm import run_guarded
+from ..distributed.comm import run_guarded
 from .write import module_tensors, write_binding
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
 __all__ = ["NameMap", "NameRule", "Slot", "Binding", "BindResult", "TensorSnapshot", "LoadRecord",
            "module_tensors", "bind_stage", "write_binding", "load_stage_into", "commit_writes"]

@@ -32,10 +32,10 @@ from ..planning.plan import RankPlan, plan_rank
 from ..io.read import ReadStats
 from ..planning.spec import read_config, spec_from_config
 from ..stage import StagePlan
-from ..dist.comm import run_guarded
+from ..distributed.comm import run_guarded
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
 __all__ = ["ReloadResult", "reload_from_disk", "plan_reload", "check_destinations"]
 

@@ -12,7 +12,7 @@ from ..planning.partition import StageWindow
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planning.checkpoint import CheckpointIndex
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
     from ..planning.plan import RankPlan
     from ..planning.spec import ModelSpec
 

@@ -50,7 +50,7 @@ a boundary). Not detected: loop state derived from an earlier stage's intermedia
 outputs other than the last (no transformers model found in the sweep does this), and an
 ancestor's module or parameter of the last stage used inside the layer loop (it is a
 placeholder on earlier stages).
-Boundaries travel through :class:`~pploader.dist.comm.Comm` ``send``/``recv``
+Boundaries travel through :class:`~pploader.distributed.comm.Comm` ``send``/``recv``
 (``hf_boundary.py``): masks and rotary tables too, not only hidden states.
 """
 from __future__ import annotations
@@ -78,7 +78,7 @@ from .hf_boundary import StageBoundary, StageDone, StageRun, recv_boundary, send
 from .hf_placeholders import AbsentModule, DroppedModule, PassThrough, ZeroEmbedding
 
 if typing.TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
 __all__ = ["PassThrough", "HFStage", "StageBoundary", "stage_skeleton", "load_stage_weights",
            "build_stage", "pipeline_forward"]

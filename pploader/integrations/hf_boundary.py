@@ -41,7 +41,7 @@ from ..errors import PPLoaderError
 from ..planning.partition import StageWindow
 
 if typing.TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
 
 __all__ = ["StageBoundary", "StageRun", "StageDone", "send_boundary", "recv_boundary"]
 

@@ -320,7 +320,7 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
     on the first failed worker and leaves the others' replies queued, which desynchronises the
     next collective_rpc.
     """
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
     model = _model_of(worker)
     found = find_module_state(model)
     state: Optional[LoadState] = found.engine_load if found is not None else None
@@ -337,7 +337,7 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
 
 def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_dir: str,
                    comm: Any) -> dict[str, Any]:
-    from ..dist.comm import run_guarded
+    from ..distributed.comm import run_guarded
     topology = state.topology
     rchar0, start = rchar_bytes(), time.perf_counter()
 

@@ -29,7 +29,7 @@ from .registry import open_backend
 from ..planning.redistribute import ExchangeItem, Redistribute, piece_selection
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..dist.comm import Comm
+    from ..distributed.comm import Comm
     from .device import PinnedRing
     from ..planning.plan import Partition
     from ..stage import StagePlan

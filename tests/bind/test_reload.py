@@ -143,7 +143,7 @@ def test_reload_needs_the_record_of_this_modules_load(ckpts: tuple[Path, Path]) 
 
 def _two_rank_reload(rank: int, world: int, a: str, b: str, truncated: str,
                      reshaped: str) -> dict:
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     topo = Topology(2, rank=rank)
     comm = Comm(topo, timeout_s=30)
     staged = plan_stage(a, topo)

@@ -74,7 +74,7 @@ def test_plan_balanced_with_cache_target_matches_make_windows(
 def _load_pools_rank(rank: int, world: int, model: str, pp: int, tp: int) -> dict:
     """One rank: load its stage, then build its pools and gather the pipeline-wide limits."""
     from pploader import Topology, load_stage, plan_stage
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     from pploader.cache.pools import PoolOptions, build_rank_pools, gather_capacity
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=30)

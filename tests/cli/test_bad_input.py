@@ -56,7 +56,7 @@ def _job(rank: int, world: int, scenarios: list[tuple[str, str, Optional[int]]])
     """Each scenario on every rank: plan, agree, load (budget on the last rank), agree.
 
     Returns per scenario (outcome, message, seconds from start to the raise)."""
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     out = []
     for key, model_dir, budget in scenarios:
         topo = Topology.for_world(world, rank, pp=world)

@@ -113,7 +113,7 @@ def test_an_io_error_while_loading_fails_every_rank_the_same(
 # ---- the pieces: run_agreed, Comm namespaces ----------------------------------------------
 
 def test_run_agreed_without_a_comm_is_the_step_alone() -> None:
-    from pploader.dist.comm import run_agreed, run_guarded
+    from pploader.distributed.comm import run_agreed, run_guarded
     from pploader.errors import PlanError
     assert run_agreed(None, lambda: 3, share=lambda x: x * 2) == (3, [6])
 

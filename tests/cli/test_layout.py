@@ -148,4 +148,4 @@ def test_tests_are_grouped_like_the_package() -> None:
     folders = {p.parent.name for p in tests.glob("*/test_*.py")}
     packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
     assert folders - packages <= TEST_FOLDERS_BEYOND_THE_PACKAGE, folders - packages
-    assert {"planning", "io", "bind", "dist", "cache", "families", "integrations"} <= folders
+    assert {"planning", "io", "bind", "distributed", "cache", "families", "integrations"} <= folders

@@ -10,7 +10,7 @@ import torch
 from helpers import make_model, reference_tensors, run, run_ranks, tiny_config, torchrun_cmd
 from pploader import Topology, load_stage, plan_stage
 from pploader.io.read import Reader
-from pploader.dist.comm import Comm
+from pploader.distributed.comm import Comm
 from pploader.report import peak_rss_bytes, proc_io, reset_peak_rss
 
 

@@ -349,7 +349,7 @@ def _load_stage_rank(rank: int, world: int, models: list[str]) -> dict[str, dict
     """One rank of PP=2 x TP=2: its stage of each model, loaded plain and with a Comm (read
     once + TP row shares exchanged where the plan chose it); tensors as raw bytes."""
     from pploader import Topology, load_stage, plan_stage
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     topo = Topology.for_world(world, rank, pp=2, tp=2)
     comm = Comm(topo, timeout_s=60)
     out = {}

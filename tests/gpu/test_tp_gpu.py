@@ -11,7 +11,7 @@ import torch
 from helpers import make_model, run_ranks, tiny_config
 from pploader import Topology, load_stage, plan_stage
 from pploader.io.read import Reader
-from pploader.dist.comm import Comm
+from pploader.distributed.comm import Comm
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),

@@ -16,7 +16,7 @@ import torch
 
 from helpers import reference_tensors, run_ranks
 from pploader import Topology
-from pploader.dist.comm import Comm
+from pploader.distributed.comm import Comm
 from pploader.errors import PlanError
 from pploader.planning.partition import even_windows
 

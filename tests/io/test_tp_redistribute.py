@@ -132,7 +132,7 @@ def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int,
                        batch_bytes: Optional[int]) -> dict:
     import pploader.io.exchange  # noqa: F401 - imported before /proc/self/io is sampled
     from pploader import iter_stage_weights, load_stage, plan_stage
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     from pploader.report import proc_io
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=60)
@@ -187,7 +187,7 @@ def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int
 def _failing_rank(rank: int, world: int, model: str) -> dict:
     import time
     from pploader import RankFailure, ReadError, load_stage, plan_stage
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     from pploader.io.read import Reader
     topo = Topology.for_world(world, rank, tp=world)
     comm = Comm(topo, timeout_s=30)
@@ -444,7 +444,7 @@ def test_share_node_reads_reads_the_union_once(tied: Path) -> None:
 def _node_rank(rank: int, world: int, model: str, pp: int, tp: int, per_node: int,
                exchange_cost: Optional[float]) -> dict:
     from pploader import load_stage, plan_stage
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     from pploader.io.exchange import NodeReadOnceReader
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=60)

@@ -339,7 +339,7 @@ def test_share_reads_needs_the_whole_stage(llama_tp: tuple[Path, dict]) -> None:
 # ---- a real gloo job: PP=2 x TP=2 ----------------------------------------------------------
 def _tp_rank(rank: int, world: int, model: str, pp: int = 2, tp: int = 2, ep: int = 1) -> dict:
     from pploader import load_stage, plan_stage
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     topo = Topology.for_world(world, rank, pp=pp, tp=tp, ep=ep)
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo)

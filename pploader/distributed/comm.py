@@ -92,7 +92,7 @@ class Comm:
         it as ``LaunchEnv.store_host_rank`` (this module reads no environment)."""
         if not dist.is_initialized():
             raise TopologyError("torch.distributed is not initialised; call "
-                                "pploader.dist.bootstrap.init_distributed() first")
+                                "pploader.distributed.bootstrap.init_distributed() first")
         if dist.get_world_size() != topology.world_size or dist.get_rank() != topology.rank:
             raise TopologyError(f"process group has world {dist.get_world_size()} rank "
                                 f"{dist.get_rank()} but the topology is {topology.describe()} "

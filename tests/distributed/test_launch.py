@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from helpers import ROOT, reference_tensors, run, run_ranks, torchrun_cmd
-from pploader.dist.bootstrap import (LaunchEnv, choose_backend, detect_launch, parse_nodelist,
+from pploader.distributed.bootstrap import (LaunchEnv, choose_backend, detect_launch, parse_nodelist,
                                      slurm_port)
 from pploader.errors import TopologyError
 from pploader.testing.faults import Fault, fault_from_env
@@ -187,8 +187,8 @@ def _embedded(rank: int, world: int, model: str) -> dict[str, Any]:
     """A host application owns the process group; pploader must reuse it as is."""
     import torch.distributed as dist
     from pploader import Topology, load_stage, plan_stage
-    from pploader.dist.bootstrap import init_distributed
-    from pploader.dist.comm import Comm
+    from pploader.distributed.bootstrap import init_distributed
+    from pploader.distributed.comm import Comm
 
     group, backend = dist.group.WORLD, dist.get_backend()
 

@@ -197,7 +197,7 @@ def test_rows19_20_per_rank_launch(tiny_llama: Path, tmp_path: Path, fault: str,
 def _late_and_slow(rank: int, world: int) -> dict:
     """Rank 0 agrees at once; rank 1 is slow but progressing; rank 2 is silent for longer than
     the timeout and only then agrees. All must reach the one verdict: rank 2 silent."""
-    from pploader.dist.comm import Comm
+    from pploader.distributed.comm import Comm
     from pploader.errors import RankFailure
     from pploader.planning.topology import Topology
 
