@@ -27,8 +27,8 @@ _EXPORTS: dict[str, str] = {
     "JobPlan": "job",
     "measure_exchange_cost": "job",
     # one stage: plan it, stream it, load it
-    "plan_stage": "stage",
-    "StagePlan": "stage",
+    "plan_stage": "planning.stage",
+    "StagePlan": "planning.stage",
     "StageWindow": "planning.partition",
     "iter_stage_weights": "stage",
     "load_stage": "stage",
@@ -107,8 +107,9 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .distributed.comm import Comm, run_guarded
     from .job import (JobPlan, StageLoad, StageLoadOptions, load_pipeline_stage,
                       measure_exchange_cost, plan_job)
-    from .stage import (StagePlan, StageResult, iter_mtp_weights, iter_stage_weights,
-                        load_stage, plan_stage)
+    from .planning.stage import StagePlan, plan_stage
+    from .stage import (StageResult, iter_mtp_weights, iter_stage_weights,
+                        load_stage)
     from .planning.partition import EngineSplit, StageWindow, check_engine_window, get_pp_indices
     from .io.read import is_borrowed, owned
     from .bind.stage_layers import MissingLayer, make_stage_layers

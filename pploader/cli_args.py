@@ -290,7 +290,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--read-once-node", action="store_true",
                    help="read bytes that several ranks of one node need (replicated tensors, "
                    "the tied head) once per node and send them to the others; a node = "
-                   "$LOCAL_WORLD_SIZE consecutive ranks (CPU loads; default off)")
+                   "$LOCAL_WORLD_SIZE consecutive ranks (CPU or GPU loads; default off)")
 
     p = sub.add_parser("files", help="the shards (and bytes) each node or rank needs",
                        description="Per node (ranks placed in blocks of --ranks-per-node, as "

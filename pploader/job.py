@@ -25,6 +25,7 @@ from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capac
 from .errors import ConfigError, PlanError
 from .planning.checkpoint import open_checkpoint
 from .planning.dtypes import dtype_casts
+from .planning.stage import OpenedModel, open_model
 from .planning.gcpause import without_gc
 from .planning.plan import DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_all
 from .planning.shard import DEFAULT_RANGE_COST_BYTES
@@ -34,9 +35,11 @@ from .report import ProgressBar, format_table, plan_table
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
+    from .planning.checkpoint import CheckpointIndex
     from .cache.pools import CachePools
     from .distributed.comm import Comm
-    from .stage import StagePlan, StageResult
+    from .planning.stage import StagePlan
+    from .stage import StageResult
 
 logger = logging.getLogger(__name__)
 
@@ -122,11 +125,23 @@ class StageLoad:
 @dataclass(frozen=True)
 class _Planned:
     staged: "StagePlan"
-    partition: Partition            # resolved (a cache-aware balance as layer counts)
     device: "torch.device"
     pool_device: "torch.device"
     pools: Optional[PoolOptions]    # None: no pools to build
-    node_ranks: Optional[range]     # read once per node: this rank's node
+
+
+class _OpenOnce:
+    """The model directory opened at most once per rank (config, index), by whichever step
+    needs it first: the exchange-cost measurement, the cache-aware partition, the plan."""
+
+    def __init__(self, model_dir: os.PathLike | str, allowed_roots: Sequence[str]) -> None:
+        self.model_dir, self.allowed_roots = model_dir, allowed_roots
+        self._opened: Optional[OpenedModel] = None
+
+    def __call__(self) -> OpenedModel:
+        if self._opened is None:
+            self._opened = open_model(self.model_dir, allowed_roots=self.allowed_roots)
+        return self._opened
 
 
 def load_pipeline_stage(model_dir: os.PathLike | str, comm: "Comm",
@@ -168,8 +183,6 @@ def _early_staging(options: StageLoadOptions) -> Any:
     from .cache.pools import pool_device
     from .io.backend import ReadOptions
     from .io.registry import prepare_staging
-    if options.ranks_per_node is not None:  # read once per node: a CPU load of its own
-        return None
     try:
         device = pool_device(_device_name(options.device), local_rank=options.local_rank)
         if device.type == "cpu":
@@ -186,18 +199,18 @@ def _load_job(model_dir: os.PathLike | str, comm: "Comm", options: StageLoadOpti
               on_progress: Optional[Callable[[int], None]]) -> StageLoad:
     from .distributed.comm import run_agreed
     topology = comm.topology
+    opened = _OpenOnce(model_dir, options.allowed_roots)
     if options.exchange_cost == "auto":  # every rank of a TP group must plan the same exchange
         asked = options
 
         def measure() -> float:
             from .cache.pools import pool_device
             kind = pool_device(_device_name(asked.device), local_rank=asked.local_rank).type
-            return measure_exchange_cost(model_dir, kind, allowed_roots=asked.allowed_roots)[0]
+            return auto_exchange_cost_of(opened().index, kind)[0]
         options = replace(options, exchange_cost=run_agreed(comm, measure, share=float)[1][0])
     planned, planned_bytes = run_agreed(
-        comm, lambda: _plan(model_dir, topology, options, check_plan),
-        share=lambda p: p.staged.plan.read_bytes if options.read_once or p.node_ranks
-        is not None else p.staged.plan.planned_read_bytes)
+        comm, lambda: _plan(model_dir, opened, topology, options, check_plan),
+        share=lambda p: p.staged.progress_bytes)
     job_progress = comm.progress_adder()
 
     def progress(nbytes: int) -> None:
@@ -215,9 +228,7 @@ def _load_job(model_dir: os.PathLike | str, comm: "Comm", options: StageLoadOpti
                             threads=options.threads, device=planned.device, cancel=comm.cancel,
                             ring=ring,
                             on_progress=progress, memory_budget_bytes=options.memory_budget_bytes,
-                            comm=comm, read_once=options.read_once,
-                            node_ranks=planned.node_ranks, partition=planned.partition,
-                            io_backend=options.io_backend)
+                            comm=comm, io_backend=options.io_backend)
         job_progress.flush()  # type: ignore[attr-defined]
         if after_load is not None:
             after_load(result)
@@ -236,28 +247,33 @@ def _load_job(model_dir: os.PathLike | str, comm: "Comm", options: StageLoadOpti
     return StageLoad(planned.staged, result, pools, reports, planned_bytes, planned.device)
 
 
-def _plan(model_dir: os.PathLike | str, topology: Any, options: StageLoadOptions,
-          check_plan: Optional[Callable[["StagePlan"], None]]) -> _Planned:
-    """The planning step: devices, the partition, the plan, the pool options (all input)."""
+def _plan(model_dir: os.PathLike | str, opened: _OpenOnce, topology: Any,
+          options: StageLoadOptions, check_plan: Optional[Callable[["StagePlan"], None]]
+          ) -> _Planned:
+    """The planning step: devices, the partition, the plan and its transfer, the pool
+    options (all input)."""
     from .cache.pools import device_memory, pool_device
-    from .stage import plan_stage
+    from .planning.stage import plan_stage
     device = pool_device(_device_name(options.device), local_rank=options.local_rank)
     pools_on = pool_device(_device_name(options.pool_device), local_rank=options.local_rank)
     pools = options.pools if options.build_pools else None
     if pools is not None and options.pool_memory_from_device:
         pools = replace(pools, device_bytes=device_memory(pools_on))
-    partition = _cache_aware_partition(model_dir, topology.pp_size, topology.tp_size, options)
+    partition = _cache_aware_partition(opened, topology.pp_size, topology.tp_size, options)
     if isinstance(options.exchange_cost, str):  # "auto" is resolved before planning
         raise PlanError(f"exchange_cost {options.exchange_cost!r}: give a number, None (off) or "
                         "'auto'", rank=topology.rank)
     staged = plan_stage(model_dir, topology, allowed_roots=options.allowed_roots,
                         partition=partition, range_cost_bytes=options.range_cost_bytes,
                         exchange_cost=options.exchange_cost,
-                        exchange_batch_bytes=options.exchange_batch_bytes)
+                        exchange_batch_bytes=options.exchange_batch_bytes,
+                        read_once=options.read_once,
+                        node_ranks=_node_ranks(options.ranks_per_node, topology.rank,
+                                               topology.world_size),
+                        opened=opened())
     if check_plan is not None:
         check_plan(staged)
-    return _Planned(staged, partition, device, pools_on, pools,
-                    _node_ranks(options.ranks_per_node, topology.rank, topology.world_size))
+    return _Planned(staged, device, pools_on, pools)
 
 
 def _node_ranks(per_node: Optional[int], rank: int, world_size: int) -> Optional[range]:
@@ -275,7 +291,7 @@ def _device_name(device: Device) -> Optional[str]:
     return None if device is None else str(device)
 
 
-def _cache_aware_partition(model_dir: os.PathLike | str, pp: int, tp: int,
+def _cache_aware_partition(opened: _OpenOnce, pp: int, tp: int,
                            options: StageLoadOptions) -> Partition:
     """``balanced`` with a pool target (tokens / requests) weighs each layer's cache too:
     resolved to layer counts, the windows ``plan_job`` shows for the same options."""
@@ -283,8 +299,7 @@ def _cache_aware_partition(model_dir: os.PathLike | str, pp: int, tp: int,
     if options.partition != "balanced" or pools is None or (pools.tokens is None
                                                              and pools.requests is None):
         return options.partition
-    spec = load_spec(model_dir, allowed_roots=options.allowed_roots)
-    index = open_checkpoint(model_dir, allowed_roots=options.allowed_roots)
+    spec, index = opened().spec, opened().index
     costs = cache_costs(spec, tp, pools)
     return [w.num_layers for w in make_windows(spec, index, pp, "balanced", cache_bytes=costs)]
 
@@ -347,10 +362,15 @@ def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
     """``--exchange-cost auto``: (exchange cost, resident fraction) for this checkpoint on a
     device kind (``"cpu"`` / ``"cuda"``), from its shards' sampled page-cache residency
     (``mincore``; no data is read) and the rates measured in docs/benchmarks-gpu.md."""
-    from .io.exchange import auto_exchange_cost
-    index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
+    return auto_exchange_cost_of(open_checkpoint(model_dir, allowed_roots=allowed_roots),
+                                 str(device))
+
+
+def auto_exchange_cost_of(index: "CheckpointIndex", device: str) -> tuple[float, float]:
+    """:func:`measure_exchange_cost` of an opened checkpoint."""
+    from .io.transfer.exchange import auto_exchange_cost
     return auto_exchange_cost([str(p) for p in index.paths.values()],
-                              str(device).partition(":")[0])
+                              device.partition(":")[0])
 
 
 @without_gc  # the summaries walk millions of plan objects: no full collection in the middle

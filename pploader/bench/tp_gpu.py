@@ -50,7 +50,7 @@ def tp_bench(comm: "Comm", model: str, device: str, *, repeat: int = 2, cold_rep
              states: tuple[str, ...] = ("warm", "cold")) -> dict[str, Any]:
     """Every mode x state x repeat on every rank at once; rank 0's result has all ranks."""
     import torch
-    from ..io.exchange import auto_exchange_cost
+    from ..io.transfer.exchange import auto_exchange_cost
     from ..planning.checkpoint import open_checkpoint
     from ..report import proc_io
     from ..stage import load_stage, plan_stage

@@ -38,7 +38,7 @@ from ..planning.plan import Partition, RankPlan, ReadItem
 from .postprocess import mark_not_ready, mark_ready, run_post_processing
 from ..io.read import ReadStats
 from ..planning.spec import ModelSpec
-from ..stage import StagePlan, plan_stage
+from ..planning.stage import StagePlan, plan_stage
 from .stage_layers import placeholder_problems
 from ..planning.topology import Topology
 from ..distributed.comm import run_guarded

@@ -31,7 +31,7 @@ from .place import Binding, LoadRecord, bind_stage, commit_writes, module_tensor
 from ..planning.plan import RankPlan, plan_rank
 from ..io.read import ReadStats
 from ..planning.spec import read_config, spec_from_config
-from ..stage import StagePlan
+from ..planning.stage import StagePlan
 from ..distributed.comm import run_guarded
 
 if TYPE_CHECKING:  # pragma: no cover

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Callable, Mapping, Optional, Union
 import torch
 
 from ..errors import ConfigError, PlanError
+from ..families.heads import UnitSplitError, unit_share
 from ..planning.partition import StageWindow
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -153,15 +154,13 @@ class LayerCache:
 
 
 def local_units(units: int, tp: int, what: str) -> int:
-    """Units (heads, groups) one TP rank holds: ``units / tp``, or 1 when ``units < tp``
-    (replicated) -- the same rule as the weights' shard rules."""
-    if units >= tp:
-        if units % tp:
-            raise PlanError(f"{units} {what} cannot be split evenly over tp={tp}")
-        return units // tp
-    if tp % units:
-        raise PlanError(f"{units} {what} cannot be replicated evenly over tp={tp}")
-    return 1
+    """Units (heads, groups) one TP rank holds: the weights' rule (families/heads.py
+    ``unit_share``): ``units / tp``, or 1 when ``units < tp`` (replicated)."""
+    try:
+        return unit_share(units, tp)[1]
+    except UnitSplitError as exc:
+        verb = "split" if exc.reason == "do not divide" else "replicated"
+        raise PlanError(f"{units} {what} cannot be {verb} evenly over tp={tp}") from None
 
 
 def _split(size: int, tp: int, what: str) -> int:

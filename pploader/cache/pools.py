@@ -25,7 +25,7 @@ from ..errors import PlanError, PPLoaderError
 from .geometry import (CacheDtypes, LayerCache, StageCacheGeometry, dtype_name,
                        layer_cache_bytes, stage_geometry)
 from .sizing import (DEFAULT_MAMBA_RATIO, DEFAULT_PAGE_SIZE, PoolCapacity, PoolOptions,
-                     budget_from_memory, cache_costs, format_pools, gather_capacity,
+                     budget_from_memory, cache_costs, format_pools,
                      pipeline_capacity, plan_pools, rank_pools, size_for_target, size_pools,
                      stage_balance, stage_capacity)
 
@@ -38,7 +38,7 @@ __all__ = ["PoolError", "SlotAllocator", "PageAllocator", "CachePools", "build_r
            # re-exported from cache/geometry.py / cache/sizing.py: one import surface for pools
            "CacheDtypes", "StageCacheGeometry", "stage_geometry", "layer_cache_bytes",
            "PoolCapacity", "PoolOptions", "size_pools", "size_for_target", "budget_from_memory",
-           "pipeline_capacity", "gather_capacity", "stage_capacity", "rank_pools", "cache_costs",
+           "pipeline_capacity", "stage_capacity", "rank_pools", "cache_costs",
            "stage_balance", "plan_pools", "format_pools", "DEFAULT_PAGE_SIZE",
            "DEFAULT_MAMBA_RATIO"]
 

@@ -12,12 +12,11 @@ from ..planning.partition import StageWindow
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..planning.checkpoint import CheckpointIndex
-    from ..distributed.comm import Comm
     from ..planning.plan import RankPlan
     from ..planning.spec import ModelSpec
 
 __all__ = ["PoolCapacity", "PoolOptions", "size_pools", "size_for_target", "budget_from_memory",
-           "pipeline_capacity", "gather_capacity", "stage_capacity", "rank_pools", "cache_costs",
+           "pipeline_capacity", "stage_capacity", "rank_pools", "cache_costs",
            "stage_balance", "plan_pools", "format_pools", "DEFAULT_PAGE_SIZE",
            "DEFAULT_MAMBA_RATIO", "DEFAULT_TOKENS", "DEFAULT_REQUESTS"]
 
@@ -120,12 +119,6 @@ def pipeline_capacity(stages: Sequence[Union[PoolCapacity, dict]]) -> dict:
     return {"max_tokens": _min([c["max_tokens"] for c in caps]),
             "max_requests": _min([c["max_requests"] for c in caps]),
             "pool_bytes": sum(c["pool_bytes"] for c in caps)}
-
-
-def gather_capacity(comm: "Comm", capacity: PoolCapacity) -> dict:
-    """Called on all ranks: every rank's capacity, gathered (through ``Comm.agree``), reduced
-    to the pipeline-wide limits. ``pool_bytes`` counts every rank, TP ranks included."""
-    return pipeline_capacity(comm.agree(None, capacity.to_json()))
 
 
 @dataclass(frozen=True)

@@ -378,7 +378,7 @@ class Comm:
         ``send_splits``, one part per member in group order, itself included) goes out and
         ``recv`` (1-d uint8) is filled with every member's part for this rank, in member
         order. CPU tensors over gloo, CUDA tensors over NCCL. Every member must call it with
-        matching splits. Read-and-redistribute (io/exchange.py) batches many tensors into one."""
+        matching splits. Read-and-redistribute (io/transfer/exchange.py) batches many tensors into one."""
         groups = {"stage": self.stage_group, "tp": self.tp_group, "replica": self.replica_group}
         if group not in groups:
             raise ValueError(f"unknown group {group!r}; known: {', '.join(groups)}")

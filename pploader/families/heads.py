@@ -12,7 +12,32 @@ from ..errors import PlanError
 from .base import SpecView
 
 
-__all__ = ["check_tp_heads", "ATTENTION_KINDS"]
+__all__ = ["check_tp_heads", "ATTENTION_KINDS", "unit_share", "UnitSplitError"]
+
+
+class UnitSplitError(ValueError):
+    """Whole units (heads, groups) that a TP size cannot share: ``reason`` says which way."""
+
+    def __init__(self, units: int, tp_size: int, reason: str) -> None:
+        super().__init__(f"{units} units {reason} over tp={tp_size}")
+        self.units, self.tp_size, self.reason = units, tp_size, reason
+
+
+def unit_share(units: int, tp_size: int, tp_rank: int = 0) -> tuple[int, int]:
+    """``(first, count)`` of the whole units (heads, groups) TP rank ``tp_rank`` holds, by the
+    engines' rule, the one place it is coded (weights: planning/shard.py; cache sizes:
+    cache/geometry.py; heads: :func:`check_tp_heads`): an even split when there are at least
+    ``tp_size`` units, else one unit replicated on ``tp_size / units`` consecutive ranks.
+    Raises :class:`UnitSplitError` (``reason`` "do not divide" / "cannot be replicated
+    evenly") otherwise."""
+    if units >= tp_size:
+        if units % tp_size:
+            raise UnitSplitError(units, tp_size, "do not divide")
+        per = units // tp_size
+        return tp_rank * per, per
+    if units <= 0 or tp_size % units:
+        raise UnitSplitError(units, tp_size, "cannot be replicated evenly")
+    return tp_rank * units // tp_size, 1
 
 #: layer kinds with query / key-value heads split over TP (MLA: query heads only)
 ATTENTION_KINDS = ("full_attention", "hybrid_attention_mamba2", "mla")
@@ -33,8 +58,10 @@ def check_tp_heads(spec: SpecView, tp_size: int) -> None:
                         f"use --tp in {divisors}", file="config.json")
     if kinds & {"full_attention", "hybrid_attention_mamba2"}:
         kv = spec.num_kv_heads
-        if kv % tp_size and tp_size % kv:
+        try:
+            unit_share(kv, tp_size)
+        except UnitSplitError:
             raise PlanError(f"--tp {tp_size} and the {kv} KV heads (num_key_value_heads): KV heads "
                             "must divide by TP, or TP by them (each then replicated); use a TP "
                             f"that divides {q} and is a divisor or multiple of {kv}",
-                            file="config.json")
+                            file="config.json") from None

@@ -69,7 +69,8 @@ from ..planning.checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
 from ..families.hf_meta import _layers_path, forward_order
 from ..planning.partition import StageWindow
-from ..planning.plan import Partition, RankPlan, make_windows, plan_rank
+from ..planning.plan import Partition, RankPlan, plan_rank
+from ..planning.stage import stage_window
 from ..io.backend import ReadOptions, ReadStats
 from ..io.registry import open_backend
 from ..planning.spec import ModelSpec, load_spec
@@ -390,7 +391,7 @@ def build_stage(model_dir: os.PathLike | str, topology: Topology, *,
     spec = load_spec(model_dir)
     index = open_checkpoint(model_dir)
     if window is None:
-        window = make_windows(spec, index, topology.pp_size, partition)[topology.pp_rank]
+        window = stage_window(spec, index, topology, partition)
     plan = plan_rank(spec, index, topology, window, strict=strict)
     config = AutoConfig.from_pretrained(str(model_dir))
     if spec.tie_word_embeddings and not spec.for_checkpoint(index.weight_map).tie_word_embeddings:

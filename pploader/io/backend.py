@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import threading
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator, Mapping, Optional, Protocol, runtime_checkable
+from typing import (Any, Callable, Iterable, Iterator, Mapping, Optional, Protocol, Sequence,
+                    runtime_checkable)
 
 import torch
 
@@ -21,7 +22,7 @@ from ..planning.checkpoint import DTYPES, FileIdentity
 from ..planning.plan import RankPlan, ReadItem
 
 __all__ = ["ReadBackend", "ReadOptions", "ReadStats", "BackendFactory", "item_dtype",
-           "materialise", "zero_padding", "merge_stats", "check_identity"]
+           "materialise", "zero_padding", "merge_stats", "sum_stats", "collect", "check_identity"]
 
 
 @dataclass
@@ -42,6 +43,36 @@ def merge_stats(into: ReadStats, other: ReadStats) -> None:
     into.syscalls += other.syscalls
     into.seconds += other.seconds
     into.peak_inflight_bytes = max(into.peak_inflight_bytes, other.peak_inflight_bytes)
+
+
+def sum_stats(parts: "Sequence[ReadStats]", seconds: float) -> ReadStats:
+    """The stats of one load made of several backends' (``parts``), over ``seconds`` of wall
+    time (reads and collectives)."""
+    out = ReadStats(seconds=seconds)
+    for part in parts:
+        out.read_bytes += part.read_bytes
+        out.items += part.items
+        out.syscalls += part.syscalls
+        out.peak_inflight_bytes = max(out.peak_inflight_bytes, part.peak_inflight_bytes)
+    return out
+
+
+def collect(stream: Iterable[tuple[str, torch.Tensor]],
+            destinations: Optional[Mapping[str, torch.Tensor]] = None
+            ) -> dict[str, torch.Tensor]:
+    """``load()`` of a streaming executor: every ``(target, tensor)`` of ``stream`` by target,
+    or (``destinations``) copied into the caller's tensors, which are returned."""
+    out: dict[str, torch.Tensor] = {}
+    for target, tensor in stream:
+        if destinations is None:
+            out[target] = tensor
+            continue
+        dst = destinations.get(target)
+        if dst is None:
+            raise ValueError(f"no destination given for {target!r}")
+        dst.copy_(tensor)
+        out[target] = dst
+    return out
 
 
 @dataclass(frozen=True)

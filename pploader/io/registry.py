@@ -17,7 +17,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backend import ReadBackend, ReadOptions
 
 __all__ = ["BackendInfo", "BACKENDS", "AUTO", "backend_names", "backends_help",
-           "select_backend", "open_backend", "prepare_staging"]
+           "select_backend", "open_backend", "prepare_staging", "shared_staging"]
 
 AUTO = "auto"
 
@@ -117,3 +117,20 @@ def prepare_staging(device: "str | torch.device", options: Optional["ReadOptions
     module, _, attr = info.staging.partition(":")
     factory = getattr(importlib.import_module(module), attr)
     return factory(torch.device(device), options or ReadOptions())
+
+
+def shared_staging(device: "str | torch.device", options: "ReadOptions",
+                   name: Optional[str] = None, backends: Sequence[BackendInfo] = BACKENDS
+                   ) -> "ReadOptions":
+    """``options`` with staging that several backends of one load can share (a CUDA
+    backend's pinned ring, made now and page-locked as it is used), so a load made of
+    several backend runs page-locks once. Unchanged when ``options.ring`` is already set or
+    the backend has no staging."""
+    from dataclasses import replace
+    if options.ring is not None:
+        return options
+    staging = prepare_staging(device, options, name, backends)
+    if staging is None:
+        return options
+    staging.stop_preparing()  # page-locked on first use, beside the load's own reads
+    return replace(options, ring=staging)

@@ -7,7 +7,7 @@ import math
 from collections import Counter
 from functools import partial
 from itertools import chain, compress, repeat
-from operator import itemgetter, lt, not_
+from operator import attrgetter, itemgetter, lt, not_
 from typing import Iterable, NamedTuple, Optional, Sequence
 
 from ..errors import PlanError
@@ -66,8 +66,8 @@ class ReadItem(NamedTuple):
 #: a ReadItem from its ten fields as one tuple (no per-field ``__init__`` call)
 make_item = partial(tuple.__new__, ReadItem)
 
-_ranges_of, _gather_of = itemgetter(6), itemgetter(8)
-_ideal_key = itemgetter(4, 3, 9)  # shape, dtype, pad rows: what ``ideal_bytes`` depends on
+_ranges_of, _gather_of = attrgetter("ranges"), attrgetter("gather")
+_ideal_key = attrgetter("shape", "dtype", "pad_rows")  # what ``ideal_bytes`` depends on
 
 
 def total_read_bytes(items: Iterable[ReadItem]) -> int:

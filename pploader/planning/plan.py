@@ -249,8 +249,9 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     else:
         ranges = [tuple((s + a, n) for a, n in r) for s, r in zip(starts, rels)]
     items = list(map(make_item, zip(
-        names, targets, map(_file_of, ents), *(map(itemgetter(k), made) for k in (3, 4, 5)),
-        ranges, *(map(itemgetter(k), made) for k in (7, 8, 9)))))
+        names, targets, map(_file_of, ents),
+        *(map(attrgetter(f), made) for f in ("dtype", "shape", "source_shape")),
+        ranges, *(map(attrgetter(f), made) for f in ("buffer_shape", "gather", "pad_rows")))))
     plan = _finish(spec, index, topology, window, experts, items, tensors)
     redistribute = exchanger.finish({f: i for i, f in enumerate(sorted(index.paths))}) \
         if exchanger is not None else None

@@ -12,7 +12,7 @@ rank q's slice is the concatenation, in source-rank order, of q's selection appl
 rank's row share. Received pieces therefore land back to back in q's output, in C order.
 
 Pure planning (frozen data, no I/O, no torch.distributed): :class:`Exchanger` makes the
-per-tensor choice in ``plan.plan_rank``; ``io/exchange.py`` executes it through ``distributed/comm.py``.
+per-tensor choice in ``plan.plan_rank``; ``io/transfer/exchange.py`` executes it through ``distributed/comm.py``.
 Every rank of a TP group computes the same choices and batches from the same headers.
 """
 from __future__ import annotations

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..errors import PlanError
 from ..families.base import ShardRule
+from ..families.heads import UnitSplitError, unit_share
 
 if TYPE_CHECKING:  # pragma: no cover
     from .spec import ModelSpec
@@ -114,16 +115,12 @@ def _segment_piece(seg: int, seg_units: Optional[int], offset: int, tp_rank: int
         raise PlanError(f"segment of {seg} is not a multiple of {seg_units} units: cannot split "
                         f"{where}", tensor=name)
     unit = seg // seg_units
-    if seg_units >= tp_size:
-        if seg_units % tp_size:
-            raise PlanError(f"{seg_units} units of {unit} do not divide: cannot split {where}",
-                            tensor=name)
-        per = seg_units // tp_size
-        return (offset + tp_rank * per * unit, per * unit)
-    if tp_size % seg_units:
-        raise PlanError(f"{seg_units} units of {unit} cannot be replicated evenly: cannot split "
-                        f"{where}", tensor=name)
-    return (offset + (tp_rank * seg_units // tp_size) * unit, unit)
+    try:
+        first, count = unit_share(seg_units, tp_size, tp_rank)
+    except UnitSplitError as exc:
+        raise PlanError(f"{seg_units} units of {unit} {exc.reason}: cannot split {where}",
+                        tensor=name) from None
+    return (offset + first * unit, count * unit)
 
 
 def _merge(intervals: list[Interval]) -> list[Interval]:

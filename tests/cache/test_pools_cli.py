@@ -75,14 +75,14 @@ def _load_pools_rank(rank: int, world: int, model: str, pp: int, tp: int) -> dic
     """One rank: load its stage, then build its pools and gather the pipeline-wide limits."""
     from pploader import Topology, load_stage, plan_stage
     from pploader.distributed.comm import Comm
-    from pploader.cache.pools import PoolOptions, build_rank_pools, gather_capacity
+    from pploader.cache.pools import PoolOptions, build_rank_pools, pipeline_capacity
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=30)
     staged = plan_stage(model, topo)
     load_stage(staged)
     pools = build_rank_pools(staged.spec, staged.plan, PoolOptions(budget_bytes=200_000),
                              device="cpu")
-    limits = gather_capacity(comm, pools.capacity)
+    limits = pipeline_capacity(comm.agree(None, pools.capacity.to_json()))  # every rank's
     comm.close()
     return {"report": pools.report(), "limits": limits}
 

@@ -149,3 +149,60 @@ def test_tests_are_grouped_like_the_package() -> None:
     packages = {p.name for p in PKG.iterdir() if (p / "__init__.py").exists()}
     assert folders - packages <= TEST_FOLDERS_BEYOND_THE_PACKAGE, folders - packages
     assert {"planning", "io", "bind", "distributed", "cache", "families", "integrations"} <= folders
+
+
+#: folder (or top-level module) -> the folders and top-level modules it must never import,
+#: lazily or not (issue 27): the arrows of the data flow run one way
+FORBIDDEN_IMPORTS: dict[str, set[str]] = {
+    "families": {"planning", "io", "bind", "distributed", "cache", "integrations", "stage",
+                 "job"},
+    "planning": {"io", "bind", "distributed", "cache", "integrations", "stage", "job"},
+    "io": {"bind", "cache", "integrations", "stage", "job"},
+    "cache": {"distributed", "io", "bind", "integrations", "stage", "job"},
+    "distributed": {"io", "bind", "cache", "integrations", "stage", "job"},
+    "bind": {"integrations", "stage", "job"},
+}
+
+
+def _unit(module: str) -> str:
+    """The folder (``planning``) or top-level module (``stage``) of a pploader module."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _unit_graph() -> dict[str, set[str]]:
+    """unit -> units it imports at run time (lazy imports included, TYPE_CHECKING aside)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted(PKG.rglob("*.py")):
+        me = _unit(".".join(path.relative_to(PKG.parent).with_suffix("").parts))
+        if me in ("bench", "testing", "__init__", "__main__", "cli", "cli_args"):
+            continue
+        deps = {_unit(m) for m in _imports(path) if m.startswith("pploader.")}
+        graph.setdefault(me, set()).update(deps - {me, "", "errors", "report"})
+    return graph
+
+
+def test_folders_import_only_down_the_data_flow() -> None:
+    graph = _unit_graph()
+    bad = [f"{unit} imports {dep}" for unit, banned in FORBIDDEN_IMPORTS.items()
+           for dep in sorted(graph.get(unit, set()) & banned)]
+    assert not bad, bad
+    # and the rule sees real imports (a broken walker would pass anything)
+    assert "planning" in graph["io"] and "families" in graph["planning"]
+
+
+def test_no_import_cycle_between_folders() -> None:
+    graph = _unit_graph()
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(unit: str, path: list[str]) -> None:
+        seen[unit] = 1
+        for dep in sorted(graph.get(unit, ())):
+            if seen.get(dep) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path + [dep]))
+            if dep not in seen:
+                visit(dep, path + [dep])
+        seen[unit] = 2
+    for unit in sorted(graph):
+        if unit not in seen:
+            visit(unit, [unit])

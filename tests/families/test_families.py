@@ -356,7 +356,7 @@ def _load_stage_rank(rank: int, world: int, models: list[str]) -> dict[str, dict
     for model in models:
         staged = plan_stage(model, topo)
         plain = load_stage(staged)
-        shared = load_stage(staged, comm=comm, read_once=True)
+        shared = load_stage(plan_stage(model, topo, read_once=True), comm=comm)
         out[model] = {"tp_rank": topo.tp_rank,
                       "names": {i.target: i.name for i in staged.plan.items},
                       "plain": {k: v.contiguous().view(torch.uint8).numpy().tobytes()

@@ -197,7 +197,8 @@ def _nccl_read_once(rank: int, world: int, model: str) -> dict:
     topo = Topology.for_world(world, rank, pp=1, tp=2)
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo)
-    shared = load_stage(staged, device=f"cuda:{rank}", comm=comm, read_once=True)
+    shared = load_stage(plan_stage(model, topo, read_once=True), device=f"cuda:{rank}",
+                        comm=comm)
     plain = dict(Reader(staged.plan))
     same = set(shared.state_dict) == set(plain) and all(
         torch.equal(v.cpu(), plain[k]) for k, v in shared.state_dict.items())

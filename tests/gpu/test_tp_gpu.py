@@ -53,12 +53,14 @@ def test_nccl_tp2_redistribute_bitwise_equal_to_direct(tmp_path: Path) -> None:
 def _nccl_pipelined_groups(rank: int, world: int, model: str) -> dict:
     """The CUDA executor with small groups: several DeviceLoader runs in the background thread,
     each group swapped in one NCCL all-to-all while the next is read."""
-    from pploader.io.exchange import ExchangeReader
+    from pploader.io.backend import ReadOptions
+    from pploader.io.transfer.exchange import ExchangeTransfer
     topo = Topology.for_world(world, rank, tp=world)
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo, exchange_cost=0.0, exchange_batch_bytes=4096)
     comm.agree(None)
-    reader = ExchangeReader(staged.plan, comm, device=f"cuda:{rank}", group_bytes=20_000)
+    reader = ExchangeTransfer(staged, torch.device(f"cuda:{rank}"), ReadOptions(), comm,
+                              group_bytes=20_000)
     out = dict(reader)
     comm.agree(None)
     cpu = dict(Reader(staged.plan))

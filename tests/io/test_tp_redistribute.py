@@ -130,7 +130,7 @@ def c_rows(item) -> int:
 # ---- real gloo jobs ------------------------------------------------------------------------
 def _redistribute_rank(rank: int, world: int, model: str, pp: int, tp: int,
                        batch_bytes: Optional[int]) -> dict:
-    import pploader.io.exchange  # noqa: F401 - imported before /proc/self/io is sampled
+    import pploader.io.transfer.exchange  # noqa: F401 - imported before /proc/self/io is sampled
     from pploader import iter_stage_weights, load_stage, plan_stage
     from pploader.distributed.comm import Comm
     from pploader.report import proc_io
@@ -257,10 +257,12 @@ def _exchange_in_threads(plans: list, group_bytes: Optional[int] = None,
                          readers_out: Optional[list] = None, io_backend: Optional[str] = None
                          ) -> list[dict[str, torch.Tensor]]:
     from concurrent.futures import ThreadPoolExecutor
-    from pploader.io.exchange import ExchangeReader
+    from pploader.io.backend import ReadOptions
+    from pploader.io.transfer.exchange import ExchangeTransfer
     group = _ThreadGroup(len(plans))
-    readers = [ExchangeReader(p, _ThreadComm(group, p.topology),  # type: ignore[arg-type]
-                              group_bytes=group_bytes, io_backend=io_backend) for p in plans]
+    readers = [ExchangeTransfer(p, torch.device("cpu"), ReadOptions(),
+                                _ThreadComm(group, p.topology),  # type: ignore[arg-type]
+                                io_backend, group_bytes=group_bytes) for p in plans]
     if readers_out is not None:
         readers_out += readers
     with ThreadPoolExecutor(len(plans)) as pool:
@@ -294,7 +296,8 @@ def test_exchange_reads_through_the_chosen_backend(llama: Path,
     row share and direct item is read by that backend (counted), the result is bitwise the
     default's, and an unknown name fails at construction, before any collective."""
     from pploader.io import buffered
-    from pploader.io.exchange import ExchangeReader
+    from pploader.io.backend import ReadOptions
+    from pploader.io.transfer.exchange import ExchangeTransfer
     spec, index = load_spec(llama), open_checkpoint(llama)
     plans = plan_all(spec, index, pp=1, tp=2, exchange_cost=0.0)
     opened: list[int] = []
@@ -306,7 +309,7 @@ def test_exchange_reads_through_the_chosen_backend(llama: Path,
     monkeypatch.setattr(buffered, "open_buffered", counting)
     readers: list = []
     outs = _exchange_in_threads(plans, readers_out=readers, io_backend="buffered")
-    from pploader.io.exchange import split_plan
+    from pploader.io.transfer.exchange import split_plan
     assert sorted(opened) == sorted(n for p in plans for n in
                                     (len(split_plan(p)[0].items), len(split_plan(p)[1].items)))
     for plan, out, reader, ref in zip(plans, outs, readers, _exchange_in_threads(plans)):
@@ -314,8 +317,9 @@ def test_exchange_reads_through_the_chosen_backend(llama: Path,
         assert all(_bytes(out[k]) == _bytes(ref[k]) for k in ref), plan.topology.rank
         assert reader.stats.read_bytes == plan.planned_read_bytes
     with pytest.raises(ValueError, match="unknown read backend 'nope'"):
-        ExchangeReader(plans[0], _ThreadComm(_ThreadGroup(2), plans[0].topology),  # type: ignore[arg-type]
-                       io_backend="nope")
+        ExchangeTransfer(plans[0], torch.device("cpu"), ReadOptions(),
+                         _ThreadComm(_ThreadGroup(2), plans[0].topology),  # type: ignore[arg-type]
+                         io_backend="nope")
 
 
 def _quantized_llama(tmp: Path) -> Path:
@@ -360,7 +364,7 @@ def test_exchange_cost_auto_follows_residency_and_device(llama: Path, capsys: py
     import json
     from pploader import cli
     from pploader.io import pagecache
-    from pploader.io.exchange import AUTO_EXCHANGE_COSTS, auto_exchange_cost
+    from pploader.io.transfer.exchange import AUTO_EXCHANGE_COSTS, auto_exchange_cost
     paths = [str(p) for p in open_checkpoint(llama).paths.values()]
     for p in paths:
         Path(p).read_bytes()  # page cache warm
@@ -445,14 +449,16 @@ def _node_rank(rank: int, world: int, model: str, pp: int, tp: int, per_node: in
                exchange_cost: Optional[float]) -> dict:
     from pploader import load_stage, plan_stage
     from pploader.distributed.comm import Comm
-    from pploader.io.exchange import NodeReadOnceReader
+    from pploader.io.transfer import open_transfer
     topo = Topology.for_world(world, rank, pp=pp, tp=tp)
     comm = Comm(topo, timeout_s=60)
-    staged = plan_stage(model, topo, exchange_cost=exchange_cost)
-    direct = load_stage(staged)
-    comm.agree(None)
     first = rank - rank % per_node
-    reader = NodeReadOnceReader(staged, comm, range(first, first + per_node))
+    staged = plan_stage(model, topo, exchange_cost=exchange_cost,
+                        node_ranks=range(first, first + per_node))
+    direct = load_stage(plan_stage(model, topo, exchange_cost=exchange_cost))  # no Comm: direct
+    comm.agree(None)
+    reader = open_transfer(staged, comm=comm)
+    assert reader.kind == "node_read_once"
     ex = staged.plan.redistribute
     once = dict(reader)
     comm.agree(None)

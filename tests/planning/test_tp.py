@@ -344,7 +344,7 @@ def _tp_rank(rank: int, world: int, model: str, pp: int = 2, tp: int = 2, ep: in
     comm = Comm(topo, timeout_s=60)
     staged = plan_stage(model, topo)
     plain = load_stage(staged)
-    once = load_stage(staged, comm=comm, read_once=True)
+    once = load_stage(plan_stage(model, topo, read_once=True), comm=comm)
     comm.agree(None)
     comm.close()
     return {"plain": {k: _bytes(v) for k, v in plain.state_dict.items()},

@@ -1,5 +1,5 @@
-"""Executes read-and-redistribute (planning/redistribute.py): row shares read, pieces swapped with one
-all-to-all per batch over the TP group, each rank's slices assembled in place.
+"""Transfer ``exchange`` (planning/redistribute.py plans it): row shares read, pieces swapped
+with one all-to-all per batch over the TP group, each rank's slices assembled in place.
 
 No torch.distributed here: the collective is ``comm.Comm.all_to_all_bytes``. CPU tensors go
 over gloo; on CUDA the row shares are loaded by the DeviceLoader and swapped over NCCL on the
@@ -17,25 +17,22 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from ..planning.checkpoint import DTYPES
-from ..planning.plan import RankPlan
-from .backend import ReadBackend, ReadOptions
-from .read import ReadStats
-from .registry import open_backend
-from ..planning.redistribute import ExchangeItem, Redistribute, piece_selection
+from ...planning.checkpoint import DTYPES
+from ...planning.plan import RankPlan
+from ...planning.redistribute import ExchangeItem, Redistribute, piece_selection
+from ..backend import ReadBackend, ReadOptions, ReadStats, collect
+from ..registry import open_backend, shared_staging
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..distributed.comm import Comm
-    from .device import PinnedRing
-    from ..planning.plan import Partition
-    from ..stage import StagePlan
+    from ...distributed.comm import Comm
+    from ...planning.stage import StagePlan
 
-__all__ = ["ExchangeReader", "NodeReadOnceReader", "split_plan", "DEFAULT_DEVICE_GROUP_BYTES",
-           "AUTO_EXCHANGE_COSTS", "auto_exchange_cost"]
+__all__ = ["ExchangeTransfer", "split_plan", "DEFAULT_DEVICE_GROUP_BYTES",
+           "AUTO_EXCHANGE_COSTS", "auto_exchange_cost", "bytes_view"]
 
 #: Row-share bytes per all-to-all on CUDA (consecutive planned batches merged): large
 #: all-to-alls run near link speed over NVLink and few DeviceLoader runs amortise their setup.
@@ -54,21 +51,21 @@ def split_plan(plan: RankPlan) -> tuple[RankPlan, RankPlan, Redistribute]:
     return own, shares, ex
 
 
-def _bytes_view(t: torch.Tensor) -> torch.Tensor:
+def bytes_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous) as uint8 with the last dim widened by the itemsize."""
     if t.dim() == 0:
         return t.reshape(1).view(torch.uint8)
     return t.view(torch.uint8)
 
 
-class ExchangeReader:
+class ExchangeTransfer:
     """Yields ``(target, tensor)`` of a plan with a Redistribute: first every exchanged tensor
     (row shares read, all-to-alls over the TP group), then the rest (direct reads).
 
     Pipelined: a background thread reads the row shares group by group (a group = consecutive
     planned batches up to ``group_bytes`` of share bytes; then the direct items) while this
     thread exchanges the previous group in one all-to-all; so the exchange hides behind the
-    reads. On CUDA each group goes through the DeviceLoader (pinned ring -> device) and the
+    reads. On CUDA each group goes through the device backend (pinned ring -> device) and the
     all-to-all runs on the device over NCCL, the pack/scatter copies too (no host copy);
     default group 1 GiB of shares. On CPU the groups are the planned batches (gloo).
 
@@ -81,43 +78,60 @@ class ExchangeReader:
 
     Every read goes through the read-backend registry (``io_backend``: a name from
     io/registry.py, None = the device's default), so a new backend serves this path too.
+    ``options.threads`` None: 16 on CUDA, 1 on CPU.
     """
 
-    def __init__(self, plan: RankPlan, comm: "Comm", *, window_bytes: Optional[int] = None,
-                 threads: int = 1, mode: str = "owned",
-                 cancel: Optional[threading.Event] = None,
-                 on_progress: Optional[Callable[[int], None]] = None,
-                 memory_budget_bytes: Optional[int] = None,
-                 device: str | torch.device = "cpu", ring: Optional["PinnedRing"] = None,
-                 group_bytes: Optional[int] = None, io_backend: Optional[str] = None) -> None:
-        self.own, self.shares, self.exchange = split_plan(plan)
+    kind = "exchange"
+
+    def __init__(self, staged: "StagePlan | RankPlan", device: torch.device,
+                 options: ReadOptions, comm: Optional["Comm"],
+                 io_backend: Optional[str] = None, *, group_bytes: Optional[int] = None) -> None:
+        self.plan = staged if isinstance(staged, RankPlan) else staged.plan
+        self.own, self.shares, self.exchange = split_plan(self.plan)
+        if comm is None:
+            raise ValueError("the TP exchange needs a Comm (its all-to-alls go through it)")
         if comm.topology.tp_group() != self.exchange.group:
             raise ValueError(f"plan's TP group {self.exchange.group} is not the comm's "
                              f"{comm.topology.tp_group()}")
-        self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
-        self.device, self.ring = torch.device(device), ring
+        self.comm, self.cancel, self.on_progress = comm, options.cancel, options.on_progress
+        self.device = torch.device(device)
         cuda = self.device.type == "cuda"
         self.group_bytes = group_bytes if group_bytes is not None else (
             DEFAULT_DEVICE_GROUP_BYTES if cuda else 0)
         self.io_backend = io_backend
-        self.options = ReadOptions(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                                   on_progress=on_progress,
-                                   memory_budget_bytes=memory_budget_bytes, ring=ring)
+        options = replace(options, threads=options.threads or (16 if cuda else 1))
         # CPU: one backend streams the shares, one the direct items (opened now: a bad backend
-        # name fails before any collective); CUDA: one backend run per group (_load_groups)
+        # name fails before any collective); CUDA: one backend run per group (_load_groups),
+        # all on one staging (a CUDA backend's pinned ring), made here
         self._share_reader: Optional[ReadBackend] = None
         self._own_reader: Optional[ReadBackend] = None
-        if not cuda:
-            self._share_reader = open_backend(self.shares, self.device, self.options,
-                                              io_backend)
-            self._own_reader = open_backend(self.own, self.device,
-                                            replace(self.options, mode=mode), io_backend)
+        if cuda:
+            options = shared_staging(self.device, options, io_backend)
+        else:
+            self._share_reader = open_backend(self.shares, self.device,
+                                              replace(options, mode="owned"), io_backend)
+            self._own_reader = open_backend(self.own, self.device, options, io_backend)
+        self.options = replace(options, mode="owned")
         self._device_stats: list[ReadStats] = []
         self.stats = ReadStats()
         self.sent_bytes = self.received_bytes = 0
         self.exchange_seconds = self.wait_seconds = self.link_setup_seconds = 0.0
         self.all_to_alls = 0
         self.error: Optional[BaseException] = None
+
+    def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
+             ) -> dict[str, torch.Tensor]:
+        """Every target (``destinations``: copied into the caller's tensors)."""
+        return collect(self, destinations)
+
+    def report(self) -> dict[str, Any]:
+        """The exchange's counters (``RankReport.extra["redistribute"]``)."""
+        return {"redistribute": {
+            "tensors": len(self.exchange.targets),
+            "sent_bytes": self.sent_bytes, "received_bytes": self.received_bytes,
+            "exchange_seconds": round(self.exchange_seconds, 4),
+            "wait_seconds": round(self.wait_seconds, 4), "all_to_alls": self.all_to_alls,
+            "link_setup_seconds": round(self.link_setup_seconds, 4)}}
 
     def groups(self) -> list[list[ExchangeItem]]:
         """The planned batches, consecutive ones merged up to ``group_bytes`` of this rank's
@@ -149,11 +163,9 @@ class ExchangeReader:
 
         if self._share_reader is None:
             def load(plan: RankPlan) -> dict[str, torch.Tensor]:
-                # inside the try: a failure to make the staging is reported; every group after
-                # the first reuses the first's staging (a CUDA backend's pinned ring)
-                backend = open_backend(plan, self.device, replace(self.options, ring=self.ring),
-                                       self.io_backend)
-                self.ring = getattr(backend, "ring", self.ring)
+                # inside the try: a failure to open the backend is reported; every group runs
+                # on the staging made in __init__ (a CUDA backend's pinned ring)
+                backend = open_backend(plan, self.device, self.options, self.io_backend)
                 self._device_stats.append(backend.stats)
                 return backend.load()
         else:
@@ -215,7 +227,7 @@ class ExchangeReader:
         total = sum(recv_splits)
         if len(batch) == 1:  # one chunk: its pieces arrive in order, straight into the output
             at = batch[0].out_offset(me)
-            recv = _bytes_view(outputs[batch[0].target]).reshape(-1)[at:at + total]
+            recv = bytes_view(outputs[batch[0].target]).reshape(-1)[at:at + total]
         else:
             recv = torch.empty(total, dtype=torch.uint8, device=self.device)
         self.comm.all_to_all_bytes(recv, recv_splits, send, send_splits)
@@ -228,7 +240,7 @@ class ExchangeReader:
                 n = item.piece_bytes(p, me)
                 if n:
                     at = item.out_offset(me) + sum(item.piece_bytes(s, me) for s in range(p))
-                    flat = _bytes_view(outputs[item.target]).reshape(-1)
+                    flat = bytes_view(outputs[item.target]).reshape(-1)
                     flat[at:at + n].copy_(recv[pos:pos + n])
                 pos += n
         if self.device.type == "cuda":
@@ -296,7 +308,7 @@ def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
     sel = piece_selection(item.selections[dst], first, first + rows)
     if not rows:
         return torch.empty(0, dtype=torch.uint8, device=share.device)
-    t = _bytes_view(share)
+    t = bytes_view(share)
     size, last = share.element_size(), share.dim() - 1
     for dim, intervals in sel.dims:
         scale = size if dim == last else 1
@@ -305,109 +317,6 @@ def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
             return torch.empty(0, dtype=torch.uint8, device=share.device)
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     return t
-
-
-class NodeReadOnceReader:
-    """Read once per node: bytes that several ranks of ``node_ranks`` (this rank's node) need
-    (replicated tensors, the tied head = the embedding, identical vocab slices of different
-    stages) are read by one of them and sent point to point to the others (planning/share.py plans
-    it, ``Comm.send`` / ``Comm.recv`` move it). Every rank of the node must iterate it to the
-    end; bytes read per node = the union of its ranks' plans.
-
-    ``partition`` must be the one the stage windows were planned with (checked). Yields
-    ``(target, tensor)``: the transfers in the node's order, then this rank's own items. A
-    rank whose read fails sends zeros for the rest (no receiver waits forever) and raises.
-    """
-
-    def __init__(self, staged: "StagePlan", comm: "Comm", node_ranks: Sequence[int], *,
-                 partition: "Partition" = "even", window_bytes: Optional[int] = None,
-                 threads: int = 1, cancel: Optional[threading.Event] = None,
-                 on_progress: Optional[Callable[[int], None]] = None,
-                 io_backend: Optional[str] = None) -> None:
-        from ..errors import PlanError
-        from ..planning.plan import make_windows, plan_rank
-        from ..planning.roles import checkpoint_roles
-        from ..planning.share import share_node_reads
-        plan, topo = staged.plan, staged.plan.topology
-        ranks = sorted(set(node_ranks))
-        if topo.rank not in ranks or not all(0 <= r < topo.world_size for r in ranks):
-            raise PlanError(f"node ranks {ranks} must include this rank and lie in the world "
-                            f"of {topo.world_size}", rank=topo.rank)
-        roles = checkpoint_roles(staged.spec, staged.index)  # classified once for the node
-        windows = make_windows(staged.spec, staged.index, topo.pp_size, partition, roles=roles)
-        if windows[topo.pp_rank] != plan.window:
-            raise PlanError(f"partition {partition!r} gives stage {topo.pp_rank} layers "
-                            f"{windows[topo.pp_rank].start_layer}-"
-                            f"{windows[topo.pp_rank].end_layer - 1}, but this rank's plan has "
-                            f"{plan.window.start_layer}-{plan.window.end_layer - 1}: pass the "
-                            "partition the plan was made with", rank=topo.rank)
-        plans = [plan if r == topo.rank else plan_rank(
-            staged.spec, staged.index, topo.with_rank(r), windows[topo.with_rank(r).pp_rank],
-            strict=False, range_cost_bytes=plan.range_cost_bytes, exchange_cost=None,
-            roles=roles) for r in ranks]
-        self.node = share_node_reads(plans)[topo.rank]
-        me = topo.rank
-        first: dict[int, object] = {}
-        for i, item in self.node.mine:
-            if self.node.transfers[i].reader == me:
-                first.setdefault(i, item)
-        self._reads = replace(self.node.own, items=tuple(first.values()))  # type: ignore
-        kw: dict[str, Any] = dict(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                                  on_progress=on_progress)
-        options = ReadOptions(window_bytes=window_bytes, threads=threads, cancel=cancel,
-                              on_progress=on_progress)
-        self._readers = (open_backend(self._reads, "cpu", options, io_backend),
-                         open_backend(self.node.own, "cpu", options, io_backend))
-        # strided TP slices are never node-shared (each rank's differ): when the plan chose
-        # read-and-redistribute for them, this rank's own items go through the exchange
-        ex = plan.redistribute
-        own_targets = {i.target for i in self.node.own.items}
-        self._exchange = ExchangeReader(replace(self.node.own, redistribute=ex), comm,
-                                        io_backend=io_backend, **kw) \
-            if ex is not None and ex.targets <= own_targets else None
-        self.comm, self.cancel, self.on_progress = comm, cancel, on_progress
-        self.stats, self.received_bytes = ReadStats(), 0
-        self.error: Optional[BaseException] = None
-
-    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        me, start = self.node.rank, time.perf_counter()
-        reads = iter(self._readers[0])
-        try:
-            for index, transfer in enumerate(self.node.transfers):
-                items = [item for i, item in self.node.mine if i == index]
-                if not items:
-                    continue
-                dtype = DTYPES[items[0].dtype][0]
-                if transfer.reader == me:
-                    tensor = None
-                    if self.error is None:
-                        try:
-                            tensor = next(reads)[1]
-                        except Exception as exc:  # noqa: BLE001 - raised after the sends
-                            self.error = exc
-                    if tensor is None:
-                        tensor = torch.zeros(items[0].shape, dtype=dtype)
-                    for dst in transfer.receivers:
-                        self.comm.send(_bytes_view(tensor).reshape(-1), dst)
-                else:
-                    tensor = torch.empty(items[0].shape, dtype=dtype)
-                    self.comm.recv(_bytes_view(tensor).reshape(-1), transfer.reader)
-                    self.received_bytes += tensor.numel() * tensor.element_size()
-                    if self.on_progress is not None:
-                        self.on_progress(transfer.nbytes)
-                if self.error is None:
-                    for k, item in enumerate(items):
-                        yield item.target, tensor if k == 0 else tensor.clone()
-            if self.error is not None:
-                raise self.error
-            next(reads, None)  # the reader's end (identity checks, close)
-            yield from self._exchange if self._exchange is not None else self._readers[1]
-        finally:
-            stats = [r.stats for r in self._readers] + (
-                [self._exchange.stats] if self._exchange is not None else [])
-            for name in ("read_bytes", "items", "syscalls"):
-                setattr(self.stats, name, sum(getattr(s, name) for s in stats))
-            self.stats.seconds = time.perf_counter() - start
 
 
 #: ``exchange_cost`` that ``auto`` uses, per device kind: (page cache warm, cold), in bytes of
@@ -426,7 +335,7 @@ def auto_exchange_cost(paths: Sequence[str], device_type: str = "cpu"
     page-cache copies, so redistribution pays only where the link is much faster than them;
     cold: every byte not read saves a device read, so read once and redistribute."""
     import os
-    from .pagecache import resident_bytes_of_ranges
+    from ..pagecache import resident_bytes_of_ranges
     resident = total = 0
     for path in paths:
         try:
