@@ -45,9 +45,18 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
                        range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
                        exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
                        device: "str | torch.device" = "cpu",
-                       io_backend: Optional[str] = None
+                       io_backend: Optional[str] = None,
+                       device_window_bytes: Optional[int] = None,
+                       ring: Optional["PinnedRing"] = None
                        ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(name, tensor)`` of this rank's stage, lazily, with bounded memory, on ``device``.
+
+    On a GPU (``device="cuda:N"``) the tensors arrive already on the device, read through
+    the pinned ring in windows of a bounded device budget (``device_window_bytes``, default
+    1 GiB: at most that much of the stream's tensors exist at once; each is released once
+    the consumer moves on), so an engine's ``param.copy_(tensor)`` is a device-to-device
+    copy. ``ring``: staging made ahead (``io.registry.prepare_staging``, page-locked while
+    the engine builds its model), stopped before the first read.
 
     ``model`` is a ``StagePlan`` (from :func:`plan_stage`: an engine that needed the window
     first, to build its stage, streams that same plan; nothing is planned twice) or a model
@@ -70,9 +79,12 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
     else:
         staged = plan_stage(model, topology, partition=partition, read_once=read_once,
                             range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost)
+    if ring is not None:
+        ring.stop_preparing()  # never page-lock beside the load's own reads
     stream = open_transfer(staged, device, ReadOptions(
         window_bytes=window_bytes, threads=threads, mode=mode, cancel=cancel,
-        on_progress=on_progress), comm, io_backend)
+        on_progress=on_progress, ring=ring, device_window_bytes=device_window_bytes),
+        comm, io_backend)
     yield from cast_stream(iter(stream), staged.casts)
 
 

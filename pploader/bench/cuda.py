@@ -127,9 +127,19 @@ def _rss_peak() -> Optional[int]:
     return None
 
 
+def _all_methods() -> tuple[dict, dict, dict]:
+    """(methods, their environments, optional ones -> module): the standard GPU methods and
+    the engine-shaped ones (bench/engine_methods.py)."""
+    from .engine_methods import ENGINE_ENV, ENGINE_METHODS, ENGINE_OPTIONAL
+    from .gpu_methods import METHOD_ENV, METHODS, OPTIONAL
+    return ({**METHODS, **ENGINE_METHODS}, {**METHOD_ENV, **ENGINE_ENV},
+            {**ENGINE_OPTIONAL, **OPTIONAL})
+
+
 def _child(method: str, ckdir: str, device: str, pp: int = 2, stage: int = 0) -> None:
     import torch
-    from .gpu_methods import METHODS, verify
+    from .gpu_methods import verify
+    METHODS = _all_methods()[0]
     row: dict[str, Any] = {"method": method}
     try:
         torch.cuda.set_device(device)  # pinned allocations' context on this GPU, not cuda:0
@@ -274,9 +284,8 @@ def _cudart_shim() -> dict[str, str]:
 
 
 def _run_child(method: str, args: argparse.Namespace, timeout: float) -> dict:
-    from .gpu_methods import METHOD_ENV
-    env = dict(os.environ, **METHOD_ENV.get(method, {}))
-    if method.startswith("fastsafetensors"):
+    env = dict(os.environ, **_all_methods()[1].get(method, {}))
+    if "fastsafetensors" in method:
         env.update(_cudart_shim())
     cmd = [sys.executable, "-m", "pploader.bench.cuda", "--child", method, "--ckdir", args.ckdir,
            "--device", args.device, "--pp", str(args.pp), "--stage", str(args.stage)]
@@ -290,8 +299,7 @@ def _run_child(method: str, args: argparse.Namespace, timeout: float) -> dict:
 
 
 def _available(method: str) -> bool:
-    from .gpu_methods import OPTIONAL
-    mod = next((m for k, m in OPTIONAL.items() if method.startswith(k)), None)
+    mod = next((m for k, m in _all_methods()[2].items() if method.startswith(k)), None)
     return mod is None or importlib.util.find_spec(mod) is not None
 
 
@@ -313,7 +321,7 @@ def table(rows: list[dict]) -> str:
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     """Every method, warm then cold, each in a fresh process; rows to OUT/gpu_bench.json."""
-    from .gpu_methods import METHODS
+    METHODS = _all_methods()[0]
     want = args.methods.split(",") if args.methods else None  # in order, repeats kept
     unknown = sorted(set(want or ()) - set(METHODS))
     if unknown:  # before writing a 16 GB checkpoint
@@ -348,6 +356,35 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     text = table([r for r in rows if r["method"] != "disk_odirect"])
     (out / "gpu_bench.txt").write_text(text + "\n")
     print(text, flush=True)
+    return rows
+
+
+def run_together(args: argparse.Namespace) -> list[dict]:
+    """``--together M1,M2``: each method on every stage of PP=``--pp`` at once, stage k on
+    cuda:k (one process each, started together), warm and cold; rows to
+    OUT/gpu_together.json with each stage's GB/s and the job's (all stages' bytes over the
+    slowest stage's seconds)."""
+    from concurrent.futures import ThreadPoolExecutor
+    write_checkpoint(args.ckdir, args.scale)
+    paths, rows = _files(args.ckdir), []
+    for cache in args.caches.split(","):
+        for method in args.together.split(","):
+            if not _available(method):
+                continue
+            resident = warm(paths) if cache == "warm" else evict(paths)
+            stages = [argparse.Namespace(**{**vars(args), "stage": k, "device": f"cuda:{k}"})
+                      for k in range(args.pp)]
+            with ThreadPoolExecutor(args.pp) as pool:
+                got = list(pool.map(lambda a: _run_child(method, a, 150.0), stages))
+            secs = [g.get("seconds") or 0.0 for g in got]
+            row = {"method": method, "cache": cache, "resident_before": round(resident, 3),
+                   "stages": got, "job_gbps": sum(g.get("ideal_bytes", 0) for g in got)
+                   / max(secs) / GB if all(secs) else 0.0}
+            rows.append(row)
+            print(f"[gpu-together] {method:24s} {cache} job {row['job_gbps']:.2f} GB/s; "
+                  + ", ".join(f"stage {k} {g.get('gbps', 0):.2f} {g.get('error') or g.get('verify')}"
+                              for k, g in enumerate(got)), flush=True)
+            Path(args.out, "gpu_together.json").write_text(json.dumps(rows, indent=1))
     return rows
 
 
@@ -397,6 +434,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cli-wall", type=int, default=0, metavar="TRIALS",
                     help="torchrun + pploader load vs a bare torchrun NCCL script (2 GPUs), "
                     "tiny and real size, warm and cold")
+    ap.add_argument("--together", default=None, metavar="METHODS",
+                    help="comma list: each method on every stage at once (stage k on cuda:k)")
     ap.add_argument("--pp2", action="store_true")
     ap.add_argument("--pp2-profile", action="store_true")
     ap.add_argument("--pp", type=int, default=2, help="stages (of the methods' stage, and of "
@@ -448,6 +487,9 @@ def main(argv: list[str] | None = None) -> None:
         write_checkpoint(args.ckdir, args.scale)
         rows = _pp_reload(args.ckdir, args.pp)
         Path(args.out, f"pp{args.pp}_reload.json").write_text(json.dumps(rows, indent=1))
+        return None
+    if args.together:
+        run_together(args)
         return None
     if args.pp2 or args.pp2_profile:
         write_checkpoint(args.ckdir, args.scale)

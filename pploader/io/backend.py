@@ -84,6 +84,7 @@ class ReadOptions:
     without one yields owned tensors, which is always allowed). ``ring``: a CUDA backend's
     pinned staging to reuse across loads; ``fit_staging``: size new staging to the plan (and
     ``window_bytes``) instead of the default (many small in-place writes, bind/write.py).
+    ``device_window_bytes``: the device budget of a stream onto a GPU (io/transfer/direct.py).
     """
 
     window_bytes: Optional[int] = None
@@ -95,6 +96,7 @@ class ReadOptions:
     ring: Any = None
     direct_io: Optional[bool] = None
     fit_staging: bool = False
+    device_window_bytes: Optional[int] = None
 
 
 @runtime_checkable

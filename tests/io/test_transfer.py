@@ -148,3 +148,19 @@ def test_read_once_kinds_need_a_comm(tiny_checkpoints: Callable[[str], Path]) ->
     got, want = load_stage(exchange).state_dict, load_stage(direct).state_dict
     assert got.keys() == want.keys()
     assert all(_bytes(got[k]) == _bytes(want[k]) for k in want)
+
+
+def test_device_windows_cut_in_plan_order_within_the_budget(
+        tiny_checkpoints: Callable[[str], Path]) -> None:
+    """The device stream's windows (io/transfer/direct.py): consecutive, in plan order, each
+    within the budget unless one item alone is larger."""
+    from pploader import plan_stage
+    from pploader.io.transfer.direct import device_windows
+    items = plan_stage(tiny_checkpoints("tiny-llama"), Topology(1)).plan.items
+    budget = 32 << 10
+    windows = device_windows(items, budget)
+    assert [i for w in windows for i in w] == list(items)
+    assert len(windows) > 2
+    for w in windows:
+        assert len(w) == 1 or sum(i.nbytes for i in w) <= budget
+    assert device_windows(items, 1 << 40) == [tuple(items)]

@@ -1,0 +1,151 @@
+"""Engine-shaped GPU methods (issue 28): checkpoint -> an engine's GPU parameters.
+
+The parameters already sit on the GPU (allocated and touched before the clock, as an engine
+builds its model first); each method streams the stage's tensors and ``param.copy_(tensor)``
+each one, which is what vLLM's ``default_weight_loader`` does per tensor. Planning, headers,
+staging and every copy are inside the clock. Registered into ``gpu_methods.METHODS`` (the
+driver is bench/cuda.py: ``--methods engine_pploader,engine_vllm_default,...``).
+
+- ``engine_pploader``: ``plan_stage`` + ``iter_stage_weights(device=cuda)`` (the windowed
+  device stream), staging started when the "loader is created" (before the parameters are
+  allocated, as in an engine's start-up), so its page-locking overlaps the model build;
+- ``engine_pploader_cold_ring``: the same with the staging made inside the clock;
+- ``engine_vllm_default``: vLLM's default shape: ``safe_open`` every shard, ``get_tensor``
+  every name, ``copy_`` when the stage owns it (pageable host -> device);
+- ``engine_dcp``: ``torch.distributed.checkpoint.load`` with torch's
+  ``HuggingFaceStorageReader(thread_count=8)`` into the parameters (no process group);
+- ``engine_fastsafetensors`` / ``engine_runai``: those libraries' readers into the parameters
+  (when their packages are importable).
+"""
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from .gpu_methods import _DT, Ctx, m_fastsafetensors
+
+__all__ = ["ENGINE_METHODS", "ENGINE_OPTIONAL", "ENGINE_ENV"]
+
+
+def _params(ctx: Ctx) -> dict[str, torch.Tensor]:
+    """The engine's parameters: one device tensor per stage tensor, touched (zeroed)."""
+    out = {name: torch.empty(shape, dtype=_DT[dt], device=ctx.device)
+           for name, (_f, _s, _e, dt, shape) in ctx.tensors.items()}
+    for t in out.values():
+        t.zero_()
+    torch.cuda.synchronize(ctx.device)
+    return out
+
+
+def prep_engine(ctx: Ctx) -> dict:
+    """Parameters allocated before the clock (the engine's model build)."""
+    return {"params": _params(ctx)}
+
+
+def prep_engine_staged(ctx: Ctx) -> dict:
+    """The loader is created first (its staging starts page-locking in the background),
+    then the engine builds its model (the parameters), then the clock starts."""
+    from ..io.backend import ReadOptions
+    from ..io.registry import prepare_staging
+    ring = prepare_staging(ctx.device, ReadOptions())
+    return {"ring": ring, "params": _params(ctx)}
+
+
+def _copied(ctx: Ctx, params: dict[str, torch.Tensor], copied: int, extra: dict) -> tuple:
+    torch.cuda.synchronize(ctx.device)
+    if copied != len(params):
+        raise RuntimeError(f"{copied} tensors copied, the stage has {len(params)}")
+    return params, extra
+
+
+def m_engine_pploader(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """plan_stage + iter_stage_weights(device=cuda): device tensors, one D2D copy_ each."""
+    from .. import Topology, iter_stage_weights, plan_stage
+    params = prep["params"]
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    t0 = time.perf_counter()
+    staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage))
+    t1 = time.perf_counter()
+    copied = 0
+    for name, tensor in iter_stage_weights(staged, device=ctx.device, ring=prep.get("ring")):
+        params[name].copy_(tensor)
+        copied += 1
+    extra = {"logical_bytes": staged.plan.read_bytes, "plan_s": t1 - t0,
+             "api": "plan_stage + iter_stage_weights(device=cuda) -> param.copy_",
+             "extra_device_bytes": torch.cuda.max_memory_allocated(ctx.device) - base,
+             "window_bytes": 1 << 30}
+    return _copied(ctx, params, copied, extra)
+
+
+def m_engine_vllm_default(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """vLLM's default loader's shape: every shard, every name, copy_ the stage's."""
+    from safetensors import safe_open
+    params, copied = prep["params"], 0
+    for f in ctx.all_files:
+        with safe_open(ctx.path(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                tensor = sf.get_tensor(name)
+                if name in params:  # is_pp_missing_parameter: skipped after the read
+                    params[name].copy_(tensor)
+                    copied += 1
+    return _copied(ctx, params, copied, {
+        "logical_bytes": sum(os.path.getsize(ctx.path(f)) for f in ctx.all_files),
+        "api": "safe_open(every shard).get_tensor(every name) -> param.copy_ (stage's)"})
+
+
+def m_engine_dcp(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """torch DCP's Hugging Face reader into the parameters (keys = checkpoint names)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+    params = prep["params"]
+    dcp.load(params, storage_reader=HuggingFaceStorageReader(ctx.ckdir, thread_count=8),
+             no_dist=True)
+    return _copied(ctx, params, len(params), {
+        "logical_bytes": ctx.ideal_bytes,
+        "api": "dcp.load(params, HuggingFaceStorageReader(thread_count=8), no_dist)"})
+
+
+def m_engine_fastsafetensors(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """fastsafetensors (O_DIRECT as FASTSAFETENSORS_ODIRECT says) -> param.copy_."""
+    params = prep["params"]
+    out, info = m_fastsafetensors(ctx, {})
+    for name, tensor in out.items():
+        params[name].copy_(tensor)
+    return _copied(ctx, params, len(out), {**info, "api": info["api"] + " -> param.copy_"})
+
+
+def m_engine_runai(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """runai-model-streamer's SafetensorsStreamer over every shard (as vLLM's runai load
+    format streams them), the stage's tensors copy_'d into the parameters."""
+    from runai_model_streamer import SafetensorsStreamer
+    params, copied = prep["params"], 0
+    with SafetensorsStreamer() as streamer:
+        streamer.stream_files([ctx.path(f) for f in ctx.all_files])
+        for name, tensor in streamer.get_tensors():
+            if name in params:
+                params[name].copy_(tensor)
+                copied += 1
+    return _copied(ctx, params, copied, {
+        "logical_bytes": sum(os.path.getsize(ctx.path(f)) for f in ctx.all_files),
+        "api": "runai SafetensorsStreamer(every shard).get_tensors() -> param.copy_ (stage's)"})
+
+
+Method = Callable[[Ctx, dict], tuple[dict, dict]]
+ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
+    "engine_pploader": (m_engine_pploader, prep_engine_staged),
+    "engine_pploader_cold_ring": (m_engine_pploader, prep_engine),
+    "engine_vllm_default": (m_engine_vllm_default, prep_engine),
+    "engine_dcp": (m_engine_dcp, prep_engine),
+    "engine_fastsafetensors": (m_engine_fastsafetensors, prep_engine),
+    "engine_fastsafetensors_odirect": (m_engine_fastsafetensors, prep_engine),
+    "engine_runai": (m_engine_runai, prep_engine),
+}
+ENGINE_OPTIONAL = {"engine_fastsafetensors": "fastsafetensors",
+                   "engine_runai": "runai_model_streamer"}
+ENGINE_ENV: dict[str, dict[str, Any]] = {
+    "engine_fastsafetensors": {"FASTSAFETENSORS_ODIRECT": "0"},
+    "engine_fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"}}

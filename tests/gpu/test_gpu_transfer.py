@@ -1,0 +1,93 @@
+"""GPU transfers (issues 27, 28): read once per node over NCCL, and the windowed device stream
+an engine consumes (``iter_stage_weights(device="cuda:N")``)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import make_model, run_ranks, tiny_config
+from pploader import Topology, iter_stage_weights, plan_stage
+from pploader.distributed.comm import Comm
+from pploader.io.read import Reader
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+@pytest.fixture(scope="module")
+def tied_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny llama whose head is its embedding: at PP=2 both stages read the same bytes."""
+    return make_model(tmp_path_factory.mktemp("tied"), tiny_config(tie_word_embeddings=True))
+
+
+def _nccl_node_read_once(rank: int, world: int, model: str) -> dict:
+    topo = Topology.for_world(world, rank, pp=2)
+    comm = Comm(topo, timeout_s=60)
+    from pploader import load_stage
+    staged = plan_stage(model, topo, node_ranks=range(world))
+    once = load_stage(staged, device=f"cuda:{rank}", comm=comm)
+    plain = dict(Reader(staged.plan))
+    same = set(once.state_dict) == set(plain) and all(
+        v.device.type == "cuda" and torch.equal(v.cpu().view(torch.uint8),
+                                                plain[k].view(torch.uint8))
+        for k, v in once.state_dict.items())
+    comm.agree(None)
+    comm.close()
+    return {"same": same, "kind": staged.kind, "read": once.stats.read_bytes,
+            "plain": staged.plan.read_bytes, "extra": once.report.extra}
+
+
+@two_gpus
+def test_node_read_once_on_gpus_equals_plain_reads(tied_llama: Path) -> None:
+    """Read once per node on the GPU backend: the tied head (stage 1) is the embedding
+    (stage 0), read by one rank and sent over NCCL; bitwise the plain reads, fewer bytes."""
+    res = run_ranks(_nccl_node_read_once, 2, str(tied_llama), backend="nccl")
+    assert all(r["kind"] == "node_read_once" and r["same"] for r in res), res
+    assert sum(r["read"] for r in res) < sum(r["plain"] for r in res)
+    assert sum(r["extra"]["node_read_once"]["received_bytes"] for r in res) > 0
+
+
+def test_device_stream_yields_device_tensors_in_bounded_windows(tiny_llama: Path) -> None:
+    """``iter_stage_weights(device=cuda)``: every tensor on the GPU, bitwise the CPU reads,
+    read in several windows whose held bytes stay within the budget (each window at most
+    half of it, unless one tensor alone is larger)."""
+    staged = plan_stage(tiny_llama, Topology(2, rank=1))
+    budget = 64 << 10
+    ref = dict(Reader(staged.plan))
+    got = {}
+    base = torch.cuda.memory_allocated(0)
+    for name, tensor in iter_stage_weights(staged, device="cuda:0",
+                                           device_window_bytes=budget):
+        assert tensor.device == torch.device("cuda:0")
+        got[name] = tensor.cpu()
+        del tensor  # the consumer moves on: nothing of the stream should stay alive
+    assert set(got) == set(ref)
+    assert all(torch.equal(got[k].view(torch.uint8), ref[k].view(torch.uint8)) for k in ref)
+    assert torch.cuda.memory_allocated(0) == base  # every stream tensor released
+
+
+def test_device_stream_report_and_consumer_on_another_stream(tiny_llama: Path) -> None:
+    """The engine copies on its own stream: window memory is reused only after those copies
+    (the stream waits for them); the peak the stream held is reported, within two windows."""
+    from pploader.io.backend import ReadOptions
+    from pploader.io.transfer import open_transfer
+    staged = plan_stage(tiny_llama, Topology(1))
+    budget = 128 << 10
+    ref = dict(Reader(staged.plan))
+    params = {k: torch.zeros_like(v, device="cuda:0") for k, v in ref.items()}
+    side = torch.cuda.Stream(device=0)
+    reader = open_transfer(staged, "cuda:0", ReadOptions(device_window_bytes=budget))
+    with torch.cuda.stream(side):
+        for name, tensor in reader:
+            params[name].copy_(tensor)
+    torch.cuda.synchronize(0)
+    assert all(torch.equal(params[k].cpu().view(torch.uint8), ref[k].view(torch.uint8))
+               for k in ref)
+    report = reader.report()["device_stream"]
+    largest = max(i.nbytes for i in staged.plan.items)
+    assert report["windows"] > 2
+    assert report["peak_device_bytes"] <= max(budget, 2 * largest)
+    assert reader.stats.read_bytes == staged.plan.read_bytes
