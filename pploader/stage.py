@@ -53,7 +53,7 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
 
     On a GPU (``device="cuda:N"``) the tensors arrive already on the device, read through
     the pinned ring in windows of a bounded device budget (``device_window_bytes``, default
-    1 GiB: at most that much of the stream's tensors exist at once; each is released once
+    4 GiB: at most that much of the stream's tensors exist at once; each is released once
     the consumer moves on), so an engine's ``param.copy_(tensor)`` is a device-to-device
     copy. ``ring``: staging made ahead (``io.registry.prepare_staging``, page-locked while
     the engine builds its model), stopped before the first read.

@@ -25,9 +25,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from ..io.transfer.direct import DEFAULT_DEVICE_WINDOW_BYTES
 from .gpu_methods import _DT, Ctx, m_fastsafetensors
 
 __all__ = ["ENGINE_METHODS", "ENGINE_OPTIONAL", "ENGINE_ENV"]
+
+Method = Callable[[Ctx, dict], tuple[dict, dict]]
 
 
 def _params(ctx: Ctx) -> dict[str, torch.Tensor]:
@@ -61,7 +64,14 @@ def _copied(ctx: Ctx, params: dict[str, torch.Tensor], copied: int, extra: dict)
     return params, extra
 
 
-def m_engine_pploader(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+def _engine_pploader_window(window_bytes: int) -> Method:
+    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+        return m_engine_pploader(ctx, prep, window_bytes)
+    return run
+
+
+def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
+                      ) -> tuple[dict, dict]:
     """plan_stage + iter_stage_weights(device=cuda): device tensors, one D2D copy_ each."""
     from .. import Topology, iter_stage_weights, plan_stage
     params = prep["params"]
@@ -71,13 +81,14 @@ def m_engine_pploader(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage))
     t1 = time.perf_counter()
     copied = 0
-    for name, tensor in iter_stage_weights(staged, device=ctx.device, ring=prep.get("ring")):
+    for name, tensor in iter_stage_weights(staged, device=ctx.device, ring=prep.get("ring"),
+                                           device_window_bytes=window_bytes):
         params[name].copy_(tensor)
         copied += 1
     extra = {"logical_bytes": staged.plan.read_bytes, "plan_s": t1 - t0,
              "api": "plan_stage + iter_stage_weights(device=cuda) -> param.copy_",
              "extra_device_bytes": torch.cuda.max_memory_allocated(ctx.device) - base,
-             "window_bytes": 1 << 30}
+             "window_bytes": window_bytes or DEFAULT_DEVICE_WINDOW_BYTES}
     return _copied(ctx, params, copied, extra)
 
 
@@ -134,10 +145,12 @@ def m_engine_runai(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
         "api": "runai SafetensorsStreamer(every shard).get_tensors() -> param.copy_ (stage's)"})
 
 
-Method = Callable[[Ctx, dict], tuple[dict, dict]]
 ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader": (m_engine_pploader, prep_engine_staged),
     "engine_pploader_cold_ring": (m_engine_pploader, prep_engine),
+    "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
+    "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
+    "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
     "engine_vllm_default": (m_engine_vllm_default, prep_engine),
     "engine_dcp": (m_engine_dcp, prep_engine),
     "engine_fastsafetensors": (m_engine_fastsafetensors, prep_engine),

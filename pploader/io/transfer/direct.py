@@ -25,9 +25,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["DirectTransfer", "DEFAULT_DEVICE_WINDOW_BYTES", "device_windows"]
 
-#: Device bytes a streamed GPU load may hold at once (two windows of half this each): large
-#: enough that each window's backend run reaches full speed, small beside any model.
-DEFAULT_DEVICE_WINDOW_BYTES = 1 << 30
+#: Device bytes a streamed GPU load may hold at once (two windows of half this each). Measured
+#: on 2x H200 (docs/benchmarks-gpu.md, issue 28): an 8 GB stage streamed into engine
+#: parameters ran at 14 GB/s with 256 MiB, 21-22 GB/s with 1 GiB, 25-28 GB/s with 4 GiB and
+#: 25-29 GB/s with the whole stage as one window (raw ceiling 29-31): each window's backend
+#: run costs a few ms of start and drain, so fewer, larger windows win.
+DEFAULT_DEVICE_WINDOW_BYTES = 4 << 30
 
 
 def _device_bytes(item: ReadItem) -> int:
