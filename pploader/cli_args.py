@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 from typing import NoReturn, Optional
 
 from .io.registry import AUTO, backend_names, backends_help
@@ -160,10 +161,40 @@ def _exchange_cost(text: str) -> Optional[float | str]:
         return None
     if text == "auto":
         return "auto"
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--exchange-cost must be >= 0 or off, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a cost: give a number >= 0 (bytes "
+                                         "read per byte exchanged), auto or off") from None
+    if not 0 <= value < float("inf"):  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text}: the cost must be a finite number >= 0, "
+                                         "auto or off")
     return value
+
+
+def _index(text: str) -> int:
+    """A non-negative integer (a node number)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A random seed torch accepts: 0 <= seed < 2**63."""
+    value = _index(text)
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"{value}: must be below 2**63")
+    return value
+
+
+def _tiny_names() -> list[str]:
+    """The bundled tiny configs' family names (a glob: --help must not import torch)."""
+    folder = Path(__file__).resolve().parent / "tiny_configs"
+    return sorted(p.name[len("tiny-"):-len(".json")] for p in folder.glob("tiny-*.json"))
 
 
 def _tp_read_args(p: argparse.ArgumentParser) -> None:
@@ -300,10 +331,11 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     _layout_args(p, pp_required=True)
     _tp_read_args(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--nodes", type=int, default=None, help="number of nodes (ranks split evenly)")
-    g.add_argument("--ranks-per-node", type=int, default=None,
+    g.add_argument("--nodes", type=_count, default=None,
+                   help="number of nodes (ranks split evenly)")
+    g.add_argument("--ranks-per-node", type=_count, default=None,
                    help="ranks per node (default 1: one entry per rank)")
-    p.add_argument("--node", type=int, default=None,
+    p.add_argument("--node", type=_index, default=None,
                    help="print only this node's files, without comments (e.g. $SLURM_NODEID)")
     p.add_argument("--format", choices=("list", "rsync", "include", "sbcast", "json"),
                    default="list", help="list / rsync (a --files-from list), include (download "
@@ -312,12 +344,18 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
                        "config's family, split into several shards with an index. The tiny "
-                       "configs ship with pploader: name a family (llama, qwen3_moe, ...).")
-    p.add_argument("config", help="a family name (llama, mixtral, deepseek_v3, ...: a bundled "
-                   "tiny config) or a config.json path")
-    p.add_argument("out", help="output directory")
+                       "configs ship with pploader: name a family. The checkpoint is written to "
+                       "a temporary directory and renamed into place, files mode 0644.",
+                       epilog="bundled families: " + ", ".join(_tiny_names()))
+    p.add_argument("config", help="a family name (one of the bundled tiny configs listed "
+                   "below) or a config.json path")
+    p.add_argument("out", help="output directory (new or empty; --force replaces the "
+                   "checkpoint in a non-empty one)")
     p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_seed, default=None, help="random seed (default: the "
+                   "config's pploader_tiny.seed, else 0)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT: its "
+                   "config.json, index and *.safetensors are replaced, other files kept")
 
     p = sub.add_parser("convert", help="convert a trusted .bin/.pt checkpoint to safetensors",
                        description="pploader never unpickles by default. With --allow-pickle, "
