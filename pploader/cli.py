@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from . import EngineSplit, PlanError, PPLoaderError, RankFailure
-from .cli_checks import (ENV_BACKEND, check_engine_env, check_load_args, check_output_dir,
+from .cli_args_checks import (ENV_BACKEND, check_engine_env, check_load_args, check_output_dir,
                          publish_mode)
 from .errors import UsageError
 

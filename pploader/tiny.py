@@ -18,7 +18,7 @@ from typing import Callable, Mapping, Optional
 import torch
 from safetensors.torch import save_file
 
-from .cli_checks import FILE_MODE
+from .cli_args_checks import FILE_MODE
 from .errors import ConfigError
 from .planning.config_limits import read_json_limited
 from .planning.spec import ModelSpec, spec_from_config

@@ -11,7 +11,7 @@ import os
 import shutil
 from pathlib import Path
 
-from ..cli_checks import check_writable_dir
+from ..cli_args_checks import check_writable_dir
 from ..errors import UsageError
 
 __all__ = ["check_bench_outputs", "check_bench_plan", "read_rendered", "MAX_SIZE_GB",

@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from itertools import accumulate
 from typing import TYPE_CHECKING, Collection, Mapping, Optional
 
 from ..errors import ConfigError
@@ -58,20 +59,22 @@ COUNT_LIMITS: Mapping[str, tuple[int, int]] = {
 
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.DOTALL)
 _NOT_BRACKET = re.compile(r"[^\[\]{}]+")
+_STEP = {"[": 1, "{": 1, "]": -1, "}": -1}
 
 
 def too_deep(text: str, max_depth: int) -> bool:
     """Whether ``text``'s objects and arrays nest deeper than ``max_depth`` (strings
     skipped): innermost pairs are peeled off ``max_depth`` times, each pass one C-speed
     scan, so any length and any depth costs at most ``max_depth`` passes and no recursion.
-    Unbalanced brackets that stop peeling early are left to the JSON parser's message."""
+    Unbalanced or mismatched brackets stop the peeling; a running sum over what is left
+    then gives the depth (those are invalid JSON, but must not reach the recursive parser)."""
     bare = _NOT_BRACKET.sub("", _STRING.sub("", text))
-    for _ in range(max_depth):
+    for peeled_levels in range(max_depth):
         if not bare:
             return False
         peeled = bare.replace("[]", "").replace("{}", "")
-        if peeled == bare:  # mismatched brackets: not deep, just invalid
-            return False
+        if peeled == bare:  # unbalanced or mismatched: one C-level running sum decides
+            return max(accumulate(map(_STEP.__getitem__, bare))) > max_depth - peeled_levels
         bare = peeled
     return bool(bare) and ("[]" in bare or "{}" in bare)
 

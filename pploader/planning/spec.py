@@ -144,7 +144,7 @@ def _find_family(config: Mapping[str, object]) -> tuple[Family, str]:
         archs = config.get("architectures")
         model_type = config.get("model_type")
         for fam in FAMILIES if isinstance(archs, list) else ():
-            arch = next((a for a in archs if a in fam.architectures), None)  # type: ignore[union-attr]
+            arch = next((a for a in archs if a in fam.architectures), None)  # type: ignore[attr-defined]
             if arch is not None and fam.model_types and model_type not in fam.model_types:
                 raise ConfigError(
                     f"architectures names {arch} (written for model_type "
