@@ -9,12 +9,15 @@ Imports are lazy: ``pploader --help`` and argument mistakes never import torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from . import EngineSplit, PlanError, PPLoaderError, RankFailure
 from .cli_args_checks import (ENV_BACKEND, check_engine_env, check_load_args, check_output_dir,
@@ -177,13 +180,45 @@ def cmd_load(args: argparse.Namespace) -> int:
     when every failing rank found a mistake in the input while planning, each exits 2.
     """
     check_load_args(args)  # conflicts, output paths, GPUs, environment: before any rank starts
-    try:
+    with _ctrl_c_exits_130():
         return _cmd_load(args)
-    except KeyboardInterrupt:  # one line per rank; never hang in teardown (threads, store)
-        rank = _env_rank()
-        sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}pploader: interrupted (Ctrl-C)\n")
-        sys.stderr.flush()
-        os._exit(130)
+
+
+def _interrupted() -> None:
+    """Ctrl-C on a rank: one line and exit 130 (never hang in teardown: threads, store)."""
+    rank = _env_rank()
+    sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}pploader: interrupted (Ctrl-C)\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def _ctrl_c_exits_130() -> Iterator[None]:
+    """SIGINT handled by a thread of its own: blocked here before any thread starts (torch's,
+    the readers', the heartbeat), so every thread inherits the block and a Ctrl-C reaches
+    the watcher even while the main thread waits on a lock (where Python's own handler
+    would not run until the wait ended: a hung load could not be interrupted)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+            signal, "pthread_sigmask"):
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if signal.sigtimedwait({signal.SIGINT}, 0.2) is not None:
+                _interrupted()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    watcher = threading.Thread(target=watch, name="pploader-ctrl-c", daemon=True)
+    watcher.start()
+    try:
+        yield
+    except KeyboardInterrupt:  # raised before the block took effect
+        _interrupted()
+    finally:
+        stop.set()
+        watcher.join()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
