@@ -29,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .testing.faults import Fault
 
 from .cli_args import (_DEFAULT_EXCHANGE_COST, _DEFAULT_WINDOW_MIB, _LOG_LEVELS,  # noqa: F401
-                       ENGINE_PARTITION_ENV, ENGINES, _env_rank, build_parser)
+                       ENGINE_PARTITION_ENV, ENGINES, MAX_RANKS, _env_rank, build_parser)
 
 __all__ = ["main", "build_parser"]
 
@@ -180,6 +180,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     when every failing rank found a mistake in the input while planning, each exits 2.
     """
     check_load_args(args)  # conflicts, output paths, GPUs, environment: before any rank starts
+    _pool_options(args)  # an unknown --kv-dtype / --ssm-dtype: refused here too
     with _ctrl_c_exits_130():
         return _cmd_load(args)
 
@@ -392,6 +393,11 @@ def _silence_stdout() -> None:
 
 def _run(args: argparse.Namespace) -> int:
     """The chosen command (exceptions go to main's one-line handlers)."""
+    if args.command in ("plan", "files", "load"):
+        world = (args.pp or 1) * args.tp * args.ep
+        if world > MAX_RANKS:
+            raise UsageError(f"--pp x --tp x --ep = {world} ranks, more than {MAX_RANKS}: give "
+                             "smaller layout sizes")
     if args.command == "plan":
         return cmd_plan(args)
     if args.command == "load":

@@ -105,6 +105,18 @@ def _count(text: str) -> int:
     return value
 
 
+#: the most ranks one layout dimension, and a whole job, may have (plan builds every rank)
+MAX_RANKS = 1 << 16
+
+
+def _ranks(text: str) -> int:
+    """A layout size (--pp, --tp, --ep): 1 to MAX_RANKS."""
+    value = _count(text)
+    if value > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{value}: more than {MAX_RANKS} ranks")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -139,10 +151,10 @@ def _ratio(text: str) -> float:
 def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
     p.add_argument("--model", required=True, help="model directory: config.json + safetensors "
                    "shards (+ model.safetensors.index.json)")
-    p.add_argument("--pp", type=_count, required=pp_required, default=None,
+    p.add_argument("--pp", type=_ranks, required=pp_required, default=None,
                    help="pipeline stages (default for load: world size / (tp*ep))")
-    p.add_argument("--tp", type=_count, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--ep", type=_count, default=1, help="expert-parallel ranks per stage "
+    p.add_argument("--tp", type=_ranks, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--ep", type=_ranks, default=1, help="expert-parallel ranks per stage "
                    "(experts split in contiguous blocks)")
     p.add_argument("--partition", type=_partition, default="even",
                    help="even (default; remainder to middle stages), balanced (by bytes from the "
@@ -331,9 +343,9 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     _layout_args(p, pp_required=True)
     _tp_read_args(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--nodes", type=_count, default=None,
+    g.add_argument("--nodes", type=_ranks, default=None,
                    help="number of nodes (ranks split evenly)")
-    g.add_argument("--ranks-per-node", type=_count, default=None,
+    g.add_argument("--ranks-per-node", type=_ranks, default=None,
                    help="ranks per node (default 1: one entry per rank)")
     p.add_argument("--node", type=_index, default=None,
                    help="print only this node's files, without comments (e.g. $SLURM_NODEID)")
