@@ -267,3 +267,53 @@ def test_hostile_config_refused_on_every_rank(tiny: Path, tmp_path: Path) -> Non
         assert proc.returncode == 2, err
         assert len(lines) == 1 and lines[0].startswith(f"[rank {rank}] pploader: error:"), err
         assert "num_hidden_layers=1000000000" in lines[0], err
+
+
+# ---- a million-tensor header -----------------------------------------------------------------
+
+_HEADER_MEASURE = textwrap.dedent("""
+    import json, resource, sys, time
+    import torch
+    from pploader.cli import main
+    def peak():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    base = peak()
+    t0 = time.perf_counter()
+    code = main(["plan", "--model", sys.argv[1], "--pp", "1"])
+    print("RESULT " + json.dumps([code, time.perf_counter() - t0, peak() - base]))
+""")
+
+
+def _million_tensor_model(src: Path, dst: Path, count: int = 1_000_000) -> int:
+    """``src``'s config and a single shard whose header declares ``count`` one-byte tensors
+    (a valid header: it tiles its data region). Returns the header's length."""
+    dst.mkdir()
+    shutil.copy(src / "config.json", dst / "config.json")
+    entry = '"t{0}":{{"dtype":"U8","shape":[1],"data_offsets":[{0},{1}]}}'
+    head = ("{" + ",".join(entry.format(i, i + 1) for i in range(count)) + "}").encode()
+    head += b" " * (-len(head) % 8)
+    with open(dst / "model.safetensors", "wb") as fh:
+        fh.write(len(head).to_bytes(8, "little") + head)
+        fh.truncate(8 + len(head) + count)
+    return len(head)
+
+
+def test_million_tensor_header_refused_with_bounded_memory(tiny: Path, tmp_path: Path) -> None:
+    """Refused from a count of "{" bytes before any JSON parse: the cost is the header's
+    bytes (<= MAX_HEADER_BYTES), here ~70 MB and well under a second of work."""
+    from pploader.planning.header import MAX_HEADER_BYTES, MAX_TENSORS
+    length = _million_tensor_model(tiny, tmp_path / "wide")
+    assert length <= MAX_HEADER_BYTES
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
+    env.pop("PPLOADER_LOG", None)
+    proc = subprocess.run([sys.executable, "-c", _HEADER_MEASURE, str(tmp_path / "wide")],
+                          capture_output=True, text=True, timeout=300, env=env)
+    code, seconds, grown = json.loads(next(ln[7:] for ln in proc.stdout.splitlines()
+                                           if ln.startswith("RESULT ")))
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert code == 2 and len(lines) == 1, proc.stderr[-3000:]
+    assert f"room for more than {MAX_TENSORS} tensors" in lines[0], lines[0]
+    assert grown < length + 50e6, (grown, length)  # the header's bytes, nothing like a parse
+    assert seconds < 5.0, seconds
+    print({"header_mb": round(length / 1e6, 1), "seconds": round(seconds, 3),
+           "rss_over_torch_mb": round(grown / 1e6, 1)})
