@@ -111,8 +111,16 @@ def read_json_limited(path: os.PathLike | str, *, what: str = "config.json",
         raise ConfigError(f"not valid JSON: {exc}", file=name) from None
 
 
+#: keys some configs give per layer (Gemma 3n's intermediate_size): a list of values in range
+_PER_LAYER_OK = frozenset(k for k, v in COUNT_LIMITS.items() if v in (_DIM, _HEADS))
+
+
 def _check_value(key: str, value: object, where: str) -> None:
     low, high = COUNT_LIMITS[key]
+    if isinstance(value, list) and key in _PER_LAYER_OK and value:
+        for item in value:
+            _check_value(key, item, where)
+        return
     if isinstance(value, float) and value.is_integer() and low <= value <= high:
         return  # 32.0: written by some exporters, read as 32
     if isinstance(value, bool) or not isinstance(value, int):

@@ -217,3 +217,11 @@ def test_non_regular_shard_is_named_as_such(kind: str, model: Path, tmp_path: Pa
     assert code == 2 and err.count("\n") == 1, err
     assert f"file {shard.name}: is {word}, not a regular file" in err
     assert "missing" not in err
+
+
+def test_permission_error_on_a_rank_is_an_input_error() -> None:
+    """Agreed by every rank as a mistake of the input (exit 2), its line without the type."""
+    from pploader.errors import RankFailure
+    exc = RankFailure({1: "PermissionError: [Errno 13] Permission denied: '/m/x.safetensors'"})
+    assert exc.input_only
+    assert exc.first() == "rank 1: [Errno 13] Permission denied: '/m/x.safetensors'"

@@ -113,6 +113,11 @@ def test_counts_one_level_down_are_checked_and_null_is_absent() -> None:
     with pytest.raises(ConfigError, match="text_config.num_experts=99999999 is outside"):
         check_config_counts({"text_config": {"num_experts": 99_999_999}})
     check_config_counts({"num_key_value_heads": None, "head_dim": 32.0})  # both fine
+    check_config_counts({"intermediate_size": [64, 128]})  # per layer (Gemma 3n)
+    with pytest.raises(ConfigError, match="intermediate_size=-4 is outside"):
+        check_config_counts({"intermediate_size": [64, -4]})
+    with pytest.raises(ConfigError, match="num_hidden_layers is \\[4\\], not an integer"):
+        check_config_counts({"num_hidden_layers": [4]})
     assert spec_from_config(tiny_config(num_hidden_layers=8.0)).num_layers == 8
 
 
