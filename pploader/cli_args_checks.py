@@ -130,11 +130,9 @@ def check_load_args(args: argparse.Namespace) -> None:
         kind = device.partition(":")[0]
         if kind not in info.devices:
             fits = [b.name for b in BACKENDS if kind in b.devices]
+            chosen = "" if args.device else " (the default --device on this machine)"
             raise UsageError(f"--io-backend {args.io_backend} loads onto "
-                             f"{'/'.join(info.devices)}, not {device}"
-                             f"{'' if args.device else ' (the default --device: no GPU here)'}; "
-                             "use "
-                             f"--io-backend {' or '.join(['auto', *fits])}, or --device "
-                             f"{info.devices[0]}")
+                             f"{'/'.join(info.devices)}, not {device}{chosen}; use --io-backend "
+                             f"{' or '.join(['auto', *fits])}, or --device {info.devices[0]}")
     if args.save_loaded:
         check_writable_dir(args.save_loaded, "--save-loaded")

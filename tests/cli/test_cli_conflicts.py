@@ -225,3 +225,18 @@ def test_permission_error_on_a_rank_is_an_input_error() -> None:
     exc = RankFailure({1: "PermissionError: [Errno 13] Permission denied: '/m/x.safetensors'"})
     assert exc.input_only
     assert exc.first() == "rank 1: [Errno 13] Permission denied: '/m/x.safetensors'"
+
+
+@pytest.mark.gpu
+def test_gpu_options_pass_the_checks_on_a_gpu_machine(model: Path, no_start: None,
+                                                      capsys: pytest.CaptureFixture) -> None:
+    """With GPUs: pinned onto cuda starts; a GPU index past the machine's is refused."""
+    import torch
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    code, err = _run(["load", "--model", str(model), "--io-backend", "pinned", "--device",
+                      "cuda", "--pool-device", "cuda:0"], capsys)
+    assert code == "started", err
+    count = torch.cuda.device_count()
+    code, err = _run(["load", "--model", str(model), "--pool-device", f"cuda:{count}"], capsys)
+    assert code == 2 and f"this process sees {count} GPU(s)" in err and err.count("\n") == 1
