@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import NoReturn, Optional
+from typing import Callable, NoReturn, Optional
 
 from .io.registry import AUTO, backend_names, backends_help
 from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
@@ -68,7 +68,13 @@ docs/usage.md explains every option and the JSON formats.
 def _partition(text: str) -> object:
     from .errors import PlanError
     try:
-        return text if text in ("even", "balanced") + ENGINES else parse_partition(text)
+        if text in ("even", "balanced") + ENGINES:
+            return text
+        sizes = parse_partition(text)
+        if any(n < 1 for n in sizes):  # known without the model: refused before any start
+            raise argparse.ArgumentTypeError(f"partition {sizes}: every stage needs at least "
+                                             "one layer; give counts of 1 or more")
+        return sizes
     except PlanError as exc:
         raise argparse.ArgumentTypeError(f"{exc.detail}; or use even / balanced / "
                                          "vllm / sglang") from None
@@ -115,6 +121,24 @@ def _ranks(text: str) -> int:
     if value > MAX_RANKS:
         raise argparse.ArgumentTypeError(f"{value}: more than {MAX_RANKS} ranks")
     return value
+
+
+def _at_most(limit: int, what: str) -> Callable[[str], int]:
+    """A positive integer up to ``limit`` (a sanity cap: past it the value is a mistake)."""
+    def parse(text: str) -> int:
+        value = _count(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value}: more than {limit} {what}")
+        return value
+    parse.__name__ = f"at_most_{limit}"
+    return parse
+
+
+#: reader threads per rank; KV tokens / state requests per stage; tokens per KV page
+_threads = _at_most(1024, "threads")
+_tokens = _at_most(1 << 32, "tokens (a pool that size fits no device)")
+_requests = _at_most(1 << 24, "requests")
+_page = _at_most(1 << 20, "tokens per page")
 
 
 def _seconds(text: str) -> float:
@@ -232,10 +256,10 @@ def _tp_read_args(p: argparse.ArgumentParser) -> None:
 def _pool_args(p: argparse.ArgumentParser) -> None:
     """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
     g = p.add_argument_group("cache pools (docs/pools.md)")
-    g.add_argument("--tokens", type=_count, default=None, help="target KV tokens per stage "
+    g.add_argument("--tokens", type=_tokens, default=None, help="target KV tokens per stage "
                    "(sizes the pools when no budget is given; with --partition balanced, the "
                    "cache load layers are weighed at); default 4096")
-    g.add_argument("--requests", type=_count, default=None,
+    g.add_argument("--requests", type=_requests, default=None,
                    help="target concurrent requests (Mamba / linear-attention state slots); "
                    "default 16")
     g.add_argument("--cache-budget", type=_size, default=None, metavar="BYTES",
@@ -247,7 +271,7 @@ def _pool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-ratio", type=_ratio, default=0.5,
                    help="share of a stage's budget for the state pool when it has both "
                    "attention and state layers (default 0.5)")
-    g.add_argument("--page-size", type=_count, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--page-size", type=_page, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
     g.add_argument("--ssm-dtype", default=None,
                    help="ssm / temporal state dtype (default float32)")
@@ -304,7 +328,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--window-bytes", type=_size, default=None,
                    help=f"host memory in flight per rank (default max({_DEFAULT_WINDOW_MIB}"
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
-    p.add_argument("--threads", type=_count, default=None,
+    p.add_argument("--threads", type=_threads, default=None,
                    help="reader threads per rank (default 1 on CPU, 16 on a GPU)")
     p.add_argument("--device", type=_device_name, default=None,
                    help="where the weights go: cpu, cuda, cuda:N (default cuda:LOCAL_RANK when "

@@ -24,7 +24,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..cli_args import _count, _seconds, _seed, _size
+from ..cli_args import _count, _seconds, _seed, _size, _threads
 from ..errors import UsageError
 from .checks import (_gigabytes, _scale, _tensors, check_bench_outputs, check_bench_plan,
                      read_rendered)
@@ -65,9 +65,9 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--modes", default="alone,together", help="alone,together (default both)")
     p.add_argument("--repeat", type=_count, default=1,
                    help="repetitions; each table cell keeps the repetition with the best wall")
-    p.add_argument("--threads", type=_count, default=1,
+    p.add_argument("--threads", type=_threads, default=1,
                    help="reader threads per rank for pploader and raw (default 1)")
-    p.add_argument("--torch-threads", type=_count, default=1,
+    p.add_argument("--torch-threads", type=_threads, default=1,
                    help="torch intra-op threads in each rank (default 1, as under torchrun)")
     p.add_argument("--window-bytes", type=_size, default=None,
                    help="pploader's window (default: the Reader's default)")
