@@ -94,7 +94,9 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
 
 @pytest.fixture()
-def stopped(monkeypatch: pytest.MonkeyPatch) -> None:
+def stopped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.chdir(tmp_path)  # a value taken as a relative output path lands here
+
     def start(*a: object, **k: object) -> None:
         raise _Started()
     monkeypatch.setattr(pploader, "init_distributed", start)
