@@ -1,6 +1,7 @@
 # Sourced by demo.sh and test.sh: create .venv when missing and install what pploader needs.
-# torch is installed first as the CPU wheel (a bare `torch` requirement would pull a
-# multi-GB CUDA build); set PPLOADER_TORCH to choose another pin.
+# torch is installed first, pinned, from pip's configured index (on Linux x86-64 PyPI that is
+# the CUDA build); PPLOADER_TORCH chooses another pin, e.g. torch==2.13.0+cpu with
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu for the CPU build (README).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${PPLOADER_VENV:-$ROOT/.venv}"

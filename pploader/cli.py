@@ -9,14 +9,19 @@ Imports are lazy: ``pploader --help`` and argument mistakes never import torch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from . import EngineSplit, PlanError, PPLoaderError, RankFailure
+from .cli_args_checks import (ENV_BACKEND, check_engine_env, check_load_args, check_output_dir,
+                         publish_mode)
 from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -24,7 +29,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from .testing.faults import Fault
 
 from .cli_args import (_DEFAULT_EXCHANGE_COST, _DEFAULT_WINDOW_MIB, _LOG_LEVELS,  # noqa: F401
-                       ENGINE_PARTITION_ENV, ENGINES, _env_rank, build_parser)
+                       ENGINE_PARTITION_ENV, ENGINES, MAX_RANKS, _env_rank, build_parser)
 
 __all__ = ["main", "build_parser"]
 
@@ -35,7 +40,7 @@ def _engine_partition(partition: object) -> object:
     """``vllm`` / ``sglang``: the engine's split, including its partition variable
     (VLLM_PP_LAYER_PARTITION / SGLANG_PP_LAYER_PARTITION) when set, as the engine reads it."""
     if isinstance(partition, str) and partition in ENGINES:
-        return EngineSplit(partition, os.environ.get(ENGINE_PARTITION_ENV[partition]))
+        return EngineSplit(partition, check_engine_env(partition))
     return partition
 
 
@@ -113,18 +118,27 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_backend(backend: Optional[str]) -> None:
+def _check_backend(backend: Optional[str], source: str = "--backend") -> None:
     """A backend this torch build and this machine can run (before any rank connects)."""
     if backend is None:
         return
     import torch
     import torch.distributed as dist
     if not dist.is_backend_available(backend):
-        raise UsageError(f"--backend {backend}: this torch build has no {backend} support; use "
-                         "--backend gloo (CPU) or leave --backend out")
+        raise UsageError(f"{_named(source, backend)}: this torch build has no {backend} "
+                         f"support; use --backend gloo (CPU) or {_unset(source)}")
     if backend == "nccl" and not torch.cuda.is_available():
-        raise UsageError("--backend nccl needs a GPU on every rank and this one sees none; use "
-                         "--backend gloo or leave --backend out")
+        raise UsageError(f"{_named(source, backend)} needs a GPU on every rank and this one "
+                         f"sees none; use --backend gloo or {_unset(source)}")
+
+
+def _unset(source: str) -> str:
+    return f"unset {source[:-1]}" if source.endswith("=") else "leave --backend out"
+
+
+def _named(source: str, value: str) -> str:
+    """``--flag value`` or ``VARIABLE=value``, as the user wrote it."""
+    return f"{source}{value}" if source.endswith("=") else f"{source} {value}"
 
 
 def cmd_files(args: argparse.Namespace) -> int:
@@ -165,11 +179,56 @@ def cmd_load(args: argparse.Namespace) -> int:
     Any rank failing, hanging or dying makes every rank print the combined error and exit 1;
     when every failing rank found a mistake in the input while planning, each exits 2.
     """
+    check_load_args(args)  # conflicts, output paths, GPUs, environment: before any rank starts
+    _pool_options(args)  # an unknown --kv-dtype / --ssm-dtype: refused here too
+    with _ctrl_c_exits_130():
+        return _cmd_load(args)
+
+
+def _interrupted() -> None:
+    """Ctrl-C on a rank: one line and exit 130 (never hang in teardown: threads, store)."""
+    rank = _env_rank()
+    sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}pploader: interrupted (Ctrl-C)\n")
+    sys.stderr.flush()
+    os._exit(130)
+
+
+@contextlib.contextmanager
+def _ctrl_c_exits_130() -> Iterator[None]:
+    """SIGINT handled by a thread of its own: blocked here before any thread starts (torch's,
+    the readers', the heartbeat), so every thread inherits the block and a Ctrl-C reaches
+    the watcher even while the main thread waits on a lock (where Python's own handler
+    would not run until the wait ended: a hung load could not be interrupted)."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(
+            signal, "pthread_sigmask"):
+        yield
+        return
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if signal.sigtimedwait({signal.SIGINT}, 0.2) is not None:
+                _interrupted()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    watcher = threading.Thread(target=watch, name="pploader-ctrl-c", daemon=True)
+    watcher.start()
+    try:
+        yield
+    except KeyboardInterrupt:  # raised before the block took effect
+        _interrupted()
+    finally:
+        stop.set()
+        watcher.join()
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
+
+def _cmd_load(args: argparse.Namespace) -> int:
     from . import Comm, Topology, init_distributed
     import torch.distributed as dist
 
     fault = _fault_from_env()  # test-only hook, None unless PPLOADER_FAULT is set
-    _check_backend(args.backend)
+    _check_backend(args.backend or os.environ.get(ENV_BACKEND),
+                   "--backend" if args.backend else ENV_BACKEND + "=")
     try:
         launch = init_distributed(backend=args.backend, timeout_s=args.timeout)
     except (RuntimeError, ValueError) as exc:  # torch's DistError and friends: one line
@@ -244,8 +303,10 @@ def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
         from safetensors.torch import save_file
         Path(args.save_loaded).mkdir(parents=True, exist_ok=True)
         names = {i.target: i.name for i in result.plan.items}
+        path = Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"
         save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
-                  str(Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"))
+                  str(path))
+        publish_mode(path)
 
     return load_pipeline_stage(args.model, comm, options, check_plan=check_input,
                                after_load=save_loaded if args.save_loaded else None,
@@ -265,6 +326,7 @@ def _ranks_per_node(args: argparse.Namespace) -> Optional[int]:
 def _make_tiny(args: argparse.Namespace) -> int:
     from .tiny import make_tiny, resolve_tiny_config
     config = resolve_tiny_config(args.config)
+    check_output_dir(args.out, "make-tiny OUT", force=args.force)
     files = make_tiny(config, args.out, shard_bytes=args.shard_bytes, seed=args.seed)
     print(f"wrote {len(files)} shard(s) to {args.out}")
     return 0
@@ -284,23 +346,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser(bench=_is_bench(argv)).parse_args(argv)
     try:
         _setup_logging(int(rank) if rank and rank.isdigit() else None)
-        if args.command == "plan":
-            return cmd_plan(args)
-        if args.command == "load":
-            return cmd_load(args)
-        if args.command == "files":
-            return cmd_files(args)
-        if args.command == "make-tiny":
-            return _make_tiny(args)
-        if args.command == "convert":
-            from .pickled import convert_to_safetensors
-            files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
-                                           shard_bytes=args.shard_bytes)
-            print(f"wrote {len(files)} safetensors shard(s) to {args.dst}")
-            return 0
-        if args.command == "bench":
-            from .bench.command import run_bench
-            return run_bench(args)
+        return _run(args)
     except RankFailure as exc:
         sys.stderr.write(f"{prefix}pploader: load failed on the job: {exc}\n")
         sys.stderr.flush()
@@ -311,4 +357,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except _StartFailure as exc:
         sys.stderr.write(f"{prefix}pploader: error: {exc}\n")
         return 1
+    except BrokenPipeError:  # `pploader plan --json | head -1`: the reader has what it wants
+        _silence_stdout()
+        return 0
+    except KeyboardInterrupt:
+        sys.stderr.write(f"{prefix}pploader: interrupted (Ctrl-C)\n")
+        return 130
+    except OSError as exc:  # permissions, a full disk, a vanished file: one line, no traceback
+        sys.stderr.write(f"{prefix}pploader: error: {_os_error(exc)}\n")
+        return 2 if isinstance(exc, _USER_OS_ERRORS) else 1
+
+
+#: OSErrors a user causes and fixes (exit 2, like any other input mistake)
+_USER_OS_ERRORS = (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError,
+                   FileExistsError)
+
+
+def _os_error(exc: OSError) -> str:
+    """One line: what failed, on which path, and what to do about permissions."""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    where = f"{exc.filename}: " if exc.filename else ""
+    hint = "; give this user read access (chmod / chown)" if isinstance(
+        exc, PermissionError) else ""
+    return f"{where}{what}{hint}"
+
+
+def _silence_stdout() -> None:
+    """Point stdout at /dev/null so the interpreter's final flush raises nothing."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError, AttributeError):  # a captured / replaced stdout
+        pass
+
+
+def _run(args: argparse.Namespace) -> int:
+    """The chosen command (exceptions go to main's one-line handlers)."""
+    if args.command in ("plan", "files", "load"):
+        world = (args.pp or 1) * args.tp * args.ep
+        if world > MAX_RANKS:
+            raise UsageError(f"--pp x --tp x --ep = {world} ranks, more than {MAX_RANKS}: give "
+                             "smaller layout sizes")
+    if args.command == "plan":
+        return cmd_plan(args)
+    if args.command == "load":
+        return cmd_load(args)
+    if args.command == "files":
+        return cmd_files(args)
+    if args.command == "make-tiny":
+        return _make_tiny(args)
+    if args.command == "convert":
+        from .pickled import convert_to_safetensors
+        files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
+                                       shard_bytes=args.shard_bytes)
+        print(f"wrote {len(files)} safetensors shard(s) to {args.dst}")
+        return 0
+    if args.command == "bench":
+        from .bench.command import run_bench
+        return run_bench(args)
     return 2

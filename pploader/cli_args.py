@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import NoReturn, Optional
+from pathlib import Path
+from typing import Callable, NoReturn, Optional
 
 from .io.registry import AUTO, backend_names, backends_help
 from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
@@ -67,7 +68,13 @@ docs/usage.md explains every option and the JSON formats.
 def _partition(text: str) -> object:
     from .errors import PlanError
     try:
-        return text if text in ("even", "balanced") + ENGINES else parse_partition(text)
+        if text in ("even", "balanced") + ENGINES:
+            return text
+        sizes = parse_partition(text)
+        if any(n < 1 for n in sizes):  # known without the model: refused before any start
+            raise argparse.ArgumentTypeError(f"partition {sizes}: every stage needs at least "
+                                             "one layer; give counts of 1 or more")
+        return sizes
     except PlanError as exc:
         raise argparse.ArgumentTypeError(f"{exc.detail}; or use even / balanced / "
                                          "vllm / sglang") from None
@@ -104,6 +111,36 @@ def _count(text: str) -> int:
     return value
 
 
+#: the most ranks one layout dimension, and a whole job, may have (plan builds every rank)
+MAX_RANKS = 1 << 16
+
+
+def _ranks(text: str) -> int:
+    """A layout size (--pp, --tp, --ep): 1 to MAX_RANKS."""
+    value = _count(text)
+    if value > MAX_RANKS:
+        raise argparse.ArgumentTypeError(f"{value}: more than {MAX_RANKS} ranks")
+    return value
+
+
+def _at_most(limit: int, what: str) -> Callable[[str], int]:
+    """A positive integer up to ``limit`` (a sanity cap: past it the value is a mistake)."""
+    def parse(text: str) -> int:
+        value = _count(text)
+        if value > limit:
+            raise argparse.ArgumentTypeError(f"{value}: more than {limit} {what}")
+        return value
+    parse.__name__ = f"at_most_{limit}"
+    return parse
+
+
+#: reader threads per rank; KV tokens / state requests per stage; tokens per KV page
+_threads = _at_most(1024, "threads")
+_tokens = _at_most(1 << 32, "tokens (a pool that size fits no device)")
+_requests = _at_most(1 << 24, "requests")
+_page = _at_most(1 << 20, "tokens per page")
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -138,10 +175,10 @@ def _ratio(text: str) -> float:
 def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
     p.add_argument("--model", required=True, help="model directory: config.json + safetensors "
                    "shards (+ model.safetensors.index.json)")
-    p.add_argument("--pp", type=_count, required=pp_required, default=None,
+    p.add_argument("--pp", type=_ranks, required=pp_required, default=None,
                    help="pipeline stages (default for load: world size / (tp*ep))")
-    p.add_argument("--tp", type=_count, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--ep", type=_count, default=1, help="expert-parallel ranks per stage "
+    p.add_argument("--tp", type=_ranks, default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--ep", type=_ranks, default=1, help="expert-parallel ranks per stage "
                    "(experts split in contiguous blocks)")
     p.add_argument("--partition", type=_partition, default="even",
                    help="even (default; remainder to middle stages), balanced (by bytes from the "
@@ -160,10 +197,40 @@ def _exchange_cost(text: str) -> Optional[float | str]:
         return None
     if text == "auto":
         return "auto"
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"--exchange-cost must be >= 0 or off, got {text}")
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a cost: give a number >= 0 (bytes "
+                                         "read per byte exchanged), auto or off") from None
+    if not 0 <= value < float("inf"):  # NaN fails both comparisons
+        raise argparse.ArgumentTypeError(f"{text}: the cost must be a finite number >= 0, "
+                                         "auto or off")
     return value
+
+
+def _index(text: str) -> int:
+    """A non-negative integer (a node number)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
+    return value
+
+
+def _seed(text: str) -> int:
+    """A random seed torch accepts: 0 <= seed < 2**63."""
+    value = _index(text)
+    if value >= 1 << 63:
+        raise argparse.ArgumentTypeError(f"{value}: must be below 2**63")
+    return value
+
+
+def _tiny_names() -> list[str]:
+    """The bundled tiny configs' family names (a glob: --help must not import torch)."""
+    folder = Path(__file__).resolve().parent / "tiny_configs"
+    return sorted(p.name[len("tiny-"):-len(".json")] for p in folder.glob("tiny-*.json"))
 
 
 def _tp_read_args(p: argparse.ArgumentParser) -> None:
@@ -189,10 +256,10 @@ def _tp_read_args(p: argparse.ArgumentParser) -> None:
 def _pool_args(p: argparse.ArgumentParser) -> None:
     """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
     g = p.add_argument_group("cache pools (docs/pools.md)")
-    g.add_argument("--tokens", type=_count, default=None, help="target KV tokens per stage "
+    g.add_argument("--tokens", type=_tokens, default=None, help="target KV tokens per stage "
                    "(sizes the pools when no budget is given; with --partition balanced, the "
                    "cache load layers are weighed at); default 4096")
-    g.add_argument("--requests", type=_count, default=None,
+    g.add_argument("--requests", type=_requests, default=None,
                    help="target concurrent requests (Mamba / linear-attention state slots); "
                    "default 16")
     g.add_argument("--cache-budget", type=_size, default=None, metavar="BYTES",
@@ -204,7 +271,7 @@ def _pool_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--mamba-ratio", type=_ratio, default=0.5,
                    help="share of a stage's budget for the state pool when it has both "
                    "attention and state layers (default 0.5)")
-    g.add_argument("--page-size", type=_count, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--page-size", type=_page, default=16, help="tokens per KV page (default 16)")
     g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
     g.add_argument("--ssm-dtype", default=None,
                    help="ssm / temporal state dtype (default float32)")
@@ -261,7 +328,7 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--window-bytes", type=_size, default=None,
                    help=f"host memory in flight per rank (default max({_DEFAULT_WINDOW_MIB}"
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
-    p.add_argument("--threads", type=_count, default=None,
+    p.add_argument("--threads", type=_threads, default=None,
                    help="reader threads per rank (default 1 on CPU, 16 on a GPU)")
     p.add_argument("--device", type=_device_name, default=None,
                    help="where the weights go: cpu, cuda, cuda:N (default cuda:LOCAL_RANK when "
@@ -300,10 +367,11 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     _layout_args(p, pp_required=True)
     _tp_read_args(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--nodes", type=int, default=None, help="number of nodes (ranks split evenly)")
-    g.add_argument("--ranks-per-node", type=int, default=None,
+    g.add_argument("--nodes", type=_ranks, default=None,
+                   help="number of nodes (ranks split evenly)")
+    g.add_argument("--ranks-per-node", type=_ranks, default=None,
                    help="ranks per node (default 1: one entry per rank)")
-    p.add_argument("--node", type=int, default=None,
+    p.add_argument("--node", type=_index, default=None,
                    help="print only this node's files, without comments (e.g. $SLURM_NODEID)")
     p.add_argument("--format", choices=("list", "rsync", "include", "sbcast", "json"),
                    default="list", help="list / rsync (a --files-from list), include (download "
@@ -312,12 +380,18 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p = sub.add_parser("make-tiny", help="write a real sharded checkpoint from a tiny config",
                        description="Write random weights with real names and shapes for the "
                        "config's family, split into several shards with an index. The tiny "
-                       "configs ship with pploader: name a family (llama, qwen3_moe, ...).")
-    p.add_argument("config", help="a family name (llama, mixtral, deepseek_v3, ...: a bundled "
-                   "tiny config) or a config.json path")
-    p.add_argument("out", help="output directory")
+                       "configs ship with pploader: name a family. The checkpoint is written to "
+                       "a temporary directory and renamed into place, files mode 0644.",
+                       epilog="bundled families: " + ", ".join(_tiny_names()))
+    p.add_argument("config", help="a family name (one of the bundled tiny configs listed "
+                   "below) or a config.json path")
+    p.add_argument("out", help="output directory (new or empty; --force replaces the "
+                   "checkpoint in a non-empty one)")
     p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
-    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--seed", type=_seed, default=None, help="random seed (default: the "
+                   "config's pploader_tiny.seed, else 0)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty OUT: its "
+                   "config.json, index and *.safetensors are replaced, other files kept")
 
     p = sub.add_parser("convert", help="convert a trusted .bin/.pt checkpoint to safetensors",
                        description="pploader never unpickles by default. With --allow-pickle, "

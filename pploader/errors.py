@@ -98,6 +98,7 @@ class RankFailure(PPLoaderError):
         return text if text.startswith(f"rank {rank}") else f"rank {rank}: {text}"
 
 
-#: Error types that mean "the input is wrong" (CLI exit code 2), as Comm.agree names them.
+#: Error types that mean "the input is wrong" (CLI exit code 2), as Comm.agree names them;
+#: a PermissionError (a file this user may not read) is the user's to fix too.
 INPUT_ERRORS = frozenset({"ConfigError", "CheckpointError", "PlanError", "TopologyError",
-                          "UsageError"})
+                          "UsageError", "PermissionError"})

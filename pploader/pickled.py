@@ -12,7 +12,6 @@ host memory once; it is meant for small or legacy checkpoints.
 """
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -140,12 +139,15 @@ def convert_to_safetensors(model_dir: os.PathLike | str, out_dir: os.PathLike | 
     try:
         config: Optional[dict] = None
         if (src / "config.json").is_file():
-            config = json.loads((src / "config.json").read_text(encoding="utf-8"))
+            from .planning.config_limits import read_json_limited
+            config = read_json_limited(src / "config.json")  # type: ignore[assignment]
         files = write_checkpoint(tmp, _unshared(tensors), config, shard_bytes=shard_bytes)
         for extra in sorted(src.iterdir()):
             if (extra.is_file() and extra.suffix in _COPY_SUFFIXES and extra.name
                     not in ("config.json", PICKLE_INDEX)):
                 shutil.copyfile(extra, tmp / extra.name)
+                os.chmod(tmp / extra.name, 0o644)
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the group out
         os.rename(tmp, dst)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

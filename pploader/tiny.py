@@ -10,17 +10,21 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
+import tempfile
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from safetensors.torch import save_file
 
+from .cli_args_checks import FILE_MODE
 from .errors import ConfigError
+from .planning.config_limits import read_json_limited
 from .planning.spec import ModelSpec, spec_from_config
 
-__all__ = ["make_tiny", "write_checkpoint", "model_order", "TINY_CONFIGS", "tiny_families",
-           "resolve_tiny_config"]
+__all__ = ["make_tiny", "write_checkpoint", "publish_checkpoint", "model_order", "TINY_CONFIGS",
+           "tiny_families", "resolve_tiny_config", "MAX_TINY_TENSORS"]
 
 #: the bundled tiny configs (package data; ``configs/models`` in the repository)
 TINY_CONFIGS = Path(__file__).resolve().parent / "tiny_configs"
@@ -48,34 +52,83 @@ def resolve_tiny_config(name_or_path: os.PathLike | str) -> Path:
 
 def write_checkpoint(out_dir: os.PathLike | str, tensors: Mapping[str, torch.Tensor],
                      config: Optional[Mapping] = None, *, shard_bytes: int = 0) -> list[str]:
-    """Write ``tensors`` as shards of about ``shard_bytes`` (0 = one file) plus an index."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    groups: list[dict[str, torch.Tensor]] = [{}]
+    """Write ``tensors`` as shards of about ``shard_bytes`` (0 = one file) plus an index,
+    atomically (:func:`publish_checkpoint`); files mode 0644."""
+    sizes = {n: (tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()}
+    groups = _group(list(sizes), {n: b for n, (_, b) in sizes.items()}, shard_bytes)
+    return _write(out_dir, groups, lambda name: tensors[name].contiguous(), config)
+
+
+def _group(names: list[str], nbytes: Mapping[str, int], shard_bytes: int) -> list[list[str]]:
+    """``names`` in order, cut into shards of about ``shard_bytes`` (0 = one shard)."""
+    groups: list[list[str]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shard_bytes and groups[-1] and size + nbytes > shard_bytes:
-            groups.append({})
+    for name in names:
+        if shard_bytes and groups[-1] and size + nbytes[name] > shard_bytes:
+            groups.append([])
             size = 0
-        groups[-1][name] = t.contiguous()
-        size += nbytes
-    if len(groups) == 1:
-        save_file(groups[0], str(out / "model.safetensors"), metadata={"format": "pt"})
-        return ["model.safetensors"]
-    files, weight_map, total = [], {}, 0
-    for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        save_file(group, str(out / fname), metadata={"format": "pt"})
-        files.append(fname)
-        for name, t in group.items():
-            weight_map[name] = fname
-            total += t.numel() * t.element_size()
-    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-    return files
+        groups[-1].append(name)
+        size += nbytes[name]
+    return groups
+
+
+def _write(out_dir: os.PathLike | str, groups: list[list[str]],
+           make: Callable[[str], torch.Tensor], config: Optional[Mapping]) -> list[str]:
+    """Write the shards (``make`` gives each tensor, one shard in memory at a time), the
+    index and config.json into a temporary sibling of ``out_dir``, then publish it."""
+    out = Path(out_dir)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        if config is not None:
+            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        names = ["model.safetensors"] if len(groups) == 1 else [
+            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+        weight_map, total = {}, 0
+        for fname, group in zip(names, groups):
+            shard = {name: make(name) for name in group}
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            for name, t in shard.items():
+                weight_map[name] = fname
+                total += t.numel() * t.element_size()
+            del shard
+        if len(groups) > 1:
+            index = {"metadata": {"total_size": total},
+                     "weight_map": dict(sorted(weight_map.items()))}
+            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        for path in tmp.iterdir():
+            os.chmod(path, FILE_MODE)
+        publish_checkpoint(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return names
+
+
+#: the files that make a checkpoint (replaced together by :func:`publish_checkpoint`)
+INDEX = "model.safetensors.index.json"
+
+
+def _checkpoint_files(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if p.name in ("config.json", INDEX)
+            or p.name.endswith(".safetensors")]
+
+
+def publish_checkpoint(tmp: Path, out: Path) -> None:
+    """Move the checkpoint written in ``tmp`` to ``out``: a rename when ``out`` is new or
+    empty (atomic); otherwise its old config.json, index and shards are removed first (no
+    mixing of two models) and the new files renamed in, config and index last, so a reader
+    never sees an index naming missing shards. ``tmp`` is removed."""
+    os.chmod(tmp, 0o755)
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        os.replace(tmp, out)
+        return
+    for old in _checkpoint_files(out):
+        old.unlink()
+    last = ("config.json", INDEX)
+    for path in sorted(tmp.iterdir(), key=lambda p: (p.name in last, p.name == INDEX)):
+        os.replace(path, out / path.name)
+    tmp.rmdir()
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -97,23 +150,82 @@ def model_order(spec: "ModelSpec", name: str) -> tuple[int, int]:
 
 def make_tiny(config_path: os.PathLike | str, out_dir: os.PathLike | str, *,
               shard_bytes: Optional[int] = None, seed: Optional[int] = None) -> list[str]:
-    """Write the checkpoint described by ``config_path`` into ``out_dir``; returns shard names."""
-    try:
-        raw = json.loads(Path(config_path).read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", file=str(config_path)) from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"not valid JSON: {exc}", file=str(config_path)) from None
+    """Write the checkpoint described by ``config_path`` into ``out_dir``; returns shard names.
+
+    Checked before anything is allocated or written: the config's limits (size, depth,
+    counts), the template's tensor count, the memory one shard needs and the free space on
+    ``out_dir``'s file system. Written shard by shard into a temporary directory, then
+    renamed into place (:func:`publish_checkpoint`)."""
+    raw = read_json_limited(config_path, what=Path(config_path).name)
     if not isinstance(raw, dict):
         raise ConfigError("not a JSON object", file=str(config_path))
     opts = raw.pop("pploader_tiny", {}) or {}
+    if not isinstance(opts, dict):
+        raise ConfigError("pploader_tiny must be an object (shard_bytes, seed)",
+                          file=str(config_path))
     spec = spec_from_config(raw)
     if spec.family.template is None:
         raise ConfigError(f"family {spec.family.name} has no tensor template to generate from")
-    gen = torch.Generator().manual_seed(int(seed if seed is not None else opts.get("seed", 0)))
+    _check_template_size(spec)
+    seed = _opt_int(opts, "seed", 0, config_path) if seed is None else seed
+    gen = torch.Generator().manual_seed(seed)
     template = spec.family.template(spec)
-    tensors = {name: _random(tuple(template[name]), spec.dtype, gen)
-               for name in sorted(template, key=lambda n: model_order(spec, n))}
-    total = sum(math.prod(s) for s in template.values()) * spec.dtype.itemsize
-    shard = shard_bytes if shard_bytes is not None else int(opts.get("shard_bytes", total // 3 + 1))
-    return write_checkpoint(out_dir, tensors, raw, shard_bytes=shard)
+    order = sorted(template, key=lambda n: model_order(spec, n))
+    nbytes = {n: math.prod(template[n]) * spec.dtype.itemsize for n in order}
+    total = sum(nbytes.values())
+    shard = shard_bytes if shard_bytes is not None else _opt_int(
+        opts, "shard_bytes", total // 3 + 1, config_path)
+    groups = _group(order, nbytes, shard)
+    _check_resources(out_dir, total, max(sum(nbytes[n] for n in g) for g in groups))
+    return _write(out_dir, groups, lambda n: _random(tuple(template[n]), spec.dtype, gen), raw)
+
+
+#: the most tensors make-tiny generates (a real DeepSeek-V3 has ~92 k)
+MAX_TINY_TENSORS = 2_000_000
+
+
+def _check_template_size(spec: ModelSpec) -> None:
+    """The template's size estimated from the counts, refused before it is built."""
+    per_layer = 32 + 4 * (spec.num_experts if spec.num_experts else 0)
+    estimate = (spec.num_layers + spec.num_mtp_layers) * per_layer
+    if estimate > MAX_TINY_TENSORS:
+        raise ConfigError(f"{spec.num_layers} layers x {spec.num_experts} experts would be about "
+                          f"{estimate} tensors, over make-tiny's {MAX_TINY_TENSORS}: use a tiny "
+                          "config (num_hidden_layers, num_experts)", file="config.json")
+
+
+def _opt_int(opts: Mapping, key: str, default: int, path: os.PathLike | str) -> int:
+    value = opts.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 1 << 63:
+        raise ConfigError(f"pploader_tiny.{key} is {value!r}: give an integer >= 0",
+                          file=str(path))
+    return value
+
+
+def _available_memory() -> Optional[int]:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _check_resources(out_dir: os.PathLike | str, total: int, largest_shard: int) -> None:
+    """Free space for the whole checkpoint and memory for its largest shard, before either
+    is used (a ConfigError saying how much is needed and what there is)."""
+    out = Path(out_dir)
+    probe = next((p for p in [out, *out.parents] if p.exists()), Path("/"))
+    free = shutil.disk_usage(probe).free
+    if total > free:
+        raise ConfigError(f"the checkpoint needs {total / 1e9:.2f} GB and {probe} has "
+                          f"{free / 1e9:.2f} GB free: use a smaller config or another OUT",
+                          file=str(out))
+    memory = _available_memory()
+    if memory is not None and 2 * largest_shard > memory:  # the tensors + the file's bytes
+        raise ConfigError(f"one shard needs {2 * largest_shard / 1e9:.2f} GB of memory and "
+                          f"{memory / 1e9:.2f} GB is available: pass a smaller --shard-bytes "
+                          "or use a smaller config", file=str(out))

@@ -24,6 +24,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
+from ..cli_args import _count, _seconds, _seed, _size, _threads
+from ..errors import UsageError
+from .checks import (_gigabytes, _scale, _tensors, check_bench_outputs, check_bench_plan,
+                     read_rendered)
 from .methods import (METHODS, ChildSpec, evict, make_resident, methods_for, resident_bytes,
                       spec_json)
 
@@ -43,12 +47,12 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
         "with pploader (a), the read-all-then-filter pattern of today's serving stacks (b) and "
         "raw os.preadv of exactly the needed bytes (c): warm and cold page cache, ranks alone "
         "and together, each measurement in a fresh process. GB = 1e9 bytes.")
-    p.add_argument("--size-gb", type=float, default=4.3,
+    p.add_argument("--size-gb", type=_gigabytes, default=4.3,
                    help="checkpoint size in GB (default 4.3, about 4 GiB)")
-    p.add_argument("--layers", type=int, default=32, help="decoder layers (default 32)")
-    p.add_argument("--shards", type=int, default=5,
+    p.add_argument("--layers", type=_count, default=32, help="decoder layers (default 32)")
+    p.add_argument("--shards", type=_count, default=5,
                    help="about this many shard files, split by size (default 5)")
-    p.add_argument("--pp", type=int, default=4, help="pipeline stages = ranks (default 4)")
+    p.add_argument("--pp", type=_count, default=4, help="pipeline stages = ranks (default 4)")
     p.add_argument("--device", default="cpu",
                    choices=sorted({m.device for m in METHODS.values()} | {"cuda"}),
                    help="where tensors land (default cpu). cuda runs pploader.bench.cuda: the "
@@ -59,18 +63,18 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
                    help=f"comma list from {', '.join(METHODS)} (default: %(default)s)")
     p.add_argument("--caches", default="warm,cold", help="warm,cold (default both)")
     p.add_argument("--modes", default="alone,together", help="alone,together (default both)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeat", type=_count, default=1,
                    help="repetitions; each table cell keeps the repetition with the best wall")
-    p.add_argument("--threads", type=int, default=1,
+    p.add_argument("--threads", type=_threads, default=1,
                    help="reader threads per rank for pploader and raw (default 1)")
-    p.add_argument("--torch-threads", type=int, default=1,
+    p.add_argument("--torch-threads", type=_threads, default=1,
                    help="torch intra-op threads in each rank (default 1, as under torchrun)")
-    p.add_argument("--window-bytes", type=int, default=None,
+    p.add_argument("--window-bytes", type=_size, default=None,
                    help="pploader's window (default: the Reader's default)")
-    p.add_argument("--rss-scale", type=int, default=4,
+    p.add_argument("--rss-scale", type=_scale, default=4,
                    help="also load a checkpoint this many times smaller (warm, alone) to show "
                    "peak RSS does not grow with the checkpoint; 0 = skip (default 4)")
-    p.add_argument("--plan-tensors", type=int, default=100_000,
+    p.add_argument("--plan-tensors", type=_tensors, default=100_000,
                    help="time `plan --pp P` on a headers-only checkpoint with this many "
                    "tensors; 0 = skip (default 100000)")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ppbench"),
@@ -78,8 +82,9 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--keep", action="store_true",
                    help="keep the generated checkpoints (reused by the next run with the same "
                    "sizes); default: delete them at the end")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds per measured process")
+    p.add_argument("--seed", type=_seed, default=0)
+    p.add_argument("--timeout", type=_seconds, default=600.0,
+                   help="seconds per measured process")
     p.add_argument("--json", action="store_true", help="print one JSON document, not tables")
     p.add_argument("--markdown", metavar="FILE", default=None, help="write a Markdown report")
     p.add_argument("--plot", metavar="FILE.png", default=None,
@@ -94,8 +99,8 @@ def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
     if bad or not items:
-        raise SystemExit(f"pploader bench: unknown {what} {', '.join(bad) or text!r}; "
-                         f"choose from {', '.join(allowed)}")
+        raise UsageError(f"bench: unknown {what} {', '.join(bad) or repr(text)}; choose from "
+                         f"{', '.join(allowed)}")
     return items
 
 
@@ -269,17 +274,18 @@ def run_bench(args: argparse.Namespace) -> int:
         cuda_main(extra)
         return 0
     if extra:
-        raise SystemExit(f"pploader bench: unexpected arguments {' '.join(extra)}")
+        raise UsageError(f"bench: unexpected arguments {' '.join(extra)} (only --device cuda "
+                         "takes arguments after --)")
+    check_bench_outputs(args)
     if args.render:
-        with open(args.render) as fh:
-            doc = json.load(fh)
-        return render(doc, as_json=args.json, markdown=args.markdown, plot_path=args.plot)
+        return render(read_rendered(args.render), as_json=args.json, markdown=args.markdown,
+                      plot_path=args.plot)
     log = _Log(args.quiet)
     methods = _csv(args.methods, [m.name for m in methods_for(args.device)], "method")
     caches = _csv(args.caches, ["warm", "cold"], "cache state")
     modes = _csv(args.modes, ["alone", "together"], "mode")
+    check_bench_plan(args)
     root = Path(args.dir)
-    root.mkdir(parents=True, exist_ok=True)
     made: list[Path] = []
     started = time.monotonic()
     machine = machine_info(root)  # before measuring: its date is the run's start

@@ -177,8 +177,10 @@ def targets(doc: dict, summary: Sequence[dict]) -> list[dict]:
             f"{plan['seconds']:.3f} s (index {plan['index_s']:.3f} + plan_all "
             f"{plan['plan_all_s']:.3f})", plan["seconds"] <= 1.0)
     bad = _fingerprint_problems(summary)
+    measured = bool(summary)  # nothing measured (no rows): nothing passes
     add("same bytes from every method (crc of each tensor's ends)", "equal",
-        "equal" if not bad else "; ".join(bad)[:300], not bad)
+        "nothing measured" if not measured else "equal" if not bad else "; ".join(bad)[:300],
+        not bad if measured else None)
     return out
 
 
@@ -327,5 +329,8 @@ def render(doc: dict, *, as_json: bool = False, markdown: Optional[str] = None,
         sys.stdout.write("\n")
     else:
         print(text_tables(doc, summary, checks))
+    if not doc.get("rows") and not doc.get("plan"):
+        sys.stderr.write("pploader bench: measured nothing (no rows): no target can pass\n")
+        return 1
     return 1 if any(c["status"] == "MISS" and c["target"].startswith("same bytes")
                     for c in checks) else 0

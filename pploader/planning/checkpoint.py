@@ -121,6 +121,7 @@ class CheckpointIndex:
         if not self.missing:
             return
         gone = sorted(set(files).intersection(self.missing))
+        _refuse_not_regular(self.root, gone, self.source)
         if gone:
             raise CheckpointError(f"{len(gone)} file(s) named in {self.source} are missing: "
                                   + ", ".join(gone) + f" (needed by this plan; {len(self.paths)} "
@@ -279,10 +280,27 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     return dict(wmap)
 
 
+def _refuse_not_regular(root: Path, files: Sequence[str], source: str) -> None:
+    """A name in ``files`` (not regular files) that exists as something else — a FIFO, a
+    directory, a device — is named as such, not as missing."""
+    import stat
+    for f in files:
+        try:
+            mode = os.stat(root / f).st_mode
+        except OSError:
+            continue  # absent (or a dangling link): really missing
+        kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode)
+                else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else "a socket"
+                if stat.S_ISSOCK(mode) else "not a regular file")
+        raise CheckpointError(f"is {kind}, not a regular file: replace it with the shard "
+                              f"{source} names", file=f)
+
+
 def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
              source: str) -> dict[str, Path]:
     """Resolve shard paths (symlinks allowed inside the roots); list every missing one."""
     missing = [f for f in files if not (root / f).is_file()]
+    _refuse_not_regular(root, missing, source)
     if missing:
         raise CheckpointError(f"{len(missing)} file(s) named in {source} are missing: "
                               + ", ".join(missing) + " (copy or download them into the model "

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import builtins
-import json
 import logging
 import os
 from dataclasses import dataclass, replace
@@ -12,8 +11,9 @@ from typing import Any, Iterable, Mapping, Optional, Sequence
 import torch
 
 from ..errors import ConfigError
-from ..families import Family, find_family
+from ..families import FAMILIES, Family, find_family
 from ..families.base import cfg
+from .config_limits import check_config_counts, check_counts_against_checkpoint, read_json_limited
 
 __all__ = ["ModelSpec", "load_spec", "read_config", "spec_from_config"]
 
@@ -85,6 +85,7 @@ class ModelSpec:
             names = set(names)
         spec = self if not self.family.formats else replace(
             self, family=self.family.for_checkpoint(names))
+        check_counts_against_checkpoint(spec, names)  # before anything builds the template
         if spec.tie_word_embeddings:
             head = spec.family.head_name()
             if head is not None and head in names:
@@ -111,9 +112,10 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
     """Build a ModelSpec from a parsed config.json (pure; used by tests and `plan`)."""
     if not isinstance(config, Mapping):
         raise ConfigError("config.json is not a JSON object", file="config.json")
+    check_config_counts(config)  # before a family (or transformers) loops over any count
     archs: Any = config.get("architectures")
     fam, arch = (family, (archs or [family.name])[0]) if family \
-        else find_family(config)
+        else _find_family(config)
     text = config
     if fam.text_config_key and isinstance(config.get(fam.text_config_key), Mapping):
         text = config[fam.text_config_key]  # type: ignore[assignment]
@@ -132,6 +134,26 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
         dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
 
 
+def _find_family(config: Mapping[str, object]) -> tuple[Family, str]:
+    """find_family, with a message that says so when ``architectures`` names a hand-written
+    family whose ``model_type`` the config contradicts (not "unsupported ... X ... supported:
+    X")."""
+    try:
+        return find_family(config)
+    except ConfigError:
+        archs = config.get("architectures")
+        model_type = config.get("model_type")
+        for fam in FAMILIES if isinstance(archs, list) else ():
+            arch = next((a for a in archs if a in fam.architectures), None)  # type: ignore[attr-defined]
+            if arch is not None and fam.model_types and model_type not in fam.model_types:
+                raise ConfigError(
+                    f"architectures names {arch} (written for model_type "
+                    f"{' / '.join(sorted(fam.model_types))}) but model_type is "
+                    f"{model_type!r}: the two fields contradict each other; fix model_type or "
+                    "architectures", file="config.json") from None
+        raise
+
+
 def read_config(model_dir: os.PathLike | str, *,
                 allowed_roots: Sequence[os.PathLike | str] = ()) -> object:
     """The parsed ``config.json`` of a model directory (clear errors when missing or bad).
@@ -140,6 +162,10 @@ def read_config(model_dir: os.PathLike | str, *,
     directory, its Hugging Face cache repo, ``allowed_roots``)."""
     from .checkpoint import check_model_dir, inside_roots
     root = check_model_dir(model_dir)
+    if not os.access(root, os.R_OK | os.X_OK):
+        raise ConfigError("cannot read the model directory (permission denied): give this "
+                          "user read access to it (chmod / chown) or copy the model",
+                          file=str(root))
     path = root / "config.json"
     if not path.is_file():
         what = "is not a regular file" if os.path.lexists(path) else "is missing"
@@ -147,12 +173,7 @@ def read_config(model_dir: os.PathLike | str, *,
                           "directory holding config.json and the *.safetensors shards",
                           file=str(path))
     inside_roots(root, path, allowed_roots, "config.json")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise ConfigError(f"cannot read: {exc.strerror}", file=str(path)) from None
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"not valid JSON: {exc}", file=str(path)) from None
+    return read_json_limited(path)  # size and depth limited (planning/config_limits.py)
 
 
 def load_spec(model_dir: os.PathLike | str, *,

@@ -1,0 +1,138 @@
+"""Checks ``pploader`` runs on its arguments and environment before a job starts.
+
+Everything here runs before ``torch.distributed`` is initialised (and before any byte of the
+checkpoint is read): a conflict between options, an output path that cannot be written, a GPU
+option on a machine without one, an environment variable the docs name with a bad value. Each
+raises ``UsageError`` naming the flag (or variable) to change; ``pploader`` exits 2.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import tempfile
+from pathlib import Path
+from typing import Mapping, Optional
+
+from .errors import UsageError
+
+__all__ = ["check_load_args", "check_output_dir", "check_writable_dir", "check_env",
+           "check_engine_env", "publish_mode", "FILE_MODE", "ENV_BACKEND"]
+
+#: mode of every file pploader writes (readable by the group and others, as `cp` would)
+FILE_MODE = 0o644
+
+#: the environment variable ``--backend`` defaults to (docs/launch.md)
+ENV_BACKEND = "PPLOADER_BACKEND"
+
+
+def publish_mode(path: os.PathLike | str, mode: int = FILE_MODE) -> None:
+    """Give a written file ``mode`` (safetensors' writer leaves 0600)."""
+    os.chmod(path, mode)
+
+
+def check_writable_dir(path: os.PathLike | str, flag: str) -> Path:
+    """``path`` is (or can be made) a directory this process can create files in: made now,
+    probed with a temporary file, so a mistake is found before any byte is read."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory; give a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=out, prefix=".pploader-probe-"):
+            pass
+    except OSError as exc:
+        raise UsageError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a "
+                         "writable directory") from None
+    return out
+
+
+def check_output_dir(path: os.PathLike | str, flag: str, *, force: bool) -> Path:
+    """An output directory that is new or empty, unless ``force`` (then it is replaced);
+    its parent must be writable."""
+    out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{flag} {path}: exists and is not a directory; give a new directory")
+    if out.is_dir() and not force:
+        try:
+            held = sorted(p.name for p in out.iterdir())
+        except OSError as exc:
+            raise UsageError(f"{flag} {path}: cannot list it ({exc.strerror}); give a new "
+                             "directory") from None
+        if held:
+            raise UsageError(f"{flag} {path}: not empty (holds {len(held)} entries, e.g. "
+                             f"{held[0]}); give a new directory or pass --force to replace "
+                             "the checkpoint in it")
+    parent = next((p for p in [out.parent, *out.parent.parents] if p.exists()), Path("/"))
+    check_writable_dir(parent, flag)
+    return out
+
+
+def _gpu_count() -> int:
+    import torch
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _check_gpu_option(value: Optional[str], flag: str, gpus: int, other: str) -> None:
+    """``--device`` / ``--pool-device`` naming a GPU this machine does not have."""
+    if value is None or not value.startswith("cuda"):
+        return
+    index = int(value.partition(":")[2] or 0)
+    if gpus == 0:
+        raise UsageError(f"{flag} {value}: this process sees no GPU; use {flag} cpu{other}")
+    if index >= gpus:
+        raise UsageError(f"{flag} {value}: this process sees {gpus} GPU(s) (cuda:0 to "
+                         f"cuda:{gpus - 1}); give one of them")
+
+
+def check_engine_env(engine: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The engine's partition variable (VLLM_PP_LAYER_PARTITION, ...) when set, checked like
+    ``--partition``'s layer counts; None when unset or empty."""
+    from .cli_args import ENGINE_PARTITION_ENV
+    env = os.environ if env is None else env
+    var = ENGINE_PARTITION_ENV[engine]
+    text = env.get(var)
+    if text is None or not text.strip():
+        return None
+    if not all(p.strip().isdigit() and int(p) > 0 for p in text.split(",")):
+        raise UsageError(f"{var}={text!r}: give comma-separated layer counts of 1 or more "
+                         "(e.g. 8,8,9,7) or unset it")
+    return text
+
+
+def check_env(env: Optional[Mapping[str, str]] = None) -> None:
+    """The environment variables docs/launch.md names, as strictly as their flags."""
+    from .cli_args import _BACKENDS, ENGINE_PARTITION_ENV
+    env = os.environ if env is None else env
+    backend = env.get(ENV_BACKEND)
+    if backend is not None and backend not in _BACKENDS:
+        raise UsageError(f"{ENV_BACKEND}={backend!r}: unknown backend; use one of "
+                         f"{', '.join(_BACKENDS)} or unset it")
+    for engine in ENGINE_PARTITION_ENV:
+        check_engine_env(engine, env)
+    local = env.get("LOCAL_WORLD_SIZE")
+    if local is not None and not (local.strip().isdigit() and int(local) > 0):
+        raise UsageError(f"LOCAL_WORLD_SIZE={local!r}: must be a positive integer (ranks on "
+                         "this node); fix the launcher's environment or unset it")
+
+
+def check_load_args(args: argparse.Namespace) -> None:
+    """Every conflict `pploader load` can find before torch.distributed starts."""
+    check_env()
+    gpus = _gpu_count() if any(str(v or "").startswith("cuda") for v in (
+        args.device, args.pool_device)) or args.io_backend not in (None, "auto") else 0
+    _check_gpu_option(args.device, "--device", gpus, " or leave --device out")
+    _check_gpu_option(args.pool_device, "--pool-device", gpus,
+                      " or leave --pool-device out (pools then go where the weights go)")
+    if args.io_backend not in (None, "auto"):
+        from .io.registry import BACKENDS
+        info = next(b for b in BACKENDS if b.name == args.io_backend)
+        device = args.device or ("cuda" if gpus else "cpu")
+        kind = device.partition(":")[0]
+        if kind not in info.devices:
+            fits = [b.name for b in BACKENDS if kind in b.devices]
+            chosen = "" if args.device else " (the default --device on this machine)"
+            raise UsageError(f"--io-backend {args.io_backend} loads onto "
+                             f"{'/'.join(info.devices)}, not {device}{chosen}; use --io-backend "
+                             f"{' or '.join(['auto', *fits])}, or --device {info.devices[0]}")
+    if args.save_loaded:
+        check_writable_dir(args.save_loaded, "--save-loaded")
