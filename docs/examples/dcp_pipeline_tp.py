@@ -32,6 +32,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
 
 from pploader.integrations.dcp import PPLoaderStorageReader
 from pploader.integrations.mesh import mesh_topology, stage_window
+from pploader.report import proc_io
 
 
 class LlamaStage(nn.Module):
@@ -123,16 +124,19 @@ def run(model_dir: str, *, pp: int, tp: int, device: str = "cpu", check: bool = 
     stage_mod = build_stage(config, mesh, dev)
     reader = PPLoaderStorageReader(model_dir, topology=mesh_topology(mesh), threads=threads)
     state = stage_mod.state_dict()
-    t0 = time.perf_counter()
+    dist.barrier()
+    io0, t0 = proc_io(), time.perf_counter()
     dcp.load(state, storage_reader=reader)
-    seconds = time.perf_counter() - t0
+    seconds, io1 = time.perf_counter() - t0, proc_io()
     stage = PipelineStage(stage_mod, mesh["pp"].get_local_rank(), pp, dev,
                           group=mesh["pp"].get_group())
     layers = [int(i) for i in stage_mod.model.layers]
     out: dict[str, Any] = {
         "rank": rank, "topology": reader.topology, "window": stage_window(stage, layers),
         "local_bytes": local_bytes(state), "read_bytes": reader.read_bytes,
-        "header_bytes": reader.header_bytes, "seconds": seconds}
+        "header_bytes": reader.header_bytes, "seconds": seconds,
+        "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+        "storage_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0)}
     if check:
         torch_state = fresh_state(stage_mod)
         dcp.load(torch_state, storage_reader=dcp.HuggingFaceStorageReader(model_dir))

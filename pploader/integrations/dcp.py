@@ -186,7 +186,8 @@ class PPLoaderStorageReader(StorageReader):
         if rank is None and torch.distributed.is_available() and \
                 torch.distributed.is_initialized():
             rank = torch.distributed.get_rank()
-        self._rank = self.topology.rank if self.topology is not None else rank
+        # no process group (``no_dist``): the one process is rank 0
+        self._rank = self.topology.rank if self.topology is not None else rank or 0
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Plan every request's bytes now (headers only): a bad request fails on every rank
