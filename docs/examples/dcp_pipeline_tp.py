@@ -135,6 +135,7 @@ def run(model_dir: str, *, pp: int, tp: int, device: str = "cpu", check: bool = 
         "rank": rank, "topology": reader.topology, "window": stage_window(stage, layers),
         "local_bytes": local_bytes(state), "read_bytes": reader.read_bytes,
         "header_bytes": reader.header_bytes, "seconds": seconds,
+        "devices": sorted({str(_local_raw(t).device) for t in state.values()}),
         "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
         "storage_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0)}
     if check:
@@ -145,9 +146,12 @@ def run(model_dir: str, *, pp: int, tp: int, device: str = "cpu", check: bool = 
             for k, v in torch_state.items())
     ids = torch.randint(0, config.vocab_size, (microbatches, tokens),
                         generator=torch.Generator().manual_seed(0)).to(dev)
-    schedule = ScheduleGPipe(stage, n_microbatches=microbatches)
     with torch.no_grad():
-        logits = schedule.step(ids) if stage.is_first else schedule.step()
+        if pp == 1:  # one stage: nothing to pipeline
+            logits = stage_mod(ids)
+        else:
+            schedule = ScheduleGPipe(stage, n_microbatches=microbatches)
+            logits = schedule.step(ids) if stage.is_first else schedule.step()
     if stage.is_last and check:
         ref = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=config.dtype)
         with torch.no_grad():
@@ -156,8 +160,12 @@ def run(model_dir: str, *, pp: int, tp: int, device: str = "cpu", check: bool = 
     return out
 
 
+def _local_raw(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return (t.to_local() if isinstance(t, DTensor) else t).contiguous().cpu()
+    return _local_raw(t).contiguous().cpu()
 
 
 def main() -> None:
@@ -170,6 +178,8 @@ def main() -> None:
                         help="compare with torch's HF reader and single-process transformers")
     args = parser.parse_args()
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
+    if args.device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     try:
         res = run(args.model_dir, pp=args.pp, tp=args.tp, device=args.device, check=args.check)
         print({k: v for k, v in res.items()}, flush=True)
