@@ -122,7 +122,8 @@ def run(model_dir: str, *, pp: int, tp: int, device: str = "cpu", check: bool = 
     mesh = init_device_mesh(device, (pp, tp), mesh_dim_names=("pp", "tp"))
     config = transformers.AutoConfig.from_pretrained(model_dir)
     stage_mod = build_stage(config, mesh, dev)
-    reader = PPLoaderStorageReader(model_dir, topology=mesh_topology(mesh), threads=threads)
+    reader = PPLoaderStorageReader(model_dir, topology=mesh_topology(mesh), threads=threads,
+                                   staging_device=dev if dev.type == "cuda" else None)
     state = stage_mod.state_dict()
     dist.barrier()
     io0, t0 = proc_io(), time.perf_counter()

@@ -40,7 +40,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="an existing save_pretrained directory (default: write a synthetic "
                    "llama-shaped bf16 checkpoint of --size-gb under --dir)")
     p.add_argument("--size-gb", type=float, default=1.0, help="synthetic size (default 1)")
-    p.add_argument("--layers", type=int, default=16, help="synthetic layers (default 16)")
+    p.add_argument("--layers", type=int, default=8, help="synthetic layers (default 8)")
     p.add_argument("--shards", type=int, default=4, help="synthetic shard files (default 4)")
     p.add_argument("--pp", type=int, default=2, help="pipeline stages (default 2)")
     p.add_argument("--tp", type=int, default=1, help="TP ranks per stage (default 1)")
@@ -54,6 +54,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1, help="repetitions (best wall kept)")
     p.add_argument("--threads", type=int, default=None,
                    help="pploader reader threads (default: the backend's default)")
+    p.add_argument("--range-cost", type=int, default=0,
+                   help="pploader's range_cost_bytes (default 0: exact row runs; 65536 is "
+                   "pploader's planner default: dim-1 shards of short rows read as a box)")
     p.add_argument("--hf-threads", type=int, default=8,
                    help="HuggingFaceStorageReader thread_count (default 8)")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ppbench-dcp"))
@@ -121,7 +124,9 @@ def _worker(spec: dict) -> None:
     state = _state_dict(spec["model"], topo, tp_mesh, device)
     if spec["reader"] == "pploader":
         import pploader.io.registry as registry
-        reader: Any = PPLoaderStorageReader(spec["model"], threads=spec["threads"])
+        reader: Any = PPLoaderStorageReader(spec["model"], threads=spec["threads"],
+                                            range_cost_bytes=spec["range_cost"],
+                                            staging_device=device if cuda else None)
         registry.select_backend(device)  # backend modules imported before the timed load
     else:
         reader = dcp.HuggingFaceStorageReader(spec["model"], thread_count=spec["hf_threads"])
@@ -173,7 +178,8 @@ def _group(args: argparse.Namespace, model: str, reader: str, cache: str,
     for i, rank in enumerate(ranks):
         spec = dict(rank=rank, local_rank=i, world=world, pp=args.pp, tp=args.tp,
                     device=args.device, model=model, reader=reader, init=init, solo=solo,
-                    threads=args.threads, hf_threads=args.hf_threads)
+                    threads=args.threads, hf_threads=args.hf_threads,
+                    range_cost=args.range_cost)
         procs.append(subprocess.Popen([sys.executable, "-m", "pploader.bench.dcp", "--worker",
                                        json.dumps(spec)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env))
@@ -181,7 +187,7 @@ def _group(args: argparse.Namespace, model: str, reader: str, cache: str,
         for p in procs:
             line = p.stdout.readline()  # type: ignore[union-attr]
             if line.strip() != "READY":
-                raise RuntimeError(f"bench --dcp: a rank failed to start ({line.strip()!r})")
+                raise RuntimeError("bench --dcp: a rank failed before READY (its error is above)")
         if cache == "cold":
             evict(paths)
         else:

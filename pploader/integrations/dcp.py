@@ -36,7 +36,7 @@ from torch.futures import Future
 from ..bind.names import NameMap
 from ..errors import CheckpointError, PlanError, ReadError
 from ..io.backend import ReadOptions, ReadStats, merge_stats
-from ..io.registry import open_backend, select_backend
+from ..io.registry import open_backend, prepare_staging, select_backend
 from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
                                    open_checkpoint)
 from ..planning.items import ReadItem, read_item
@@ -114,6 +114,9 @@ class PPLoaderStorageReader(StorageReader):
     gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
     (``mesh_topology``; default: the process-group rank). ``stats`` / ``header_bytes`` /
     ``read_bytes``: what the last ``read_data`` did and what reading the headers cost.
+    ``staging_device`` (e.g. ``"cuda:0"``, the destinations' GPU): the read backend's host
+    staging for it (the pinned ring) is started in ``read_metadata``, so its page-locking
+    overlaps DCP's planning instead of the first reads, and is reused by later loads.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, names: Optional[NameMap] = None,
@@ -121,7 +124,8 @@ class PPLoaderStorageReader(StorageReader):
                  io_backend: Optional[str] = None, threads: Optional[int] = None,
                  window_bytes: Optional[int] = None, range_cost_bytes: int = 0,
                  topology: Optional[Topology] = None,
-                 allowed_roots: Sequence["str | os.PathLike[str]"] = ()) -> None:
+                 allowed_roots: Sequence["str | os.PathLike[str]"] = (),
+                 staging_device: "str | torch.device | None" = None) -> None:
         super().__init__()
         if names is not None and rename is not None:
             raise ValueError("give names= (a NameMap) or rename= (a callable), not both")
@@ -139,6 +143,9 @@ class PPLoaderStorageReader(StorageReader):
         self._index: Optional[CheckpointIndex] = None
         self._keys: dict[str, str] = {}          # state-dict key -> checkpoint name
         self._rank: Optional[int] = None
+        self.staging_device = torch.device(staging_device) if staging_device is not None \
+            else None
+        self._staging: Any = None                # the backend's staging for staging_device
 
     # -- StorageReader ------------------------------------------------------------------
 
@@ -159,6 +166,7 @@ class PPLoaderStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's tensors as DCP metadata; headers are parsed on first access."""
         check_model_dir(self.path)
+        self._start_staging()
         index = open_checkpoint(self.path, allowed_roots=self.allowed_roots)
         keys: dict[str, str] = {}
         for name in index.weight_map:
@@ -323,6 +331,16 @@ class PPLoaderStorageReader(StorageReader):
                             "(to_empty) before dcp.load", file=item.file, tensor=item.target,
                             rank=self._rank)
 
+    def _start_staging(self) -> None:
+        """Start the staging device's backend staging (once; kept across loads)."""
+        if self._staging is None and self.staging_device is not None and \
+                self.staging_device.type != "cpu":
+            if self.staging_device.index is None and self.staging_device.type == "cuda":
+                self.staging_device = torch.device("cuda", torch.cuda.current_device())
+            self._staging = prepare_staging(self.staging_device,
+                                            ReadOptions(threads=self.threads),
+                                            self._backend_name(self.staging_device))
+
     def _has_backend(self, device: torch.device) -> bool:
         try:
             select_backend(device, self._backend_name(device))
@@ -341,8 +359,12 @@ class PPLoaderStorageReader(StorageReader):
         return self.io_backend
 
     def _options(self, device: torch.device) -> ReadOptions:
+        ring = None
+        if self._staging is not None and device == self.staging_device:
+            self._staging.stop_preparing()  # never page-lock beside the load's copies
+            ring = self._staging
         return ReadOptions(window_bytes=self.window_bytes if device.type != "cpu" else None,
-                           threads=self.threads, fit_staging=device.type != "cpu")
+                           threads=self.threads, fit_staging=device.type != "cpu", ring=ring)
 
     def _rank_plan(self, items: Sequence[ReadItem]) -> RankPlan:
         """The pploader plan of these items (what the read backends take)."""
