@@ -29,7 +29,7 @@ from torch.distributed.checkpoint import StorageReader
 from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
                                                    MetadataIndex, StorageMeta,
                                                    TensorProperties, TensorStorageMetadata)
-from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
 from torch.futures import Future
 
@@ -295,6 +295,9 @@ class PPLoaderStorageReader(StorageReader):
 
     def _item(self, req: DCPReadItem, key: str, target: str) -> ReadItem:
         entry = self.entry(key)
+        if req.type != LoadItemType.TENSOR:
+            raise PlanError(f"request of type {req.type.name}: a Hugging Face checkpoint holds "
+                            "tensors only", file=entry.file, tensor=key, rank=self._rank)
         offsets = tuple(req.storage_offsets)
         lengths = tuple(req.lengths)
         chunk = req.storage_index.offset
