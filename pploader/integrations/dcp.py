@@ -36,6 +36,7 @@ from torch.futures import Future
 from ..bind.names import NameMap
 from ..errors import CheckpointError, PlanError, ReadError
 from ..io.backend import ReadOptions, ReadStats, merge_stats
+from ..io.read import default_window_bytes
 from ..io.registry import open_backend, prepare_staging, select_backend
 from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
                                    open_checkpoint)
@@ -227,13 +228,17 @@ class PPLoaderStorageReader(StorageReader):
                                        self._options(device), self._backend_name(device))
                 backend.load({i.target: d for i, d in pairs})
                 merge_stats(stats, backend.stats)
-            if copied:  # strided destinations: read on the CPU, then one copy_ each
-                backend = open_backend(self._rank_plan([i for i, _ in copied]), "cpu",
-                                       self._options(torch.device("cpu")),
-                                       self._backend_name(torch.device("cpu")))
-                loaded = backend.load()
-                for item, dst in copied:
-                    dst.copy_(loaded.pop(item.target))
+            if copied:  # strided destinations: a borrowed CPU ring, one copy_ each
+                sub = self._rank_plan([i for i, _ in copied])
+                views = {i.target: d for i, d in copied}
+                total = sum(max(i.nbytes, i.read_bytes) for i, _ in copied)
+                window = self.window_bytes or min(default_window_bytes(sub),
+                                                  max(total, sub.largest_item_bytes))
+                backend = open_backend(sub, "cpu", ReadOptions(
+                    window_bytes=window, threads=self.threads, mode="borrowed"),
+                    self._backend_name(torch.device("cpu")))
+                for target, tensor in backend:
+                    views[target].copy_(tensor)  # synchronous: the ring slot is free after
                 merge_stats(stats, backend.stats)
         for req, dst in targets:
             planner.commit_tensor(req, dst)
