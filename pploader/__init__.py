@@ -62,6 +62,10 @@ _EXPORTS: dict[str, str] = {
     "CacheDtypes": "cache.geometry",
     "CachePools": "cache.pools",
     "build_rank_pools": "cache.pools",
+    # torch-native: dcp.load's storage reader; DeviceMesh / pipelining stage -> pploader
+    "PPLoaderStorageReader": "integrations.dcp",
+    "mesh_topology": "integrations.mesh",
+    "pipeline_window": "integrations.mesh",
     # errors (pploader.errors has them all)
     "PPLoaderError": "errors",
     "ConfigError": "errors",
@@ -82,7 +86,8 @@ __all__ = [
     "make_stage_layers", "MissingLayer", "load_stage_into", "BindResult", "LoadRecord",
     "NameMap", "NameRule", "bind_derived", "reload_from_disk", "ReloadResult", "load_layerwise",
     "LayerwiseReport", "LayerTracker", "LayerOrderWarning", "is_ready", "ensure_ready",
-    "PoolOptions", "CacheDtypes", "CachePools", "build_rank_pools", "PPLoaderError",
+    "PoolOptions", "CacheDtypes", "CachePools", "build_rank_pools", "PPLoaderStorageReader",
+    "mesh_topology", "pipeline_window", "PPLoaderError",
     "ConfigError", "CheckpointError", "PlanError", "ReadError", "MemoryBudgetError",
     "TopologyError", "NotReadyError", "RankFailure",
 ]  # == ["__version__", *_EXPORTS] (tests/cli/test_public_api.py checks)
@@ -121,5 +126,7 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .cache.sizing import PoolOptions
     from .cache.geometry import CacheDtypes
     from .cache.pools import CachePools, build_rank_pools
+    from .integrations.dcp import PPLoaderStorageReader
+    from .integrations.mesh import mesh_topology, pipeline_window
     from .errors import (CheckpointError, ConfigError, MemoryBudgetError, NotReadyError,
                          PlanError, PPLoaderError, RankFailure, ReadError, TopologyError)

@@ -92,6 +92,8 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.add_argument("--render", metavar="JSON", default=None,
                    help="measure nothing: re-render a document saved with --json")
+    p.add_argument("--dcp", action="store_true", help="dcp.load: pploader's storage reader vs "
+                   "torch's HuggingFaceStorageReader (pploader.bench.dcp; its options after --)")
     p.add_argument("passthrough", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
@@ -269,6 +271,9 @@ def machine_info(directory: Path) -> dict:
 def run_bench(args: argparse.Namespace) -> int:
     from .report import render
     extra = [a for a in args.passthrough if a != "--"]
+    if args.dcp:
+        from .dcp import main as dcp_main
+        return dcp_main(extra + (["--device", args.device] if args.device == "cuda" else []))
     if args.device == "cuda":
         from .cuda import main as cuda_main
         cuda_main(extra)

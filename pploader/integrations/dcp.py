@@ -1,0 +1,399 @@
+"""pploader as a ``torch.distributed.checkpoint`` storage reader for Hugging Face checkpoints.
+
+``dcp.load(state_dict, storage_reader=PPLoaderStorageReader(model_dir))`` fills a job's state
+dict (plain tensors, DTensor local shards of any mesh, a pipeline stage's subset) with the same
+keys as torch's ``HuggingFaceStorageReader``: the checkpoint's tensor names, or a
+:class:`~pploader.bind.names.NameMap` / ``rename`` callable for modules whose names differ.
+
+Any DCP planner drives it (the default one included). ``read_metadata`` comes from the index
+and the headers, each shard's header parsed only when the planner first asks for a tensor in it
+(so a stage parses only its shards); ``read_data`` turns each DCP ``ReadItem`` (storage offsets
+and lengths of one local shard) into a pploader read item of exactly those byte ranges (dim-1
+shards as row runs, as the planner makes them) and reads them with the device's read backend
+(``io/registry.py``: CPU threads, or the pinned ring on CUDA) straight into the destination
+tensors. Strict: stored dtype = destination dtype, box inside the stored shape, files unchanged
+since their headers were read; errors name the rank, file and tensor.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import uuid
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import torch
+from torch.distributed.checkpoint import StorageReader
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
+                                                   MetadataIndex, StorageMeta,
+                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
+from torch.futures import Future
+
+from ..bind.names import NameMap
+from ..errors import CheckpointError, PlanError, ReadError
+from ..io.backend import ReadOptions, ReadStats, merge_stats
+from ..io.read import default_window_bytes
+from ..io.registry import open_backend, prepare_staging, select_backend
+from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
+                                   open_checkpoint)
+from ..planning.items import ReadItem, read_item
+from ..planning.partition import StageWindow
+from ..planning.plan import RankPlan
+from ..planning.shard import Selection
+from ..planning.topology import Topology
+
+__all__ = ["PPLoaderStorageReader", "DCP_SHARDING_KEY"]
+
+logger = logging.getLogger(__name__)
+
+#: the header metadata key torch's HF writer sets on distributed (unconsolidated) saves
+DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+
+
+class _LazyTensors(Mapping):
+    """``Metadata.state_dict_metadata``: every state-dict key of the checkpoint, each entry's
+    ``TensorStorageMetadata`` built (and its shard's header parsed) on first access."""
+
+    def __init__(self, reader: "PPLoaderStorageReader", keys: Mapping[str, str]) -> None:
+        self._reader, self._keys = reader, keys
+        self._built: dict[str, TensorStorageMetadata] = {}
+
+    def __getitem__(self, key: str) -> TensorStorageMetadata:
+        md = self._built.get(key)
+        if md is None:
+            entry = self._reader.entry(key)
+            size = torch.Size(entry.shape)
+            md = TensorStorageMetadata(
+                properties=TensorProperties(dtype=DTYPES[entry.dtype][0]), size=size,
+                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
+            self._built[key] = md
+        return md
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class _LazyStorage(Mapping):
+    """``Metadata.storage_data``: ``MetadataIndex`` (key, zero offsets) -> the checkpoint name
+    (an HF checkpoint holds each tensor whole, as one chunk at offset 0)."""
+
+    def __init__(self, keys: Mapping[str, str]) -> None:
+        self._keys = keys
+
+    def __getitem__(self, index: MetadataIndex) -> str:
+        return self._keys[index.fqn]
+
+    def __contains__(self, index: object) -> bool:
+        return isinstance(index, MetadataIndex) and index.fqn in self._keys
+
+    def __iter__(self) -> Iterator[MetadataIndex]:
+        return (MetadataIndex(k) for k in self._keys)
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
+class PPLoaderStorageReader(StorageReader):
+    """A DCP ``StorageReader`` over a Hugging Face safetensors directory, read by pploader.
+
+    ``names`` (a ``NameMap``) or ``rename`` (checkpoint name -> state-dict key, None to leave
+    a tensor out) give the state-dict keys; by default they are the checkpoint names, as with
+    torch's ``HuggingFaceStorageReader``. ``io_backend`` / ``threads`` / ``window_bytes`` pick
+    and size the read backend (``None``: the device's default). ``range_cost_bytes``: 0 reads
+    exactly the requested bytes (a dim-1 shard as one range per row); above 0, a strided shard
+    whose runs would cost more than that many bytes each is read as its covering box and
+    gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
+    (``mesh_topology``; default: the process-group rank). ``stats`` / ``header_bytes`` /
+    ``read_bytes``: what the last ``read_data`` did and what reading the headers cost.
+    ``staging_device`` (e.g. ``"cuda:0"``, the destinations' GPU): the read backend's host
+    staging for it (the pinned ring) is started in ``read_metadata``, so its page-locking
+    overlaps DCP's planning instead of the first reads, and is reused by later loads.
+    """
+
+    def __init__(self, path: "str | os.PathLike[str]", *, names: Optional[NameMap] = None,
+                 rename: Optional[Callable[[str], Optional[str]]] = None,
+                 io_backend: Optional[str] = None, threads: Optional[int] = None,
+                 window_bytes: Optional[int] = None, range_cost_bytes: int = 0,
+                 topology: Optional[Topology] = None,
+                 allowed_roots: Sequence["str | os.PathLike[str]"] = (),
+                 staging_device: "str | torch.device | None" = None) -> None:
+        super().__init__()
+        if names is not None and rename is not None:
+            raise ValueError("give names= (a NameMap) or rename= (a callable), not both")
+        if range_cost_bytes < 0:
+            raise ValueError(f"range_cost_bytes must be >= 0, got {range_cost_bytes}")
+        self.path = Path(path)
+        self._rename: Callable[[str], Optional[str]] = (
+            rename if rename is not None else names.to_module if names is not None
+            else _same)
+        self.io_backend, self.threads, self.window_bytes = io_backend, threads, window_bytes
+        self.range_cost_bytes = range_cost_bytes
+        self.topology, self.allowed_roots = topology, tuple(allowed_roots)
+        self.load_id = uuid.uuid4().hex
+        self.stats = ReadStats()
+        self._index: Optional[CheckpointIndex] = None
+        self._keys: dict[str, str] = {}          # state-dict key -> checkpoint name
+        self._rank: Optional[int] = None
+        self.staging_device = torch.device(staging_device) if staging_device is not None \
+            else None
+        self._staging: Any = None                # the backend's staging for staging_device
+
+    # -- StorageReader ------------------------------------------------------------------
+
+    def reset(self, checkpoint_id: "str | os.PathLike[str] | None" = None) -> None:
+        """A fresh load (of ``checkpoint_id`` when given): headers are read again."""
+        if checkpoint_id is not None:
+            self.path = Path(checkpoint_id)
+        self.load_id = uuid.uuid4().hex
+        self.stats = ReadStats()
+        self._index, self._keys = None, {}
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
+        """A directory holding an index or ``*.safetensors`` files."""
+        root = Path(checkpoint_id)
+        return root.is_dir() and any(root.glob("*.safetensors"))
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """The checkpoint's tensors as DCP metadata; headers are parsed on first access."""
+        check_model_dir(self.path)
+        self._start_staging()
+        index = open_checkpoint(self.path, allowed_roots=self.allowed_roots)
+        keys: dict[str, str] = {}
+        for name in index.weight_map:
+            key = self._rename(name)
+            if key is None:
+                continue
+            if key in keys:
+                raise CheckpointError(f"checkpoint tensors {keys[key]} and {name} both map to "
+                                      f"state-dict key {key}: fix the NameMap / rename",
+                                      file=index.source, tensor=name, rank=self._rank)
+            keys[key] = name
+        self._index, self._keys = index, keys
+        metadata = Metadata(state_dict_metadata=_LazyTensors(self, keys),  # type: ignore[arg-type]
+                            storage_data=_LazyStorage(keys))
+        metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
+                              **kwargs: Any) -> None:
+        """Remember this rank (for errors) and that the metadata is ours."""
+        if self._index is None:
+            raise CheckpointError("set_up_storage_reader before read_metadata: pass this "
+                                  "reader's own metadata", file=str(self.path))
+        rank = kwargs.get("rank")
+        if rank is None and torch.distributed.is_available() and \
+                torch.distributed.is_initialized():
+            rank = torch.distributed.get_rank()
+        # no process group (``no_dist``): the one process is rank 0
+        self._rank = self.topology.rank if self.topology is not None else rank or 0
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Plan every request's bytes now (headers only): a bad request fails on every rank
+        (DCP gathers the error) before any rank reads a byte."""
+        self._plan_items(plan.items)
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        """Read each request's bytes straight into ``planner.resolve_tensor(request)``."""
+        stats = ReadStats()
+        items = self._plan_items(plan.items)
+        direct: dict[torch.device, list[tuple[ReadItem, torch.Tensor]]] = {}
+        copied: list[tuple[ReadItem, torch.Tensor]] = []
+        targets: list[tuple[DCPReadItem, torch.Tensor]] = []
+        for req, item in zip(plan.items, items):
+            dst = planner.resolve_tensor(req).detach()
+            self._check_destination(item, dst)
+            targets.append((req, dst))
+            if dst.is_contiguous() and self._has_backend(dst.device):
+                direct.setdefault(dst.device, []).append((item, dst))
+            else:
+                copied.append((item, dst))
+        with torch.no_grad():
+            for device, pairs in sorted(direct.items(), key=lambda kv: kv[0].type != "cpu"):
+                backend = open_backend(self._rank_plan([i for i, _ in pairs]), device,
+                                       self._options(device), self._backend_name(device))
+                backend.load({i.target: d for i, d in pairs})
+                merge_stats(stats, backend.stats)
+            if copied:  # strided destinations: a borrowed CPU ring, one copy_ each
+                sub = self._rank_plan([i for i, _ in copied])
+                views = {i.target: d for i, d in copied}
+                total = sum(max(i.nbytes, i.read_bytes) for i, _ in copied)
+                window = self.window_bytes or min(default_window_bytes(sub),
+                                                  max(total, sub.largest_item_bytes))
+                backend = open_backend(sub, "cpu", ReadOptions(
+                    window_bytes=window, threads=self.threads, mode="borrowed"),
+                    self._backend_name(torch.device("cpu")))
+                for target, tensor in backend:
+                    views[target].copy_(tensor)  # synchronous: the ring slot is free after
+                merge_stats(stats, backend.stats)
+        for req, dst in targets:
+            planner.commit_tensor(req, dst)
+        self.stats = stats
+        logger.debug("rank %s: %d requests, %d bytes in %.3f s", self._rank, len(items),
+                     stats.read_bytes, stats.seconds)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    # -- pploader side ------------------------------------------------------------------
+
+    @property
+    def header_bytes(self) -> int:
+        """Bytes of the shard headers read so far (plus the index file when there is one)."""
+        index = self._require_index()
+        parsed = sum(index.header(f).header_bytes for f in index.opened_files())
+        source = index.root / index.source
+        return parsed + (source.stat().st_size if source.name.endswith(".json") else 0)
+
+    @property
+    def read_bytes(self) -> int:
+        """Tensor bytes the last ``read_data`` read (the backends' own count)."""
+        return self.stats.read_bytes
+
+    def entry(self, key: str) -> TensorEntry:
+        """The header entry of state-dict ``key`` (its shard's header parsed on first need);
+        a shard written by a distributed DCP save (several chunks per tensor) is refused."""
+        index = self._require_index()
+        name = self._keys.get(key)
+        if name is None:
+            raise CheckpointError("state-dict key not in the checkpoint", file=index.source,
+                                  tensor=key, rank=self._rank)
+        entry = index.entry(name)
+        if DCP_SHARDING_KEY in index.header(entry.file).metadata:
+            raise CheckpointError("shard was written by a distributed DCP save (tensors in "
+                                  "chunks): consolidate it first (torch's "
+                                  "consolidate_safetensors_files) or load it with torch's "
+                                  "HuggingFaceStorageReader", file=entry.file, tensor=name,
+                                  rank=self._rank)
+        return entry
+
+    def _require_index(self) -> CheckpointIndex:
+        if self._index is None:
+            raise CheckpointError("read_metadata has not run", file=str(self.path),
+                                  rank=self._rank)
+        return self._index
+
+    def _plan_items(self, requests: Sequence[DCPReadItem]) -> list[ReadItem]:
+        """One pploader item per DCP request: exactly its box's bytes, targets unique."""
+        out, seen = [], set()
+        for req in requests:
+            key = req.storage_index.fqn
+            target = key if key not in seen else \
+                f"{key}@{list(req.dest_offsets)}<-{list(req.storage_offsets)}"
+            seen.add(target)
+            out.append(self._item(req, key, target))
+        return out
+
+    def _item(self, req: DCPReadItem, key: str, target: str) -> ReadItem:
+        entry = self.entry(key)
+        if req.type != LoadItemType.TENSOR:
+            raise PlanError(f"request of type {req.type.name}: a Hugging Face checkpoint holds "
+                            "tensors only", file=entry.file, tensor=key, rank=self._rank)
+        offsets = tuple(req.storage_offsets)
+        lengths = tuple(req.lengths)
+        chunk = req.storage_index.offset
+        if chunk is not None and any(chunk):
+            raise PlanError(f"request for chunk at offsets {list(chunk)}: a Hugging Face "
+                            "checkpoint holds each tensor whole (one chunk at 0)",
+                            file=entry.file, tensor=key, rank=self._rank)
+        shape = entry.shape
+        if len(offsets) != len(shape) or len(lengths) != len(shape) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(offsets, lengths, shape)):
+            raise PlanError(f"request offsets {list(offsets)} lengths {list(lengths)} do not "
+                            f"fit the stored shape {list(shape)}", file=entry.file,
+                            tensor=key, rank=self._rank)
+        dims = tuple((d, ((o, n),)) for d, (o, n, s) in enumerate(zip(offsets, lengths, shape))
+                     if (o, n) != (0, s))
+        if not math.prod(lengths):  # an empty shard: nothing to read
+            return ReadItem(entry.name, target, entry.file, entry.dtype, lengths, shape, (),
+                            lengths)
+        return read_item(entry, target, Selection(dims), self.range_cost_bytes)
+
+    def _check_destination(self, item: ReadItem, dst: torch.Tensor) -> None:
+        dtype = DTYPES[item.dtype][0]
+        if tuple(dst.shape) != item.shape:
+            raise ReadError(f"destination has shape {list(dst.shape)}, the request reads "
+                            f"{list(item.shape)} of {item.name} {list(item.source_shape)}",
+                            file=item.file, tensor=item.target, rank=self._rank)
+        if dst.dtype != dtype:
+            raise ReadError(f"destination is {dst.dtype}, the checkpoint stores {dtype} "
+                            "(pploader's DCP reader does not cast: make the state dict's "
+                            "tensor the stored dtype, or cast after loading)",
+                            file=item.file, tensor=item.target, rank=self._rank)
+        if dst.device.type == "meta":
+            raise ReadError("destination is on the meta device: materialise the module "
+                            "(to_empty) before dcp.load", file=item.file, tensor=item.target,
+                            rank=self._rank)
+
+    def _start_staging(self) -> None:
+        """Start the staging device's backend staging (once; kept across loads)."""
+        if self._staging is None and self.staging_device is not None and \
+                self.staging_device.type != "cpu":
+            if self.staging_device.index is None and self.staging_device.type == "cuda":
+                self.staging_device = torch.device("cuda", torch.cuda.current_device())
+            self._staging = prepare_staging(self.staging_device,
+                                            ReadOptions(threads=self.threads),
+                                            self._backend_name(self.staging_device))
+
+    def _has_backend(self, device: torch.device) -> bool:
+        try:
+            select_backend(device, self._backend_name(device))
+        except ValueError:
+            return False
+        return True
+
+    def _backend_name(self, device: torch.device) -> Optional[str]:
+        """The configured backend where it loads onto ``device``, else the device's default."""
+        if self.io_backend is None:
+            return None
+        try:
+            select_backend(device, self.io_backend)
+        except ValueError:
+            return None
+        return self.io_backend
+
+    def _options(self, device: torch.device) -> ReadOptions:
+        ring = None
+        if self._staging is not None and device == self.staging_device:
+            self._staging.stop_preparing()  # never page-lock beside the load's copies
+            ring = self._staging
+        return ReadOptions(window_bytes=self.window_bytes if device.type != "cpu" else None,
+                           threads=self.threads, fit_staging=device.type != "cpu", ring=ring)
+
+    def _rank_plan(self, items: Sequence[ReadItem]) -> RankPlan:
+        """The pploader plan of these items (what the read backends take)."""
+        index = self._require_index()
+        files = list(dict.fromkeys(i.file for i in items))
+        headers = {f: index.header(f) for f in files}
+        index.require(files)
+        topo = self.topology
+        if topo is None:
+            rank = self._rank or 0
+            world = torch.distributed.get_world_size() if torch.distributed.is_available() \
+                and torch.distributed.is_initialized() else rank + 1
+            topo = Topology(pp_size=max(world, rank + 1), rank=rank)
+        return RankPlan(model=str(self.path), topology=topo,
+                        window=StageWindow(topo.pp_rank, 0, 0, False, False), experts=None,
+                        items=tuple(items), paths={f: str(h.path) for f, h in headers.items()},
+                        identities={f: h.identity for f, h in headers.items()},
+                        header_bytes=sum(h.header_bytes for h in headers.values()),
+                        tensors=tuple(dict.fromkeys(i.name for i in items)),
+                        range_cost_bytes=self.range_cost_bytes)
+
+
+def _same(name: str) -> str:
+    return name
