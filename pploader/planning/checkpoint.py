@@ -10,16 +10,22 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError
 from .gcpause import without_gc
-from .header import (DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, FileIdentity, ShardHeader,
-                     TensorEntry, _is_text, _short, dtype_code, loads_checked,
+from ..storage import is_remote
+from .header import (DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, FileIdentity, ObjectIdentity,
+                     ShardHeader, TensorEntry, _is_text, _short, dtype_code, loads_checked,
                      parse_header)
+from .remote import open_remote_checkpoint, remote_header
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..storage import ObjectStorage
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
-           "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity", "dtype_code",
+           "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity", "ObjectIdentity",
+           "dtype_code",
            "INDEX_NAME", "SINGLE_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -94,9 +100,9 @@ class CheckpointIndex:
     them is needed, so a stage never touches shards it does not need.
     """
 
-    root: Path
+    root: "Path | str"               # a directory, or an object-store prefix URI
     weight_map: Mapping[str, str]
-    paths: Mapping[str, Path]
+    paths: Mapping[str, "Path | str"]  # local paths, or object URIs
     source: str
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
     _counts: Optional[Counter] = field(default=None, repr=False)
@@ -105,6 +111,8 @@ class CheckpointIndex:
     #: shards the index names that are absent from the directory (stage-only copies): fine
     #: until a plan needs one (``require``)
     missing: tuple[str, ...] = ()
+    #: the object store the shards live in (planning/remote.py); None: local files
+    storage: Optional["ObjectStorage"] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for hdr in self._headers.values():
@@ -133,7 +141,8 @@ class CheckpointIndex:
         hdr = self._headers.get(file)
         if hdr is None:
             self.require((file,))
-            hdr = parse_header(self.paths[file], file=file)
+            hdr = parse_header(self.paths[file], file=file) if self.storage is None else \
+                remote_header(self.storage, file)
             self._cross_check(hdr)
             self._headers[file] = hdr
             self._entries.update(hdr.tensors)
@@ -209,7 +218,11 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     a plan needs them (``CheckpointIndex.require``: every missing one a plan reads, listed at
     once), so a node may hold just the shards of its own stages.
     Without it, every ``*.safetensors`` file's header is read.
+    An ``s3://bucket/prefix`` is indexed the same way from the object store
+    (planning/remote.py).
     """
+    if is_remote(model_dir):
+        return open_remote_checkpoint(str(model_dir))
     root = check_model_dir(model_dir)
     roots = _allowed_roots(root, allowed_roots)
     index_path = root / INDEX_NAME
@@ -250,8 +263,12 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     if index_path.stat().st_size > MAX_HEADER_BYTES:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
                               file=name)
+    return _read_index_bytes(index_path.read_bytes(), name)
+
+
+def _read_index_bytes(raw: bytes, name: str = INDEX_NAME) -> dict[str, str]:
+    """The validated weight_map of an index file's bytes."""
     try:
-        raw = index_path.read_bytes()
         obj = loads_checked(raw)  # UTF-8 checked by the parse (or decoded for the strict one)
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None
