@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Iterator, Mapping, Optional
 
 import torch
@@ -67,12 +67,12 @@ class ObjectStoreBackend:
     """Reads a plan of ``s3://`` objects (see the module docstring)."""
 
     def __init__(self, plan: RankPlan, device: torch.device, options: ReadOptions,
-                 s3: S3Options = S3Options()) -> None:
+                 s3: Optional[S3Options] = None) -> None:
         self.plan, self.device, self.options, self.stats = plan, device, options, ReadStats()
         self.requests = max(1, options.threads or DEFAULT_REQUESTS)
         self.batch_bytes = max(1, (options.window_bytes or DEFAULT_WINDOW_BYTES) // 2)
-        s3 = S3Options(**{**s3.__dict__, "max_connections": max(s3.max_connections,
-                                                                self.requests)})
+        base = s3 or S3Options()
+        s3 = replace(base, max_connections=max(base.max_connections, self.requests))
         buckets: dict[str, S3Storage] = {}
         self._objects: dict[str, tuple[S3Storage, str, ObjectInfo]] = {}
         for file in plan.files:

@@ -102,17 +102,17 @@ def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
                               "--model s3://bucket/prefix must hold the checkpoint's shards"
                               + ("" if objects else " (the prefix is empty: check the path)"),
                               file=storage.root + "/")
-    weight_map: dict[str, str] = {}
+    found: dict[str, str] = {}
     headers: dict[str, ShardHeader] = {}
     for file in shards:
         hdr = remote_header(storage, file)
         for tname in hdr.tensors:
-            if tname in weight_map:
-                raise CheckpointError(f"tensor appears in both {weight_map[tname]} and {file}",
+            if tname in found:
+                raise CheckpointError(f"tensor appears in both {found[tname]} and {file}",
                                       file=file, tensor=tname)
-            weight_map[tname] = file
+            found[tname] = file
         headers[file] = hdr
     source = SINGLE_NAME if shards == [SINGLE_NAME] else "the shard headers"
-    return CheckpointIndex(storage.root, weight_map, {f: storage.uri(f) for f in shards},
+    return CheckpointIndex(storage.root, found, {f: storage.uri(f) for f in shards},
                            source, headers, storage=storage)
 

@@ -9,7 +9,7 @@ Local paths never come here: they keep their own code (no speed loss, identical 
 from __future__ import annotations
 
 import os
-from typing import Mapping, NamedTuple, Optional, Protocol, Sequence
+from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence
 
 __all__ = ["SCHEMES", "is_remote", "ObjectInfo", "ObjectStorage", "open_storage"]
 
@@ -47,9 +47,9 @@ class ObjectStorage(Protocol):
         with ``etag``, refused unless the object still has it."""
 
     def read_into(self, name: str, start: int, views: Sequence[memoryview],
-                  info: ObjectInfo) -> int:
+                  info: ObjectInfo, cancel: Optional[Any] = None) -> int:
         """Fill ``views`` (consecutive) from ``start`` in one ranged request; the object must
-        still match ``info``. Returns the bytes fetched."""
+        still match ``info``; ``cancel.is_set()`` stops it. Returns the bytes fetched."""
 
 
 def open_storage(uri: str, **options: object) -> ObjectStorage:

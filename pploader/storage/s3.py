@@ -19,13 +19,19 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Protocol, Sequence
 
 from . import ObjectInfo
 
 __all__ = ["S3Options", "S3Storage", "ObjectStoreError", "split_uri"]
 
 logger = logging.getLogger(__name__)
+
+
+class Cancel(Protocol):
+    """Anything with ``is_set()`` (a ``threading.Event``): stop before the next request."""
+
+    def is_set(self) -> bool: ...
 
 
 class ObjectStoreError(Exception):
@@ -132,7 +138,7 @@ class S3Storage:
         return self._retrying(name, once)
 
     def read_into(self, name: str, start: int, views: Sequence[memoryview],
-                  info: ObjectInfo, cancel: Optional[threading.Event] = None) -> int:
+                  info: ObjectInfo, cancel: Optional["Cancel"] = None) -> int:
         """One ranged GET filling ``views`` in order; a body cut short is resumed from where
         it stopped (bounded retries). Returns the bytes fetched (== the views' total)."""
         total = sum(v.nbytes for v in views)

@@ -11,7 +11,9 @@ prints ``PORT <n>`` once listening. Besides S3 it answers control requests under
   key, so bytes fetched are counted per rank on the server side);
 - ``reset``: zero the counts;
 - ``fail?status=503&n=3``: answer the next ``n`` object GETs with ``status`` (an S3 error body);
-- ``delay?seconds=0.2``: sleep this long before each object GET (a slow store).
+- ``delay?seconds=0.2``: sleep this long before each object GET (a slow store);
+- ``deny?keys=K1,K2``: refuse requests signed with these access keys (403
+  ``InvalidAccessKeyId``, as S3 answers an unknown key; moto itself accepts any key).
 
 Test-only: the core never imports it (tests/cli/test_layout.py).
 """
@@ -47,6 +49,7 @@ class CountingApp:
         self.lock = threading.Lock()
         self.counts: dict[str, dict[str, int]] = {}
         self.fail_status, self.fail_left, self.delay_s = 503, 0, 0.0
+        self.denied: set[str] = set()
 
     def _control(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         what = environ.get("PATH_INFO", "")[len(_CONTROL):]
@@ -58,6 +61,8 @@ class CountingApp:
                 self.fail_status, self.fail_left = int(query.get("status", 503)), int(query["n"])
             elif what == "delay":
                 self.delay_s = float(query["seconds"])
+            elif what == "deny":
+                self.denied = set(filter(None, query.get("keys", "").split(",")))
             body = json.dumps(self.counts).encode()
         start_response("200 OK", [("Content-Type", "application/json"),
                                   ("Content-Length", str(len(body)))])
@@ -77,10 +82,13 @@ class CountingApp:
             fail = is_get and self.fail_left > 0
             if fail:
                 self.fail_left -= 1
+            denied = key in self.denied
+            status = 403 if denied else self.fail_status
             delay = self.delay_s if is_get else 0.0
-        if fail:
-            body = _ERROR_BODY.format(code=_CODES.get(self.fail_status, "Error")).encode()
-            start_response(f"{self.fail_status} Injected", [
+        if fail or denied:
+            code = "InvalidAccessKeyId" if denied else _CODES.get(status, "Error")
+            body = _ERROR_BODY.format(code=code).encode()
+            start_response(f"{status} Injected", [
                 ("Content-Type", "application/xml"), ("Content-Length", str(len(body)))])
             return [body]
         if delay:

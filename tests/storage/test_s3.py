@@ -1,0 +1,186 @@
+"""s3:// model paths against a real S3-compatible server on localhost (moto behind a counting
+layer, conftest.py): bitwise-equal loads, bytes fetched counted on the server, bad input,
+retries, a server killed mid-load, an object rewritten mid-load."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import aws_env, upload
+from helpers import pploader_cmd, reference_tensors, run, run_ranks, torchrun_cmd
+from pploader import Topology, load_stage, plan_stage
+from pploader.errors import CheckpointError, ConfigError, ReadError
+from pploader.io.backend import ReadOptions
+from pploader.io.registry import open_backend, select_backend
+from pploader.planning.header import ObjectIdentity
+from pploader.testing.s3server import S3Server, start_server
+
+URI = "s3://models/tiny"
+
+
+def _bytes(t: torch.Tensor) -> bytes:
+    return t.contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _rank_load(rank: int, world: int, uri: str, local: str, pp: int, tp: int, case: str) -> dict:
+    """One gloo rank: plan + load from S3 (each phase under its own access key, so the server
+    counts them apart) and from local disk; the tensors of both and the plan's numbers."""
+    from pploader.distributed.comm import Comm
+    topo = Topology(pp, tp, rank=rank)
+    comm = Comm(topo, timeout_s=60)
+    os.environ["AWS_ACCESS_KEY_ID"] = f"{case}-plan-{rank}"
+    staged = plan_stage(uri, topo)
+    os.environ["AWS_ACCESS_KEY_ID"] = f"{case}-load-{rank}"
+    comm.agree(None)
+    remote = load_stage(staged, cancel=comm.watch_failures())
+    disk = load_stage(plan_stage(local, topo))
+    comm.agree(None)
+    comm.close()
+    return {"remote": {k: _bytes(v) for k, v in remote.state_dict.items()},
+            "disk": {k: _bytes(v) for k, v in disk.state_dict.items()},
+            "ideal": staged.plan.ideal_bytes, "header": staged.plan.header_bytes,
+            "files": len(staged.plan.files), "read": remote.stats.read_bytes,
+            "same_items": staged.plan.items == disk.plan.items}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pp,tp", [(2, 1), (2, 2)])
+def test_stage_loads_from_s3_equal_disk_and_fetch_only_their_bytes(
+        s3: S3Server, tiny_llama: Path, pp: int, tp: int) -> None:
+    case = f"pp{pp}tp{tp}"
+    results = run_ranks(_rank_load, pp * tp, URI, str(tiny_llama), pp, tp, case)
+    counts = s3.counts()
+    meta = sum((tiny_llama / n).stat().st_size
+               for n in ("config.json", "model.safetensors.index.json"))
+    for rank, res in enumerate(results):
+        assert res["same_items"]  # the same byte ranges planned as from disk
+        assert res["remote"] == res["disk"] and res["remote"]
+        fetched = counts[f"{case}-load-{rank}"]["get_bytes"]
+        assert res["read"] == fetched <= 1.02 * res["ideal"], (rank, fetched, res["ideal"])
+        planned = counts[f"{case}-plan-{rank}"]["get_bytes"]
+        # config + index + the stage's headers (8-byte length + header each) + one listing
+        assert planned <= meta + res["header"] + 8 * res["files"] + 8192, (rank, planned)
+
+
+def test_plan_and_files_cli_take_s3_paths(s3: S3Server, tiny_llama: Path) -> None:
+    for args in (["plan", "--pp", "2", "--tp", "2", "--json"],
+                 ["files", "--pp", "2", "--json"]):
+        remote = run(pploader_cmd(*args, "--model", URI))
+        local = run(pploader_cmd(*args, "--model", str(tiny_llama)))
+        assert remote.returncode == 0, remote.stderr
+        got, want = json.loads(remote.stdout), json.loads(local.stdout)
+        got.pop("model", None), want.pop("model", None)
+        assert got == want
+
+
+def test_library_api_and_backend_choice(s3: S3Server, tiny_llama: Path) -> None:
+    staged = plan_stage(URI, Topology(2, rank=1))
+    plan = staged.plan
+    assert all(p.startswith(URI + "/") for p in plan.paths.values())
+    assert all(isinstance(i, ObjectIdentity) and i.etag for i in plan.identities.values())
+    assert type(open_backend(plan)).__name__ == "ObjectStoreBackend"
+    with pytest.raises(ValueError, match="reads file storage, not s3"):
+        open_backend(plan, name="threaded")
+    assert select_backend("cpu").name == "threaded"  # local files keep their default
+    ref = reference_tensors(tiny_llama)
+    # a small window: many batches, each fetched while the previous one is handed out
+    got = dict(open_backend(plan, "cpu", ReadOptions(window_bytes=plan.largest_item_bytes,
+                                                     threads=3)))
+    for item in plan.items:
+        assert torch.equal(got[item.target].view(torch.uint8), ref[item.name].view(torch.uint8))
+
+
+def test_missing_key_bucket_and_wrong_credentials(s3: S3Server) -> None:
+    with pytest.raises(ConfigError, match=r"s3://models/nothing-here/config.json.*does not "
+                       "exist"):
+        plan_stage("s3://models/nothing-here", Topology(1))
+    with pytest.raises(ConfigError, match="bucket 'no-such-bucket' does not exist"):
+        plan_stage("s3://no-such-bucket/tiny", Topology(1))
+    s3.control("deny?keys=wrong-key")
+    try:
+        os.environ["AWS_ACCESS_KEY_ID"] = "wrong-key"
+        with pytest.raises(ConfigError, match="access denied") as err:
+            plan_stage(URI, Topology(1))
+        assert "not-a-secret" not in str(err.value) and "wrong-key" not in str(err.value)
+    finally:
+        os.environ["AWS_ACCESS_KEY_ID"] = "tests"
+        s3.control("deny?keys=")
+    # an index naming a shard that is not in the bucket: refused when a plan needs it
+    import boto3
+    boto3.session.Session().client("s3").copy_object(
+        Bucket="models", Key="partial/model.safetensors.index.json",
+        CopySource={"Bucket": "models", "Key": "tiny/model.safetensors.index.json"})
+    boto3.session.Session().client("s3").copy_object(
+        Bucket="models", Key="partial/config.json",
+        CopySource={"Bucket": "models", "Key": "tiny/config.json"})
+    with pytest.raises(CheckpointError, match="are missing"):
+        plan_stage("s3://models/partial", Topology(1))
+
+
+def test_503_burst_is_retried(s3: S3Server, tiny_llama: Path) -> None:
+    ref = reference_tensors(tiny_llama)
+    s3.control("fail?status=503&n=3")  # the config, the listing's neighbour GETs, headers...
+    staged = plan_stage(URI, Topology(1))
+    s3.control("fail?status=503&n=4")  # ... and the first data requests
+    result = load_stage(staged)
+    for item, t in zip(staged.plan.items, result.state_dict.values()):
+        assert torch.equal(t.view(torch.uint8), ref[item.name].view(torch.uint8))
+    s3.control("fail?status=503&n=1000")  # a store that stays down: a clear error
+    try:
+        with pytest.raises(ReadError, match=r"s3://models/tiny/.*request failed after 5"):
+            load_stage(staged)
+    finally:
+        s3.control("fail?status=503&n=0")
+
+
+def test_object_rewritten_mid_load_fails(tmp_path: Path, s3: S3Server, tiny_llama: Path) -> None:
+    uri = upload(s3, tiny_llama, prefix="rewritten")
+    staged = plan_stage(uri, Topology(1))
+    plan = staged.plan
+    stream = iter(open_backend(plan, "cpu", ReadOptions(window_bytes=plan.largest_item_bytes)))
+    next(stream)
+    for f in tiny_llama.glob("*.safetensors"):  # same sizes, other bytes: a new ETag each
+        data = bytearray(f.read_bytes())
+        data[-1] ^= 0xFF
+        (tmp_path / f.name).write_bytes(bytes(data))
+    upload(s3, tmp_path, prefix="rewritten")
+    with pytest.raises(ReadError, match="object changed during load"):
+        for _ in stream:
+            pass
+    with pytest.raises(ReadError, match="object changed during load"):  # the old plan again
+        load_stage(staged)
+
+
+@pytest.mark.slow
+def test_server_killed_mid_load_fails_every_rank(tiny_llama: Path) -> None:
+    with start_server() as server:
+        env = aws_env(server.url)
+        saved = dict(os.environ)
+        os.environ.update(env)
+        try:
+            uri = upload(server, tiny_llama, prefix="dying")
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+        server.control("delay?seconds=1")
+        cmd = torchrun_cmd(2, "load", "--model", uri, "--pp", "2", "--timeout", "40")
+        started = time.monotonic()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                env=dict(os.environ, **env, OMP_NUM_THREADS="1"))
+        while time.monotonic() - started < 120:  # both ranks planned, data GETs under way
+            counts = server.counts()
+            if sum(c["requests"] for c in counts.values()) >= 36:
+                break
+            time.sleep(0.2)
+        server.kill()
+        out, _ = proc.communicate(timeout=120)
+        took = time.monotonic() - started
+    assert proc.returncode == 1, out
+    assert "cannot reach the object store" in out or "request failed" in out, out
+    assert took < 40 + 60, took
