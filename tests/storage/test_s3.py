@@ -38,7 +38,7 @@ def _rank_load(rank: int, world: int, uri: str, local: str, pp: int, tp: int, ca
     staged = plan_stage(uri, topo)
     os.environ["AWS_ACCESS_KEY_ID"] = f"{case}-load-{rank}"
     comm.agree(None)
-    remote = load_stage(staged, cancel=comm.watch_failures())
+    remote = load_stage(staged, cancel=comm.watch_failures(), comm=comm)  # as `load` does
     disk = load_stage(plan_stage(local, topo))
     comm.agree(None)
     comm.close()
