@@ -45,6 +45,7 @@ def _child(method: str, uri: str, pp: int, rank: int) -> None:
     start = time.perf_counter()
     if method == "pploader":
         staged = plan_stage(uri, Topology(pp, rank=rank))
+        plan_s = time.perf_counter() - start
         res = load_stage(staged)
         got, ideal = res.stats.read_bytes, staged.plan.ideal_bytes
     else:
@@ -57,12 +58,14 @@ def _child(method: str, uri: str, pp: int, rank: int) -> None:
             names, files, ideal = set(spec["tensors"]), spec["files"], spec["ideal"]
         start = time.perf_counter()
         got = 0
+        plan_s = None
         with SafetensorsStreamer() as streamer:
             streamer.stream_files([f"{uri}/{f}" for f in files], tensor_names=names)
             for _, t in streamer.get_tensors():
                 got += t.numel() * t.element_size()
     wall = time.perf_counter() - start
-    print("RESULT " + json.dumps({"wall_s": wall, "tensor_bytes": got, "ideal": ideal}),
+    print("RESULT " + json.dumps({"wall_s": wall, "tensor_bytes": got, "ideal": ideal,
+                                  "plan_s": plan_s if method == "pploader" else None}),
           flush=True)
 
 
@@ -125,19 +128,21 @@ def run_bench(pps: list[int], layers: int, hidden: int) -> list[dict[str, Any]]:
                     rows.append({"pp": pp, "rank": rank, "method": method,
                                  "fetched_bytes": fetched, "ideal_bytes": plan.ideal_bytes,
                                  "checkpoint_bytes": total, "wall_s": round(res["wall_s"], 3),
+                                 "plan_s": res["plan_s"] and round(res["plan_s"], 3),
                                  "tensor_bytes": res["tensor_bytes"]})
     return rows
 
 
 def _table(rows: list[dict[str, Any]]) -> str:
     out = ["| PP | rank | method | fetched MB | ideal MB | fetched / ideal | vs runai-all | "
-           "wall s |", "|---|---|---|---|---|---|---|---|"]
+           "wall s (plan s) |", "|---|---|---|---|---|---|---|---|"]
     base = {(r["pp"], r["rank"]): r["fetched_bytes"] for r in rows if r["method"] == "runai-all"}
     for r in rows:
         ref = base.get((r["pp"], r["rank"])) or 1
         out.append(f"| {r['pp']} | {r['rank']} | {r['method']} | {r['fetched_bytes'] / 1e6:.1f} "
                    f"| {r['ideal_bytes'] / 1e6:.1f} | {r['fetched_bytes'] / r['ideal_bytes']:.3f} "
-                   f"| {r['fetched_bytes'] / ref:.3f} | {r['wall_s']:.2f} |")
+                   f"| {r['fetched_bytes'] / ref:.3f} | {r['wall_s']:.2f}"
+                   + (f" ({r['plan_s']:.2f})" if r.get("plan_s") else "") + " |")
     return "\n".join(out)
 
 

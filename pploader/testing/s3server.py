@@ -6,9 +6,10 @@ fault-injecting WSGI layer, in its own process (so a test can kill it mid-load).
 prints ``PORT <n>`` once listening. Besides S3 it answers control requests under
 ``/__pploader__/``:
 
-- ``counts``: JSON ``{access_key_id: {"requests", "gets", "get_bytes"}}`` — every request and
-  the response body bytes of every GET, per client access key (a test gives each rank its own
-  key, so bytes fetched are counted per rank on the server side);
+- ``counts``: JSON ``{access_key_id: {"requests", "gets", "get_bytes", "data_gets"}}`` —
+  every request and the response body bytes of every GET, per client access key (a test gives
+  each rank its own key, so bytes fetched are counted per rank on the server side);
+  ``data_gets``: ranged GETs starting past byte 8 (not a header's length or a whole object);
 - ``reset``: zero the counts;
 - ``fail?status=503&n=3``: answer the next ``n`` object GETs with ``status`` (an S3 error body);
 - ``delay?seconds=0.2``: sleep this long before each object GET (a slow store);
@@ -35,6 +36,7 @@ from urllib.parse import parse_qs
 __all__ = ["CountingApp", "S3Server", "start_server", "main"]
 
 _AKID = re.compile(r"Credential=([^/,\s]+)/")
+_RANGE = re.compile(r"bytes=(\d+)-")
 _CONTROL = "/__pploader__/"
 _ERROR_BODY = ('<?xml version="1.0" encoding="UTF-8"?><Error><Code>{code}</Code>'
                '<Message>injected by the test server</Message></Error>')
@@ -77,8 +79,12 @@ class CountingApp:
         is_get = environ.get("REQUEST_METHOD") == "GET" and path.count("/") >= 2 \
             and not environ.get("QUERY_STRING")
         with self.lock:
-            row = self.counts.setdefault(key, {"requests": 0, "gets": 0, "get_bytes": 0})
+            row = self.counts.setdefault(key, {"requests": 0, "gets": 0, "get_bytes": 0,
+                                               "data_gets": 0})
             row["requests"] += 1
+            found_range = _RANGE.match(environ.get("HTTP_RANGE", ""))
+            if is_get and found_range and int(found_range.group(1)) > 8:
+                row["data_gets"] += 1  # past a header's length and start: tensor bytes
             fail = is_get and self.fail_left > 0
             if fail:
                 self.fail_left -= 1

@@ -173,14 +173,15 @@ def test_server_killed_mid_load_fails_every_rank(tiny_llama: Path) -> None:
         started = time.monotonic()
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                 env=dict(os.environ, **env, OMP_NUM_THREADS="1"))
-        while time.monotonic() - started < 120:  # both ranks planned, data GETs under way
-            counts = server.counts()
-            if sum(c["requests"] for c in counts.values()) >= 36:
+        while time.monotonic() - started < 120:  # planned, agreed, tensor GETs under way
+            if sum(c["data_gets"] for c in server.counts().values()) >= 1:
                 break
-            time.sleep(0.2)
+            time.sleep(0.1)
         server.kill()
+        killed = time.monotonic()
         out, _ = proc.communicate(timeout=120)
-        took = time.monotonic() - started
+        took = time.monotonic() - killed
     assert proc.returncode == 1, out
-    assert "cannot reach the object store" in out or "request failed" in out, out
-    assert took < 40 + 60, took
+    assert "cannot reach the object store" in out, out
+    assert took < 40, took  # within --timeout of the server's death
+    print(out[-3000:], f"\nexited {took:.1f} s after the kill")
