@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
@@ -29,6 +30,8 @@ __all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHea
            "INDEX_NAME", "SINGLE_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
+#: headers fetched at once from an object store
+_HEADER_REQUESTS = 16
 SINGLE_NAME = "model.safetensors"
 
 
@@ -190,6 +193,8 @@ class CheckpointIndex:
     def entry_map(self, files: Iterable[str]) -> Mapping[str, TensorEntry]:
         """Every entry parsed so far by name, after parsing the headers of ``files``: one
         dict lookup per tensor for a planner that visits tens of thousands."""
+        files = list(files)
+        self._fetch_headers(files)
         for file in files:
             self.header(file)
         return self._entries
@@ -200,8 +205,26 @@ class CheckpointIndex:
     def validate_all(self) -> None:
         """Parse every shard's header (used by balanced partitioning and `validate`)."""
         self.require(self.missing)
+        self._fetch_headers(self.paths)
         for file in self.paths:
             self.header(file)
+
+    def _fetch_headers(self, files: Iterable[str]) -> None:
+        """In an object store, fetch the not yet parsed headers of ``files`` concurrently (two
+        round trips each, all at once instead of one after another); checked in ``files``
+        order, so the first bad one is reported as a sequential parse would."""
+        if self.storage is None:
+            return
+        storage = self.storage
+        todo = [f for f in dict.fromkeys(files) if f in self.paths and f not in self._headers]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(min(_HEADER_REQUESTS, len(todo))) as pool:
+            fetched = list(pool.map(lambda f: remote_header(storage, f), todo))
+        for hdr in fetched:
+            self._cross_check(hdr)
+            self._headers[hdr.file] = hdr
+            self._entries.update(hdr.tensors)
 
     def opened_files(self) -> tuple[str, ...]:
         """Files whose headers were read so far."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import CheckpointError, ConfigError, PPLoaderError, ReadError
@@ -104,8 +105,9 @@ def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
                               file=storage.root + "/")
     found: dict[str, str] = {}
     headers: dict[str, ShardHeader] = {}
-    for file in shards:
-        hdr = remote_header(storage, file)
+    with ThreadPoolExecutor(min(16, len(shards))) as pool:  # every header, at once
+        fetched = list(pool.map(lambda f: remote_header(storage, f), shards))
+    for file, hdr in zip(shards, fetched):
         for tname in hdr.tensors:
             if tname in found:
                 raise CheckpointError(f"tensor appears in both {found[tname]} and {file}",
