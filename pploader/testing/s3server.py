@@ -13,6 +13,8 @@ prints ``PORT <n>`` once listening. Besides S3 it answers control requests under
 - ``reset``: zero the counts;
 - ``fail?status=503&n=3``: answer the next ``n`` object GETs with ``status`` (an S3 error body);
 - ``delay?seconds=0.2``: sleep this long before each object GET (a slow store);
+- ``cut?n=2``: send only the first half of the next ``n`` tensor-data GET bodies, then drop the
+  connection (a stream cut short mid-body);
 - ``deny?keys=K1,K2``: refuse requests signed with these access keys (403
   ``InvalidAccessKeyId``, as S3 answers an unknown key; moto itself accepts any key).
 
@@ -52,6 +54,7 @@ class CountingApp:
         self.counts: dict[str, dict[str, int]] = {}
         self.fail_status, self.fail_left, self.delay_s = 503, 0, 0.0
         self.denied: set[str] = set()
+        self.cut_left = 0
 
     def _control(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         what = environ.get("PATH_INFO", "")[len(_CONTROL):]
@@ -63,6 +66,8 @@ class CountingApp:
                 self.fail_status, self.fail_left = int(query.get("status", 503)), int(query["n"])
             elif what == "delay":
                 self.delay_s = float(query["seconds"])
+            elif what == "cut":
+                self.cut_left = int(query["n"])
             elif what == "deny":
                 self.denied = set(filter(None, query.get("keys", "").split(",")))
             body = json.dumps(self.counts).encode()
@@ -83,8 +88,11 @@ class CountingApp:
                                                "data_gets": 0})
             row["requests"] += 1
             found_range = _RANGE.match(environ.get("HTTP_RANGE", ""))
-            if is_get and found_range and int(found_range.group(1)) > 8:
-                row["data_gets"] += 1  # past a header's length and start: tensor bytes
+            data = bool(is_get and found_range and int(found_range.group(1)) > 8)
+            row["data_gets"] += data  # past a header's length and start: tensor bytes
+            cut = data and self.cut_left > 0
+            if cut:
+                self.cut_left -= 1
             fail = is_get and self.fail_left > 0
             if fail:
                 self.fail_left -= 1
@@ -101,11 +109,16 @@ class CountingApp:
             time.sleep(delay)
         if environ.get("REQUEST_METHOD") != "GET":
             return self.app(environ, start_response)  # type: ignore[no-any-return]
-        return self._counted(key, self.app(environ, start_response))
+        return self._counted(key, self.app(environ, start_response), cut)
 
-    def _counted(self, key: str, body: Iterable[bytes]) -> Iterable[bytes]:
+    def _counted(self, key: str, body: Iterable[bytes], cut: bool = False) -> Iterable[bytes]:
         try:
             for chunk in body:
+                if cut:  # half the body, then the connection drops (werkzeug closes it)
+                    with self.lock:
+                        self.counts[key]["get_bytes"] += len(chunk) // 2
+                    yield chunk[:len(chunk) // 2]
+                    raise ConnectionAbortedError("body cut short by the test server")
                 with self.lock:
                     row = self.counts[key]
                     row["get_bytes"] += len(chunk)

@@ -4,6 +4,7 @@ retries, a server killed mid-load, an object rewritten mid-load."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import time
@@ -185,3 +186,16 @@ def test_server_killed_mid_load_fails_every_rank(tiny_llama: Path) -> None:
     assert "cannot reach the object store" in out, out
     assert took < 40, took  # within --timeout of the server's death
     print(out[-3000:], f"\nexited {took:.1f} s after the kill")
+
+
+def test_body_cut_short_is_resumed(s3: S3Server, tiny_llama: Path,
+                                   caplog: pytest.LogCaptureFixture) -> None:
+    ref = reference_tensors(tiny_llama)
+    staged = plan_stage(URI, Topology(1))
+    s3.control("cut?n=2")
+    with caplog.at_level(logging.WARNING, logger="pploader.storage.s3"):
+        result = load_stage(staged)
+    assert caplog.text.count("retrying") >= 2, caplog.text
+    for item, t in zip(staged.plan.items, result.state_dict.values()):
+        assert torch.equal(t.view(torch.uint8), ref[item.name].view(torch.uint8))
+    assert result.stats.read_bytes == staged.plan.read_bytes  # each byte counted once
