@@ -1,7 +1,8 @@
 """Object storage: pploader's ``s3`` backend vs RunAI's model streamer (``runai-model-streamer``
 + ``runai-model-streamer-s3``) on the same local S3-compatible server and the same files.
 
-    python -m pploader.bench.s3 [--pp 1 2 4] [--layers 8 --hidden 768] [--json]
+    python -m pploader.bench.s3 [--pp 1 2 4] [--layers 8 --hidden 768 --vocab 32000] [--json]
+    python -m pploader.bench.s3 --clients       # boto3 vs obstore on the same server
 
 Per PP rank, each method runs alone in a fresh process signed with its own access key, so the
 server (pploader/testing/s3server.py: moto behind a byte counter) counts what that rank fetched
@@ -69,14 +70,14 @@ def _child(method: str, uri: str, pp: int, rank: int) -> None:
           flush=True)
 
 
-def _make_checkpoint(out: Path, layers: int, hidden: int) -> Path:
+def _make_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> Path:
     from ..tiny import make_tiny
     cfg = json.loads((Path(__file__).resolve().parents[1] / "tiny_configs" / "tiny-llama.json"
                       ).read_text())
     cfg.pop("pploader_tiny", None)
     cfg.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
-               vocab_size=32000, head_dim=64)
+               vocab_size=vocab, head_dim=64)
     path = out / "_config.json"
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(cfg))
@@ -85,7 +86,8 @@ def _make_checkpoint(out: Path, layers: int, hidden: int) -> Path:
     return out
 
 
-def run_bench(pps: list[int], layers: int, hidden: int) -> list[dict[str, Any]]:
+def run_bench(pps: list[int], layers: int, hidden: int, vocab: int = 32000
+              ) -> list[dict[str, Any]]:
     """Every (pp, rank, method) row: bytes fetched (server side), wall, ideal bytes."""
     import boto3
 
@@ -93,7 +95,7 @@ def run_bench(pps: list[int], layers: int, hidden: int) -> list[dict[str, Any]]:
     from .. import Topology, plan_stage
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, start_server() as server:
-        model = _make_checkpoint(Path(tmp) / "model", layers, hidden)
+        model = _make_checkpoint(Path(tmp) / "model", layers, hidden, vocab)
         saved = dict(os.environ)
         os.environ.update(_env(server.url, "upload"))
         try:
@@ -133,6 +135,59 @@ def run_bench(pps: list[int], layers: int, hidden: int) -> list[dict[str, Any]]:
     return rows
 
 
+def compare_clients(size_mb: int = 256, chunk_mb: int = 16, threads: int = 8,
+                    rounds: int = 2) -> list[dict[str, Any]]:
+    """boto3 (ranged GET read into the buffer) vs obstore (``get`` with a range, then copied)
+    on the same server and object: MB/s and the client's CPU seconds per GB (how the client
+    library was chosen, storage/s3.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import boto3
+    import obstore
+    from obstore.store import S3Store
+
+    from ..testing.s3server import start_server
+    size, chunk = size_mb << 20, chunk_mb << 20
+    data = os.urandom(size)
+    rows: list[dict[str, Any]] = []
+    with start_server() as server:
+        saved = dict(os.environ)
+        os.environ.update(_env(server.url, "clients"), AWS_ALLOW_HTTP="true")
+        try:
+            client = boto3.session.Session().client("s3")
+            client.create_bucket(Bucket="clients")
+            client.put_object(Bucket="clients", Key="blob", Body=data)
+            etag = client.head_object(Bucket="clients", Key="blob")["ETag"]
+            store = S3Store("clients")
+
+            def by_boto3(view: memoryview, a: int) -> None:
+                raw = client.get_object(Bucket="clients", Key="blob", IfMatch=etag,
+                                        Range=f"bytes={a}-{a + chunk - 1}")["Body"]._raw_stream
+                got = 0
+                while got < chunk:
+                    got += raw.readinto(view[a + got:a + chunk])
+
+            def by_obstore(view: memoryview, a: int) -> None:
+                got = obstore.get(store, "blob", options={"range": (a, a + chunk),
+                                                          "if_match": etag})
+                view[a:a + chunk] = got.bytes()
+            for _ in range(rounds):
+                for name, fetch in (("boto3", by_boto3), ("obstore", by_obstore)):
+                    buf = bytearray(size)
+                    view = memoryview(buf)
+                    cpu, wall = time.process_time(), time.perf_counter()
+                    with ThreadPoolExecutor(threads) as pool:
+                        list(pool.map(lambda a: fetch(view, a), range(0, size, chunk)))
+                    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+                    assert buf == data
+                    rows.append({"client": name, "MB_s": round(size / wall / 1e6),
+                                 "client_cpu_s_per_GB": round(cpu / (size / 1e9), 2)})
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    return rows
+
+
 def _table(rows: list[dict[str, Any]]) -> str:
     out = ["| PP | rank | method | fetched MB | ideal MB | fetched / ideal | vs runai-all | "
            "wall s (plan s) |", "|---|---|---|---|---|---|---|---|"]
@@ -151,7 +206,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--pp", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--clients", action="store_true",
+                   help="compare the client libraries (boto3 vs obstore) instead")
     p.add_argument("--child", nargs=4, metavar=("METHOD", "URI", "PP", "RANK"),
                    help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -159,7 +217,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         method, uri, pp, rank = args.child
         _child(method, uri, int(pp), int(rank))
         return
-    rows = run_bench(args.pp, args.layers, args.hidden)
+    if args.clients:
+        print(json.dumps(compare_clients(), indent=1))
+        return
+    rows = run_bench(args.pp, args.layers, args.hidden, args.vocab)
     print(json.dumps(rows, indent=1) if args.json else _table(rows))
 
 

@@ -199,3 +199,16 @@ def test_body_cut_short_is_resumed(s3: S3Server, tiny_llama: Path,
     for item, t in zip(staged.plan.items, result.state_dict.values()):
         assert torch.equal(t.view(torch.uint8), ref[item.name].view(torch.uint8))
     assert result.stats.read_bytes == staged.plan.read_bytes  # each byte counted once
+
+
+@pytest.mark.gpu
+def test_s3_load_onto_cuda_equals_disk(s3: S3Server, tiny_llama: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    ref = reference_tensors(tiny_llama)
+    for rank in range(2):
+        staged = plan_stage(URI, Topology(2, rank=rank))
+        result = load_stage(staged, device="cuda")
+        for item, t in zip(staged.plan.items, result.state_dict.values()):
+            assert t.device.type == "cuda"
+            assert torch.equal(t.cpu().view(torch.uint8), ref[item.name].view(torch.uint8))
