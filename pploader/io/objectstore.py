@@ -71,8 +71,9 @@ class ObjectStoreBackend:
         self.plan, self.device, self.options, self.stats = plan, device, options, ReadStats()
         self.requests = max(1, options.threads or DEFAULT_REQUESTS)
         self.batch_bytes = max(1, (options.window_bytes or DEFAULT_WINDOW_BYTES) // 2)
-        base = s3 or S3Options()
-        s3 = replace(base, max_connections=max(base.max_connections, self.requests))
+        s3 = s3 or S3Options()
+        if self.requests > s3.max_connections:  # else planning's client is shared
+            s3 = replace(s3, max_connections=self.requests)
         buckets: dict[str, S3Storage] = {}
         self._objects: dict[str, tuple[S3Storage, str, ObjectInfo]] = {}
         for file in plan.files:

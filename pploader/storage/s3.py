@@ -23,7 +23,8 @@ from typing import Any, Optional, Protocol, Sequence
 
 from . import ObjectInfo
 
-__all__ = ["S3Options", "S3Storage", "ObjectStoreError", "split_uri"]
+__all__ = ["S3Options", "S3Storage", "ObjectStoreError", "split_uri", "client_for",
+           "clear_clients"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +75,30 @@ def split_uri(uri: str) -> tuple[str, str]:
     return bucket, prefix.strip("/")
 
 
+#: one client per options in a process (making one costs ~0.5 s: botocore loads the service
+#: model and resolves credentials), shared by planning and the backend; boto3 clients are
+#: thread-safe
+_CLIENTS: dict[S3Options, Any] = {}
+_CLIENTS_LOCK = threading.Lock()
+
+
+def client_for(options: S3Options) -> Any:
+    """The process's boto3 S3 client for ``options`` (made on first use; boto3 reads the AWS
+    environment and config files then, see :func:`clear_clients`)."""
+    with _CLIENTS_LOCK:  # creation is not thread-safe
+        made = _CLIENTS.get(options)
+        if made is None:
+            made = _CLIENTS[options] = _client(options)
+        return made
+
+
+def clear_clients() -> None:
+    """Forget the cached clients: the next request makes new ones, reading the AWS
+    configuration again (credentials rotated by hand, tests)."""
+    with _CLIENTS_LOCK:
+        _CLIENTS.clear()
+
+
 def _client(options: S3Options) -> Any:
     try:
         import boto3
@@ -94,8 +119,6 @@ class S3Storage:
     def __init__(self, bucket: str, prefix: str, options: S3Options = S3Options()) -> None:
         self.bucket, self.prefix, self.options = bucket, prefix, options
         self.root = f"s3://{bucket}/{prefix}".rstrip("/")
-        self._lock = threading.Lock()
-        self._made: Any = None
 
     @classmethod
     def from_uri(cls, uri: str, options: S3Options = S3Options()) -> "S3Storage":
@@ -103,10 +126,7 @@ class S3Storage:
 
     @property
     def client(self) -> Any:
-        with self._lock:  # boto3 clients are thread-safe, their creation is not
-            if self._made is None:
-                self._made = _client(self.options)
-            return self._made
+        return client_for(self.options)
 
     def key(self, name: str) -> str:
         return f"{self.prefix}/{name}" if self.prefix else name

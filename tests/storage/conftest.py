@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("boto3")
 pytest.importorskip("moto")
 
+from pploader.storage.s3 import clear_clients  # noqa: E402
 from pploader.testing.s3server import S3Server, start_server  # noqa: E402
 
 BUCKET, PREFIX = "models", "tiny"
@@ -43,9 +44,11 @@ def s3(tiny_llama: Path) -> Iterator[S3Server]:
     server = start_server()
     try:
         os.environ.update(aws_env(server.url))
+        clear_clients()  # clients are cached per process: none made for another server
         upload(server, tiny_llama)
         yield server
     finally:
         server.kill()
         os.environ.clear()
         os.environ.update(saved)
+        clear_clients()
