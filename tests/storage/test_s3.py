@@ -85,6 +85,22 @@ def test_plan_and_files_cli_take_s3_paths(s3: S3Server, tiny_llama: Path) -> Non
         assert got == want
 
 
+@pytest.mark.slow
+def test_torchrun_cli_load_from_s3_saves_the_same_tensors(s3: S3Server, tiny_llama: Path,
+                                                          tmp_path: Path) -> None:
+    out = run(torchrun_cmd(2, "load", "--model", URI, "--pp", "2", "--tp", "1", "--json",
+                           "--save-loaded", str(tmp_path)), timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout[out.stdout.index("{"):])
+    assert [r["read_bytes"] == r["ideal_bytes"] for r in doc["ranks"]] == [True, True]
+    from safetensors.torch import load_file
+    ref = reference_tensors(tiny_llama)
+    saved = {**load_file(tmp_path / "rank-0.safetensors"),
+             **load_file(tmp_path / "rank-1.safetensors")}
+    assert set(saved) == set(ref)
+    assert all(torch.equal(saved[k].view(torch.uint8), ref[k].view(torch.uint8)) for k in ref)
+
+
 def test_library_api_and_backend_choice(s3: S3Server, tiny_llama: Path) -> None:
     staged = plan_stage(URI, Topology(2, rank=1))
     plan = staged.plan
