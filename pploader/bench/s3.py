@@ -123,13 +123,15 @@ def run_bench(pps: list[int], layers: int, hidden: int, vocab: int = 32000
                                           method, uri, str(pp), str(rank)], env=env,
                                          capture_output=True, text=True, timeout=1800)
                     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                    if out.returncode or not line:
-                        raise RuntimeError(f"{key} failed: {out.stderr[-2000:]}")
-                    res = json.loads(line[-1][7:])
                     fetched = server.counts().get(key, {}).get("get_bytes", 0)
-                    rows.append({"pp": pp, "rank": rank, "method": method,
-                                 "fetched_bytes": fetched, "ideal_bytes": plan.ideal_bytes,
-                                 "checkpoint_bytes": total, "wall_s": round(res["wall_s"], 3),
+                    row = {"pp": pp, "rank": rank, "method": method, "fetched_bytes": fetched,
+                           "ideal_bytes": plan.ideal_bytes, "checkpoint_bytes": total}
+                    if out.returncode or not line:  # recorded, not hidden: the run goes on
+                        errors = [x for x in out.stderr.splitlines() if "Error" in x]
+                        rows.append({**row, "failed": (errors or ["no result"])[-1][-300:]})
+                        continue
+                    res = json.loads(line[-1][7:])
+                    rows.append({**row, "wall_s": round(res["wall_s"], 3),
                                  "plan_s": res["plan_s"] and round(res["plan_s"], 3),
                                  "tensor_bytes": res["tensor_bytes"]})
     return rows
@@ -194,6 +196,11 @@ def _table(rows: list[dict[str, Any]]) -> str:
     base = {(r["pp"], r["rank"]): r["fetched_bytes"] for r in rows if r["method"] == "runai-all"}
     for r in rows:
         ref = base.get((r["pp"], r["rank"])) or 1
+        if "failed" in r:
+            out.append(f"| {r['pp']} | {r['rank']} | {r['method']} | "
+                       f"{r['fetched_bytes'] / 1e6:.1f} | {r['ideal_bytes'] / 1e6:.1f} | – | – | "
+                       f"failed: {r['failed']} |")
+            continue
         out.append(f"| {r['pp']} | {r['rank']} | {r['method']} | {r['fetched_bytes'] / 1e6:.1f} "
                    f"| {r['ideal_bytes'] / 1e6:.1f} | {r['fetched_bytes'] / r['ideal_bytes']:.3f} "
                    f"| {r['fetched_bytes'] / ref:.3f} | {r['wall_s']:.2f}"
