@@ -26,13 +26,12 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
            "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity", "ObjectIdentity",
-           "dtype_code",
-           "INDEX_NAME", "SINGLE_NAME"]
+           "dtype_code", "INDEX_NAME", "SINGLE_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
 #: headers fetched at once from an object store
 _HEADER_REQUESTS = 16
-SINGLE_NAME = "model.safetensors"
 
 
 def _safe_relpath(value: object, tensor: str, index_file: str) -> str:

@@ -1,6 +1,6 @@
 """Planning from an object store (``s3://bucket/prefix``): config.json and the index fetched
-whole, each needed shard's header by two ranged GETs (the 8-byte length, then the header) —
-nothing else. The result is the same ``CheckpointIndex`` / config a local directory gives, with
+whole, each needed shard's header by two ranged GETs (its first 64 bytes: the 8-byte length;
+then the header) — nothing else. The result is the same ``CheckpointIndex`` / config a local directory gives, with
 object URIs as paths and ``ObjectIdentity`` (size + ETag) as identities.
 
 Pure in the planning sense: reads only config, index and headers, no collectives.
@@ -68,10 +68,11 @@ def _listing(storage: ObjectStorage, kind: type[PPLoaderError]) -> dict:
 def remote_header(storage: ObjectStorage, name: str, *,
                   max_header_bytes: int = MAX_HEADER_BYTES,
                   max_tensors: int = MAX_TENSORS) -> ShardHeader:
-    """One shard's validated header: GET its first 8 bytes (the length; the response gives the
-    size and ETag), then GET the header itself naming that ETag."""
+    """One shard's validated header: GET its first 64 bytes (the 8-byte length, and enough to
+    recognise a git-LFS pointer or an HTML page, as a local file's first read; the response
+    gives the size and ETag), then GET the header itself naming that ETag."""
     try:
-        head, info = storage.read(name, 0, 8)
+        head, info = storage.read(name, 0, 64)
         n = header_length(name, head, info.size, max_header_bytes)
         raw = storage.read(name, 8, n, etag=info.etag)[0] if n else b""
     except ObjectStoreError as exc:

@@ -147,6 +147,18 @@ def test_missing_key_bucket_and_wrong_credentials(s3: S3Server) -> None:
         plan_stage("s3://models/partial", Topology(1))
 
 
+def test_bad_shard_in_the_bucket_is_refused_like_a_local_one(s3: S3Server,
+                                                           tiny_llama: Path) -> None:
+    import boto3
+    upload(s3, tiny_llama, prefix="lfs")
+    client = boto3.session.Session().client("s3")
+    shard = sorted(tiny_llama.glob("*.safetensors"))[0].name
+    client.put_object(Bucket="models", Key=f"lfs/{shard}",
+                      Body=b"version https://git-lfs.github.com/spec/v1\noid sha256:0\n")
+    with pytest.raises(CheckpointError, match=f"{shard}.*git-LFS pointer"):
+        plan_stage("s3://models/lfs", Topology(1))
+
+
 def test_503_burst_is_retried(s3: S3Server, tiny_llama: Path) -> None:
     ref = reference_tensors(tiny_llama)
     s3.control("fail?status=503&n=3")  # the config, the listing's neighbour GETs, headers...
