@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import aws_env, upload
+from s3_helpers import aws_env, upload
 from helpers import pploader_cmd, reference_tensors, run, run_ranks, torchrun_cmd
 from pploader import Topology, load_stage, plan_stage
 from pploader.errors import CheckpointError, ConfigError, ReadError
