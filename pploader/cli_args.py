@@ -173,8 +173,8 @@ def _ratio(text: str) -> float:
 
 
 def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
-    p.add_argument("--model", required=True, help="model directory: config.json + safetensors "
-                   "shards (+ model.safetensors.index.json)")
+    p.add_argument("--model", required=True, help="model directory or s3://bucket/prefix: "
+                   "config.json + safetensors shards (+ model.safetensors.index.json)")
     p.add_argument("--pp", type=_ranks, required=pp_required, default=None,
                    help="pipeline stages (default for load: world size / (tp*ep))")
     p.add_argument("--tp", type=_ranks, default=1, help="tensor-parallel ranks per stage")

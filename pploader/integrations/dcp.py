@@ -256,7 +256,7 @@ class PPLoaderStorageReader(StorageReader):
         """Bytes of the shard headers read so far (plus the index file when there is one)."""
         index = self._require_index()
         parsed = sum(index.header(f).header_bytes for f in index.opened_files())
-        source = index.root / index.source
+        source = Path(index.root) / index.source
         return parsed + (source.stat().st_size if source.name.endswith(".json") else 0)
 
     @property

@@ -17,7 +17,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .backend import ReadBackend, ReadOptions
 
 __all__ = ["BackendInfo", "BACKENDS", "AUTO", "backend_names", "backends_help",
-           "select_backend", "open_backend", "prepare_staging", "shared_staging"]
+           "select_backend", "open_backend", "prepare_staging", "shared_staging",
+           "plan_storage"]
 
 AUTO = "auto"
 
@@ -29,13 +30,15 @@ class BackendInfo:
     loads onto, and what it is for (the CLI help). ``staging`` (optional, ``module:function``,
     ``staging(device, options)``): host staging made ahead of a load (start-up work such as
     page-locking, done while the caller plans), passed back as ``ReadOptions.ring``; it has a
-    ``stop_preparing()`` called before the load."""
+    ``stop_preparing()`` called before the load. ``storage``: where the plan's files live
+    (``file``: local paths; ``s3``: ``s3://`` objects); ``auto`` picks by the plan's paths."""
 
     name: str
     factory: str
     devices: tuple[str, ...]
     purpose: str
     staging: str = ""
+    storage: str = "file"
 
 
 #: Every read backend. Order matters: ``auto`` takes the first that loads onto the device.
@@ -50,6 +53,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
     BackendInfo("buffered", "pploader.io.buffered:open_buffered", ("cpu",),
                 "plain open + seek + readinto, one request per range, no threads, no mmap: "
                 "the simplest reference (and the example of adding a backend)"),
+    BackendInfo("s3", "pploader.io.objectstore:open_s3", ("cpu", "cuda"),
+                "s3:// model paths (picked for them): ranged GETs of the rank's byte ranges, "
+                "merged, many in flight, into the reader's buffers", storage="s3"),
 )
 
 
@@ -67,10 +73,17 @@ def _device_type(device: "str | torch.device") -> str:
     return str(device).split(":", 1)[0]
 
 
+def plan_storage(plan: "RankPlan") -> str:
+    """Where a plan's files live: ``s3`` for ``s3://`` objects, else ``file``."""
+    return "s3" if any(str(p).startswith("s3://") for p in plan.paths.values()) else "file"
+
+
 def select_backend(device: "str | torch.device", name: Optional[str] = None,
-                   backends: Sequence[BackendInfo] = BACKENDS) -> BackendInfo:
-    """The backend for ``device``: ``name`` when given (checked: it must exist and load onto
-    that device type), else (``None`` / ``auto``) the first in ``backends`` that does."""
+                   backends: Sequence[BackendInfo] = BACKENDS, storage: str = "file"
+                   ) -> BackendInfo:
+    """The backend for ``device`` and ``storage``: ``name`` when given (checked: it must exist
+    and load onto that device type from that storage), else (``None`` / ``auto``) the first in
+    ``backends`` that does."""
     kind = _device_type(device)
     if name is not None and name != AUTO:
         for b in backends:
@@ -78,11 +91,14 @@ def select_backend(device: "str | torch.device", name: Optional[str] = None,
                 if kind not in b.devices:
                     raise ValueError(f"read backend {name!r} loads onto {'/'.join(b.devices)}, "
                                      f"not {device}")
+                if b.storage != storage:
+                    raise ValueError(f"read backend {name!r} reads {b.storage} storage, not "
+                                     f"{storage} (use --io-backend auto)")
                 return b
         raise ValueError(f"unknown read backend {name!r}: use one of "
                          + ", ".join(backend_names(backends)))
     for b in backends:
-        if kind in b.devices:
+        if kind in b.devices and b.storage == storage:
             return b
     raise ValueError(f"no read backend loads onto {device} (known: "
                      + ", ".join(f"{b.name} ({'/'.join(b.devices)})" for b in backends) + ")")
@@ -96,7 +112,7 @@ def open_backend(plan: "RankPlan", device: "str | torch.device" = "cpu",
     import torch
 
     from .backend import ReadOptions
-    info = select_backend(device, name, backends)
+    info = select_backend(device, name, backends, plan_storage(plan))
     module, _, attr = info.factory.partition(":")
     factory = getattr(importlib.import_module(module), attr)
     return factory(plan, torch.device(device), options or ReadOptions())  # type: ignore[no-any-return]
@@ -119,18 +135,22 @@ def prepare_staging(device: "str | torch.device", options: Optional["ReadOptions
     return factory(torch.device(device), options or ReadOptions())
 
 
-def shared_staging(device: "str | torch.device", options: "ReadOptions",
+def shared_staging(plan: "RankPlan", device: "str | torch.device", options: "ReadOptions",
                    name: Optional[str] = None, backends: Sequence[BackendInfo] = BACKENDS
                    ) -> "ReadOptions":
-    """``options`` with staging that several backends of one load can share (a CUDA
-    backend's pinned ring, made now and page-locked as it is used), so a load made of
-    several backend runs page-locks once. Unchanged when ``options.ring`` is already set or
-    the backend has no staging."""
+    """``options`` with staging that several backend runs of one load of ``plan`` can share (a
+    CUDA backend's pinned ring, made now and page-locked as it is used), so such a load
+    page-locks once. Unchanged when ``options.ring`` is already set or the backend that reads
+    ``plan`` (by its storage) has no staging."""
     from dataclasses import replace
+
+    import torch
     if options.ring is not None:
         return options
-    staging = prepare_staging(device, options, name, backends)
-    if staging is None:
+    info = select_backend(device, name, backends, plan_storage(plan))
+    if not info.staging:
         return options
+    module, _, attr = info.staging.partition(":")
+    staging = getattr(importlib.import_module(module), attr)(torch.device(device), options)
     staging.stop_preparing()  # page-locked on first use, beside the load's own reads
     return replace(options, ring=staging)

@@ -8,22 +8,30 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError
 from .gcpause import without_gc
-from .header import (DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, FileIdentity, ShardHeader,
-                     TensorEntry, _is_text, _short, dtype_code, loads_checked,
+from ..storage import is_remote
+from .header import (DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, FileIdentity, ObjectIdentity,
+                     ShardHeader, TensorEntry, _is_text, _short, dtype_code, loads_checked,
                      parse_header)
+from .remote import open_remote_checkpoint, remote_header
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..storage import ObjectStorage
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
-           "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity", "dtype_code",
-           "INDEX_NAME", "SINGLE_NAME"]
+           "CheckpointIndex", "parse_header", "open_checkpoint", "FileIdentity", "ObjectIdentity",
+           "dtype_code", "INDEX_NAME", "SINGLE_NAME"]
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
+#: headers fetched at once from an object store
+_HEADER_REQUESTS = 16
 
 
 def _safe_relpath(value: object, tensor: str, index_file: str) -> str:
@@ -94,9 +102,9 @@ class CheckpointIndex:
     them is needed, so a stage never touches shards it does not need.
     """
 
-    root: Path
+    root: "Path | str"               # a directory, or an object-store prefix URI
     weight_map: Mapping[str, str]
-    paths: Mapping[str, Path]
+    paths: Mapping[str, "Path | str"]  # local paths, or object URIs
     source: str
     _headers: dict[str, ShardHeader] = field(default_factory=dict, repr=False)
     _counts: Optional[Counter] = field(default=None, repr=False)
@@ -105,6 +113,8 @@ class CheckpointIndex:
     #: shards the index names that are absent from the directory (stage-only copies): fine
     #: until a plan needs one (``require``)
     missing: tuple[str, ...] = ()
+    #: the object store the shards live in (planning/remote.py); None: local files
+    storage: Optional["ObjectStorage"] = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for hdr in self._headers.values():
@@ -121,7 +131,8 @@ class CheckpointIndex:
         if not self.missing:
             return
         gone = sorted(set(files).intersection(self.missing))
-        _refuse_not_regular(self.root, gone, self.source)
+        if isinstance(self.root, Path):  # a local directory (objects are listed, never FIFOs)
+            _refuse_not_regular(self.root, gone, self.source)
         if gone:
             raise CheckpointError(f"{len(gone)} file(s) named in {self.source} are missing: "
                                   + ", ".join(gone) + f" (needed by this plan; {len(self.paths)} "
@@ -134,7 +145,8 @@ class CheckpointIndex:
         hdr = self._headers.get(file)
         if hdr is None:
             self.require((file,))
-            hdr = parse_header(self.paths[file], file=file)
+            hdr = parse_header(self.paths[file], file=file) if self.storage is None else \
+                remote_header(self.storage, file)
             self._cross_check(hdr)
             self._headers[file] = hdr
             self._entries.update(hdr.tensors)
@@ -182,6 +194,8 @@ class CheckpointIndex:
     def entry_map(self, files: Iterable[str]) -> Mapping[str, TensorEntry]:
         """Every entry parsed so far by name, after parsing the headers of ``files``: one
         dict lookup per tensor for a planner that visits tens of thousands."""
+        files = list(files)
+        self._fetch_headers(files)
         for file in files:
             self.header(file)
         return self._entries
@@ -192,8 +206,26 @@ class CheckpointIndex:
     def validate_all(self) -> None:
         """Parse every shard's header (used by balanced partitioning and `validate`)."""
         self.require(self.missing)
+        self._fetch_headers(self.paths)
         for file in self.paths:
             self.header(file)
+
+    def _fetch_headers(self, files: Iterable[str]) -> None:
+        """In an object store, fetch the not yet parsed headers of ``files`` concurrently (two
+        round trips each, all at once instead of one after another); checked in ``files``
+        order, so the first bad one is reported as a sequential parse would."""
+        if self.storage is None:
+            return
+        storage = self.storage
+        todo = [f for f in dict.fromkeys(files) if f in self.paths and f not in self._headers]
+        if len(todo) < 2:
+            return
+        with ThreadPoolExecutor(min(_HEADER_REQUESTS, len(todo))) as pool:
+            fetched = list(pool.map(lambda f: remote_header(storage, f), todo))
+        for hdr in fetched:
+            self._cross_check(hdr)
+            self._headers[hdr.file] = hdr
+            self._entries.update(hdr.tensors)
 
     def opened_files(self) -> tuple[str, ...]:
         """Files whose headers were read so far."""
@@ -210,7 +242,11 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     a plan needs them (``CheckpointIndex.require``: every missing one a plan reads, listed at
     once), so a node may hold just the shards of its own stages.
     Without it, every ``*.safetensors`` file's header is read.
+    An ``s3://bucket/prefix`` is indexed the same way from the object store
+    (planning/remote.py).
     """
+    if is_remote(model_dir):
+        return open_remote_checkpoint(str(model_dir))
     root = check_model_dir(model_dir)
     roots = _allowed_roots(root, allowed_roots)
     index_path = root / INDEX_NAME
@@ -251,8 +287,12 @@ def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     if index_path.stat().st_size > MAX_HEADER_BYTES:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
                               file=name)
+    return _read_index_bytes(index_path.read_bytes(), name)
+
+
+def _read_index_bytes(raw: bytes, name: str = INDEX_NAME) -> dict[str, str]:
+    """The validated weight_map of an index file's bytes."""
     try:
-        raw = index_path.read_bytes()
         obj = loads_checked(raw)  # UTF-8 checked by the parse (or decoded for the strict one)
     except CheckpointError as exc:
         raise CheckpointError(exc.detail, file=name, tensor=exc.tensor) from None

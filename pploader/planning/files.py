@@ -11,7 +11,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from .checkpoint import INDEX_NAME, open_checkpoint
 from ..errors import TopologyError
@@ -69,15 +69,21 @@ def node_files(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, 
     per_node = ranks_per_node or 1
     if per_node < 1:
         raise TopologyError(f"--ranks-per-node must be positive, got {per_node}")
-    root = Path(model_dir)
-    spec, index = load_spec(root), open_checkpoint(root)
+    spec, index = load_spec(model_dir), open_checkpoint(model_dir)
     plans: list[RankPlan] = plan_all(spec, index, pp, tp, ep, partition=partition,
                                      **read_options)
     windows = {p.window.pp_rank: p.window for p in plans}
-    metadata = tuple(sorted(p.name for p in root.iterdir()
-                            if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)
-                            and not p.name.startswith(".")))
-    if INDEX_NAME not in metadata and (root / INDEX_NAME).exists():
+    if index.storage is not None:  # an object store: names and sizes from one listing
+        objects = index.storage.list()
+        names: list[str] = list(objects)
+        size_of: Callable[[str], int] = lambda f: objects[f].size  # noqa: E731
+    else:
+        root = Path(model_dir)
+        names = [p.name for p in root.iterdir() if p.is_file()]
+        size_of = lambda f: Path(index.paths[f]).stat().st_size  # noqa: E731
+    metadata = tuple(sorted(n for n in names if not n.endswith(_WEIGHT_SUFFIXES)
+                            and not n.startswith(".")))
+    if INDEX_NAME not in metadata and INDEX_NAME in names:
         metadata += (INDEX_NAME,)
     order = {f: i for i, f in enumerate(sorted(index.paths))}
     out = []
@@ -85,7 +91,7 @@ def node_files(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, 
         group = plans[start:start + per_node]
         shards = sorted({f for p in group for f in p.files}, key=order.__getitem__)
         out.append(NodeFiles(node, tuple(p.topology.rank for p in group), tuple(shards),
-                             tuple(index.paths[f].stat().st_size for f in shards), metadata,
+                             tuple(map(size_of, shards)), metadata,
                              sum(p.planned_read_bytes for p in group)))
     return out, tuple(windows[stage].num_layers for stage in range(pp))
 

@@ -29,7 +29,8 @@ except ImportError:  # pragma: no cover - depends on the environment
     _orjson = None  # type: ignore[assignment]
 
 __all__ = ["DTYPES", "MAX_HEADER_BYTES", "MAX_TENSORS", "TensorEntry", "ShardHeader",
-           "parse_header", "FileIdentity", "dtype_code", "loads_checked"]
+           "parse_header", "FileIdentity", "ObjectIdentity", "dtype_code", "loads_checked",
+           "header_length", "header_from_bytes"]
 
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: tensors one header may declare: real shards hold up to a few 10 k (a whole DeepSeek-V3 /
@@ -68,6 +69,19 @@ class FileIdentity:
         return cls(st.st_size, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
 
 
+@dataclass(frozen=True)
+class ObjectIdentity(FileIdentity):
+    """An object-store object's identity when planned: its size and ETag (no inode or times;
+    they stay 0). Every ranged GET of the load names the ETag (``If-Match``), so an object
+    rewritten mid-load fails the read as a changed local file does."""
+
+    etag: str = ""
+
+    @classmethod
+    def of_object(cls, size: int, etag: str) -> "ObjectIdentity":
+        return cls(size, 0, 0, 0, etag)
+
+
 class TensorEntry(NamedTuple):
     """One tensor of one shard: absolute byte range ``[start, end)`` inside ``file``.
 
@@ -104,7 +118,7 @@ class ShardHeader:
     """A parsed and validated shard header."""
 
     file: str
-    path: Path
+    path: "Path | str"   # a local Path, or an object's URI (s3://...)
     identity: FileIdentity
     header_bytes: int
     data_start: int
@@ -227,21 +241,37 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
     try:
         st = os.fstat(fd)
         head = os.pread(fd, 64, 0)  # 8-byte length + enough to recognise LFS pointers / HTML
-        if len(head) < 8:
-            raise CheckpointError(f"not a safetensors file: {st.st_size} bytes, too short for the "
-                                  f"8-byte header length{_sniff(head)}", file=name)
-        (n,) = struct.unpack("<Q", head[:8])
-        if n > max_header_bytes:
-            raise CheckpointError(f"not a safetensors file: header length {n} exceeds the "
-                                  f"{max_header_bytes}-byte limit{_sniff(head)}", file=name)
-        if 8 + n > st.st_size:
-            raise CheckpointError(f"truncated: header of {n} bytes does not fit in the "
-                                  f"{st.st_size}-byte file{_sniff(head)}", file=name)
+        n = header_length(name, head, st.st_size, max_header_bytes)
         raw = os.pread(fd, n, 8)
     finally:
         os.close(fd)
     if len(raw) != n:
         raise CheckpointError("file shrank while its header was read", file=name)
+    return header_from_bytes(name, path, FileIdentity.of(st), st.st_size, head, raw,
+                             max_tensors)
+
+
+def header_length(name: str, head: bytes, size: int,
+                  max_header_bytes: int = MAX_HEADER_BYTES) -> int:
+    """The header length the first 8 bytes of a ``size``-byte shard declare, checked."""
+    if len(head) < 8:
+        raise CheckpointError(f"not a safetensors file: {size} bytes, too short for the "
+                              f"8-byte header length{_sniff(head)}", file=name)
+    (n,) = struct.unpack("<Q", head[:8])
+    if n > max_header_bytes:
+        raise CheckpointError(f"not a safetensors file: header length {n} exceeds the "
+                              f"{max_header_bytes}-byte limit{_sniff(head)}", file=name)
+    if 8 + n > size:
+        raise CheckpointError(f"truncated: header of {n} bytes does not fit in the "
+                              f"{size}-byte file{_sniff(head)}", file=name)
+    return int(n)
+
+
+def header_from_bytes(name: str, path: "Path | str", identity: FileIdentity, size: int,
+                      head: bytes, raw: bytes, max_tensors: int = MAX_TENSORS) -> ShardHeader:
+    """The validated header of a ``size``-byte shard from its first bytes ``head`` (at least
+    the 8-byte length) and its header JSON ``raw``: shared by local files and objects."""
+    n = len(raw)
     if not raw.lstrip().startswith(b"{"):
         raise CheckpointError(f"not a safetensors file: header is not a JSON object{_sniff(head + raw)}",
                               file=name)
@@ -252,10 +282,10 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
                               f"({raw.count(b'{') - 1} JSON objects): refusing to parse it",
                               file=name)
     data_start = 8 + n
-    data_len = st.st_size - data_start
+    data_len = size - data_start
     fast = _fast_header(name, raw, data_start, data_len, max_tensors)  # no decode: UTF-8
     if fast is not None:  # is checked by orjson (invalid: None, and the decode below says so)
-        return ShardHeader(name, path, FileIdentity.of(st), n, data_start, *fast)
+        return ShardHeader(name, path, identity, n, data_start, *fast)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -277,7 +307,7 @@ def parse_header(path: os.PathLike | str, *, file: Optional[str] = None,
     for tname, info in obj.items():
         tensors[tname] = _entry(name, tname, info, data_start, data_len)
     _check_tiling(name, tensors, data_start, data_len)
-    return ShardHeader(name, path, FileIdentity.of(st), n, data_start, tensors, metadata)
+    return ShardHeader(name, path, identity, n, data_start, tensors, metadata)
 
 
 def _metadata(file: str, metadata: object) -> dict:

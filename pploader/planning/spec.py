@@ -159,8 +159,12 @@ def read_config(model_dir: os.PathLike | str, *,
     """The parsed ``config.json`` of a model directory (clear errors when missing or bad).
 
     Like the shards, config.json may be a symlink only into the allowed roots (the model
-    directory, its Hugging Face cache repo, ``allowed_roots``)."""
-    from .checkpoint import check_model_dir, inside_roots
+    directory, its Hugging Face cache repo, ``allowed_roots``). An ``s3://bucket/prefix``
+    fetches it from the object store (planning/remote.py)."""
+    from .checkpoint import check_model_dir, inside_roots, is_remote
+    if is_remote(model_dir):
+        from .remote import remote_config
+        return remote_config(str(model_dir))
     root = check_model_dir(model_dir)
     if not os.access(root, os.R_OK | os.X_OK):
         raise ConfigError("cannot read the model directory (permission denied): give this "

@@ -19,7 +19,8 @@ from pploader.io.backend import ReadBackend, ReadOptions
 from pploader.io.read import Reader
 from pploader.io.registry import BACKENDS, BackendInfo, open_backend, select_backend
 
-CPU_BACKENDS = [b.name for b in BACKENDS if "cpu" in b.devices]
+#: the local-file CPU backends (the object-store one has its own tests: tests/storage/)
+CPU_BACKENDS = [b.name for b in BACKENDS if "cpu" in b.devices and b.storage == "file"]
 BIG_RANGE_COST = 1 << 30  # strided slices read as covering boxes: gather items
 
 

@@ -71,7 +71,7 @@ class DirectTransfer:
         self.plan, self.device, self.io_backend = staged.plan, device, io_backend
         self.window_bytes = options.device_window_bytes or DEFAULT_DEVICE_WINDOW_BYTES
         if device.type == "cuda":  # one staging for the load and every window of a stream
-            options = shared_staging(device, options, io_backend)
+            options = shared_staging(staged.plan, device, options, io_backend)
         self.options = options
         self.backend: ReadBackend = open_backend(staged.plan, device, options, io_backend)
         self._window_stats: list[ReadStats] = []

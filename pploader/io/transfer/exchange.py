@@ -106,7 +106,7 @@ class ExchangeTransfer:
         self._share_reader: Optional[ReadBackend] = None
         self._own_reader: Optional[ReadBackend] = None
         if cuda:
-            options = shared_staging(self.device, options, io_backend)
+            options = shared_staging(self.plan, self.device, options, io_backend)
         else:
             self._share_reader = open_backend(self.shares, self.device,
                                               replace(options, mode="owned"), io_backend)

@@ -61,7 +61,7 @@ class StageReadOnce:
         self.plan, self.comm, self.device = staged.plan, comm, device
         self._on_progress = options.on_progress
         # this rank's shared reads, then its own items: two backends of one load on one staging
-        options = shared_staging(device, options, io_backend)
+        options = shared_staging(staged.plan, device, options, io_backend)
         self._readers: tuple[ReadBackend, ReadBackend] = (
             open_backend(self.shared.reads, device, options, io_backend),
             open_backend(self.shared.own, device, options, io_backend))
@@ -124,7 +124,7 @@ class NodeReadOnce:
         for i, item in self.node.mine:
             if self.node.transfers[i].reader == me:
                 first.setdefault(i, item)
-        options = shared_staging(device, replace(options, mode="owned"), io_backend)
+        options = shared_staging(staged.plan, device, replace(options, mode="owned"), io_backend)
         self._reads = open_backend(replace(self.node.own, items=tuple(first.values()),
                                            redistribute=None), device, options, io_backend)
         # strided TP slices are never node-shared (each rank's differ): when the plan chose
