@@ -225,3 +225,50 @@ def test_integer_buffers_the_model_fixes_are_loaded_as_stored() -> None:
     native = generic.family_for(config).native_dtypes
     assert native and set(native.values()) == {"I64"}
     assert any(name.endswith("ffn.gate.tid2eid") for name in native), sorted(native)[:4]
+
+
+class _LoopParent(torch.nn.Module):
+    """A decoder whose loop over its layers also runs a module stored beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        self.mixer = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def _mix(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mixer(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = self._mix(layer(h))  # through a helper: counts as the loop's use
+        return self.norm(h)
+
+
+def test_loop_uses_finds_modules_run_by_every_layer() -> None:
+    from pploader.families.hf_meta import loop_uses
+    outer = torch.nn.Module()
+    outer.model = _LoopParent()
+    assert loop_uses(outer, "model.layers") == {"model.mixer"}
+
+
+def test_tensor_every_layer_uses_is_read_by_every_stage(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Family.shared`` with "every" (a tensor stored outside the layers that the layer loop
+    runs): each stage reads it; without those reads the strict accounting refuses."""
+    import dataclasses
+    from pploader.planning.roles import CheckpointRoles
+    _save("olmo2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    fam = generic.family_for(config)
+    fam = dataclasses.replace(fam, shared=(("model.norm.weight", "model.norm.weight", "every"),))
+    spec, index = spec_from_config(config, family=fam), open_checkpoint(tmp_path)
+    plans = plan_all(spec, index, 3)
+    assert all("model.norm.weight" in {i.target for i in p.items} for p in plans)
+    got = {r: dict(Reader(p))["model.norm.weight"] for r, p in enumerate(plans)}
+    assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[2])
+    monkeypatch.setattr(CheckpointRoles, "shared_reads", lambda self, w, e: [])
+    with pytest.raises(PlanError, match="model.norm.weight, a tensor every layer uses"):
+        plan_all(spec_from_config(config, family=fam), open_checkpoint(tmp_path), 3)

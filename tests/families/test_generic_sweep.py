@@ -141,3 +141,40 @@ def test_shrink_keeps_layer_patterns() -> None:
     qwen = generic_sweep.model_config(generic_sweep.tiny_config("qwen3_5"),
                                       transformers.Qwen3_5ForCausalLM)
     assert type(qwen).__name__ == "Qwen3_5TextConfig" and qwen.vocab_size == 128
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "zamba2"])
+def test_shared_block_planned_for_every_stage(model_type: str, tmp_path: Path, quiet: None,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """Zamba's shared transformer block: stored once (layer 2), tied into every later hybrid
+    layer. At PP=4 (one layer per stage) the stage of layer 3 reads layer 2's tensors under
+    its own names; the independent check (the module tree's needs per layer) agrees, and a
+    transformers stage built from the plan has no parameter left unloaded. Without the
+    shared reads the strict accounting refuses, and the independent check would fail."""
+    from pploader import PlanError
+    from pploader.integrations.hf import build_stage
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.plan import plan_all
+    from pploader.planning.roles import CheckpointRoles
+    from pploader.planning.spec import load_spec
+    from pploader.planning.topology import Topology
+    arch = generic_sweep.causal_lm_types()[model_type]
+    model = generic_sweep._checkpoint(model_type, arch, tmp_path / "m")
+    spec, index = load_spec(tmp_path / "m"), open_checkpoint(tmp_path / "m")
+    shared = spec.for_checkpoint(index.weight_map).family.shared
+    assert shared and all(t.startswith("model.layers.3.") and s.startswith("model.layers.2.")
+                          for t, s, _ in shared)
+    generic_sweep.exactness_check(model, spec, index, 4)
+    last = plan_all(spec, index, 4)[3]
+    borrowed = {(i.name, i.target) for i in last.items if i.name != i.target}
+    assert {(s, t) for t, s, _ in shared} <= borrowed
+    for rank in range(4):  # transformers' own loader: strict, no parameter left on meta
+        build_stage(tmp_path / "m", Topology(4, rank=rank))
+    monkeypatch.setattr(CheckpointRoles, "shared_reads", lambda self, w, e: [])
+    with pytest.raises(PlanError, match="tied copy of model.layers.2"):
+        plan_all(load_spec(tmp_path / "m"), open_checkpoint(tmp_path / "m"), 4)
+    with pytest.raises(AssertionError, match="needs but does not load"):
+        import pploader.planning.plan as plan_mod
+        monkeypatch.setattr(plan_mod, "check_expected", lambda *a, **k: None)
+        generic_sweep.exactness_check(model, load_spec(tmp_path / "m"),
+                                      open_checkpoint(tmp_path / "m"), 4)
