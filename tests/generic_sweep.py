@@ -91,7 +91,8 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
             want = ref[item.name]
             if plan.experts is not None and item.shape != tuple(want.shape):
                 e0, e1 = plan.experts
-                want = want[e0:e1]
+                rows = want.shape[0] // spec.num_experts  # 1, or E x rows flattened (DBRX)
+                want = want[e0 * rows:e1 * rows]
             tensor = got[item.target]
             if tensor.dtype != want.dtype or not torch.equal(
                     tensor.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
@@ -161,6 +162,21 @@ def exactness_check(model: torch.nn.Module, spec: Any, index: Any, pp: int) -> N
         raise AssertionError(f"PP={pp}: never loaded {sorted(stored - loaded)[:4]}")
 
 
+def pools_outcome(spec: Any, index: Any) -> str:
+    """What default ``pploader load`` (pools on) does at PP=2 after planning: "ok" when every
+    stage's cache geometry is derived, else "refused before reading: ..." (the planning-step
+    check of ``job._plan``, exit 2 naming --no-pools)."""
+    from pploader import PPLoaderError
+    from pploader.cache.geometry import stage_geometry
+    from pploader.planning.plan import make_windows
+    try:
+        for window in make_windows(spec, index, 2):
+            stage_geometry(spec.for_checkpoint(index.weight_map), window, 1)
+    except PPLoaderError as exc:
+        return f"refused before reading: {exc.detail[:80]}"
+    return "ok"
+
+
 def _forward(arch: str, path: Path) -> str:
     """PP=2 logits from pploader-loaded stages vs transformers' ``from_pretrained`` of the
     same checkpoint (the reference: the same load path, incl. its buffer initialisation)."""
@@ -225,6 +241,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
         pp_all = min(spec.num_layers, 4)
         exactness_check(model, spec, index, pp_all)  # one layer per stage: every boundary
         row["exact_pp"] = pp_all
+        row["pools"] = pools_outcome(spec, index)
         try:
             plan_all(spec, index, 2, 2, 1)
             row["tp2"] = "ok"
@@ -250,7 +267,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model type | architecture | family | result | layer kinds | loads | TP=2 | "
-             "PP=2 forward |", "|---|---|---|---|---|---|---|---|"]
+             "PP=2 forward | pools |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         result = r["result"] if r["result"] == "exact" else f"{r['result']}: {r.get('reason', '')}"
         result = result.replace("|", "/").replace("\n", " ").split(" (not a decoder")[0]
@@ -259,7 +276,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         family = "generic" if family.startswith("generic") else family
         lines.append(f"| {r['model_type']} | {r['architecture']} | {family} | {result} | "
                      f"{', '.join(r.get('kinds', []))} | {', '.join(r.get('loads', []))} | "
-                     f"{r.get('tp2', '')} | {r.get('forward', '')} |".replace("\n", " "))
+                     f"{r.get('tp2', '')} | {r.get('forward', '')} | "
+                     f"{r.get('pools', '')} |".replace("\n", " "))
     return "\n".join(lines) + "\n"
 
 

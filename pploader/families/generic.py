@@ -25,6 +25,7 @@ from functools import lru_cache
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
+from .cache_dims import param_cache_dims
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
 from .mxfp4 import is_mxfp4, mxfp4_naming
@@ -76,8 +77,9 @@ def _family(meta: MetaModel) -> Family:
     aliases = {k: v for k, v in text.items()
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                         "vocab_size", "num_hidden_layers")}
+    dims = param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params))
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
-                  layout=lambda _config: layout, mtp_pattern=mtp_pattern,
+                  layout=lambda _config: layout, mtp_pattern=mtp_pattern, cache_dims=dims,
                   config_defaults=aliases, native_dtypes=_integer_dtypes(meta),
                   formats=tuple(formats), **fields)
 
@@ -279,14 +281,18 @@ _ROUTERS = {"gate", "router", "layer", "routing", "gating", "switch", "wg", "cla
 
 def _router(tokens: list[str], shape: tuple[int, ...], num_experts: int) -> bool:
     """A MoE router's parameter: under a router-named module (``mlp.gate.weight``,
-    ``mlp.gate.e_score_correction_bias``, ``mlp.router.bias``), at most 2-D, with the expert
-    count as its first or last dim (not an expert's own gate projection)."""
+    ``mlp.gate.e_score_correction_bias``, ``mlp.router.bias``) or named as routing state
+    (``mlp.expert_bias``), at most 2-D, with the expert count as its first or last dim; never
+    inside the experts or an attention module."""
     if not num_experts or len(shape) == 0 or len(shape) > 2 or len(tokens) < 2:
         return False
     if num_experts not in (shape[0], shape[-1]) or "experts" in tokens:
         return False
-    if shape == (num_experts,) or tokens[-1] in _ROUTER_TENSORS:
-        return True  # one value per expert outside the experts (``expert_bias``)
+    if any("attn" in t or "attention" in t for t in tokens):
+        return False  # per-head parameters (Beam's ``self_attn.gate_bias`` [heads]) are not
+        #              routers, even where heads == experts
+    if tokens[-1] in _ROUTER_TENSORS:
+        return True  # routing state by name (``mlp.expert_bias``, ``e_score_correction_bias``)
     return any(t in _ROUTERS for t in tokens[-3:-1])
 
 

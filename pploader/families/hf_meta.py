@@ -168,6 +168,36 @@ def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
             for name, p in own.items():
                 if p.dim() >= 2 and p.shape[0] == big[0]:
                     keys[f"{path}.{name}"] = -1
+    if not keys:
+        count, keys = _declared_experts(layer)
+    return count, keys
+
+
+#: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,
+#: DBRX's ExpertGLU)
+_COUNT_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
+
+
+def _declared_experts(layer: Any) -> tuple[int, dict[str, int]]:
+    """Stacked experts of modules not named ``experts`` that declare their expert count
+    ``E`` (``_COUNT_ATTRS``): their own parameters with dim 0 = E and >= 3 dims (JetMoE's
+    ``input_linear.weight`` ``[E, 2I, H]``), or 2-d with the experts flattened into dim 0
+    (``E x rows``, DBRX's ``experts.mlp.w1`` ``[E x I, H]``). A router (``[E, H]``, 2-d with
+    dim 0 = E) is neither."""
+    count, keys = 0, {}
+    for path, module in layer.named_modules():
+        declared = [getattr(module, a, None) for a in _COUNT_ATTRS]
+        num = next((int(v) for v in declared if isinstance(v, int) and v > 1), 0)
+        if not num:
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            stacked = (p.dim() >= 3 and p.shape[0] == num) or (
+                p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0)
+            if stacked:
+                if count and count != num:
+                    return 0, {}  # two different declared counts: not guessed
+                count = num
+                keys[f"{path}.{name}" if path else name] = -1
     return count, keys
 
 

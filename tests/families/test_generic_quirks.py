@@ -272,3 +272,29 @@ def test_tensor_every_layer_uses_is_read_by_every_stage(tmp_path: Path,
     monkeypatch.setattr(CheckpointRoles, "shared_reads", lambda self, w, e: [])
     with pytest.raises(PlanError, match="model.norm.weight, a tensor every layer uses"):
         plan_all(spec_from_config(config, family=fam), open_checkpoint(tmp_path), 3)
+
+
+@pytest.mark.parametrize("comp,shape,split", [
+    ("mlp.gate.weight", (8, 64), None),                      # router: replicated
+    ("mlp.gate.e_score_correction_bias", (8,), None),        # routing state
+    ("mlp.moe_statics.e_score_correction_bias", (1, 8), None),
+    ("mlp.expert_bias", (8,), None),
+    ("mlp.shared_expert_gate.weight", (1, 64), None),        # one-output gate
+    ("self_attn.layer_scalar", (1,), None),                  # scalar
+    ("self_attn.sinks", (8,), 0),                            # per head: split with the heads
+    ("self_attn.gate_bias", (8,), "refused"),                # per head, heads == experts: no guess
+    ("mlp.experts.down_proj_blocks", (8, 64, 2, 16), "refused"),  # MXFP4: gate/up order unknown
+])
+def test_generic_tp_rules_for_small_tensors(comp: str, shape: tuple, split: object) -> None:
+    """Routers and routing state replicated as engines do; per-head tensors split or refused
+    (never replicated because heads happen to equal experts); MXFP4 experts refused."""
+    from pploader.families.hf_meta import Naming
+    naming = Naming("original", {}, r"model\.layers\.(\d+)\.", (), (), None, (), None, None)
+    text = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "vocab_size": 128}
+    rule = generic._rule(re.escape(comp), comp, shape, naming, text, 8)
+    if split == "refused":
+        with pytest.raises(PlanError, match="no unambiguous split"):
+            rule.segments(type("Spec", (), {"architecture": "X"})())  # type: ignore[misc]
+    else:
+        assert rule.dim == split and rule.segments is None

@@ -9,6 +9,7 @@ is in docs/families.md).
 """
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -178,3 +179,59 @@ def test_shared_block_planned_for_every_stage(model_type: str, tmp_path: Path, q
         monkeypatch.setattr(plan_mod, "check_expected", lambda *a, **k: None)
         generic_sweep.exactness_check(model, load_spec(tmp_path / "m"),
                                       open_checkpoint(tmp_path / "m"), 4)
+
+
+@pytest.mark.parametrize("model_type", ["mamba", "falcon_mamba", "mamba2", "zamba2"])
+def test_ssm_cache_geometry_from_the_layers_parameters(model_type: str, quiet: None) -> None:
+    """Configs naming SSM sizes under keys the config-key readers do not know (Mamba's
+    ``state_size`` / ``intermediate_size``, Mamba2's ``num_heads``): the generic family sizes
+    the cache from each mixer's own parameter shapes. Each layer's conv / ssm state equals
+    the one transformers' own cache holds after a forward (conv: pploader keeps kernel - 1)."""
+    import json
+    import transformers
+    from pploader.cache.geometry import model_cache
+    from pploader.planning.spec import spec_from_config
+    arch = generic_sweep.causal_lm_types()[model_type]
+    config = generic_sweep.model_config(generic_sweep.tiny_config(model_type),
+                                        getattr(transformers, arch))
+    raw = json.loads(config.to_json_string())
+    spec = spec_from_config({**raw, "architectures": [arch], "dtype": "float32"})
+    model = getattr(transformers, arch)._from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(5).unsqueeze(0), use_cache=True)
+    cache = getattr(out, "past_key_values", None) or getattr(out, "cache")
+    checked = 0
+    for layer, ours in enumerate(model_cache(spec, 1)):
+        if not ours.states:
+            continue
+        theirs = cache.layers[layer]
+        (conv,), (ssm,) = theirs.conv_states.values(), theirs.recurrent_states.values()
+        got = {s.name: s.shape for s in ours.states}
+        assert got["conv"] == (conv.shape[1], conv.shape[2] - 1), (layer, got, conv.shape)
+        assert got["ssm"] == tuple(ssm.shape[1:]), (layer, got, ssm.shape)
+        checked += 1
+    assert checked >= 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type,exit_code", [("rwkv", 2), ("mamba2", 0)])
+def test_default_load_pools_succeed_or_refused_before_reading(
+        model_type: str, exit_code: int, tmp_path: Path, quiet: None) -> None:
+    """Default ``pploader load`` (pools on): a model whose cache geometry is derived loads
+    (mamba2: sized from the mixers' parameters); one with a layer kind pploader cannot size
+    (RWKV's time mixing) is refused in the planning step, exit 2 naming --no-pools,
+    and loads with --no-pools."""
+    arch = generic_sweep.causal_lm_types()[model_type]
+    model_dir = tmp_path / "model"
+    generic_sweep._checkpoint(model_type, arch, model_dir)
+    args = [sys.executable, "-m", "pploader", "load", "--model", str(model_dir), "--pp", "1",
+            "--timeout", "60"]  # one process: the launcher-less single-rank load
+    proc = run(args, timeout=300)
+    assert proc.returncode == exit_code, proc.stderr[-3000:]
+    if exit_code == 2:
+        assert "--no-pools" in proc.stderr and "cache pools cannot be sized" in proc.stderr
+        assert "read" not in proc.stdout  # no per-rank read table: nothing was loaded
+        proc = run(args + ["--no-pools"], timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    else:
+        assert "cache pools" in proc.stdout
