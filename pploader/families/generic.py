@@ -74,9 +74,10 @@ def _family(meta: MetaModel) -> Family:
         if marker is not None:
             changes = {k: v for k, v in _naming_fields(naming, meta).items() if k != "format"}
             formats.append(CheckpointFormat(naming.name, marker, tuple(changes.items())))
-    aliases = {k: v for k, v in text.items()
+    aliases = {k: v for k, v in text.items()  # the config class's defaults, as transformers
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                        "vocab_size", "num_hidden_layers")}
+                        "vocab_size", "num_hidden_layers", "tie_word_embeddings")}
+    #                                                    (Gemma-3 ties by default)
     dims = param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params))
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
                   layout=lambda _config: layout, mtp_pattern=mtp_pattern, cache_dims=dims,

@@ -298,3 +298,19 @@ def test_generic_tp_rules_for_small_tensors(comp: str, shape: tuple, split: obje
             rule.segments(type("Spec", (), {"architecture": "X"})())  # type: ignore[misc]
     else:
         assert rule.dim == split and rule.segments is None
+
+
+def test_config_defaults_from_the_config_class(tmp_path: Path) -> None:
+    """A config.json without ``tie_word_embeddings`` whose transformers config class ties by
+    default (Gemma-3) is planned tied, as transformers loads it: the last stage reads the
+    embedding as its head (not "lm_head.weight missing")."""
+    import generic_sweep
+    generic_sweep._checkpoint("gemma3_text", "Gemma3ForCausalLM", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    assert spec.tie_word_embeddings and "lm_head.weight" not in index.weight_map
+    last = plan_all(spec, index, 2)[1]
+    assert ("model.embed_tokens.weight", "lm_head.weight") in {(i.name, i.target)
+                                                              for i in last.items}

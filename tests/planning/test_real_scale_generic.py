@@ -71,3 +71,43 @@ def test_gpt_oss_120b_tp8_refused_naming_the_expert_tensor(gpt_oss: Path) -> Non
     with pytest.raises(PlanError, match=r"mlp\.experts\.") as err:
         plan_all(spec, index, 2, 8, 1)
     assert err.value.tensor is not None and ".experts." in err.value.tensor
+
+
+@pytest.fixture(scope="module")
+def glm_air(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_generic_layout("glm-4.5-air", tmp_path_factory.mktemp("generic-layouts"))
+
+
+def test_glm_45_air_router_bias_exact_at_pp2_tp8(glm_air: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """GLM-4.5-Air (generic family: 128 experts, ``mlp.gate.e_score_correction_bias``, q/k/v
+    biases, shared expert; 43 sparse shards of 5 GB): PP=2 x TP=8 plans every tensor on one
+    stage; per stage and tensor the 8 TP ranks' bytes add up to the tensor (split) or each
+    rank reads it whole (replicated: routers, their bias, norms), independent of the rules."""
+    spec, index = load_spec(glm_air), open_checkpoint(glm_air)
+    assert spec.family.name == "generic:glm4_moe" and spec.num_experts == 128
+    plans = plan_all(spec, index, 2, 8, 1)
+    owner: dict[str, set[int]] = defaultdict(set)
+    per_rank: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for plan in plans:
+        for item in plan.items:
+            owner[item.name].add(plan.topology.pp_rank)
+            per_rank[plan.topology.pp_rank, item.name].append(item.nbytes)
+    assert set(owner) == set(index.weight_map) and all(len(s) == 1 for s in owner.values())
+    split = replicated = 0
+    for (stage, name), sizes in per_rank.items():
+        whole = index.entry(name).nbytes
+        assert len(sizes) == 8, (stage, name)
+        if all(s == whole for s in sizes):
+            replicated += 1
+        else:
+            assert sum(sizes) >= whole and max(sizes) * 8 - sum(sizes) < max(sizes), name
+            split += 1
+    routers = [n for n in index.weight_map if n.endswith(("mlp.gate.weight",
+                                                         "e_score_correction_bias"))]
+    assert routers and all(all(s == index.entry(n).nbytes for s in per_rank[
+        next(iter(owner[n])), n]) for n in routers)
+    assert split > replicated > 0
+    seconds = _one_rank_seconds(glm_air, 2, 8, 1)
+    with capsys.disabled():
+        print(f"\nglm-4.5-air PP=2 x TP=8: one rank planned in {seconds * 1000:.0f} ms")
