@@ -235,3 +235,36 @@ def test_default_load_pools_succeed_or_refused_before_reading(
         assert proc.returncode == 0, proc.stderr[-3000:]
     else:
         assert "cache pools" in proc.stdout
+
+
+def test_zamba2_two_shared_blocks_every_stage_gets_its_weights(tmp_path: Path,
+                                                               quiet: None) -> None:
+    """Zamba2 with two shared blocks cycling over four hybrid layers (0, 2, 3, 5: layer 3
+    ties to 0, layer 5 to 2): exact at PP 2, 3 and 6 under the independent check, and every
+    stage transformers builds from the plan holds exactly from_pretrained's weights."""
+    import transformers
+    from pploader.integrations.hf import build_stage
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.spec import load_spec
+    from pploader.planning.topology import Topology
+    config = generic_sweep.model_config(generic_sweep.tiny_config("zamba2"),
+                                        transformers.Zamba2ForCausalLM)
+    config.num_hidden_layers, config.num_mem_blocks = 6, 2
+    config.layers_block_type = ["hybrid", "linear_attention", "hybrid", "hybrid",
+                                "linear_attention", "hybrid"]
+    config.hybrid_layer_ids = [0, 2, 3, 5]
+    config.architectures = ["Zamba2ForCausalLM"]
+    torch.manual_seed(0)
+    model = transformers.Zamba2ForCausalLM._from_config(config, dtype=torch.float32).eval()
+    model.save_pretrained(tmp_path, max_shard_size="40KB")
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    pairs = {(t.split(".")[2], s.split(".")[2])
+             for t, s, _ in spec.for_checkpoint(index.weight_map).family.shared}
+    assert pairs == {("3", "0"), ("5", "2")}
+    for pp in (2, 3, 6):
+        generic_sweep.exactness_check(model, spec, index, pp)
+    ref = transformers.Zamba2ForCausalLM.from_pretrained(tmp_path, dtype=torch.float32)
+    want = ref.state_dict()
+    for rank in range(3):
+        got = build_stage(tmp_path, Topology(3, rank=rank)).model.state_dict()
+        assert all(torch.equal(v, want[k]) for k, v in got.items() if not v.is_meta), rank
