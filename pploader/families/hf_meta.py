@@ -323,7 +323,8 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     layers_path = _layers_path(model, getattr(text, "num_hidden_layers", None))
     layers = model.get_submodule(layers_path)
     num_layers = len(layers)
-    every_key = list(model.state_dict())  # tied copies too: where each one sits
+    full_state = model.state_dict()  # tied copies too: where each one sits, what layers run
+    every_key = list(full_state)
     state, tied = _saved_state(model)
     keys = list(state)
     lp = layers_path + "."
@@ -398,7 +399,15 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         namings = namings[:1]
     dtypes = {k: str(v.dtype).replace("torch.", "")  # the model's names and the saved ones
               for k, v in (*state.items(), *reverted.items())}
-    layer_params = tuple(signature[i] for i in range(num_layers))
+    # what each layer runs with, tied copies included (Zamba2's hybrid layers after the first
+    # hold the shared block only as a tied copy: still attention, for the layer kinds)
+    ran: dict[int, list[tuple[str, tuple[int, ...]]]] = {i: [] for i in range(num_layers)}
+    for k, v in full_state.items():
+        if k.startswith(lp):
+            idx, _, rel = k[len(lp):].partition(".")
+            if idx.isdigit() and int(idx) in ran:
+                ran[int(idx)].append((rel, tuple(v.shape)))
+    layer_params = tuple(tuple(ran[i]) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
                      num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
                      _text_values(text))

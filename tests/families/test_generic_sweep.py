@@ -186,7 +186,9 @@ def test_ssm_cache_geometry_from_the_layers_parameters(model_type: str, quiet: N
     """Configs naming SSM sizes under keys the config-key readers do not know (Mamba's
     ``state_size`` / ``intermediate_size``, Mamba2's ``num_heads``): the generic family sizes
     the cache from each mixer's own parameter shapes. Each layer's conv / ssm state equals
-    the one transformers' own cache holds after a forward (conv: pploader keeps kernel - 1)."""
+    the one transformers' own cache holds after a forward (conv: pploader keeps kernel - 1),
+    and a layer has KV pages exactly where transformers caches keys (Zamba2's hybrid layer 3,
+    whose shared block is a tied copy, included)."""
     import json
     import transformers
     from pploader.cache.geometry import model_cache
@@ -202,9 +204,13 @@ def test_ssm_cache_geometry_from_the_layers_parameters(model_type: str, quiet: N
     cache = getattr(out, "past_key_values", None) or getattr(out, "cache")
     checked = 0
     for layer, ours in enumerate(model_cache(spec, 1)):
+        theirs = cache.layers[layer]
+        keys = getattr(theirs, "keys", None)  # attention beside the mixer (Zamba2's hybrid
+        assert (ours.kv is None) == (keys is None), (layer, ours.kind)  # layers, tied ones too)
+        if keys is not None:
+            assert (ours.kv.heads, ours.kv.head_dim) == (keys.shape[1], keys.shape[3]), layer
         if not ours.states:
             continue
-        theirs = cache.layers[layer]
         (conv,), (ssm,) = theirs.conv_states.values(), theirs.recurrent_states.values()
         got = {s.name: s.shape for s in ours.states}
         assert got["conv"] == (conv.shape[1], conv.shape[2] - 1), (layer, got, conv.shape)
