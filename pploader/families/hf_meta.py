@@ -20,10 +20,11 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
+from .hf_ties import loop_uses, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Naming", "MetaModel", "derive", "build_meta_model", "hf_config"]
+__all__ = ["Naming", "MetaModel", "derive", "build_meta_model", "hf_config", "loop_uses"]
 
 Shapes = dict[str, tuple[int, ...]]
 _DIGIT = re.compile(r"\d+")
@@ -230,41 +231,6 @@ def forward_order(model: Any, layers_path: str) -> dict[str, str]:
             for name in own if name in first_use and name != layers_name}
 
 
-def loop_uses(model: Any, layers_path: str) -> set[str]:
-    """Paths of the children (and own parameters / buffers) of the module holding the decoder
-    layers that its ``forward`` uses inside the loop over them (``for layer in self.layers:
-    ... self.shared(...)``): run by every layer, so needed on every stage. Read from the source
-    like ``forward_order``; helpers called in the loop count with what they use."""
-    import ast
-    import inspect
-    import textwrap
-    parent_path, _, layers_name = layers_path.rpartition(".")
-    parent = model.get_submodule(parent_path) if parent_path else model
-    cls = type(parent)
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
-    except (OSError, TypeError, SyntaxError, AttributeError):
-        return set()
-    used: set[str] = set()
-    for loop in ast.walk(tree):
-        if not isinstance(loop, ast.For) or not any(
-                isinstance(n, ast.Attribute) and n.attr == layers_name
-                for n in ast.walk(loop.iter)):
-            continue
-        for stmt in loop.body:
-            for node in ast.walk(stmt):
-                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                        and node.value.id == "self":
-                    used.add(node.attr)
-                    if inspect.isfunction(inspect.getattr_static(cls, node.attr, None)):
-                        used.update(_first_uses(cls, node.attr, 1))
-    prefix = parent_path + "." if parent_path else ""
-    own = [n for n, _ in parent.named_children()]
-    own += [n for n, _ in parent.named_parameters(recurse=False)]
-    own += [n for n, _ in parent.named_buffers(recurse=False)]
-    return {prefix + n for n in own if n in used and n != layers_name}
-
-
 def _first_uses(cls: type, method: str, depth: int,
                 calls: bool = False) -> dict[str, tuple[int, int]]:
     """``{attribute: (line, column)}`` of each ``self.<attribute>`` first use (with ``calls``:
@@ -379,7 +345,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         own = {f"{n}.weight" for n, m in model.named_modules(remove_duplicate=False)
                if m is head_mod}  # the head's own name, not another tied copy's (ProphetNet)
         head_key = next((n for n in aliases if n in own), aliases[0] if aliases else None)
-    shared_pairs = _shared_pairs(model, tied, state, every_key, lp, order, head_key)
+    shared_pairs = tied_copies(model, tied, state, every_key, lp, order, head_key)
     loop = loop_uses(model, layers_path)  # stored once outside the layers, run by each
     shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
                      and any(k.startswith(p + ".") or k == p for p in loop)]
@@ -388,7 +354,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     for fmt in ("original", "transformers"):
         naming = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
                          stage_of, per_layer_experts, num_experts, embed_key, head_key)
-        namings.append(replace(naming, shared=_shared(fmt, model, state, shared_pairs)))
+        namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
     reverted = revert_weight_conversion(model, dict(state))
     full = {k: tuple(v.shape) for k, v in reverted.items()}
     if dict(namings[0].template) != full:
@@ -492,61 +458,6 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     return Naming(fmt, template, re.escape(prefix) + r"(\d+)\.", tuple(first), tuple(last),
                   _expert_regex(expert_names, num_experts), tuple(sorted(fused)), embed, head,
                   head_shape)
-
-
-def _shared_pairs(model: Any, tied: list[tuple[str, str]], state: dict, every_key: list[str],
-                  lp: str, order: Mapping[str, str], head_key: Optional[str]
-                  ) -> list[tuple[str, str, str]]:
-    """(target, source, where the target is used) of every tied copy save_pretrained drops,
-    the output head's tie aside (``tie_word_embeddings``: the planner's declared replica).
-    Zamba's shared transformer block is such a copy in every hybrid layer after the first:
-    a stage holding one of those layers needs the source's bytes under the copy's name."""
-    ids: dict[int, str] = {}
-    for n, p in model.named_parameters(remove_duplicate=False):
-        if n in state:
-            ids.setdefault(id(p), n)
-    for n, b in model.named_buffers(remove_duplicate=False):
-        if n in state:
-            ids.setdefault(id(b), n)
-    objects = dict(model.named_parameters(remove_duplicate=False))
-    objects.update(dict(model.named_buffers(remove_duplicate=False)))
-    first_layer_pos = next((i for i, k in enumerate(every_key) if k.startswith(lp)),
-                           len(every_key))
-    out = []
-    for target, source in tied:
-        if target == head_key:
-            continue
-        if not source or source not in state:  # tied by identity: the stored name of the object
-            source = ids.get(id(objects.get(target)), "")
-        if not source:
-            raise ConfigError(f"{target} is a tied copy save_pretrained drops, but the stored "
-                              "tensor it is tied to cannot be found: its stage could not be "
-                              "planned exactly", file="config.json")
-        if target.startswith(lp):
-            where = "layer"
-        else:
-            where = next((v for m, v in order.items() if target.startswith(m + ".")),
-                         "first" if every_key.index(target) < first_layer_pos else "last")
-        out.append((target, source, where))
-    return out
-
-
-def _shared(fmt: str, model: Any, state: dict, pairs: list[tuple[str, str, str]]
-            ) -> tuple[tuple[str, str, str], ...]:
-    """``pairs`` in the names of the naming ``fmt`` (the target spelled as that naming would
-    store it, from the source's tensor)."""
-    out = []
-    for target, source, where in pairs:
-        if fmt == "transformers":
-            out.append((target, source, where))
-            continue
-        src = list(_revert_one(model, source, state[source]))
-        tgt = list(_revert_one(model, target, state[source]))
-        if len(src) != len(tgt):
-            raise ConfigError(f"tied copy {target} of {source}: the checkpoint spells them as "
-                              f"{len(tgt)} and {len(src)} tensors", file="config.json")
-        out.extend(zip(tgt, src, [where] * len(src)))
-    return tuple(out)
 
 
 def _split_layer(name: str, layer: int) -> tuple[str, str]:
