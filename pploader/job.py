@@ -273,7 +273,21 @@ def _plan(model_dir: os.PathLike | str, opened: _OpenOnce, topology: Any,
                         opened=opened())
     if check_plan is not None:
         check_plan(staged)
+    if pools is not None:  # the cache geometry is input too: refused here, before reading
+        _check_geometry(staged, topology.tp_size, topology.rank)
     return _Planned(staged, device, pools_on, pools)
+
+
+def _check_geometry(staged: "StagePlan", tp: int, rank: int) -> None:
+    """The stage's cache geometry, or a ConfigError (exit 2) saying the weights load without
+    pools: a model whose cache cannot be sized is refused in planning, not after reading."""
+    from .cache.geometry import stage_geometry
+    try:
+        stage_geometry(staged.spec, staged.plan.window, tp)
+    except (ConfigError, PlanError) as exc:
+        raise ConfigError(f"cache pools cannot be sized for this model: {exc.detail}; load it "
+                          "without pools (--no-pools, StageLoadOptions.build_pools=False)",
+                          file=exc.file, rank=rank) from None
 
 
 def _node_ranks(per_node: Optional[int], rank: int, world_size: int) -> Optional[range]:

@@ -83,19 +83,24 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
     seen: dict[str, set[int]] = {}
     total = 0
     resolved = spec.for_checkpoint(index.weight_map)
+    shared_targets = {t for t, _, w in resolved.family.shared if w != "every"}
+    every = {t for t, _, w in resolved.family.shared if w == "every"}  # read by each stage
     for plan in plans:
         got = dict(Reader(plan))
         for item in plan.items:
             want = ref[item.name]
             if plan.experts is not None and item.shape != tuple(want.shape):
                 e0, e1 = plan.experts
-                want = want[e0:e1]
+                rows = want.shape[0] // spec.num_experts  # 1, or E x rows flattened (DBRX)
+                want = want[e0 * rows:e1 * rows]
             tensor = got[item.target]
             if tensor.dtype != want.dtype or not torch.equal(
                     tensor.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8)):
                 raise AssertionError(f"rank {plan.topology.rank}: {item.name} differs from safe_open")
             total += 1
-        for name in plan.tensors:
+        borrowed = {i.name for i in plan.items if i.target != i.name and i.target in
+                    shared_targets}  # a tied copy's source, read for a layer of this stage
+        for name in set(plan.tensors) - borrowed:
             seen.setdefault(name, set()).add(plan.topology.pp_rank)
     missing = sorted(set(index.weight_map) - set(seen))
     if missing:
@@ -103,9 +108,73 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
     for name, stages in seen.items():
         role = resolved.family.classify(name, resolved.num_layers, resolved.num_mtp_layers)
         replica = resolved.tie_word_embeddings and role is not None and role.role == "embed"
-        if len(stages) != (1 + (pp > 1 and replica)):
+        if len(stages) != (pp if name in every else 1 + (pp > 1 and replica)):
             raise AssertionError(f"{name} planned by stages {sorted(stages)}")
     return total
+
+
+def stage_needs(model: torch.nn.Module, layer: int) -> set[str]:
+    """The checkpoint names decoder layer ``layer`` of ``model`` runs with, from the module
+    tree alone (independent of pploader's accounting): every parameter and persistent buffer
+    registered under the layer, tied copies included (``state_dict`` keeps every path), as
+    transformers' own conversion mapping spells them on disk."""
+    from transformers.core_model_loading import revert_weight_conversion
+    from pploader.families.hf_meta import _layers_path
+    path = _layers_path(model, len(_decoder_layers(model)))
+    state = {k: v for k, v in model.state_dict().items() if k.startswith(f"{path}.{layer}.")}
+    return set(revert_weight_conversion(model, state))
+
+
+def _decoder_layers(model: torch.nn.Module) -> list:
+    text = model.config.get_text_config()
+    return [None] * int(getattr(text, "num_hidden_layers"))
+
+
+def exactness_check(model: torch.nn.Module, spec: Any, index: Any, pp: int) -> None:
+    """Independent exactness at PP=``pp`` (one layer per stage at pp = layers): for every
+    stage, the names its layers need (``stage_needs``) are exactly the layer names it loads
+    (plan targets), and every stored tensor is loaded by some stage. Catches a plan that
+    reads every stored tensor once yet leaves a layer without a weight it runs (a tied copy
+    such as Zamba's shared block)."""
+    from pploader.planning.plan import plan_all
+    resolved = spec.for_checkpoint(index.weight_map)
+    fam = resolved.family
+    plans = plan_all(spec, index, pp, 1, 1)
+    loaded: set[str] = set()
+    for plan in plans:
+        targets = {i.target for i in plan.items}
+        loaded |= targets
+        w = plan.window
+        need: set[str] = set()
+        for layer in range(w.start_layer, w.end_layer):
+            need |= stage_needs(model, layer)
+        layer_targets = {t for t in targets if (r := fam.classify(
+            t, resolved.num_layers, resolved.num_mtp_layers)) is not None and r.placement == "layer"}
+        if need != layer_targets:
+            raise AssertionError(
+                f"PP={pp} stage {w.pp_rank} (layers {w.start_layer}-{w.end_layer - 1}): needs "
+                f"but does not load {sorted(need - layer_targets)[:4]}, loads but does not "
+                f"need {sorted(layer_targets - need)[:4]}")
+    stored = set(index.weight_map)
+    if not stored <= loaded | {n for n in stored if (r := fam.classify(
+            n, resolved.num_layers, resolved.num_mtp_layers)) is not None and r.placement in
+            ("mtp", "ignored")}:
+        raise AssertionError(f"PP={pp}: never loaded {sorted(stored - loaded)[:4]}")
+
+
+def pools_outcome(spec: Any, index: Any) -> str:
+    """What default ``pploader load`` (pools on) does at PP=2 after planning: "ok" when every
+    stage's cache geometry is derived, else "refused before reading: ..." (the planning-step
+    check of ``job._plan``, exit 2 naming --no-pools)."""
+    from pploader import PPLoaderError
+    from pploader.cache.geometry import stage_geometry
+    from pploader.planning.plan import make_windows
+    try:
+        for window in make_windows(spec, index, 2):
+            stage_geometry(spec.for_checkpoint(index.weight_map), window, 1)
+    except PPLoaderError as exc:
+        return f"refused before reading: {exc.detail[:80]}"
+    return "ok"
 
 
 def _forward(arch: str, path: Path) -> str:
@@ -147,7 +216,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
     row: dict[str, Any] = {"model_type": model_type, "architecture": arch}
     out = workdir / model_type
     try:
-        _checkpoint(model_type, arch, out)
+        model = _checkpoint(model_type, arch, out)
     except Timeout:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers cannot build/save it tiny on CPU
@@ -169,6 +238,10 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
             _load_check(spec, index, ref, 2, 2)
             layouts.append("PP=2xEP=2")
         row["loads"] = layouts
+        pp_all = min(spec.num_layers, 4)
+        exactness_check(model, spec, index, pp_all)  # one layer per stage: every boundary
+        row["exact_pp"] = pp_all
+        row["pools"] = pools_outcome(spec, index)
         try:
             plan_all(spec, index, 2, 2, 1)
             row["tp2"] = "ok"
@@ -194,7 +267,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     lines = ["| model type | architecture | family | result | layer kinds | loads | TP=2 | "
-             "PP=2 forward |", "|---|---|---|---|---|---|---|---|"]
+             "PP=2 forward | pools |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         result = r["result"] if r["result"] == "exact" else f"{r['result']}: {r.get('reason', '')}"
         result = result.replace("|", "/").replace("\n", " ").split(" (not a decoder")[0]
@@ -203,7 +276,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         family = "generic" if family.startswith("generic") else family
         lines.append(f"| {r['model_type']} | {r['architecture']} | {family} | {result} | "
                      f"{', '.join(r.get('kinds', []))} | {', '.join(r.get('loads', []))} | "
-                     f"{r.get('tp2', '')} | {r.get('forward', '')} |".replace("\n", " "))
+                     f"{r.get('tp2', '')} | {r.get('forward', '')} | "
+                     f"{r.get('pools', '')} |".replace("\n", " "))
     return "\n".join(lines) + "\n"
 
 

@@ -123,6 +123,59 @@ def build_layout(model: str, root: os.PathLike | str, *, shard_bytes: int = SHAR
     return out
 
 
+#: published configs of models no hand-written family covers (the generic family plans them)
+GENERIC_CONFIGS = Path(__file__).resolve().parent / "data" / "real_configs_generic"
+GENERIC_MODELS = tuple(sorted(p.stem for p in GENERIC_CONFIGS.glob("*.json")))
+#: gpt-oss: stored dtypes of the MXFP4 expert tensors (everything else is bfloat16)
+_GENERIC_DTYPES = {"_blocks": "U8", "_scales": "U8"}
+
+
+def build_generic_layout(model: str, root: os.PathLike | str, *,
+                         shard_bytes: int = SHARD_BYTES) -> Path:
+    """``build_layout`` for a published config under ``data/real_configs_generic`` (no
+    hand-written family): names and shapes from the generic family's template (the model
+    built on ``meta``, MXFP4 experts as blocks + scales), bfloat16 except MXFP4's uint8
+    blocks / scales; the config.json written as published (gpt-oss has no ``torch_dtype``)."""
+    out = Path(root) / model
+    done = out / ".complete"
+    if done.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((GENERIC_CONFIGS / f"{model}.json").read_text())
+    spec = spec_from_config({**config, "dtype": "bfloat16"})
+    template = spec.family.template(spec)  # type: ignore[misc]
+    names = sorted(template, key=lambda n: model_order(spec, n))
+    tensors = {n: (next((d for s, d in _GENERIC_DTYPES.items() if n.endswith(s)), "BF16"),
+                   tuple(template[n])) for n in names}
+    _write_groups(out, config, tensors, shard_bytes)
+    done.write_text("")
+    return out
+
+
+def _write_groups(out: Path, config: Mapping, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
+                  shard_bytes: int) -> None:
+    """Shards of at most ``shard_bytes`` (in order), their index and config.json."""
+    groups: list[dict[str, tuple[str, tuple[int, ...]]]] = [{}]
+    size = 0
+    for name, (dtype, shape) in tensors.items():
+        nbytes = _nbytes(dtype, shape)
+        if groups[-1] and size + nbytes > shard_bytes:
+            groups.append({})
+            size = 0
+        groups[-1][name] = (dtype, shape)
+        size += nbytes
+    weight_map: dict[str, str] = {}
+    for i, group in enumerate(groups):
+        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        _write_sparse(out / fname, group)
+        weight_map.update(dict.fromkeys(group, fname))
+    total = sum(_nbytes(d, s) for d, s in tensors.values())
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))})
+        + "\n")
+
+
 def _main(argv: list[str]) -> int:
     """Planning time per rank and for all ranks, per layout (docs/benchmarks.md)."""
     import argparse

@@ -7,11 +7,14 @@ module; the registry is built from them at import, so adding a family is adding 
 from __future__ import annotations
 
 import importlib
+import logging
 import pkgutil
 from typing import Mapping
 
 from ..errors import ConfigError
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, TensorRole
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["CheckpointFormat", "Family", "GlobalRule", "Layout", "ShardRule", "TensorRole",
            "FAMILIES", "MODEL_TYPES", "find_family", "supported_architectures"]
@@ -58,11 +61,15 @@ def find_family(config: Mapping) -> tuple[Family, str]:
         for fam in FAMILIES:
             if fam.accepts(arch, model_type):
                 return fam, arch
-    return _generic(config, archs[0])
+    return _generic(config, archs)
 
 
-def _generic(config: Mapping, arch: object) -> tuple[Family, str]:
-    """The generic family (transformers' meta model), or a ConfigError saying why not."""
+def _generic(config: Mapping, archs: list) -> tuple[Family, str]:
+    """The generic family (transformers' meta model); when it cannot be derived (a
+    ``model_type`` the installed transformers does not know, no transformers at all), the
+    hand-written family that names the architecture, as engines dispatch on
+    ``architectures``; else a ConfigError saying why not."""
+    arch = archs[0]
     try:
         from . import generic  # imports transformers lazily, only for unknown architectures
         return generic.family_for(config), str(arch)
@@ -70,6 +77,13 @@ def _generic(config: Mapping, arch: object) -> tuple[Family, str]:
         reason = f"the generic family needs transformers ({exc})"
     except ConfigError as exc:
         reason = f"the generic family cannot derive it: {exc.detail}"
+    for name in archs:
+        for fam in FAMILIES:
+            if fam.accepts(name, None):
+                logger.info("%s: model_type %r is not one %s was written for, and %s; planned "
+                            "with the hand-written family %s by its architecture", name,
+                            config.get("model_type"), fam.name, reason, fam.name)
+                return fam, name
     raise ConfigError(f"unsupported architecture {arch!r}: {reason}; hand-written families: "
                       + ", ".join(supported_architectures())
                       + " (docs/families.md explains how to add a family)", file="config.json")

@@ -270,6 +270,12 @@ class Family:
     cache_dims: "CacheDims" = field(default_factory=_config_cache_dims)  # mixer sizes for the
     #   cache geometry (default: read by the known config-key aliases, families/cache_dims.py)
     quant_naming: QuantNaming = QuantNaming()    # companion names of quantized weights
+    #: parameters the model ties to a stored tensor (the output head's tie aside, which
+    #: ``tie_word_embeddings`` declares): (target, stored source, where the target is used:
+    #: "layer" (its name's layer) / "first" / "last" / "every" (target = source: stored
+    #: outside the layers, run inside the loop over them)). A stage using a target whose
+    #: source it does not hold reads the source under the target's name (Zamba's shared block)
+    shared: tuple[tuple[str, str, str], ...] = ()
     native_dtypes: Mapping[str, str] = field(default_factory=dict)  # tensor name -> the
     #   safetensors dtype the model itself gives it whatever config.json's dtype (integer
     #   buffers such as a router's lookup table); stored so, it is loaded as stored

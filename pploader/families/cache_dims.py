@@ -154,3 +154,78 @@ def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView)
 #: The default: every mixer's sizes by the known config-key aliases (CONFIG_KEYS).
 CONFIG_CACHE_DIMS = CacheDims(mla=_config_mla_dims, mamba1=_config_mamba1_dims,
                               mamba2=config_mamba2_dims, gdn=_config_gdn_dims)
+
+
+# ---- sizes from a layer's own parameter shapes (the generic family) ---------------------------
+
+#: config names of the Mamba2 group count (the only size the parameter shapes leave open:
+#: they give groups x d_state)
+_GROUP_KEYS = ("n_groups", "mamba_n_groups", "mamba_ngroups", "mamba_num_groups", "ngroups")
+
+
+def _mixer(params: Mapping[str, tuple[int, ...]], what: str
+           ) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """(prefix, A_log shape, conv1d weight shape) of the one SSM mixer in ``params``."""
+    found = [(n[:-len("A_log")], s) for n, s in params.items() if n.endswith("A_log")]
+    if len(found) != 1:
+        raise ConfigError(f"{what} cache geometry from the layer's parameters: {len(found)} "
+                          "A_log parameters, expected one", file="config.json")
+    prefix, a_log = found[0]
+    conv = params.get(prefix + "conv1d.weight")
+    if conv is None or len(conv) != 3:
+        raise ConfigError(f"{what} cache geometry from the layer's parameters: no "
+                          f"{prefix}conv1d.weight [channels, 1, kernel]", file="config.json")
+    return prefix, a_log, conv
+
+
+def param_mamba1_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView], Mamba1Dims]:
+    """Mamba1 sizes read off a layer's parameters: ``A_log`` [d_inner, d_state],
+    ``conv1d.weight`` [d_inner, 1, kernel] (Mamba, FalconMamba: their configs name them
+    ``intermediate_size`` / ``state_size`` / ``conv_kernel``)."""
+    def read(spec: SpecView) -> Mamba1Dims:
+        _, a_log, conv = _mixer(params, "mamba1")
+        if len(a_log) != 2 or conv[0] != a_log[0]:
+            raise ConfigError(f"mamba1 cache geometry: A_log {list(a_log)} and conv1d "
+                              f"{list(conv)} do not give [d_inner, d_state]", file="config.json")
+        return Mamba1Dims(a_log[0], a_log[1], 0, conv[2])
+    return read
+
+
+def param_mamba2_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView], Mamba2Dims]:
+    """Mamba2 sizes read off a layer's parameters: heads from ``A_log`` [heads], d_inner from
+    ``out_proj.weight`` [hidden, d_inner] (else ``norm.weight`` [d_inner]), the conv channels
+    d_inner + 2 x groups x d_state and the kernel from ``conv1d.weight``; the group count from
+    the config (``_GROUP_KEYS``), the one size the shapes leave open."""
+    def read(spec: SpecView) -> Mamba2Dims:
+        prefix, a_log, conv = _mixer(params, "mamba2")
+        out, norm = params.get(prefix + "out_proj.weight"), params.get(prefix + "norm.weight")
+        d_inner = out[1] if out is not None and len(out) == 2 else \
+            norm[0] if norm is not None and len(norm) == 1 else None
+        if len(a_log) != 1 or d_inner is None or d_inner % a_log[0]:
+            raise ConfigError(f"mamba2 cache geometry from the layer's parameters: A_log "
+                              f"{list(a_log)}, out_proj {out}, norm {norm} do not give heads "
+                              "and d_inner", file="config.json")
+        groups = next((spec.config[k] for k in _GROUP_KEYS
+                       if isinstance(spec.config.get(k), int)), None)
+        both = conv[0] - d_inner
+        if not isinstance(groups, int) or groups <= 0 or both <= 0 or both % (2 * groups):
+            raise ConfigError(f"mamba2 cache geometry: conv channels {conv[0]} - d_inner "
+                              f"{d_inner} must be 2 x groups x d_state, groups from config.json "
+                              f"({' / '.join(_GROUP_KEYS)}: {groups})", file="config.json")
+        heads = a_log[0]
+        return Mamba2Dims(d_inner, heads, d_inner // heads, groups, both // (2 * groups),
+                          conv[2])
+    return read
+
+
+def param_cache_dims(kinds: tuple[str, ...],
+                     layer_params: tuple[Mapping[str, tuple[int, ...]], ...]) -> CacheDims:
+    """CacheDims for a model whose layers' parameters are known (the generic family): SSM
+    mixers sized from their own shapes (first layer of the kind), attention / MLA / gated
+    delta net sizes by the config-key aliases as ``CONFIG_CACHE_DIMS``."""
+    first = {k: layer_params[i] for i, k in reversed(list(enumerate(kinds)))}
+    mamba2 = first.get("mamba2", first.get("hybrid_attention_mamba2"))
+    return CacheDims(
+        mla=_config_mla_dims, gdn=_config_gdn_dims,
+        mamba1=param_mamba1_dims(first["mamba1"]) if "mamba1" in first else None,
+        mamba2=param_mamba2_dims(mamba2) if mamba2 is not None else None)

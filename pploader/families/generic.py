@@ -18,13 +18,17 @@ parameters, sliding vs full from ``layer_types``; anything else is ``unknown`` (
 from __future__ import annotations
 
 import json
+import math
 import re
+from dataclasses import replace
 from functools import lru_cache
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
+from .cache_dims import param_cache_dims
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
+from .mxfp4 import is_mxfp4, mxfp4_naming
 
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
@@ -43,7 +47,11 @@ def family_for(config: Mapping[str, Any]) -> Family:
 
 @lru_cache(maxsize=64)
 def _family_cached(key: str) -> Family:
-    return _family(derive(json.loads(key)))
+    config = json.loads(key)
+    meta = derive(config)
+    if is_mxfp4(config):  # stacked experts stored as blocks + scales (families/mxfp4.py)
+        meta = replace(meta, namings=tuple(mxfp4_naming(n, config) for n in meta.namings))
+    return _family(meta)
 
 
 def _mtp_layers(text: Mapping[str, Any]) -> int:
@@ -66,11 +74,13 @@ def _family(meta: MetaModel) -> Family:
         if marker is not None:
             changes = {k: v for k, v in _naming_fields(naming, meta).items() if k != "format"}
             formats.append(CheckpointFormat(naming.name, marker, tuple(changes.items())))
-    aliases = {k: v for k, v in text.items()
+    aliases = {k: v for k, v in text.items()  # the config class's defaults, as transformers
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                        "vocab_size", "num_hidden_layers")}
+                        "vocab_size", "num_hidden_layers", "tie_word_embeddings")}
+    #                                                    (Gemma-3 ties by default)
+    dims = param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params))
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
-                  layout=lambda _config: layout, mtp_pattern=mtp_pattern,
+                  layout=lambda _config: layout, mtp_pattern=mtp_pattern, cache_dims=dims,
                   config_defaults=aliases, native_dtypes=_integer_dtypes(meta),
                   formats=tuple(formats), **fields)
 
@@ -104,7 +114,7 @@ def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
     fused = "|".join(re.escape(c) for c in naming.fused_components) or None
     return dict(layer_prefix=naming.layer_prefix, globals=tuple(globals_),
                 expert_pattern=naming.expert_pattern, fused_expert_pattern=fused,
-                template=template_of, format=naming.name,
+                template=template_of, format=naming.name, shared=naming.shared,
                 shard_rules=shard_rules(naming, meta))
 
 
@@ -215,6 +225,14 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if comp in (naming.embed, naming.head):
         return ShardRule(pattern, 0, pad=True) if shape and shape[0] == vocab else \
             refuse(f"vocabulary dim {shape[:1]} != vocab_size {vocab}")
+    if kind in _SINKS and heads and shape == (heads,):
+        return ShardRule(pattern, 0, units=_heads)  # one attention sink per head
+    if _router(tokens, shape, num_experts):
+        return ShardRule(pattern, None)  # router weight / bias / score correction: replicated
+    if len(shape) == 0 or math.prod(shape) == 1:
+        return ShardRule(pattern, None)  # a scalar: nothing to split
+    if len(shape) == 2 and shape[0] == 1 and role.endswith("gate"):
+        return ShardRule(pattern, None)  # a one-output gate (``shared_expert_gate``)
     if kind not in ("weight", "bias"):
         return refuse(f"{list(shape)} is not a weight or bias of a known projection")
     if len(shape) == 1 and re.search(r"norm", role):
@@ -223,8 +241,10 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
                 refuse(f"per-projection norm of width {shape[0]} (head_dim {head_dim})")
         return ShardRule(pattern, None) if shape[0] == hidden else \
             refuse(f"norm of width {shape[0]} (hidden_size {hidden})")
-    if role in ("gate", "router", "layer") and shape and shape[0] == num_experts and num_experts:
-        return ShardRule(pattern, None)
+    if kind.endswith(("_blocks", "_scales")) and len(shape) > 2:
+        return refuse(f"MXFP4 expert {kind.rsplit('_', 1)[1]} {list(shape)}: the split of the "
+                      "gate/up rows (interleaved or stacked) is the model's, not derivable; "
+                      "use --ep for the experts")
     if len(shape) > 2:
         return refuse(f"{len(shape)}-d tensor {list(shape)}: the expert dim is known, the "
                       "layout of the others (gate/up order, transposition) is not")
@@ -247,6 +267,34 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if role in ("down_proj", "w2") and (role == "down_proj" or "experts" in tokens):
         return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
     return refuse(f"role {role!r} {list(shape)} is not a known projection")
+
+
+#: names of per-head attention sinks (gpt-oss ``self_attn.sinks``): split with the heads
+_SINKS = {"sinks", "sink", "attn_sink", "attention_sink", "attn_sinks"}
+
+#: tensor names of MoE routing state, wherever the module (ERNIE's ``moe_statics``)
+_ROUTER_TENSORS = {"e_score_correction_bias", "expert_bias", "router_bias"}
+
+#: module names of MoE routers (the parameters under them are replicated, as engines do)
+_ROUTERS = {"gate", "router", "layer", "routing", "gating", "switch", "wg", "classifier",
+            "router_gate", "moe_gate", "gate_network"}
+
+
+def _router(tokens: list[str], shape: tuple[int, ...], num_experts: int) -> bool:
+    """A MoE router's parameter: under a router-named module (``mlp.gate.weight``,
+    ``mlp.gate.e_score_correction_bias``, ``mlp.router.bias``) or named as routing state
+    (``mlp.expert_bias``), at most 2-D, with the expert count as its first or last dim; never
+    inside the experts or an attention module."""
+    if not num_experts or len(shape) == 0 or len(shape) > 2 or len(tokens) < 2:
+        return False
+    if num_experts not in (shape[0], shape[-1]) or "experts" in tokens:
+        return False
+    if any("attn" in t or "attention" in t for t in tokens):
+        return False  # per-head parameters (Beam's ``self_attn.gate_bias`` [heads]) are not
+        #              routers, even where heads == experts
+    if tokens[-1] in _ROUTER_TENSORS:
+        return True  # routing state by name (``mlp.expert_bias``, ``e_score_correction_bias``)
+    return any(t in _ROUTERS for t in tokens[-3:-1])
 
 
 def _int(text: Mapping[str, Any], key: str) -> Optional[int]:

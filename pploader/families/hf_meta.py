@@ -15,15 +15,16 @@ from __future__ import annotations
 import json
 import logging
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
+from .hf_ties import loop_uses, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["Naming", "MetaModel", "derive", "build_meta_model", "hf_config"]
+__all__ = ["Naming", "MetaModel", "derive", "build_meta_model", "hf_config", "loop_uses"]
 
 Shapes = dict[str, tuple[int, ...]]
 _DIGIT = re.compile(r"\d+")
@@ -44,6 +45,9 @@ class Naming:
     embed: Optional[str]                        # the input embedding's name
     head: Optional[str]                         # the output head's name (absent when tied)
     head_shape: tuple[int, ...] = ()            # its shape (also when tied)
+    #: parameters the model ties to a stored one, the head's tie aside: (target as this naming
+    #: would spell it, the stored source, where the target is used: "layer" / "first" / "last")
+    shared: tuple[tuple[str, str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,36 @@ def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
             for name, p in own.items():
                 if p.dim() >= 2 and p.shape[0] == big[0]:
                     keys[f"{path}.{name}"] = -1
+    if not keys:
+        count, keys = _declared_experts(layer)
+    return count, keys
+
+
+#: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,
+#: DBRX's ExpertGLU)
+_COUNT_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
+
+
+def _declared_experts(layer: Any) -> tuple[int, dict[str, int]]:
+    """Stacked experts of modules not named ``experts`` that declare their expert count
+    ``E`` (``_COUNT_ATTRS``): their own parameters with dim 0 = E and >= 3 dims (JetMoE's
+    ``input_linear.weight`` ``[E, 2I, H]``), or 2-d with the experts flattened into dim 0
+    (``E x rows``, DBRX's ``experts.mlp.w1`` ``[E x I, H]``). A router (``[E, H]``, 2-d with
+    dim 0 = E) is neither."""
+    count, keys = 0, {}
+    for path, module in layer.named_modules():
+        declared = [getattr(module, a, None) for a in _COUNT_ATTRS]
+        num = next((int(v) for v in declared if isinstance(v, int) and v > 1), 0)
+        if not num:
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            stacked = (p.dim() >= 3 and p.shape[0] == num) or (
+                p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0)
+            if stacked:
+                if count and count != num:
+                    return 0, {}  # two different declared counts: not guessed
+                count = num
+                keys[f"{path}.{name}" if path else name] = -1
     return count, keys
 
 
@@ -255,6 +289,8 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     layers_path = _layers_path(model, getattr(text, "num_hidden_layers", None))
     layers = model.get_submodule(layers_path)
     num_layers = len(layers)
+    full_state = model.state_dict()  # tied copies too: where each one sits, what layers run
+    every_key = list(full_state)
     state, tied = _saved_state(model)
     keys = list(state)
     lp = layers_path + "."
@@ -283,9 +319,12 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         if k.startswith(lp):
             idx, _, rel = k[len(lp):].partition(".")
             layer_of[k] = (int(idx), rel)
+    by_layer: dict[int, list[tuple[str, tuple[int, ...]]]] = {i: [] for i in range(num_layers)}
+    for k, (j, rel) in layer_of.items():  # one pass (not one per layer: 18 k keys x 46 layers)
+        by_layer[j].append((rel, tuple(state[k].shape)))
     signature = {}
     for i in range(num_layers):
-        sig = tuple((rel, tuple(state[k].shape)) for k, (j, rel) in layer_of.items() if j == i)
+        sig = tuple(by_layer[i])
         signature[i] = sig
         reps.setdefault(sig, i)
 
@@ -306,12 +345,16 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         own = {f"{n}.weight" for n, m in model.named_modules(remove_duplicate=False)
                if m is head_mod}  # the head's own name, not another tied copy's (ProphetNet)
         head_key = next((n for n in aliases if n in own), aliases[0] if aliases else None)
+    shared_pairs = tied_copies(model, tied, state, every_key, lp, order, head_key)
+    loop = loop_uses(model, layers_path)  # stored once outside the layers, run by each
+    shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
+                     and any(k.startswith(p + ".") or k == p for p in loop)]
 
     namings = []
     for fmt in ("original", "transformers"):
-        namings.append(_naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                               stage_of, per_layer_experts, num_experts, embed_key,
-                               head_key))
+        naming = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
+                         stage_of, per_layer_experts, num_experts, embed_key, head_key)
+        namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
     reverted = revert_weight_conversion(model, dict(state))
     full = {k: tuple(v.shape) for k, v in reverted.items()}
     if dict(namings[0].template) != full:
@@ -322,8 +365,15 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         namings = namings[:1]
     dtypes = {k: str(v.dtype).replace("torch.", "")  # the model's names and the saved ones
               for k, v in (*state.items(), *reverted.items())}
-    layer_params = tuple(tuple((rel, tuple(state[k].shape)) for k, (j, rel) in layer_of.items()
-                               if j == i) for i in range(num_layers))
+    # what each layer runs with, tied copies included (Zamba2's hybrid layers after the first
+    # hold the shared block only as a tied copy: still attention, for the layer kinds)
+    ran: dict[int, list[tuple[str, tuple[int, ...]]]] = {i: [] for i in range(num_layers)}
+    for k, v in full_state.items():
+        if k.startswith(lp):
+            idx, _, rel = k[len(lp):].partition(".")
+            if idx.isdigit() and int(idx) in ran:
+                ran[int(idx)].append((rel, tuple(v.shape)))
+    layer_params = tuple(tuple(ran[i]) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
                      num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
                      _text_values(text))

@@ -37,6 +37,7 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
     A layer whose signature (its names, shapes and dtypes, and its template, all relative to
     the layer's prefix) equals that of a layer checked before passes as that one did, so only
     the first layer of each kind is checked name by name (a MoE model: ~3 of 61)."""
+    chosen = _check_shared(roles, index, chosen, window, experts, topology)
     found = roles.stage_template(window)
     if found is None:
         return
@@ -61,6 +62,35 @@ def check_expected(roles: CheckpointRoles, index: CheckpointIndex,
         checked = roles.checked_layers.setdefault(key, [])
         if not any(map(sig.__eq__, checked)):
             checked.append(sig)
+
+
+def _check_shared(roles: CheckpointRoles, index: CheckpointIndex,
+                  chosen: Mapping[str, TensorRole], window: StageWindow,
+                  experts: Optional[tuple[int, int]], topology: Topology
+                  ) -> Mapping[str, TensorRole]:
+    """Every tied copy the stage uses (``Family.shared``: a parameter the model ties to a
+    stored tensor, e.g. Zamba's shared block in each hybrid layer) must have its source read
+    by the stage; a PlanError names the first one that is not (the class of plan that loads
+    every stored tensor once yet leaves a stage without weights it runs). Returns ``chosen``
+    without the sources read for other layers' names, for the template check."""
+    shared = roles.spec.family.shared
+    if not shared:
+        return chosen
+    where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
+    for target, source, place in shared:
+        if not roles.shared_used(target, place, window, experts):
+            continue
+        if source not in index.weight_map:
+            raise PlanError(f"{where} uses {target}, a tied copy of {source}, which the "
+                            "checkpoint lacks", tensor=source, rank=topology.rank)
+        if source not in chosen:
+            what = "a tensor every layer uses" if target == source else \
+                f"a tied copy of {source}"
+            raise PlanError(f"{where} uses {target}, {what}, but does not "
+                            "read it (the plan would leave the stage without that weight)",
+                            tensor=target, rank=topology.rank)
+    borrowed = {s for s, r, _ in roles.shared_reads(window, experts)}
+    return {n: r for n, r in chosen.items() if n not in borrowed} if borrowed else chosen
 
 
 def _layer_signatures(roles: CheckpointRoles, entries: Mapping[str, TensorEntry],

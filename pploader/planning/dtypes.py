@@ -19,8 +19,9 @@ Pure: called by ``stage.plan_stage`` on every rank, so all ranks agree before re
 from __future__ import annotations
 
 import logging
+import os
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
@@ -32,7 +33,10 @@ if TYPE_CHECKING:  # pragma: no cover
     from .spec import ModelSpec
 
 __all__ = ["DTYPE_POLICY", "QUANT_STORAGE", "dtype_action", "dtype_casts", "cast_stream",
-           "is_quantized"]
+           "is_quantized", "stored_dtype"]
+
+#: floating safetensors dtype codes a model dtype can be, and their config names
+_MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 #: (stored dtype, config dtype) -> "cast" | "keep". Pairs not listed are rejected.
 DTYPE_POLICY: Mapping[tuple[str, str], str] = MappingProxyType({
@@ -117,3 +121,27 @@ def cast_stream(stream: Iterable[tuple[str, torch.Tensor]],
     for target, tensor in stream:
         dtype = casts.get(target)
         yield target, (tensor if dtype is None else tensor.to(dtype))
+
+
+def stored_dtype(model_dir: "os.PathLike[str] | str", *,
+                 allowed_roots: "Sequence[os.PathLike[str] | str]" = ()) -> str:
+    """The model dtype of a checkpoint whose config.json names none: the floating dtype
+    holding most of its parameters (headers only), as transformers' ``dtype="auto"`` and
+    vLLM fall back to the checkpoint's own dtype. Quantized weights (fp8, packed integers)
+    do not count. A PlanError when no tensor is stored in bfloat16 / float16 / float32."""
+    import math
+    from collections import Counter
+    from .checkpoint import open_checkpoint
+    index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
+    counts: Counter[str] = Counter()
+    for file in sorted(set(index.weight_map.values()) - set(index.missing)):
+        for entry in index.header(file).tensors.values():
+            if entry.dtype in _MODEL_DTYPES:
+                counts[entry.dtype] += math.prod(entry.shape)
+    if not counts:
+        raise PlanError("config.json names no dtype / torch_dtype and no tensor is stored in "
+                        "bfloat16, float16 or float32 to take it from", file="config.json")
+    code = counts.most_common(1)[0][0]
+    logger.info("config.json names no dtype: using %s, the checkpoint's stored dtype",
+                _MODEL_DTYPES[code])
+    return _MODEL_DTYPES[code]

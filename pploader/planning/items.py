@@ -136,11 +136,14 @@ def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tupl
     rule = spec.family.shard_rule(role.component)
     sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
     if role.fused_experts and experts is not None:
-        if not shape or shape[0] != spec.num_experts:
+        # dim 0 = the experts, or the experts flattened (E x rows each: DBRX's [E x I, H])
+        if not shape or not spec.num_experts or shape[0] % spec.num_experts:
             raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
                             f"num_experts {spec.num_experts}", tensor=name)
+        rows = shape[0] // spec.num_experts
         if experts != (0, spec.num_experts):
-            sel = Selection(((0, ((experts[0], experts[1] - experts[0]),)),)).merged(sel)
+            sel = Selection(((0, ((experts[0] * rows, (experts[1] - experts[0]) * rows),)),)
+                            ).merged(sel)
     return sel
 
 

@@ -280,6 +280,11 @@ def _stage_reads(spec: ModelSpec, index: CheckpointIndex, roles: CheckpointRoles
             if role.role == "embed":
                 extra.append((name, role, _head_name(spec.family)))
                 chosen.setdefault(name, role)
+    shared = roles.shared_reads(window, experts)  # tied copies whose source is elsewhere
+    if shared:
+        chosen = dict(chosen) if chosen is own else chosen
+        extra.extend(shared)
+        chosen.update({name: role for name, role, _ in shared if name not in chosen})
     names = list(own)
     role_list = list(own.values())
     targets = names

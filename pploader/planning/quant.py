@@ -231,9 +231,16 @@ def _fbgemm(qc: Mapping) -> QuantScheme:
                        ignore=tuple(qc.get("modules_to_not_convert") or ()))
 
 
+def _mxfp4(qc: Mapping) -> QuantScheme:
+    """MXFP4 (gpt-oss): the quantized tensors are their own names (``<w>_blocks`` and
+    ``<w>_scales``, uint8, stacked experts), which the family's template spells out
+    (families/mxfp4.py); no ``weight`` has companions, so nothing is expanded here."""
+    return QuantScheme("mxfp4", "U8", (), ignore=tuple(qc.get("modules_to_not_convert") or ()))
+
+
 _METHODS: Mapping[str, Callable[[Mapping], QuantScheme]] = {
     "fp8": _fp8, "modelopt": _modelopt, "compressed-tensors": _compressed,
-    "fbgemm_fp8": _fbgemm}
+    "fbgemm_fp8": _fbgemm, "mxfp4": _mxfp4}
 
 
 def scheme_from_config(config: Mapping) -> Optional[QuantScheme]:

@@ -239,6 +239,54 @@ class CheckpointRoles:
     def mark_checked(self, window: StageWindow, experts: Optional[tuple[int, int]]) -> None:
         self._stage_memo["checked", window, experts] = True
 
+    def shared_reads(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                     ) -> list[tuple[str, TensorRole, str]]:
+        """(source name, its role, target name) of every tied copy (``Family.shared``) the
+        stage uses whose stored source it does not read itself: read under the target's name.
+        Empty for families without ties (every hand-written one)."""
+        if not self.spec.family.shared:
+            return []
+        return self.stage_value(("shared", window, experts),
+                                partial(self._shared_reads, window, experts))
+
+    def _shared_reads(self, window: StageWindow, experts: Optional[tuple[int, int]]
+                      ) -> list[tuple[str, TensorRole, str]]:
+        out = []
+        for target, source, where in self.spec.family.shared:
+            if not self.shared_used(target, where, window, experts):
+                continue
+            role = self.source_role(source)
+            if role is None or wanted(role, window, experts):
+                continue  # absent (the strict check names it) or read anyway: tied locally
+            out.append((source, role, target))
+        return out
+
+    def shared_used(self, target: str, where: str, window: StageWindow,
+                    experts: Optional[tuple[int, int]]) -> bool:
+        """Whether the stage of ``window`` uses ``Family.shared`` target ``target``: its
+        layer's stage ("layer"), the first / last stage, or every stage ("every": a tensor
+        stored outside the layers that the loop over them uses, read by each stage)."""
+        if where == "every":
+            return True
+        if where == "layer":
+            fam, spec = self.spec.family, self.spec
+            role = fam.classify(target, spec.num_layers, spec.num_mtp_layers)
+            return role is not None and role.placement == "layer" and wanted(role, window,
+                                                                             experts)
+        return wanted(TensorRole(where, target, role="other"), window, experts)
+
+    def source_role(self, name: str) -> Optional[TensorRole]:
+        """The role of checkpoint tensor ``name`` (None: not in the checkpoint)."""
+        if name in self.others:
+            return self.others[name]
+        if name not in self._index_names:
+            return None
+        spec = self.spec
+        role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
+        if role is None or role.layer is None:
+            return role
+        return self.layer_roles(role.layer).get(name, role)
+
     @property
     def stores_head(self) -> bool:
         return any(r.role == "head" for r in self.others.values())

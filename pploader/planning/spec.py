@@ -182,5 +182,16 @@ def read_config(model_dir: os.PathLike | str, *,
 
 def load_spec(model_dir: os.PathLike | str, *,
               allowed_roots: Sequence[os.PathLike | str] = ()) -> ModelSpec:
-    """Read ``config.json`` of a model directory into a ModelSpec."""
-    return spec_from_config(read_config(model_dir, allowed_roots=allowed_roots))  # type: ignore[arg-type]
+    """Read ``config.json`` of a model directory into a ModelSpec (a config without a dtype
+    takes the checkpoint's stored one, ``dtypes.stored_dtype``, as engines do)."""
+    config = read_config(model_dir, allowed_roots=allowed_roots)
+    if isinstance(config, Mapping) and not _declares_dtype(config):
+        from .dtypes import stored_dtype
+        config = {**config, "dtype": stored_dtype(model_dir, allowed_roots=allowed_roots)}
+    return spec_from_config(config)  # type: ignore[arg-type]
+
+
+def _declares_dtype(config: Mapping) -> bool:
+    text = config.get("text_config")
+    return any(isinstance(c, Mapping) and (c.get("dtype") or c.get("torch_dtype"))
+               for c in (config, text))

@@ -42,12 +42,6 @@ def _variant_bad_dtype(d: Path) -> None:
     _write_json(d / "config.json", dict(cfg, dtype="float8"))
 
 
-def _variant_no_dtype(d: Path) -> None:
-    cfg = json.loads((d / "config.json").read_text())
-    cfg.pop("dtype", None)
-    _write_json(d / "config.json", cfg)
-
-
 def _variant_unknown_family(d: Path) -> None:
     cfg = json.loads((d / "config.json").read_text())
     _write_json(d / "config.json", dict(cfg, architectures=["GPT9000ForCausalLM"]))
@@ -108,7 +102,7 @@ def _variant_f32_norm(d: Path) -> None:
 
 
 VARIANTS: dict[str, Callable[[Path], None]] = {
-    "ok": lambda d: None, "bad_dtype": _variant_bad_dtype, "no_dtype": _variant_no_dtype,
+    "ok": lambda d: None, "bad_dtype": _variant_bad_dtype,
     "unknown_family": _variant_unknown_family, "bad_json": _variant_bad_json,
     "no_config": _variant_no_config, "no_shards": _variant_no_shards,
     "missing_shard": _variant_missing_shard, "damaged_shard": _variant_damaged_shard,
@@ -155,8 +149,6 @@ MISTAKES = {
                         fix="docs/families.md"),
     "bad_dtype": M(*PLAN, "--pp", "1", model="bad_dtype", problem="unsupported dtype 'float8'",
                    fix="known: float32"),
-    "no_dtype": M(*PLAN, "--pp", "1", model="no_dtype", problem="no dtype / torch_dtype",
-                  fix="config.json"),
     "no_shards": M(*PLAN, "--pp", "1", model="no_shards", problem="no *.safetensors files",
                    fix="--model must be the directory"),
     "missing_shard": M(*PLAN, "--pp", "1", model="missing_shard", problem="are missing",

@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 from family_expect import halves, segments
 from family_table import IDS, ROWS, TINY_ROWS, VARIANTS, HfCheckpoints, Row
-from helpers import CONFIGS, tiny_config
+from helpers import CONFIGS, make_model, tiny_config
 from pploader import ConfigError, PlanError
 from pploader.io.read import Reader
 from pploader.planning.checkpoint import CheckpointIndex, open_checkpoint
@@ -465,3 +465,29 @@ def test_registry_finds_family_modules() -> None:
         == "phi3"
     assert find_family({"architectures": ["LlamaForCausalLM"], "model_type": "mistral"})[0] \
         .name == "llama"
+
+
+def test_dispatch_by_architecture_when_model_type_unknown(tmp_path: Path) -> None:
+    """A hand-written architecture under a ``model_type`` the installed transformers does not
+    know (a fork, a newer release) is planned by that family, as engines dispatch on
+    ``architectures``; a known other model_type (exaone saves through LlamaForCausalLM under
+    its own names) still goes to the generic family; an unknown architecture is refused."""
+    from pploader.errors import ConfigError
+    from pploader.families import find_family
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.planning.plan import plan_all
+    from pploader.planning.spec import load_spec
+    assert find_family({"architectures": ["LlamaForCausalLM"],
+                        "model_type": "llama_fork_unknown"})[0].name == "llama"
+    assert find_family({"architectures": ["LlamaForCausalLM"], "model_type": "exaone",
+                        "hidden_size": 64, "num_attention_heads": 4, "num_layers": 2,
+                        "vocab_size": 128, "intermediate_size": 128})[0].name \
+        .startswith("generic")
+    with pytest.raises(ConfigError, match="unsupported architecture 'NoSuchForCausalLM'"):
+        find_family({"architectures": ["NoSuchForCausalLM"], "model_type": "no_such"})
+    path = make_model(tmp_path, tiny_config("tiny-llama"))
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "model_type": "llama_fork_unknown"}))
+    spec = load_spec(path)
+    assert spec.family.name == "llama"
+    assert len(plan_all(spec, open_checkpoint(path), 2)) == 2

@@ -225,3 +225,92 @@ def test_integer_buffers_the_model_fixes_are_loaded_as_stored() -> None:
     native = generic.family_for(config).native_dtypes
     assert native and set(native.values()) == {"I64"}
     assert any(name.endswith("ffn.gate.tid2eid") for name in native), sorted(native)[:4]
+
+
+class _LoopParent(torch.nn.Module):
+    """A decoder whose loop over its layers also runs a module stored beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.layers = torch.nn.ModuleList([torch.nn.Linear(4, 4) for _ in range(3)])
+        self.mixer = torch.nn.Linear(4, 4)
+        self.norm = torch.nn.LayerNorm(4)
+
+    def _mix(self, h: torch.Tensor) -> torch.Tensor:
+        return self.mixer(h)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        for layer in self.layers:
+            h = self._mix(layer(h))  # through a helper: counts as the loop's use
+        return self.norm(h)
+
+
+def test_loop_uses_finds_modules_run_by_every_layer() -> None:
+    from pploader.families.hf_meta import loop_uses
+    outer = torch.nn.Module()
+    outer.model = _LoopParent()
+    assert loop_uses(outer, "model.layers") == {"model.mixer"}
+
+
+def test_tensor_every_layer_uses_is_read_by_every_stage(tmp_path: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Family.shared`` with "every" (a tensor stored outside the layers that the layer loop
+    runs): each stage reads it; without those reads the strict accounting refuses."""
+    import dataclasses
+    from pploader.planning.roles import CheckpointRoles
+    _save("olmo2", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    fam = generic.family_for(config)
+    fam = dataclasses.replace(fam, shared=(("model.norm.weight", "model.norm.weight", "every"),))
+    spec, index = spec_from_config(config, family=fam), open_checkpoint(tmp_path)
+    plans = plan_all(spec, index, 3)
+    assert all("model.norm.weight" in {i.target for i in p.items} for p in plans)
+    got = {r: dict(Reader(p))["model.norm.weight"] for r, p in enumerate(plans)}
+    assert torch.equal(got[0], got[2]) and torch.equal(got[1], got[2])
+    monkeypatch.setattr(CheckpointRoles, "shared_reads", lambda self, w, e: [])
+    with pytest.raises(PlanError, match="model.norm.weight, a tensor every layer uses"):
+        plan_all(spec_from_config(config, family=fam), open_checkpoint(tmp_path), 3)
+
+
+@pytest.mark.parametrize("comp,shape,split", [
+    ("mlp.gate.weight", (8, 64), None),                      # router: replicated
+    ("mlp.gate.e_score_correction_bias", (8,), None),        # routing state
+    ("mlp.moe_statics.e_score_correction_bias", (1, 8), None),
+    ("mlp.expert_bias", (8,), None),
+    ("mlp.shared_expert_gate.weight", (1, 64), None),        # one-output gate
+    ("self_attn.layer_scalar", (1,), None),                  # scalar
+    ("self_attn.sinks", (8,), 0),                            # per head: split with the heads
+    ("self_attn.gate_bias", (8,), "refused"),                # per head, heads == experts: no guess
+    ("mlp.experts.down_proj_blocks", (8, 64, 2, 16), "refused"),  # MXFP4: gate/up order unknown
+])
+def test_generic_tp_rules_for_small_tensors(comp: str, shape: tuple, split: object) -> None:
+    """Routers and routing state replicated as engines do; per-head tensors split or refused
+    (never replicated because heads happen to equal experts); MXFP4 experts refused."""
+    from pploader.families.hf_meta import Naming
+    naming = Naming("original", {}, r"model\.layers\.(\d+)\.", (), (), None, (), None, None)
+    text = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
+            "vocab_size": 128}
+    rule = generic._rule(re.escape(comp), comp, shape, naming, text, 8)
+    if split == "refused":
+        with pytest.raises(PlanError, match="no unambiguous split"):
+            rule.segments(type("Spec", (), {"architecture": "X"})())  # type: ignore[misc]
+    else:
+        assert rule.dim == split and rule.segments is None
+
+
+def test_config_defaults_from_the_config_class(tmp_path: Path) -> None:
+    """A config.json without ``tie_word_embeddings`` whose transformers config class ties by
+    default (Gemma-3) is planned tied, as transformers loads it: the last stage reads the
+    embedding as its head (not "lm_head.weight missing")."""
+    import generic_sweep
+    generic_sweep._checkpoint("gemma3_text", "Gemma3ForCausalLM", tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    assert spec.tie_word_embeddings and "lm_head.weight" not in index.weight_map
+    last = plan_all(spec, index, 2)[1]
+    assert ("model.embed_tokens.weight", "lm_head.weight") in {(i.name, i.target)
+                                                              for i in last.items}

@@ -1,0 +1,110 @@
+"""Parameters a transformers model uses from more than one place, for the generic family.
+
+- tied copies ``save_pretrained`` drops (``all_tied_weights_keys``, or the same parameter
+  object under several names), the output head's tie aside: Zamba's shared transformer block,
+  stored once (the first hybrid layer) and tied into every later hybrid layer. A stage using a
+  copy must read its source (``Family.shared``, planning/roles.py ``shared_reads``);
+- tensors stored outside the decoder layers but run inside the forward's loop over them
+  (``for layer in self.layers: ... self.shared(...)``): needed by every stage.
+
+Read from the meta model (``hf_meta._derive`` calls these); nothing here reads weights.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping, Optional
+
+from ..errors import ConfigError
+
+__all__ = ["tied_copies", "saved_pairs", "loop_uses"]
+
+
+def tied_copies(model: Any, tied: list[tuple[str, str]], state: dict, every_key: list[str],
+                lp: str, order: Mapping[str, str], head_key: Optional[str]
+                ) -> list[tuple[str, str, str]]:
+    """(target, source, where the target is used) of every tied copy save_pretrained drops,
+    the output head's tie aside (``tie_word_embeddings``: the planner's declared replica).
+    Zamba's shared transformer block is such a copy in every hybrid layer after the first:
+    a stage holding one of those layers needs the source's bytes under the copy's name."""
+    ids: dict[int, str] = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        if n in state:
+            ids.setdefault(id(p), n)
+    for n, b in model.named_buffers(remove_duplicate=False):
+        if n in state:
+            ids.setdefault(id(b), n)
+    objects = dict(model.named_parameters(remove_duplicate=False))
+    objects.update(dict(model.named_buffers(remove_duplicate=False)))
+    first_layer_pos = next((i for i, k in enumerate(every_key) if k.startswith(lp)),
+                           len(every_key))
+    out = []
+    for target, source in tied:
+        if target == head_key:
+            continue
+        if not source or source not in state:  # tied by identity: the stored name of the object
+            source = ids.get(id(objects.get(target)), "")
+        if not source:
+            raise ConfigError(f"{target} is a tied copy save_pretrained drops, but the stored "
+                              "tensor it is tied to cannot be found: its stage could not be "
+                              "planned exactly", file="config.json")
+        if target.startswith(lp):
+            where = "layer"
+        else:
+            where = next((v for m, v in order.items() if target.startswith(m + ".")),
+                         "first" if every_key.index(target) < first_layer_pos else "last")
+        out.append((target, source, where))
+    return out
+
+
+def saved_pairs(fmt: str, model: Any, state: dict, pairs: list[tuple[str, str, str]]
+                ) -> tuple[tuple[str, str, str], ...]:
+    """``pairs`` in the names of the naming ``fmt`` (the target spelled as that naming would
+    store it, from the source's tensor)."""
+    out = []
+    for target, source, where in pairs:
+        if fmt == "transformers":
+            out.append((target, source, where))
+            continue
+        from .hf_meta import _revert_one
+        src = list(_revert_one(model, source, state[source]))
+        tgt = list(_revert_one(model, target, state[source]))
+        if len(src) != len(tgt):
+            raise ConfigError(f"tied copy {target} of {source}: the checkpoint spells them as "
+                              f"{len(tgt)} and {len(src)} tensors", file="config.json")
+        out.extend(zip(tgt, src, [where] * len(src)))
+    return tuple(out)
+
+
+def loop_uses(model: Any, layers_path: str) -> set[str]:
+    """Paths of the children (and own parameters / buffers) of the module holding the decoder
+    layers that its ``forward`` uses inside the loop over them (``for layer in self.layers:
+    ... self.shared(...)``): run by every layer, so needed on every stage. Read from the source
+    like ``forward_order``; helpers called in the loop count with what they use."""
+    import ast
+    import inspect
+    import textwrap
+    from .hf_meta import _first_uses
+    parent_path, _, layers_name = layers_path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    cls = type(parent)
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return set()
+    used: set[str] = set()
+    for loop in ast.walk(tree):
+        if not isinstance(loop, ast.For) or not any(
+                isinstance(n, ast.Attribute) and n.attr == layers_name
+                for n in ast.walk(loop.iter)):
+            continue
+        for stmt in loop.body:
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                        and node.value.id == "self":
+                    used.add(node.attr)
+                    if inspect.isfunction(inspect.getattr_static(cls, node.attr, None)):
+                        used.update(_first_uses(cls, node.attr, 1))
+    prefix = parent_path + "." if parent_path else ""
+    own = [n for n, _ in parent.named_children()]
+    own += [n for n, _ in parent.named_parameters(recurse=False)]
+    own += [n for n, _ in parent.named_buffers(recurse=False)]
+    return {prefix + n for n in own if n in used and n != layers_name}

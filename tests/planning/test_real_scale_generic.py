@@ -1,0 +1,113 @@
+"""Real published layouts of models no hand-written family covers, planned through the generic
+family (sparse files: tests/real_layouts.py ``build_generic_layout``).
+
+gpt-oss-120b (MXFP4 experts, attention sinks, biases, no ``torch_dtype``; 15 shards, 128
+experts, 36 layers): exact at PP=4 and PP=4 x EP=8, checked independently of the planner
+(every index name owned by exactly one stage; per stage, each stacked expert tensor's bytes
+add up over the EP ranks to the tensor, every other tensor read whole by every EP rank).
+TP=8 is refused naming an expert tensor (the MXFP4 gate/up split is not derivable, and
+down_proj's 90 blocks do not split over 8 ranks). One-rank planning times are printed.
+"""
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+
+from pploader import PlanError
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import make_windows, plan_all, plan_rank
+from pploader.planning.spec import load_spec
+from pploader.planning.topology import Topology
+from real_layouts import build_generic_layout
+
+pytestmark = pytest.mark.slow  # the 120B meta model: ~10 s to derive on the 2-core VM
+
+
+@pytest.fixture(scope="module")
+def gpt_oss(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_generic_layout("gpt-oss-120b", tmp_path_factory.mktemp("generic-layouts"))
+
+
+def _one_rank_seconds(path: Path, pp: int, tp: int, ep: int) -> float:
+    """The last rank's plan from a fresh index, the family already derived (as a rank
+    planning after the spec was read)."""
+    spec = load_spec(path)
+    t0 = time.perf_counter()
+    index = open_checkpoint(path)
+    spec = spec.for_checkpoint(index.weight_map)
+    topo = Topology(pp, tp, ep, pp * tp * ep - 1)
+    plan_rank(spec, index, topo, make_windows(spec, index, pp)[topo.pp_rank])
+    return time.perf_counter() - t0
+
+
+@pytest.mark.parametrize("pp,ep", [(4, 1), (4, 8)])
+def test_gpt_oss_120b_exact(gpt_oss: Path, pp: int, ep: int, capsys: pytest.CaptureFixture
+                            ) -> None:
+    spec, index = load_spec(gpt_oss), open_checkpoint(gpt_oss)
+    assert spec.family.name == "generic:gpt_oss" and spec.num_experts == 128
+    assert len(set(index.weight_map.values())) == 15
+    plans = plan_all(spec, index, pp, 1, ep)
+    owner: dict[str, set[int]] = defaultdict(set)
+    read: dict[tuple[int, str], int] = defaultdict(int)
+    for plan in plans:
+        for item in plan.items:
+            assert item.name == item.target
+            owner[item.name].add(plan.topology.pp_rank)
+            read[plan.topology.pp_rank, item.name] += item.nbytes
+    assert set(owner) == set(index.weight_map) and all(len(s) == 1 for s in owner.values())
+    for (stage, name), nbytes in read.items():
+        whole = index.entry(name).nbytes
+        assert nbytes == (whole if ".experts." in name else ep * whole), (stage, name)
+    seconds = _one_rank_seconds(gpt_oss, pp, 1, ep)
+    with capsys.disabled():
+        print(f"\ngpt-oss-120b PP={pp} x EP={ep}: one rank planned in {seconds * 1000:.0f} ms")
+
+
+def test_gpt_oss_120b_tp8_refused_naming_the_expert_tensor(gpt_oss: Path) -> None:
+    spec, index = load_spec(gpt_oss), open_checkpoint(gpt_oss)
+    with pytest.raises(PlanError, match=r"mlp\.experts\.") as err:
+        plan_all(spec, index, 2, 8, 1)
+    assert err.value.tensor is not None and ".experts." in err.value.tensor
+
+
+@pytest.fixture(scope="module")
+def glm_air(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_generic_layout("glm-4.5-air", tmp_path_factory.mktemp("generic-layouts"))
+
+
+def test_glm_45_air_router_bias_exact_at_pp2_tp8(glm_air: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    """GLM-4.5-Air (generic family: 128 experts, ``mlp.gate.e_score_correction_bias``, q/k/v
+    biases, shared expert; 43 sparse shards of 5 GB): PP=2 x TP=8 plans every tensor on one
+    stage; per stage and tensor the 8 TP ranks' bytes add up to the tensor (split) or each
+    rank reads it whole (replicated: routers, their bias, norms), independent of the rules."""
+    spec, index = load_spec(glm_air), open_checkpoint(glm_air)
+    assert spec.family.name == "generic:glm4_moe" and spec.num_experts == 128
+    plans = plan_all(spec, index, 2, 8, 1)
+    owner: dict[str, set[int]] = defaultdict(set)
+    per_rank: dict[tuple[int, str], list[int]] = defaultdict(list)
+    for plan in plans:
+        for item in plan.items:
+            owner[item.name].add(plan.topology.pp_rank)
+            per_rank[plan.topology.pp_rank, item.name].append(item.nbytes)
+    assert set(owner) == set(index.weight_map) and all(len(s) == 1 for s in owner.values())
+    split = replicated = 0
+    for (stage, name), sizes in per_rank.items():
+        whole = index.entry(name).nbytes
+        assert len(sizes) == 8, (stage, name)
+        if all(s == whole for s in sizes):
+            replicated += 1
+        else:
+            assert sum(sizes) >= whole and max(sizes) * 8 - sum(sizes) < max(sizes), name
+            split += 1
+    routers = [n for n in index.weight_map if n.endswith(("mlp.gate.weight",
+                                                         "e_score_correction_bias"))]
+    assert routers and all(all(s == index.entry(n).nbytes for s in per_rank[
+        next(iter(owner[n])), n]) for n in routers)
+    assert split > replicated > 0
+    seconds = _one_rank_seconds(glm_air, 2, 8, 1)
+    with capsys.disabled():
+        print(f"\nglm-4.5-air PP=2 x TP=8: one rank planned in {seconds * 1000:.0f} ms")
