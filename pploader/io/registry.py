@@ -50,6 +50,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
     BackendInfo("buffered", "pploader.io.buffered:open_buffered", ("cpu",),
                 "plain open + seek + readinto, one request per range, no threads, no mmap: "
                 "the simplest reference (and the example of adding a backend)"),
+    BackendInfo("mapped", "pploader.io.mapped:open_mapped", ("cpu",),
+                "views of a private file mapping for bytes already in the page cache (the "
+                "consumer's copy is the only one), threaded positional reads for the rest"),
 )
 
 
