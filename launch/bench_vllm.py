@@ -55,6 +55,7 @@ def _register_measured_loaders() -> None:
                 if base is DefaultModelLoader:   # it picks files by the format's name
                     load_config.load_format = "auto"
                 super().__init__(load_config)
+                self.handed_bytes = 0   # a reload's loader calls get_all_weights only
 
             def get_all_weights(self, *args: Any, **kwargs: Any) -> Iterator:
                 for tname, tensor in super().get_all_weights(*args, **kwargs):

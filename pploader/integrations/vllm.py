@@ -19,9 +19,16 @@ TP modes (``model_loader_extra_config={"tp_mode": ...}``), see docs/integration.
   parameters; only vLLM's v1 linear loaders honour that flag (not ``ModelWeightParameter``,
   which unquantized linears use, nor the vocab embedding or fused MoE), so TP>1 fails there.
 
-Reload inside a running engine built with ``worker_extension_cls=WORKER_EXTENSION``:
-``reload(llm, NEW_DIR)`` (driver side; it calls ``llm.collective_rpc("pploader_reload", ...)``
-and raises RankFailure if any worker refused the new checkpoint).
+``io_backend`` (default ``mapped``): views of the page cache for resident tensors (the
+engine's copy is the only one), positional reads for cold ones (integrations/placed.py). The
+stage is the engine's view of it (integrations/engine_plan.py): checkpoint names (the tied head
+of a last stage as ``model.embed_tokens.weight`` too) and, under ``enable_expert_parallel``, the
+local experts vLLM's MoE layers hold, read whole.
+
+Reloads (integrations/vllm_reload.py): vLLM's own ``collective_rpc("reload_weights",
+kwargs={"weights_path": D})`` through :meth:`PPLoaderModelLoader.get_all_weights`, and, in an
+engine built with ``worker_extension_cls=WORKER_EXTENSION``, ``reload(llm, D)``. Both read and
+agree on every worker before writing; a refused checkpoint leaves the engine serving.
 """
 from __future__ import annotations
 
