@@ -197,7 +197,13 @@ def summary(path: Path) -> str:
     """Markdown: per cache and loader, the slowest worker's load_weights (median over trials,
     with every trial's value) and the reload walls; pploader's speed relative to the default."""
     from statistics import median
-    data = json.loads(path.read_text())
+    text = path.read_text()
+    if text.lstrip().startswith("{\"meta\""):
+        data = json.loads(text)
+    else:   # a run's log (one JSON row per finished trial): the trials done so far
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        data = {"rows": rows, "meta": {"pp": "?", "tp": "?", "checkpoint_bytes": 0,
+                                       "date": "(log)", "machine": platform.node()}}
     cells: dict[tuple[str, str], dict[str, list[float]]] = {}
     for row in data["rows"]:
         cell = cells.setdefault((row["cache"], row["loader"]), {"load": [], "vllm": [], "own": []})
@@ -212,8 +218,9 @@ def summary(path: Path) -> str:
              "default | vLLM `reload_weights` s (median) | pploader `reload` s (median) |",
              "|---|---|---|---|---|---|"]
     for (cache, loader), cell in sorted(cells.items()):
-        base = median(cells[(cache, "default")]["load"])
+        base_cell = cells.get((cache, "default"))
         mine = median(cell["load"])
+        base = median(base_cell["load"]) if base_cell else float("nan")
         trials = ", ".join(f"{x:.2f}" for x in cell["load"])
         own = f"{median(cell['own']):.2f}" if cell["own"] else "-"
         lines.append(f"| {cache} | {loader} | {mine:.2f} ({trials}) | {base / mine:.2f}x | "
