@@ -198,9 +198,9 @@ def summary(path: Path) -> str:
     with every trial's value) and the reload walls; pploader's speed relative to the default."""
     from statistics import median
     text = path.read_text()
-    if text.lstrip().startswith("{\"meta\""):
+    try:
         data = json.loads(text)
-    else:   # a run's log (one JSON row per finished trial): the trials done so far
+    except json.JSONDecodeError:   # a run's log (one JSON row per trial): the trials so far
         rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
         data = {"rows": rows, "meta": {"pp": "?", "tp": "?", "checkpoint_bytes": 0,
                                        "date": "(log)", "machine": platform.node()}}
