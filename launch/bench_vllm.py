@@ -4,11 +4,14 @@ Run with the vLLM venv's python (``.ci/vllm-suite.sh`` makes it):
 
     PY=$HOME/.cache/pploader/vllm-venv/bin/python
     $PY launch/bench_vllm.py make /tmp/vb/ckpt            # synthetic llama, ~1.2 GB bf16
-    $PY launch/bench_vllm.py run /tmp/vb/ckpt --pp 2 --json /tmp/vb/bench.json
+    $PY launch/bench_vllm.py run /tmp/vb/ckpt --pp 2 --repeat 3 --json /tmp/vb/bench.json
+    $PY launch/bench_vllm.py summary /tmp/vb/bench.json      # the markdown table (medians)
 
 ``run`` starts one engine per trial, each in a fresh process, alternating the loaders, cold
 (the checkpoint's pages evicted with posix_fadvise DONTNEED first, checked with mincore) then
-warm. Every worker measures its own ``load_weights`` (wall, /proc/self/io rchar and
+warm. After the first generate each trial times vLLM's own reload API
+(``collective_rpc("reload_weights", weights_path=the same checkpoint)``, warm) and, for
+pploader, ``pploader.integrations.vllm.reload``. Every worker measures its own ``load_weights`` (wall, /proc/self/io rchar and
 read_bytes deltas, bytes handed to the model) through a thin wrapper loader registered in
 the workers (they re-import this file as ``__mp_main__``), and the script measures the
 ``LLM(...)`` constructor wall (the whole startup).
@@ -52,6 +55,7 @@ def _register_measured_loaders() -> None:
                 if base is DefaultModelLoader:   # it picks files by the format's name
                     load_config.load_format = "auto"
                 super().__init__(load_config)
+                self.handed_bytes = 0   # a reload's loader calls get_all_weights only
 
             def get_all_weights(self, *args: Any, **kwargs: Any) -> Iterator:
                 for tname, tensor in super().get_all_weights(*args, **kwargs):
@@ -69,6 +73,7 @@ def _register_measured_loaders() -> None:
                 handed = report.get("read_bytes", self.handed_bytes)
                 record = {"loader": name, "pp_rank": pp, "tp_rank": tp,
                           "load_weights_seconds": seconds, "bytes_handed": handed,
+                          "mapped_bytes": report.get("mapped_bytes"),
                           "ideal_bytes": report.get("ideal_bytes"),
                           "rchar": io1["rchar"] - io0["rchar"],
                           "disk_read_bytes": io1["read_bytes"] - io0["read_bytes"]}
@@ -106,18 +111,35 @@ def make(out: Path, layers: int, hidden: int, inter: int, vocab: int) -> None:
 # ---- one trial (child process) -----------------------------------------------------------
 def trial(model: str, loader: str, pp: int, tp: int, out_dir: str) -> None:
     from vllm import LLM, SamplingParams
+
+    from pploader.integrations.vllm import WORKER_EXTENSION, reload
     t0 = time.perf_counter()
+    extra = {"worker_extension_cls": WORKER_EXTENSION} if loader == "pploader" else {}
     llm = LLM(model=model, load_format=f"bench_{loader}", pipeline_parallel_size=pp,
               tensor_parallel_size=tp, distributed_executor_backend="mp",
               skip_tokenizer_init=True, max_model_len=128, max_num_seqs=4,
               max_num_batched_tokens=128, compilation_config={"mode": 2, "backend": "eager"},
-              dtype="bfloat16", seed=0)
+              dtype="bfloat16", seed=0, **extra)
     startup = time.perf_counter() - t0
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False)
-    tokens = [list(o.outputs[0].token_ids) for o in
-              llm.generate([{"prompt_token_ids": [1, 5, 9, 200, 17]}], params, use_tqdm=False)]
+
+    def generate() -> list[list[int]]:
+        return [list(o.outputs[0].token_ids) for o in llm.generate(
+            [{"prompt_token_ids": [1, 5, 9, 200, 17]}], params, use_tqdm=False)]
+    tokens = generate()
+    t1 = time.perf_counter()   # vLLM's own reload API, from the same (now warm) checkpoint
+    llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+    vllm_reload = time.perf_counter() - t1
+    same_after_vllm_reload = generate() == tokens
+    own_reload = None
+    if loader == "pploader":
+        t2 = time.perf_counter()
+        reload(llm, model)
+        own_reload = time.perf_counter() - t2
     Path(out_dir, f"engine-{loader}.json").write_text(
-        json.dumps({"startup_seconds": startup, "tokens": tokens}))
+        json.dumps({"startup_seconds": startup, "tokens": tokens,
+                    "vllm_reload_seconds": vllm_reload, "pploader_reload_seconds": own_reload,
+                    "tokens_kept_by_reloads": same_after_vllm_reload and generate() == tokens}))
 
 
 # ---- the driver -----------------------------------------------------------------------
@@ -171,6 +193,41 @@ def run(model: Path, pp: int, tp: int, repeat: int, json_out: Path) -> None:
     json_out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
+def summary(path: Path) -> str:
+    """Markdown: per cache and loader, the slowest worker's load_weights (median over trials,
+    with every trial's value) and the reload walls; pploader's speed relative to the default."""
+    from statistics import median
+    text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:   # a run's log (one JSON row per trial): the trials so far
+        rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+        data = {"rows": rows, "meta": {"pp": "?", "tp": "?", "checkpoint_bytes": 0,
+                                       "date": "(log)", "machine": platform.node()}}
+    cells: dict[tuple[str, str], dict[str, list[float]]] = {}
+    for row in data["rows"]:
+        cell = cells.setdefault((row["cache"], row["loader"]), {"load": [], "vllm": [], "own": []})
+        cell["load"].append(max(w["load_weights_seconds"] for w in row["workers"]))
+        cell["vllm"].append(row["vllm_reload_seconds"])
+        if row.get("pploader_reload_seconds") is not None:
+            cell["own"].append(row["pploader_reload_seconds"])
+    m = data["meta"]
+    lines = [f"PP={m['pp']} TP={m['tp']}, {m['checkpoint_bytes'] / 1e9:.2f} GB, {m['date']}, "
+             f"{m['machine']}", "",
+             "| cache | loader | `load_weights` s, slowest worker (median; trials) | speed vs "
+             "default | vLLM `reload_weights` s (median) | pploader `reload` s (median) |",
+             "|---|---|---|---|---|---|"]
+    for (cache, loader), cell in sorted(cells.items()):
+        base_cell = cells.get((cache, "default"))
+        mine = median(cell["load"])
+        base = median(base_cell["load"]) if base_cell else float("nan")
+        trials = ", ".join(f"{x:.2f}" for x in cell["load"])
+        own = f"{median(cell['own']):.2f}" if cell["own"] else "-"
+        lines.append(f"| {cache} | {loader} | {mine:.2f} ({trials}) | {base / mine:.2f}x | "
+                     f"{median(cell['vllm']):.2f} | {own} |")
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -186,12 +243,16 @@ def main() -> None:
     r.add_argument("--tp", type=int, default=1)
     r.add_argument("--repeat", type=int, default=1)
     r.add_argument("--json", type=Path, required=True)
+    sm = sub.add_parser("summary")
+    sm.add_argument("json", type=Path)
     t = sub.add_parser("trial")
     for name in ("model", "loader", "pp", "tp", "out_dir"):
         t.add_argument(name)
     args = ap.parse_args()
     if args.cmd == "make":
         make(args.out, args.layers, args.hidden, args.intermediate, args.vocab)
+    elif args.cmd == "summary":
+        print(summary(args.json))
     elif args.cmd == "run":
         args.json.parent.mkdir(parents=True, exist_ok=True)
         run(args.model, args.pp, args.tp, args.repeat, args.json)

@@ -62,9 +62,10 @@ def segment_rows(sizes: tuple[int, ...], units: tuple[int, ...]) -> Slicer:
 
 
 def local_experts(num_experts: int, topo: Topology) -> range:
-    """EP rank r holds the contiguous block [r*E/ep, (r+1)*E/ep)."""
-    return range(topo.ep_rank * num_experts // topo.ep_size,
-                 (topo.ep_rank + 1) * num_experts // topo.ep_size)
+    """EP rank r holds a contiguous block, the first E % ep ranks one more (vLLM's linear)."""
+    base, extra = divmod(num_experts, topo.ep_size)
+    first = topo.ep_rank * base + min(topo.ep_rank, extra)
+    return range(first, first + base + (1 if topo.ep_rank < extra else 0))
 
 
 def stacked_gate_up(num_experts: int, inter: int) -> Slicer:

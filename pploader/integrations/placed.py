@@ -3,24 +3,32 @@ integrations/vllm.py; no engine import here, so it is testable anywhere).
 
 TP mode ``placed``: only this TP rank's byte ranges are read, then placed at their offsets
 inside a full-shaped tensor whose other elements are NaN, so the engine's loaders narrow to the
-rank's part as they always do (dtypes without a NaN are read whole). ``full`` / ``sliced``:
-the plan's tensors as the reader yields them. Every read goes through the read-backend seam."""
+rank's part as they always do (dtypes without a NaN are read whole); a tensor wholly in the
+page cache is handed as a view of it instead (the engine's narrow touches only its part).
+``full`` / ``sliced``: the plan's tensors as the reader yields them. Every read goes through
+the read-backend seam, chosen in one place (:func:`open_reader`; default ``mapped``: views of
+resident pages, positional reads for the rest). Tensors are handed under the engine's names
+(integrations/engine_plan.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import Callable, Iterator, Optional
+from typing import AbstractSet, Callable, Iterable, Iterator, Optional
 
 import torch
 
-from ..io.backend import ReadBackend
-from ..io.read import open_threaded  # noqa: F401 - the default CPU backend imported now, so
-#   a load's rchar (/proc/self/io, vLLM's report) counts checkpoint reads, not module imports
+from ..io.backend import ReadBackend, ReadOptions
+from ..io.mapped import open_mapped, resident_items  # noqa: F401 - the default backend
+#   imported now, so a load's rchar (/proc/self/io, vLLM's report) counts checkpoint reads,
+#   not module imports
+from ..io.read import open_threaded  # noqa: F401
 from ..io.registry import open_backend
 from ..planning.checkpoint import DTYPES
 from ..planning.plan import RankPlan, ReadItem
 from ..stage import StagePlan
+from .engine_plan import engine_names
 
-__all__ = ["NAN_DTYPES", "rchar_bytes", "compact_plan", "stage_weights", "read_stage"]
+__all__ = ["NAN_DTYPES", "DEFAULT_BACKEND", "rchar_bytes", "compact_plan", "open_reader",
+           "whole_when_resident", "stage_weights", "read_stage"]
 
 #: Floating dtypes whose unread elements are poisoned with NaN in ``placed`` mode.
 NAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -47,12 +55,14 @@ def _placed_ranges(staged: StagePlan, item: ReadItem) -> tuple[tuple[int, int], 
     return item.ranges
 
 
-def compact_plan(staged: StagePlan) -> RankPlan:
-    """The stage's plan with each item read as its placed ranges, back to back, as one flat
-    ``uint8`` tensor: any read backend reads it (io/registry.py); :func:`_place` puts the bytes
-    at their offsets."""
+def compact_plan(staged: StagePlan, whole: AbstractSet[str] = frozenset()) -> RankPlan:
+    """The stage's plan with each item read as its placed ranges (the whole tensor for targets
+    in ``whole``), back to back, as one flat ``uint8`` tensor: any read backend reads it
+    (io/registry.py); :func:`_place` puts the bytes at their offsets."""
     def compact(item: ReadItem) -> ReadItem:
-        ranges = _placed_ranges(staged, item)
+        entry = staged.index.entry(item.name)
+        ranges = ((entry.start, entry.nbytes),) if item.target in whole \
+            else _placed_ranges(staged, item)
         size = (sum(n for _, n in ranges),)
         return ReadItem(name=item.name, target=item.target, file=item.file, dtype="U8",
                         shape=size, source_shape=size, ranges=ranges, buffer_shape=size)
@@ -65,9 +75,11 @@ def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Te
     vLLM's loaders narrow it to this rank's part."""
     entry = staged.index.entry(item.name)
     ranges = _placed_ranges(staged, item)
-    out = torch.empty(item.source_shape, dtype=DTYPES[item.dtype][0])
-    if ranges != ((entry.start, entry.nbytes),):
-        out.fill_(float("nan"))
+    dtype = DTYPES[item.dtype][0]
+    if ranges == ((entry.start, entry.nbytes),):  # read whole: already the tensor's bytes
+        return compact.view(dtype).reshape(item.source_shape)
+    out = torch.empty(item.source_shape, dtype=dtype)
+    out.fill_(float("nan"))
     raw, pos = out.reshape(-1).view(torch.uint8), 0
     for offset, nbytes in ranges:
         raw[offset - entry.start: offset - entry.start + nbytes] = compact[pos:pos + nbytes]
@@ -79,27 +91,76 @@ def _placed(staged: StagePlan, tp_mode: str) -> bool:
     return tp_mode == "placed" and staged.plan.topology.tp_size > 1
 
 
-def stage_weights(staged: StagePlan, tp_mode: str
-                  ) -> tuple[ReadBackend, Iterator[tuple[str, torch.Tensor]]]:
-    """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over."""
+#: The backend the engine path reads with unless told otherwise (io/registry.py): views of
+#: the page cache where warm (the engine's copy is the only one), positional reads where cold.
+DEFAULT_BACKEND = "mapped"
+
+
+def open_reader(plan: RankPlan, backend: Optional[str] = None,
+                options: Optional[ReadOptions] = None) -> ReadBackend:
+    """The one place the engine path picks its read backend and device (host memory, where
+    vLLM's CPU workers and its GPU loaders' ``copy_`` take it from)."""
+    return open_backend(plan, "cpu", options, name=backend or DEFAULT_BACKEND)
+
+
+def whole_when_resident(staged: StagePlan, backend: Optional[str]) -> frozenset[str]:
+    """``placed`` items to hand as their whole tensors: with the ``mapped`` backend, those whose
+    whole tensor is in the page cache (a view costs nothing and the engine narrows it, touching
+    only its part); the others are read as the rank's ranges and placed in NaN."""
+    if (backend or DEFAULT_BACKEND) != "mapped":
+        return frozenset()
+    ranges = {}
+    for item in staged.plan.items:
+        entry = staged.index.entry(item.name)
+        if _placed_ranges(staged, item) != ((entry.start, entry.nbytes),):
+            ranges[item.target] = (item.file, ((entry.start, entry.nbytes),))
+    return frozenset(resident_items(staged.plan, ranges))
+
+
+def _stream(staged: StagePlan, tp_mode: str, backend: Optional[str],
+            options: Optional[ReadOptions]
+            ) -> tuple[ReadBackend, Iterator[tuple[ReadItem, torch.Tensor]], Callable[
+                [ReadItem, torch.Tensor], torch.Tensor]]:
+    """(reader, (item, read tensor) pairs in plan order, how a read tensor becomes the one
+    handed over) for ``tp_mode``."""
     if _placed(staged, tp_mode):
-        reader = open_backend(compact_plan(staged), "cpu")
+        whole = whole_when_resident(staged, backend)
+        reader = open_reader(compact_plan(staged, whole), backend, options)
+
+        def finish(item: ReadItem, raw: torch.Tensor) -> torch.Tensor:
+            if item.target in whole:
+                return raw.view(DTYPES[item.dtype][0]).reshape(item.source_shape)
+            return _place(staged, item, raw)
         # the reader first in zip: its end (identity checks, close) runs after the last item
-        return reader, ((item.target, _place(staged, item, compact))
-                        for (_, compact), item in zip(reader, staged.plan.items))
-    reader = open_backend(staged.plan, "cpu")
-    return reader, iter(reader)
+        return reader, ((item, raw) for (_, raw), item in zip(reader, staged.plan.items)), \
+            finish
+    reader = open_reader(staged.plan, backend, options)
+    return reader, ((item, t) for (_, t), item in zip(reader, staged.plan.items)), \
+        lambda item, t: t
 
 
-def read_stage(staged: StagePlan, tp_mode: str
+def _named(staged: StagePlan, pairs: Iterable[tuple[ReadItem, torch.Tensor]]
+           ) -> Iterator[tuple[str, torch.Tensor]]:
+    for item, tensor in pairs:
+        for name in engine_names(staged, item):
+            yield name, tensor
+
+
+def stage_weights(staged: StagePlan, tp_mode: str, backend: Optional[str] = None,
+                  options: Optional[ReadOptions] = None
+                  ) -> tuple[ReadBackend, Iterator[tuple[str, torch.Tensor]]]:
+    """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over,
+    under the engine's names (:func:`engine_names`)."""
+    reader, pairs, finish = _stream(staged, tp_mode, backend, options)
+    return reader, _named(staged, ((item, finish(item, raw)) for item, raw in pairs))
+
+
+def read_stage(staged: StagePlan, tp_mode: str, backend: Optional[str] = None,
+               options: Optional[ReadOptions] = None
                ) -> tuple[ReadBackend, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-    """Read the whole stage now (this rank's bytes, held compactly); the returned function
-    streams it in the form ``tp_mode`` hands over (reload: read and agree before writing)."""
-    if _placed(staged, tp_mode):
-        reader = open_backend(compact_plan(staged), "cpu")
-        held = [(item, compact) for (_, compact), item in zip(reader, staged.plan.items)]
-        return reader, lambda: ((item.target, _place(staged, item, compact))
-                                for item, compact in held)
-    reader = open_backend(staged.plan, "cpu")
-    tensors = list(reader)
-    return reader, lambda: iter(tensors)
+    """Read the whole stage now (this rank's bytes: views of resident pages, the rest held
+    compactly); the returned function streams it in the form ``tp_mode`` hands over (reload:
+    read and agree before writing)."""
+    reader, pairs, finish = _stream(staged, tp_mode, backend, options)
+    held = list(pairs)
+    return reader, lambda: _named(staged, ((item, finish(item, raw)) for item, raw in held))

@@ -19,9 +19,16 @@ TP modes (``model_loader_extra_config={"tp_mode": ...}``), see docs/integration.
   parameters; only vLLM's v1 linear loaders honour that flag (not ``ModelWeightParameter``,
   which unquantized linears use, nor the vocab embedding or fused MoE), so TP>1 fails there.
 
-Reload inside a running engine built with ``worker_extension_cls=WORKER_EXTENSION``:
-``reload(llm, NEW_DIR)`` (driver side; it calls ``llm.collective_rpc("pploader_reload", ...)``
-and raises RankFailure if any worker refused the new checkpoint).
+``io_backend`` (default ``mapped``): views of the page cache for resident tensors (the
+engine's copy is the only one), positional reads for cold ones (integrations/placed.py). The
+stage is the engine's view of it (integrations/engine_plan.py): checkpoint names (the tied head
+of a last stage as ``model.embed_tokens.weight`` too) and, under ``enable_expert_parallel``, the
+local experts vLLM's MoE layers hold, read whole.
+
+Reloads (integrations/vllm_reload.py): vLLM's own ``collective_rpc("reload_weights",
+kwargs={"weights_path": D})`` through :meth:`PPLoaderModelLoader.get_all_weights`, and, in an
+engine built with ``worker_extension_cls=WORKER_EXTENSION``, ``reload(llm, D)``. Both read and
+agree on every worker before writing; a refused checkpoint leaves the engine serving.
 """
 from __future__ import annotations
 
@@ -29,7 +36,7 @@ import logging
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,18 +50,21 @@ from vllm.model_executor.model_loader import (  # type: ignore[import-not-found,
 
 BaseModelLoader = _base_loader.BaseModelLoader
 
-from ..errors import PlanError, PPLoaderError, RankFailure
+from ..errors import PlanError
 from ..io.backend import ReadBackend
-from ..bind.module_state import find_module_state, module_state
+from ..bind.module_state import module_state
 from ..stage import StagePlan, plan_stage
 from ..planning.topology import Topology
-from .placed import NAN_DTYPES, rchar_bytes, read_stage, stage_weights
+from .engine_plan import engine_stage
+from .placed import DEFAULT_BACKEND, NAN_DTYPES, rchar_bytes, stage_weights
+from .vllm_reload import LAST as _LAST
+from .vllm_reload import WorkerExtension, engine_reload_weights, reload, reload_stage
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["LOAD_FORMAT", "TP_MODES", "WORKER_EXTENSION", "PPLoaderModelLoader", "register",
-           "engine_topology", "engine_partition", "load_report", "reload_stage", "reload",
-           "WorkerExtension"]
+           "engine_topology", "engine_partition", "engine_local_experts", "load_report",
+           "reload_stage", "reload", "WorkerExtension"]
 
 LOAD_FORMAT = "pploader"
 TP_MODES = ("placed", "full", "sliced")
@@ -71,6 +81,8 @@ class LoadState:
     tp_mode: str
     staged: StagePlan
     range_cost_bytes: int = 0
+    io_backend: str = DEFAULT_BACKEND
+    local_experts: Optional[frozenset[int]] = None  # the engine's EP placement on this rank
     report: dict[str, Any] = field(default_factory=dict)
 
 
@@ -93,6 +105,28 @@ def engine_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
     return tuple(end - start for start, end in bounds)
 
 
+def engine_local_experts(model: nn.Module, num_experts: int) -> Optional[frozenset[int]]:
+    """The experts vLLM placed on this rank under expert parallelism (its MoE layers'
+    ``expert_map_manager``: the ``linear`` or ``round_robin`` placement as the layers really
+    applied it, fallbacks included), all of them with EPLB (redundant slots may take any
+    expert), or None without EP (experts split over TP like any tensor)."""
+    found: Optional[frozenset[int]] = None
+    eplb = False
+    for module in model.modules():
+        manager = getattr(module, "expert_map_manager", None)
+        if manager is None or not getattr(manager, "use_ep", False):
+            continue
+        eplb = eplb or bool(getattr(module, "eplb_state", None))
+        ids = frozenset(int(e) for e in manager.get_local_expert_ids() if int(e) < num_experts)
+        if found is not None and ids != found:
+            raise PlanError(f"vLLM's MoE layers place different experts on this rank "
+                            f"({sorted(found)} vs {sorted(ids)}): cannot plan one stage")
+        found = ids
+    if found is not None and eplb:
+        return frozenset(range(num_experts))
+    return found
+
+
 def _model_window(model: nn.Module) -> Optional[tuple[int, int]]:
     inner = getattr(model, "model", None)
     start, end = getattr(inner, "start_layer", None), getattr(inner, "end_layer", None)
@@ -108,10 +142,12 @@ def _read_topology(topology: Topology, tp_mode: str) -> Topology:
 
 def plan_engine_stage(model_dir: str, topology: Topology, partition: Sequence[int],
                       tp_mode: str, model: Optional[nn.Module] = None, *,
-                      range_cost_bytes: int = 0) -> StagePlan:
-    """Plan this worker's stage with the engine's partition; the window must be the model's."""
-    staged = plan_stage(model_dir, _read_topology(topology, tp_mode), partition=list(partition),
-                        range_cost_bytes=range_cost_bytes)
+                      range_cost_bytes: int = 0,
+                      local_experts: Optional[frozenset[int]] = None) -> StagePlan:
+    """Plan this worker's stage as the engine holds it (integrations/engine_plan.py: its
+    expert placement, its names) with the engine's partition; the window must be the model's."""
+    staged = engine_stage(model_dir, _read_topology(topology, tp_mode), partition,
+                          local_experts=local_experts, range_cost_bytes=range_cost_bytes)
     window = staged.plan.window
     start = sum(partition[:topology.pp_rank])
     expected = (start, start + partition[topology.pp_rank])
@@ -197,6 +233,10 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         self.tp_mode = str(extra.pop("tp_mode", "placed"))
         # exact byte ranges by default: strided TP slices row by row, never a covering box
         self.range_cost_bytes = int(extra.pop("range_cost_bytes", 0))
+        # the read backend (io/registry.py): views of resident pages, positional reads else
+        self.io_backend = str(extra.pop("io_backend", DEFAULT_BACKEND))
+        from ..io.registry import select_backend
+        select_backend("cpu", self.io_backend)   # unknown or not a host backend: ValueError
         if self.tp_mode not in TP_MODES:
             raise ValueError(f"pploader tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
         if extra:
@@ -214,11 +254,13 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         topology = engine_topology()
         rchar0, start = rchar_bytes(), time.perf_counter()
         from ..planning.spec import load_spec
-        num_layers = load_spec(model_dir).num_layers
-        partition = engine_partition(num_layers, topology.pp_size)
+        spec = load_spec(model_dir)
+        partition = engine_partition(spec.num_layers, topology.pp_size)
+        experts = engine_local_experts(model, spec.num_experts) if spec.num_experts else None
         staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model,
-                                   range_cost_bytes=self.range_cost_bytes)
-        reader, weights = stage_weights(staged, self.tp_mode)
+                                   range_cost_bytes=self.range_cost_bytes,
+                                   local_experts=experts)
+        reader, weights = stage_weights(staged, self.tp_mode, self.io_backend)
         if self.tp_mode == "sliced" and topology.tp_size > 1:
             _mark_sharded(model)
             try:
@@ -232,22 +274,40 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
             loaded = model.load_weights(weights)  # type: ignore[operator]
         rchar1, seconds = rchar_bytes(), time.perf_counter() - start
         check_all_loaded(model, loaded, staged)
-        if self.tp_mode == "placed" and topology.tp_size > 1:
-            check_no_unread(model, topology.rank)
+        if self.tp_mode == "placed" and topology.tp_size > 1 and \
+                getattr(reader, "warm_items", 0) < len(staged.plan.items):
+            check_no_unread(model, topology.rank)  # some tensors were placed in NaN
         state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
-                          range_cost_bytes=self.range_cost_bytes)
-        state.report = _report(state, reader, seconds, rchar0, rchar1)
+                          range_cost_bytes=self.range_cost_bytes, io_backend=self.io_backend,
+                          local_experts=experts)
+        state.report = load_summary(state, reader, seconds, rchar0, rchar1)
         module_state(model).engine_load = state  # travels with the model (bind/module_state.py)
         _LAST["load"] = state.report
-        logger.info("pploader %s: layers [%d, %d) read %d bytes (ideal %d, headers %d) in "
-                    "%.2f s, tp_mode=%s", topology.describe(), staged.plan.window.start_layer,
+        logger.info("pploader %s: layers [%d, %d) read %d bytes (%d of them mapped from the "
+                    "page cache; ideal %d, headers %d) in %.2f s, tp_mode=%s%s",
+                    topology.describe(), staged.plan.window.start_layer,
                     staged.plan.window.end_layer, reader.stats.read_bytes,
-                    staged.plan.ideal_bytes, staged.plan.header_bytes, seconds, self.tp_mode)
+                    getattr(reader, "mapped_bytes", 0), staged.plan.ideal_bytes,
+                    staged.plan.header_bytes, seconds, self.tp_mode,
+                    "" if experts is None else f", {len(experts)} local expert(s)")
+
+    def get_all_weights(self, model_config: ModelConfig, model: nn.Module
+                        ) -> Iterator[tuple[str, torch.Tensor]]:
+        """vLLM's ``reload_weights(weights_path=D)``: this worker's stage of ``D``, read and
+        agreed on every worker first (integrations/vllm_reload.py); a refused checkpoint
+        leaves the engine serving the old weights."""
+        from vllm.distributed.parallel_state import (  # type: ignore[import-not-found, unused-ignore]
+            get_world_group)
+        world = get_world_group()
+        return engine_reload_weights(model, model_config,
+                                     last_worker=world.rank_in_group == world.world_size - 1)
 
 
-def _report(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optional[int],
-            rchar1: Optional[int]) -> dict[str, Any]:
-    """What one worker read; ``ideal_bytes`` is its TP part of the stage (tp_mode aside)."""
+def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optional[int],
+                 rchar1: Optional[int]) -> dict[str, Any]:
+    """What one worker read; ``ideal_bytes`` is its TP part of the stage (tp_mode aside);
+    ``mapped_bytes``: the part of ``read_bytes`` taken as views of resident pages (no read
+    syscall, so not in ``rchar_bytes``)."""
     ideal = plan_stage(state.model_dir, state.topology, partition=list(state.partition)) \
         .plan.ideal_bytes if state.tp_mode == "full" and state.topology.tp_size > 1 \
         else state.staged.plan.ideal_bytes
@@ -255,12 +315,12 @@ def _report(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optio
     return {"rank": t.rank, "pp_rank": t.pp_rank, "tp_rank": t.tp_rank, "tp_mode": state.tp_mode,
             "start_layer": w.start_layer, "end_layer": w.end_layer,
             "read_bytes": reader.stats.read_bytes, "ideal_bytes": ideal,
+            "mapped_bytes": int(getattr(reader, "mapped_bytes", 0)),
+            "io_backend": state.io_backend,
+            "local_experts": None if state.local_experts is None else sorted(state.local_experts),
             "header_bytes": state.staged.plan.header_bytes, "seconds": seconds,
             "rchar_bytes": None if rchar0 is None or rchar1 is None else rchar1 - rchar0,
             "model_dir": state.model_dir}
-
-
-_LAST: dict[str, dict[str, Any]] = {}  # this process's last load / reload / error
 
 
 def register() -> None:
@@ -279,140 +339,9 @@ def register() -> None:
         ours.propagate = False
 
 
-# ---- worker-side functions (collective_rpc) ----------------------------------------------
-def _model_of(worker: Any) -> nn.Module:
-    runner = getattr(worker, "model_runner", None)
-    return runner.get_model() if runner is not None else worker.get_model()
-
-
+# ---- worker-side functions (collective_rpc); reloads: integrations/vllm_reload.py --------
 def load_report(worker: Any) -> dict[str, Any]:
     """The last load's and reload's byte accounting on this worker (``collective_rpc``)."""
     return dict(_LAST)
 
 
-def _same_layout(old: StagePlan, new: StagePlan, rank: int) -> None:
-    """A reload must fill exactly the tensors the engine holds: same family, window, items."""
-    if old.spec.family.name != new.spec.family.name:
-        raise PlanError(f"new checkpoint is family {new.spec.family.name}, the engine serves "
-                        f"{old.spec.family.name}", rank=rank)
-    if old.plan.window != new.plan.window:
-        raise PlanError(f"new checkpoint gives window {new.plan.window}, the engine serves "
-                        f"{old.plan.window}", rank=rank)
-    before = {i.target: (i.source_shape, i.shape) for i in old.plan.items}
-    after = {i.target: (i.source_shape, i.shape) for i in new.plan.items}
-    if before != after:
-        diff = sorted(set(before.items()) ^ set(after.items()))
-        name = diff[0][0] if diff else None
-        raise PlanError(f"new checkpoint's stage tensors differ from the served ones "
-                        f"({len(diff)} differences, e.g. {diff[:3]})", tensor=name, rank=rank)
-
-
-def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
-                 ) -> dict[str, Any]:
-    """Reload this worker's stage from ``checkpoint_dir`` in place; run on every worker
-    (``llm.collective_rpc("pploader_reload", args=(DIR,))``, or :func:`reload` which raises).
-
-    Plans (headers, sizes, same family/window/shapes) and reads the whole stage into host
-    memory first, then all workers agree; only if every worker succeeded are the bytes written
-    through the engine's loaders (vLLM's layerwise in-place reload, data_ptrs kept). On a
-    failure every worker returns ``ok: False`` with the same agreed error and the served
-    weights are untouched. It returns rather than raises: vLLM's multiprocess executor raises
-    on the first failed worker and leaves the others' replies queued, which desynchronises the
-    next collective_rpc.
-    """
-    from ..distributed.comm import Comm
-    model = _model_of(worker)
-    found = find_module_state(model)
-    state: Optional[LoadState] = found.engine_load if found is not None else None
-    if state is None:
-        return {"ok": False, "rank": None, "error": "this engine was not loaded with "
-                "load_format='pploader'", "written": False}
-    topology = state.topology
-    comm = Comm(topology, timeout_s=timeout_s, namespace="pploader-vllm-reload")
-    try:
-        return _reload_agreed(worker, model, state, str(checkpoint_dir), comm)
-    finally:
-        comm.close()
-
-
-def _reload_agreed(worker: Any, model: nn.Module, state: LoadState, checkpoint_dir: str,
-                   comm: Any) -> dict[str, Any]:
-    from ..distributed.comm import run_guarded
-    topology = state.topology
-    rchar0, start = rchar_bytes(), time.perf_counter()
-
-    def read_all() -> tuple[StagePlan, ReadBackend, Callable[[], Iterator[tuple[str, torch.Tensor]]]]:
-        """Phase 1: plan, validate and read everything; nothing written yet."""
-        staged = plan_engine_stage(checkpoint_dir, topology, state.partition, state.tp_mode,
-                                   model, range_cost_bytes=state.range_cost_bytes)
-        _same_layout(state.staged, staged, topology.rank)
-        return (staged, *read_stage(staged, state.tp_mode))
-
-    try:  # every worker gets the same RankFailure if any failed
-        staged, reader, weights = run_guarded(comm, read_all)
-    except PPLoaderError as exc:
-        failures = getattr(exc, "failures", None) or {topology.rank: str(exc)}
-        own = exc.__cause__  # this worker's own error, if it had one
-        failed = {"ok": False, "rank": topology.rank, "error": str(exc), "written": False,
-                  "failures": {str(r): m for r, m in failures.items()},
-                  "own_error": None if own is None else f"{type(own).__name__}: {own}"}
-        _LAST["reload_error"] = failed
-        logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
-                     topology.describe(), exc)
-        return failed
-    rchar1, read_seconds = rchar_bytes(), time.perf_counter() - start
-    try:  # phase 2: every worker validated and read its stage; write in place
-        worker.model_runner.reload_weights(weights_iterator=weights(),
-                                           is_checkpoint_format=True)
-        del weights  # the held bytes go now
-        if state.tp_mode == "placed" and topology.tp_size > 1:
-            check_no_unread(model, topology.rank)
-    except Exception as exc:  # noqa: BLE001
-        failed = {"ok": False, "rank": topology.rank, "written": True,
-                  "error": f"writing failed after agreement, weights may be partly updated: "
-                           f"{type(exc).__name__}: {exc}"}
-        _LAST["reload_error"] = failed
-        logger.exception("pploader reload write failed on %s", topology.describe())
-        return failed
-    new = LoadState(checkpoint_dir, topology, state.partition, state.tp_mode, staged,
-                    range_cost_bytes=state.range_cost_bytes)
-    new.report = _report(new, reader, read_seconds, rchar0, rchar1)
-    new.report.update(ok=True, total_seconds=time.perf_counter() - start)
-    model._pploader_state = new  # type: ignore[assignment]
-    _LAST["reload"] = new.report
-    _LAST.pop("reload_error", None)
-    logger.info("pploader reload %s: read %d bytes (ideal %d) from %s", topology.describe(),
-                reader.stats.read_bytes, new.report["ideal_bytes"], checkpoint_dir)
-    return new.report
-
-
-def reload(llm: Any, checkpoint_dir: str, *, timeout_s: float = 300.0) -> list[dict[str, Any]]:
-    """Driver side: reload every worker of ``llm`` (built with
-    ``worker_extension_cls=WORKER_EXTENSION``) from ``checkpoint_dir``; raises RankFailure
-    naming each worker's error if the new checkpoint was refused (old weights keep serving)."""
-    results = llm.collective_rpc("pploader_reload", args=(str(checkpoint_dir),),
-                                 kwargs={"timeout_s": timeout_s})
-    failures: dict[int, str] = {}
-    for i, result in enumerate(results):
-        if not result.get("ok"):   # the agreed failures, the same on every worker
-            rank = result.get("rank")
-            own = {str(i if rank is None else rank): result["error"]}
-            failures.update({int(r): m for r, m in (result.get("failures") or own).items()})
-    if failures:
-        raise RankFailure(failures)
-    return list(results)
-
-
-class WorkerExtension:
-    """``worker_extension_cls="pploader.integrations.vllm.WorkerExtension"``: call by name,
-    ``llm.collective_rpc("pploader_reload", args=(DIR,))`` (no pickled callables needed)."""
-
-    def pploader_reload(self, checkpoint_dir: str, timeout_s: float = 300.0) -> dict[str, Any]:
-        return reload_stage(self, checkpoint_dir, timeout_s=timeout_s)
-
-    def pploader_report(self) -> dict[str, Any]:
-        return load_report(self)
-
-    def pploader_data_ptrs(self) -> dict[str, int]:
-        """Parameter name -> data_ptr (to check that a reload wrote in place)."""
-        return {n: p.data_ptr() for n, p in _model_of(self).named_parameters()}

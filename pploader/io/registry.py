@@ -53,6 +53,9 @@ BACKENDS: tuple[BackendInfo, ...] = (
     BackendInfo("buffered", "pploader.io.buffered:open_buffered", ("cpu",),
                 "plain open + seek + readinto, one request per range, no threads, no mmap: "
                 "the simplest reference (and the example of adding a backend)"),
+    BackendInfo("mapped", "pploader.io.mapped:open_mapped", ("cpu",),
+                "views of a private file mapping for bytes already in the page cache (the "
+                "consumer's copy is the only one), threaded positional reads for the rest"),
     BackendInfo("s3", "pploader.io.objectstore:open_s3", ("cpu", "cuda"),
                 "s3:// model paths (picked for them): ranged GETs of the rank's byte ranges, "
                 "merged, many in flight, into the reader's buffers", storage="s3"),

@@ -52,11 +52,16 @@ class Selection:
 
 
 def local_experts(num_experts: int, ep_size: int, ep_rank: int) -> tuple[int, int]:
-    """Contiguous block ``[first, last)`` of experts owned by ``ep_rank`` (earlier ranks
-    get one more when the count does not divide)."""
+    """Contiguous block ``[first, last)`` of experts owned by ``ep_rank``: vLLM's ``linear``
+    placement (``determine_expert_map``: ``start = r * base + min(r, remainder)``), so when
+    the count does not divide, the *first* ``num_experts % ep_size`` ranks hold one more
+    (8 experts over 3 ranks: 0-2 / 3-5 / 6-7). Where it divides this is also SGLang's split
+    (SGLang refuses a count that does not divide)."""
     if num_experts < ep_size:
         raise PlanError(f"{num_experts} experts cannot be split over ep {ep_size} ranks")
-    return (ep_rank * num_experts // ep_size, (ep_rank + 1) * num_experts // ep_size)
+    base, extra = divmod(num_experts, ep_size)
+    first = ep_rank * base + min(ep_rank, extra)
+    return (first, first + base + (1 if ep_rank < extra else 0))
 
 
 def tp_selection(rule: Optional[ShardRule], shape: tuple[int, ...], spec: "ModelSpec",

@@ -27,7 +27,7 @@ def test_placed_tensors_hold_exactly_the_rank_bytes(llama: Path, tp_rank: int) -
     topo = Topology(1, 2, 1, tp_rank)
     staged = plan_stage(llama, topo, range_cost_bytes=0)
     sliced = {item.target: item for item in staged.plan.items}
-    reader, stream = stage_weights(staged, "placed")
+    reader, stream = stage_weights(staged, "placed", "threaded")
     seen = 0
     for name, tensor in stream:
         full = ref[name]
@@ -41,16 +41,19 @@ def test_placed_tensors_hold_exactly_the_rank_bytes(llama: Path, tp_rank: int) -
     assert reader.stats.read_bytes == staged.plan.ideal_bytes
 
 
+@pytest.mark.parametrize("backend", ["threaded", "mapped"])
 @pytest.mark.parametrize("tp_mode", ["placed", "full"])
-def test_read_stage_holds_what_stage_weights_streams(llama: Path, tp_mode: str) -> None:
+def test_read_stage_holds_what_stage_weights_streams(llama: Path, tp_mode: str,
+                                                     backend: str) -> None:
     """A reload reads everything first (read_stage), then streams the same tensors as a load."""
     from pploader import Topology, plan_stage
     from pploader.integrations.placed import read_stage, stage_weights
     staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
-    reader, replay = read_stage(staged, tp_mode)
-    assert reader.stats.read_bytes == (staged.plan.ideal_bytes if tp_mode == "placed"
-                                       else staged.plan.planned_read_bytes)
-    _, stream = stage_weights(staged, tp_mode)
+    reader, replay = read_stage(staged, tp_mode, backend)
+    if backend == "threaded":
+        assert reader.stats.read_bytes == (staged.plan.ideal_bytes if tp_mode == "placed"
+                                           else staged.plan.planned_read_bytes)
+    _, stream = stage_weights(staged, tp_mode, backend)
     streamed = dict(stream)
     held = dict(replay())
     assert held.keys() == streamed.keys()
@@ -71,7 +74,7 @@ def test_placed_reads_refuse_a_file_changed_after_planning(llama: Path) -> None:
     st = shard.stat()
     try:
         os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-        _, stream = stage_weights(staged, "placed")
+        _, stream = stage_weights(staged, "placed")   # the default (mapped) backend
         with pytest.raises(ReadError, match=staged.plan.items[-1].file):
             for _ in stream:
                 pass
@@ -85,20 +88,116 @@ from pploader import Topology, plan_stage
 from pploader.integrations.placed import rchar_bytes, stage_weights
 staged = plan_stage(sys.argv[1], Topology(1, 2, 1, 0), range_cost_bytes=0)
 before = rchar_bytes()
-reader, stream = stage_weights(staged, "placed")
+reader, stream = stage_weights(staged, "placed", sys.argv[2])
 for _ in stream:
     pass
-print(json.dumps({"rchar": rchar_bytes() - before, "read": reader.stats.read_bytes}))
+print(json.dumps({"rchar": rchar_bytes() - before, "read": reader.stats.read_bytes,
+                  "mapped": getattr(reader, "mapped_bytes", 0)}))
 '''
 
 
-def test_first_placed_load_rchar_counts_checkpoint_bytes_only(llama: Path) -> None:
+@pytest.mark.parametrize("backend", ["threaded", "mapped"])
+def test_first_placed_load_rchar_counts_checkpoint_bytes_only(llama: Path, backend: str) -> None:
     """vLLM's report compares /proc/self/io rchar with the planned bytes: in a fresh process the
-    first placed read must not add the read backend's module import to rchar."""
+    first placed read must not add the read backend's module import to rchar (bytes taken
+    from the page cache's mapping are no read syscalls: rchar leaves them out)."""
     import json
     import subprocess
     import sys
-    out = subprocess.run([sys.executable, "-c", _FIRST_LOAD_RCHAR, str(llama)],
+    out = subprocess.run([sys.executable, "-c", _FIRST_LOAD_RCHAR, str(llama), backend],
                          capture_output=True, text=True, check=True)
     res = json.loads(out.stdout.strip().splitlines()[-1])
-    assert res["read"] <= res["rchar"] <= res["read"] + 4096, res
+    syscalls = res["read"] - res["mapped"]
+    assert syscalls <= res["rchar"] <= syscalls + 4096, res
+    assert res["mapped"] == (res["read"] if backend == "mapped" else 0), res
+
+
+def _evict(model: Path) -> None:
+    """Drop the checkpoint's pages from the page cache (skip where the kernel keeps them)."""
+    import os
+
+    from pploader.io.pagecache import resident_bytes_of_ranges
+    for path in model.glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        size = path.stat().st_size
+        if resident_bytes_of_ranges(str(path), [(0, size)], sample_bytes=0)[0] > size // 10:
+            pytest.skip("this file system keeps the pages resident (no eviction)")
+
+
+def _warm(model: Path) -> None:
+    for path in model.glob("*.safetensors"):
+        path.read_bytes()
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_mapped_warm_hands_views_of_the_page_cache(llama: Path, tp_rank: int) -> None:
+    """Warm files, default backend: every tensor is the checkpoint's whole tensor as a view of
+    the file mapping (no copy before the engine's own; the engine narrows it), equal to
+    safe_open's; the tied or not, names are the checkpoint's."""
+    from helpers import reference_tensors
+
+    from pploader import Topology, plan_stage
+    from pploader.integrations.placed import stage_weights
+    _warm(llama)
+    ref = reference_tensors(llama)
+    staged = plan_stage(llama, Topology(1, 2, 1, tp_rank), range_cost_bytes=0)
+    sizes = {p.name: p.stat().st_size for p in llama.glob("*.safetensors")}
+    files = {i.name: i.file for i in staged.plan.items}
+    reader, stream = stage_weights(staged, "placed")
+    for name, tensor in stream:
+        assert torch.equal(tensor, ref[name]), name
+        # a view into the whole file's mapping, not a fresh buffer
+        assert tensor.untyped_storage().nbytes() == sizes[files[name]], name
+    assert reader.mapped_bytes == reader.stats.read_bytes >= staged.plan.ideal_bytes
+
+
+def test_mapped_cold_reads_only_the_rank_bytes_then_places_them(llama: Path) -> None:
+    """Cold files: positional reads of exactly the rank's bytes (ideal), placed in NaN."""
+    from helpers import reference_tensors
+
+    from pploader import Topology, plan_stage
+    from pploader.integrations.placed import stage_weights
+    import gc
+    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    gc.collect()   # no earlier test's view still maps the files (mapped pages stay resident)
+    _evict(llama)
+    reader, stream = stage_weights(staged, "placed")
+    got = list(stream)
+    ref = reference_tensors(llama)
+    nan = 0
+    for name, tensor in got:
+        known = ~torch.isnan(tensor.float())
+        nan += int((~known).sum())
+        assert torch.equal(tensor[known], ref[name][known]), name
+    assert nan > 0
+    assert reader.mapped_bytes == 0
+    assert reader.stats.read_bytes == staged.plan.ideal_bytes
+    _warm(llama)
+
+
+def test_tied_last_stage_hands_the_embedding_under_both_names(tmp_path: Path) -> None:
+    """PP=2, tied: the last stage's embedding replica is handed as model.embed_tokens.weight
+    (what vLLM's tied head loads from) and lm_head.weight (one tensor, read once)."""
+    from helpers import make_model, reference_tensors, tiny_config
+
+    from pploader import Topology, plan_stage
+    from pploader.integrations.placed import stage_weights
+    model = make_model(tmp_path / "tied", tiny_config(num_hidden_layers=4,
+                                                      tie_word_embeddings=True))
+    ref = reference_tensors(model)
+    assert "lm_head.weight" not in ref
+    for backend in ("threaded", "mapped"):
+        staged = plan_stage(model, Topology(2, 1, 1, 1))
+        reader, stream = stage_weights(staged, "placed", backend)
+        got = list(stream)
+        names = [n for n, _ in got]
+        assert names.count("model.embed_tokens.weight") == names.count("lm_head.weight") == 1
+        tensors = dict(got)
+        assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
+        assert torch.equal(tensors["lm_head.weight"], ref["model.embed_tokens.weight"])
+        assert reader.stats.read_bytes == staged.plan.planned_read_bytes

@@ -2,9 +2,13 @@
 
 Run as a subprocess (vLLM's workers re-import ``__main__``; hence the guard):
 ``python tests/vllm/engine.py SPEC.json OUT.json``. SPEC: ``{"prompts": [[ids]], "max_tokens": n,
-"runs": [{"name", "model", "load_format", "pp", "tp", "extra"?, "reloads"?: [dir, ...]}]}``.
+"runs": [{"name", "model", "load_format", "pp", "tp", "extra"?, "engine"?: {LLM kwargs},
+"evict"?: bool, "reloads"?: [dir, ...], "vllm_reloads"?: [dir, ...]}]}``. ``evict``: drop the
+checkpoint's pages from the page cache before the engine starts (a cold load). ``reloads``:
+pploader's ``reload``; ``vllm_reloads``: vLLM's own ``collective_rpc("reload_weights")``.
 OUT: per run the greedy tokens, each worker's pploader report, startup seconds and, per
-reload, whether it raised, the error, the tokens after it and whether data_ptrs were kept.
+reload, whether it raised, the error, its seconds, the tokens after it and whether data_ptrs
+were kept.
 """
 from __future__ import annotations
 
@@ -28,6 +32,7 @@ def engine(run: dict[str, Any]) -> Any:
         distributed_executor_backend="mp", max_model_len=128, max_num_seqs=4,
         max_num_batched_tokens=128, compilation_config={"mode": 2, "backend": "eager"},
         dtype=run.get("dtype", "bfloat16"), seed=0)
+    kwargs.update(run.get("engine", {}))   # e.g. enable_expert_parallel
     if run["load_format"] == "pploader":
         kwargs["worker_extension_cls"] = "pploader.integrations.vllm.WorkerExtension"
         if run.get("extra"):
@@ -43,12 +48,54 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[i
     return [list(o.outputs[0].token_ids) for o in outs]
 
 
+def evict(model: str) -> int:
+    """Drop a checkpoint's clean pages from the page cache; bytes still resident after."""
+    from pathlib import Path
+
+    from pploader.io.pagecache import resident_bytes_of_ranges
+    left = 0
+    for path in Path(model).glob("*.safetensors"):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        left += resident_bytes_of_ranges(str(path), [(0, path.stat().st_size)])[0]
+    return left
+
+
+def data_ptrs(llm: Any) -> Any:
+    return llm.collective_rpc("pploader_data_ptrs")
+
+
+def vllm_reload(llm: Any, new_dir: str, prompts: list[list[int]], max_tokens: int,
+                pploader: bool) -> dict[str, Any]:
+    """vLLM's own reload API, then a generate that must work whatever the reload did."""
+    before = data_ptrs(llm) if pploader else None
+    step: dict[str, Any] = {"dir": new_dir}
+    t0 = time.perf_counter()
+    try:
+        llm.collective_rpc("reload_weights", kwargs={"weights_path": new_dir})
+        step["raised"] = None
+    except Exception as exc:  # noqa: BLE001 - what the caller of vLLM's API sees
+        step["raised"] = f"{type(exc).__name__}: {exc}"
+    step["seconds"] = time.perf_counter() - t0
+    step["tokens"] = generate(llm, prompts, max_tokens)
+    if pploader:
+        step["reports"] = llm.collective_rpc("pploader_report")
+        step["data_ptrs_kept"] = before == data_ptrs(llm)
+    return step
+
+
 def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     from pploader.errors import RankFailure
     from pploader.integrations.vllm import reload
+    resident = evict(run["model"]) if run.get("evict") else None
     start = time.perf_counter()
     llm = engine(run)
-    out: dict[str, Any] = {"name": run["name"], "start_seconds": time.perf_counter() - start}
+    out: dict[str, Any] = {"name": run["name"], "start_seconds": time.perf_counter() - start,
+                           "resident_before": resident}
     try:
         out["tokens"] = generate(llm, prompts, max_tokens)
         if run["load_format"] == "pploader":
@@ -57,15 +104,20 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
         for new_dir in run.get("reloads", []):
             before = llm.collective_rpc("pploader_data_ptrs")
             step: dict[str, Any] = {"dir": new_dir}
+            t0 = time.perf_counter()
             try:
                 step["results"] = reload(llm, new_dir)
                 step["raised"] = None
             except RankFailure as exc:  # every worker refused the new checkpoint
                 step["raised"] = str(exc)
+            step["seconds"] = time.perf_counter() - t0
             step["tokens"] = generate(llm, prompts, max_tokens)
             step["reports"] = llm.collective_rpc("pploader_report")
             step["data_ptrs_kept"] = before == llm.collective_rpc("pploader_data_ptrs")
             out["reloads"].append(step)
+        out["vllm_reloads"] = [vllm_reload(llm, d, prompts, max_tokens,
+                                           run["load_format"] == "pploader")
+                               for d in run.get("vllm_reloads", [])]
     finally:
         del llm
         gc.collect()

@@ -43,14 +43,26 @@ MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dt
            "rope_theta": 1000000.0, "bos_token_id": 1, "eos_token_id": 2}
 
 
+QWEN2_TIED = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
+              "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+              "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 256,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
+              "tie_word_embeddings": True, "use_sliding_window": False, "dtype": "bfloat16",
+              "bos_token_id": 1, "eos_token_id": 2}
+
+
 def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
     pp = "pploader"
     return [
+        # warm (the mapped backend's views); pploader's reload, then vLLM's own reload API
         {"name": "pp2", "model": str(d["llama1"]), "load_format": pp, "pp": 2,
-         "reloads": [str(d["llama2_truncated"]), str(d["llama2"])]},
-        {"name": "pp2-default", "model": str(d["llama1"]), "load_format": "auto", "pp": 2},
+         "reloads": [str(d["llama2_truncated"]), str(d["llama2"])],
+         "vllm_reloads": [str(d["llama2_truncated"]), str(d["llama1"])]},
+        {"name": "pp2-default", "model": str(d["llama1"]), "load_format": "auto", "pp": 2,
+         "vllm_reloads": [str(d["llama2"])]},
         {"name": "pp2-default-ckpt2", "model": str(d["llama2"]), "load_format": "auto", "pp": 2},
-        {"name": "tp2", "model": str(d["llama1"]), "load_format": pp, "tp": 2},
+        # cold: positional reads of exactly the rank's bytes, placed in NaN
+        {"name": "tp2", "model": str(d["llama1"]), "load_format": pp, "tp": 2, "evict": True},
         {"name": "tp2-full", "model": str(d["llama1"]), "load_format": pp, "tp": 2,
          "extra": {"tp_mode": "full"}},
         {"name": "tp2-default", "model": str(d["llama1"]), "load_format": "auto", "tp": 2},
@@ -59,6 +71,13 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
          "tp": 2},
         {"name": "moe-pp2", "model": str(d["mixtral"]), "load_format": pp, "pp": 2},
         {"name": "moe-pp2-default", "model": str(d["mixtral"]), "load_format": "auto", "pp": 2},
+        # tied word embeddings: vLLM's last stage builds its head from model.embed_tokens
+        {"name": "tied-llama-pp2", "model": str(d["llama_tied"]), "load_format": pp, "pp": 2},
+        {"name": "tied-llama-pp2-default", "model": str(d["llama_tied"]), "load_format": "auto",
+         "pp": 2},
+        {"name": "tied-qwen2-pp2", "model": str(d["qwen2_tied"]), "load_format": pp, "pp": 2},
+        {"name": "tied-qwen2-pp2-default", "model": str(d["qwen2_tied"]), "load_format": "auto",
+         "pp": 2},
     ]
 
 
@@ -68,7 +87,11 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("vllm-ckpts")
     d = {"llama1": make_model(root / "llama1", LLAMA, shard_bytes=1_500_000, seed=1),
          "llama2": make_model(root / "llama2", LLAMA, shard_bytes=1_500_000, seed=2),
-         "mixtral": make_model(root / "mixtral", MIXTRAL, shard_bytes=3_000_000, seed=3)}
+         "mixtral": make_model(root / "mixtral", MIXTRAL, shard_bytes=3_000_000, seed=3),
+         "llama_tied": make_model(root / "llama_tied", dict(LLAMA, tie_word_embeddings=True),
+                                  shard_bytes=1_500_000, seed=4),
+         "qwen2_tied": make_model(root / "qwen2_tied", QWEN2_TIED, shard_bytes=1_500_000,
+                                  seed=5)}
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
     last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
@@ -82,6 +105,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> dict[str, dict[str, Any]]:
+    recorded = os.environ.get("PPLOADER_VLLM_RESULTS")   # re-check a finished run's out.json
+    if recorded:
+        return {r["name"]: r for r in json.loads(Path(recorded).read_text())}
     work = tmp_path_factory.mktemp("vllm-runs")
     spec, out = work / "spec.json", work / "out.json"
     spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": 8,
@@ -112,14 +138,23 @@ def _metadata_bytes(load: dict[str, Any]) -> int:
     return load["header_bytes"] + 3 * sum(f.stat().st_size for f in files if f.exists())
 
 
-def _check_bytes(run: dict[str, Any], *, limit: float = 1.01) -> None:
-    """Each worker read at most ``limit`` x its ideal bytes, by its own count and by the
-    kernel's (rchar: every read syscall of the process during the load, so the headers,
-    config.json and the index too: those are allowed on top)."""
+#: what vLLM itself may read during ``load_weights`` besides the checkpoint (seen: ~13 KB at
+#: TP=2), allowed on top of the metadata in the rchar check
+ENGINE_READ_SLACK = 64 << 10
+
+
+def _check_bytes(run: dict[str, Any], *, limit: float = 1.01, tp: int = 1) -> None:
+    """Each worker read at most ``limit`` x its ideal bytes (``tp`` x that when warm at TP>1:
+    whole tensors handed as views of the page cache, the engine narrows), by its own count and
+    by the kernel's (rchar: every read syscall of the process during the load, so the headers,
+    config.json and the index too: those are allowed on top, as is ENGINE_READ_SLACK; views of
+    resident pages are no read syscalls)."""
     for load in _loads(run):
-        assert load["read_bytes"] <= limit * load["ideal_bytes"], load
-        assert load["rchar_bytes"] is not None and load["read_bytes"] <= load["rchar_bytes"] \
-            <= limit * load["ideal_bytes"] + _metadata_bytes(load), load
+        syscalls = load["read_bytes"] - load["mapped_bytes"]
+        whole = tp if load["mapped_bytes"] else 1
+        assert load["read_bytes"] <= whole * limit * load["ideal_bytes"], load
+        assert load["rchar_bytes"] is not None and syscalls <= load["rchar_bytes"] \
+            <= limit * syscalls + _metadata_bytes(load) + ENGINE_READ_SLACK, load
 
 
 def _default_bytes(model_dir: Path) -> int:
@@ -141,11 +176,25 @@ def test_pp2_llama_same_tokens_and_only_stage_bytes(results: dict, checkpoints: 
         assert load["read_bytes"] < 0.6 * default, (load, default)
 
 
-def test_tp2_placed_reads_only_the_rank_slice(results: dict) -> None:
+def test_pp2_warm_hands_views_of_the_page_cache(results: dict) -> None:
+    """Warm: every byte of the stage is a view of a resident page (one copy, the engine's)."""
+    for load in _loads(results["pp2"]):
+        assert load["io_backend"] == "mapped"
+        assert load["mapped_bytes"] == load["read_bytes"] == load["ideal_bytes"], load
+
+
+def test_tp2_placed_cold_reads_only_the_rank_slice(results: dict) -> None:
     run, ref = results["tp2"], results["tp2-default"]
+    assert run["resident_before"] == 0
     assert run["tokens"] == ref["tokens"]
     assert [x["tp_rank"] for x in _loads(run)] == [0, 1]
-    _check_bytes(run)
+    for load in _loads(run):
+        # cold: positional reads of at most the rank's slice; the two workers share the page
+        # cache, so a tensor the other worker already read (a replicated norm, shared pages
+        # of a strided slice) may be found resident and taken as a view instead
+        syscalls = load["read_bytes"] - load["mapped_bytes"]
+        assert 0 < syscalls <= load["ideal_bytes"], load
+    _check_bytes(run, tp=2)
 
 
 def test_tp2_full_mode_same_tokens_tp_times_the_bytes(results: dict) -> None:
@@ -154,6 +203,7 @@ def test_tp2_full_mode_same_tokens_tp_times_the_bytes(results: dict) -> None:
     for load, placed in zip(_loads(run), _loads(results["tp2"])):
         assert load["ideal_bytes"] == placed["ideal_bytes"]
         assert load["read_bytes"] > 1.9 * load["ideal_bytes"]   # whole tensors, loaders narrow
+    _check_bytes(run, tp=2, limit=2.02)
 
 
 def test_pp2_tp2(results: dict) -> None:
@@ -161,7 +211,7 @@ def test_pp2_tp2(results: dict) -> None:
     assert run["tokens"] == results["pp2tp2-default"]["tokens"]
     loads = _loads(run)
     assert [(x["pp_rank"], x["tp_rank"]) for x in loads] == [(0, 0), (0, 1), (1, 0), (1, 1)]
-    _check_bytes(run)
+    _check_bytes(run, tp=2)
 
 
 def test_moe_pp2(results: dict, checkpoints: dict) -> None:
@@ -194,3 +244,42 @@ def test_reload_truncated_refused_everywhere_then_good_reload_switches(
         assert reloaded["model_dir"] == str(checkpoints["llama2"])
         assert reloaded["read_bytes"] <= 1.01 * reloaded["ideal_bytes"]
         assert "reload_error" not in report
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_tied_embeddings_pp2_same_tokens(results: dict, family: str) -> None:
+    """PP=2 with tie_word_embeddings: the engine starts, the last stage reads the embedding
+    once (its tied head) and the tokens equal the default loader's."""
+    run = results[f"tied-{family}-pp2"]
+    assert run["tokens"] == results[f"tied-{family}-pp2-default"]["tokens"]
+    first, last = _loads(run)
+    assert first["read_bytes"] <= 1.01 * first["ideal_bytes"]
+    assert last["read_bytes"] <= 1.01 * last["ideal_bytes"]
+    vocab = {"llama": LLAMA, "qwen2": QWEN2_TIED}[family]
+    embed = vocab["vocab_size"] * vocab["hidden_size"] * 2
+    assert last["ideal_bytes"] > embed   # the tied head's bytes are part of the last stage
+
+
+def test_vllm_reload_api_refuses_then_switches_never_breaking_the_engine(
+        results: dict, checkpoints: dict) -> None:
+    """vLLM's own collective_rpc("reload_weights") on a pploader engine: a truncated checkpoint
+    raises (naming the shard), nothing is written and the next generate works with the served
+    weights; a good one switches the tokens exactly, in place."""
+    run = results["pp2"]
+    served = run["reloads"][-1]["tokens"]            # pploader's reload left llama2 serving
+    bad, good = run["vllm_reloads"]
+    shard = checkpoints["truncated_shard"].name
+    assert bad["raised"] is not None and "refused the reload" in bad["raised"], bad["raised"]
+    assert shard in bad["raised"]
+    assert bad["tokens"] == served and bad["data_ptrs_kept"]
+    for report in bad["reports"]:
+        assert report["reload_error"]["written"] is False
+    assert good["raised"] is None, good["raised"]
+    assert good["tokens"] == run["tokens"] != served   # back on llama1, exactly
+    assert good["data_ptrs_kept"]
+    for report in good["reports"]:
+        assert report["reload"]["model_dir"] == str(checkpoints["llama1"])
+        assert report["reload"]["read_bytes"] <= 1.01 * report["reload"]["ideal_bytes"]
+    default = results["pp2-default"]["vllm_reloads"][0]   # vLLM's reload on a default engine
+    assert default["raised"] is None
+    assert default["tokens"] == results["pp2-default-ckpt2"]["tokens"]

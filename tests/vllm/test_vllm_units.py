@@ -72,3 +72,60 @@ def test_strict_check_lists_missing_and_zeroes_other_stages_params(llama: Path) 
     assert torch.count_nonzero(stage.lm_head.weight) == 0
     with pytest.raises(PlanError, match="1 parameter.*model.embed_tokens.weight"):
         check_all_loaded(stage, {"lm_head.weight"}, staged)
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_expert_placements_are_vllms_determine_expert_map(placement: str) -> None:
+    """pploader's view of vLLM's EP placements (and pploader's own --ep split, linear) equal
+    vLLM's determine_expert_map for every count and EP size: the remainder on the first ranks."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from pploader.integrations.engine_plan import linear_experts, round_robin_experts
+    from pploader.planning.shard import local_experts
+    ours = {"linear": linear_experts, "round_robin": round_robin_experts}[placement]
+    for n in (2, 3, 7, 8, 9, 60, 64):
+        for ep in range(2, min(n, 8) + 1):
+            for rank in range(ep):
+                count, emap, _ = determine_expert_map(ep, rank, n, placement)
+                theirs = frozenset(torch.where(emap != -1)[0].tolist())
+                assert ours(n, ep, rank) == theirs and len(theirs) == count
+                if placement == "linear":
+                    first, last = local_experts(n, ep, rank)
+                    assert frozenset(range(first, last)) == theirs
+
+
+@pytest.mark.parametrize("placement", ["linear", "round_robin"])
+def test_engine_local_experts_reads_the_layers_map(placement: str, tmp_path: Path) -> None:
+    """engine_local_experts takes what the model's MoE layers hold (their expert_map_manager,
+    as vLLM's FusedMoE builds it); the engine plan then reads those experts whole, only them."""
+    from vllm.model_executor.layers.fused_moe.expert_map_manager import determine_expert_map
+
+    from helpers import make_model, tiny_config
+    from pploader import Topology
+    from pploader.integrations.engine_plan import expert_of
+    from pploader.integrations.vllm import engine_local_experts, plan_engine_stage
+    cfg = dict(tiny_config("tiny-qwen3_moe"), num_experts=7)
+    ckpt = make_model(tmp_path / "moe", cfg)
+
+    class Manager:
+        use_ep = True
+
+        def __init__(self, rank: int) -> None:
+            self.map = determine_expert_map(2, rank, 7, placement)[1]
+
+        def get_local_expert_ids(self) -> list[int]:
+            return torch.where(self.map != -1)[0].tolist()
+
+    for rank in range(2):
+        model = nn.Module()
+        model.layer0 = nn.Module()
+        model.layer1 = nn.Module()
+        model.layer0.expert_map_manager = Manager(rank)   # type: ignore[assignment]
+        model.layer1.expert_map_manager = Manager(rank)   # type: ignore[assignment]
+        local = engine_local_experts(model, 7)
+        assert local == frozenset(Manager(rank).get_local_expert_ids())
+        staged = plan_engine_stage(str(ckpt), Topology(1, 2, 1, rank), (cfg["num_hidden_layers"],),
+                                   "placed", local_experts=local)
+        read = {expert_of(staged, i)[0] for i in staged.plan.items} - {None}
+        assert read == local
+    assert engine_local_experts(nn.Linear(2, 2), 7) is None   # no EP: experts split by TP

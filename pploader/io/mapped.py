@@ -1,0 +1,269 @@
+"""The ``mapped`` read backend (CPU): bytes already in the page cache are handed out as views of
+a private file mapping, so the consumer's own copy (an engine's ``param.copy_``) is the only
+copy; bytes that must come from the disk keep the threaded backend's large positional reads.
+
+Per item, before anything is handed out: the pages of its byte ranges are looked up with
+``mincore`` on the mapping (exact, one bitmap per file). An item at least ``WARM_FRACTION``
+resident is *warm*: a single-range item becomes a view of the mapping (no copy, no fresh
+buffer to fault in and zero); a strided TP slice or a padded item is gathered from the mapping
+into a fresh tensor (one copy). The other items are *cold* and go through one threaded
+:class:`~pploader.io.read.Reader` over just those items (its window reads ahead).
+
+Views stay valid while referenced (each holds the mapping); like any file mapping (and the
+safetensors loaders engines use by default), a file truncated in place while a view is still
+being read raises SIGBUS: publish new checkpoints by writing elsewhere and renaming (a renamed-
+over file's mapped bytes stay intact). Every file's identity is checked when it is opened and
+again after the last item (``check_identity``). The mapping is private (copy-on-write): a
+consumer writing into a view never changes the file.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Iterator, Mapping, Optional
+
+import torch
+
+from ..errors import ReadError
+from ..planning.plan import RankPlan, ReadItem
+from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
+from .read import Reader
+
+__all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "resident_items"]
+
+logger = logging.getLogger(__name__)
+
+#: An item counts as warm (served from the mapping) when at least this share of its pages is
+#: resident; the few missing pages are faulted in by the consumer's copy.
+WARM_FRACTION = 0.9
+#: Reader threads for cold items unless ``ReadOptions.threads`` says otherwise.
+COLD_THREADS = 4
+PAGE_BYTES = mmap.PAGESIZE
+#: the process's own C library (dlopen(NULL): no library search, no file read at first use)
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte = resident
+_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+@dataclass
+class _File:
+    """One open, identity-checked file: its descriptor, private mapping (as a uint8 tensor)
+    and page-residency bitmap (1 byte per page, bit 0 = resident)."""
+
+    fd: int
+    base: torch.Tensor
+    resident: bytes
+
+    def fraction(self, ranges: tuple[tuple[int, int], ...]) -> float:
+        pages = hits = 0
+        for off, n in ranges:
+            if n <= 0:
+                continue
+            first, last = off // PAGE_BYTES, (off + n - 1) // PAGE_BYTES
+            window = self.resident[first:last + 1]
+            pages += len(window)
+            hits += len(window) - window.count(0)
+        return hits / pages if pages else 1.0
+
+
+def _map(path: str, fd: int, file: str, plan: RankPlan) -> _File:
+    """Map ``fd`` privately and read its page-residency bitmap (no data is read)."""
+    size = os.fstat(fd).st_size
+    if size == 0:
+        return _File(fd, torch.empty(0, dtype=torch.uint8), b"")
+    try:
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+    except (OSError, ValueError) as exc:
+        raise ReadError(f"cannot map {path}: {exc}", file=file,
+                        rank=plan.topology.rank) from exc
+    base = torch.frombuffer(mm, dtype=torch.uint8)  # holds ``mm`` while any view lives
+    pages = (size + PAGE_BYTES - 1) // PAGE_BYTES
+    vec = (ctypes.c_ubyte * pages)()
+    if _LIBC.mincore(ctypes.c_void_p(base.data_ptr()), size, vec) != 0:
+        return _File(fd, base, bytes(pages))  # unknown residency: treat as cold
+    return _File(fd, base, bytes(vec).translate(_LOW_BIT))
+
+
+class MappedBackend:
+    """Reads a plan as views of the page cache where warm, positional reads where cold (see
+    the module docstring). ``stats.read_bytes``: every planned byte delivered, warm or cold;
+    ``mapped_bytes``: those of them taken from the mapping (no read syscall: /proc's rchar
+    does not count them)."""
+
+    def __init__(self, plan: RankPlan, options: ReadOptions) -> None:
+        self.plan, self.options, self.stats = plan, options, ReadStats()
+        self.mapped_bytes = 0
+        self.warm_items = 0
+
+    def _err(self, msg: str, item: ReadItem) -> ReadError:
+        return ReadError(msg, file=item.file, tensor=item.name, rank=self.plan.topology.rank)
+
+    def _open(self, files: dict[str, _File], item: ReadItem) -> _File:
+        f = files.get(item.file)
+        if f is None:
+            path = self.plan.paths[item.file]
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except OSError as exc:
+                raise self._err(f"cannot open: {exc.strerror}", item) from exc
+            try:
+                check_identity(self.plan, item.file, fd, item.name)
+                f = files[item.file] = _map(path, fd, item.file, self.plan)
+            except BaseException:
+                os.close(fd)
+                raise
+        return f
+
+    def _from_mapping(self, f: _File, item: ReadItem, dst: Optional[torch.Tensor]
+                      ) -> torch.Tensor:
+        """The item's tensor from the mapping: a view when it is one whole range (and no
+        destination is given), else gathered into ``dst`` or a fresh tensor."""
+        end = max(off + n for off, n in item.ranges)
+        if end > f.base.numel():
+            raise self._err(f"file changed during load: unexpected end of file (the item "
+                            f"ends at byte {end}, the file has {f.base.numel()}; truncated "
+                            "while loading?)", item)
+        dtype = item_dtype(item)
+        if dst is None and item.direct and not item.pad_rows and len(item.ranges) == 1:
+            off, n = item.ranges[0]
+            return f.base[off:off + n].view(dtype).reshape(item.shape)
+        out = dst if dst is not None else torch.empty(item.shape, dtype=dtype)
+        if item.direct:
+            flat, pos = out.reshape(-1).view(torch.uint8), 0
+            for off, n in item.ranges:
+                flat[pos:pos + n].copy_(f.base[off:off + n])
+                pos += n
+            materialise(item, flat[:0], out)  # the padding rows only
+            return out
+        parts = [f.base[off:off + n] for off, n in item.ranges]
+        raw = parts[0] if len(parts) == 1 else torch.cat(parts)
+        materialise(item, raw, out)
+        return out
+
+    def _each(self, destinations: Optional[Mapping[str, torch.Tensor]]
+              ) -> Iterator[tuple[str, torch.Tensor]]:
+        start, files = time.perf_counter(), dict[str, _File]()
+        self.mapped_bytes = self.warm_items = 0
+        reader: Optional[Reader] = None
+        try:
+            warm = []
+            for item in self.plan.items:
+                ok = bool(item.ranges) and \
+                    self._open(files, item).fraction(item.ranges) >= WARM_FRACTION
+                warm.append(ok)
+            cold = [i for i, w in zip(self.plan.items, warm) if not w]
+            stream: Iterator[tuple[str, torch.Tensor]] = iter(())
+            if cold:
+                reader = Reader(replace(self.plan, items=tuple(cold), redistribute=None),
+                                window_bytes=self.options.window_bytes,
+                                threads=self.options.threads or COLD_THREADS,
+                                cancel=self.options.cancel,
+                                memory_budget_bytes=self.options.memory_budget_bytes)
+                stream = iter(reader)
+            self._populate(files, [i for i, w in zip(self.plan.items, warm) if w])
+            for item, is_warm in zip(self.plan.items, warm):
+                cancel = self.options.cancel
+                if cancel is not None and cancel.is_set():
+                    raise self._err("cancelled: another rank failed", item)
+                dst = destinations.get(item.target) if destinations is not None else None
+                if is_warm:
+                    tensor = self._from_mapping(files[item.file], item, dst)
+                    self.mapped_bytes += item.read_bytes
+                    self.stats.read_bytes += item.read_bytes
+                    self.warm_items += 1
+                else:
+                    target, tensor = next(stream)
+                    if target != item.target:  # pragma: no cover - plan order is kept
+                        raise self._err(f"internal: cold stream gave {target}", item)
+                    if dst is not None:
+                        dst.copy_(tensor)
+                        tensor = dst
+                self.stats.items += 1
+                if self.options.on_progress is not None:
+                    self.options.on_progress(item.read_bytes)
+                yield item.target, tensor
+            for _ in stream:  # the cold reader's end: its identity checks and close
+                pass
+            for file, f in files.items():
+                check_identity(self.plan, file, f.fd)
+        finally:
+            for f in files.values():
+                os.close(f.fd)
+            if reader is not None:
+                self.stats.read_bytes += reader.stats.read_bytes
+                self.stats.syscalls += reader.stats.syscalls
+                self.stats.peak_inflight_bytes = reader.stats.peak_inflight_bytes
+            self.stats.seconds = time.perf_counter() - start
+            logger.debug("rank %d: %d item(s) mapped (%d bytes), %d read (%d bytes)",
+                         self.plan.topology.rank, self.warm_items, self.mapped_bytes,
+                         len(self.plan.items) - self.warm_items, self.stats.read_bytes)
+
+    @staticmethod
+    def _populate(files: dict[str, _File], items: list[ReadItem]) -> None:
+        """Map the warm items' resident pages into this process in one call per file range
+        (MADV_POPULATE_READ) instead of one page fault per 4 KiB during the consumer's copy."""
+        spans: dict[str, list[int]] = {}
+        for item in items:
+            lo = min(off for off, _ in item.ranges)
+            hi = max(off + n for off, n in item.ranges)
+            span = spans.setdefault(item.file, [lo, hi])
+            span[0], span[1] = min(span[0], lo), max(span[1], hi)
+        for file, (lo, hi) in spans.items():
+            base = files[file].base
+            addr = base.data_ptr() + lo // PAGE_BYTES * PAGE_BYTES
+            length = hi - lo // PAGE_BYTES * PAGE_BYTES
+            # best effort: an older kernel (EINVAL) simply faults pages in on first touch
+            _LIBC.madvise(addr, length, _MADV_POPULATE_READ)
+
+    def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
+             ) -> dict[str, torch.Tensor]:
+        """Every item (views of the mapping where warm), or copied into ``destinations``."""
+        if destinations is not None:
+            for item in self.plan.items:
+                dst = destinations.get(item.target)
+                if dst is None or tuple(dst.shape) != item.shape or not dst.is_contiguous() \
+                        or dst.dtype != item_dtype(item) or dst.device.type != "cpu":
+                    raise self._err(f"destination {item.target} is not a contiguous cpu "
+                                    f"tensor of {item.shape} {item_dtype(item)}", item)
+        return dict(self._each(destinations))
+
+    def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
+        return self._each(None)
+
+
+def resident_items(plan: RankPlan, ranges: Mapping[str, tuple[str, tuple[tuple[int, int], ...]]]
+                   ) -> set[str]:
+    """The keys of ``ranges`` (key -> (file, byte ranges)) whose pages are at least
+    ``WARM_FRACTION`` resident in the page cache (files as ``plan.paths`` names them; nothing
+    is read). Lets a caller choose what to ask the backend for (integrations/placed.py)."""
+    out: set[str] = set()
+    bitmaps: dict[str, _File] = {}
+    try:
+        for key, (file, rngs) in ranges.items():
+            f = bitmaps.get(file)
+            if f is None:
+                fd = os.open(plan.paths[file], os.O_RDONLY)
+                try:
+                    f = bitmaps[file] = _map(plan.paths[file], fd, file, plan)
+                except BaseException:
+                    os.close(fd)
+                    raise
+            if rngs and f.fraction(rngs) >= WARM_FRACTION:
+                out.add(key)
+    finally:
+        for f in bitmaps.values():
+            os.close(f.fd)
+    return out
+
+
+def open_mapped(plan: RankPlan, device: torch.device, options: ReadOptions) -> MappedBackend:
+    """The ``mapped`` backend's factory (io/registry.py)."""
+    if device.type != "cpu":
+        raise ValueError(f"the mapped backend loads onto cpu, not {device}")
+    return MappedBackend(plan, options)
