@@ -10,6 +10,8 @@ driver is bench/cuda.py: ``--methods engine_pploader,engine_vllm_default,...``).
   device stream), staging started when the "loader is created" (before the parameters are
   allocated, as in an engine's start-up), so its page-locking overlaps the model build;
 - ``engine_pploader_cold_ring``: the same with the staging made inside the clock;
+- ``engine_pploader_vllm``: what pploader's vLLM load format calls on a GPU worker
+  (``integrations/placed.stage_weights`` onto the device);
 - ``engine_vllm_default``: vLLM's default shape: ``safe_open`` every shard, ``get_tensor``
   every name, ``copy_`` when the stage owns it (pageable host -> device);
 - ``engine_dcp``: ``torch.distributed.checkpoint.load`` with torch's
@@ -92,6 +94,30 @@ def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
     return _copied(ctx, params, copied, extra)
 
 
+def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """What pploader's vLLM load format calls on a GPU worker: ``placed.stage_weights`` onto
+    the model's device with the staging the loader started at creation, then the engine's
+    ``copy_`` per tensor (vLLM itself does not install on the GPU host)."""
+    from .. import Topology, plan_stage
+    from ..integrations.placed import stage_weights
+    from ..io.backend import ReadOptions
+    params = prep["params"]
+    t0 = time.perf_counter()
+    staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage), range_cost_bytes=0)
+    ring = prep.get("ring")
+    if ring is not None:
+        ring.stop_preparing()
+    reader, weights = stage_weights(staged, "placed", None, ReadOptions(ring=ring), ctx.device)
+    t1 = time.perf_counter()
+    copied = 0
+    for name, tensor in weights:
+        params[name].copy_(tensor)
+        copied += 1
+    return _copied(ctx, params, copied, {
+        "logical_bytes": reader.stats.read_bytes, "plan_s": t1 - t0,
+        "api": "plan_stage + placed.stage_weights(device=cuda) -> param.copy_ (vLLM format)"})
+
+
 def m_engine_vllm_default(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """vLLM's default loader's shape: every shard, every name, copy_ the stage's."""
     from safetensors import safe_open
@@ -151,6 +177,7 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
+    "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_staged),
     "engine_vllm_default": (m_engine_vllm_default, prep_engine),
     "engine_dcp": (m_engine_dcp, prep_engine),
     "engine_fastsafetensors": (m_engine_fastsafetensors, prep_engine),

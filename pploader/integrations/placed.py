@@ -17,6 +17,7 @@ from typing import AbstractSet, Callable, Iterable, Iterator, Optional
 import torch
 
 from ..io.backend import ReadBackend, ReadOptions
+from ..io.transfer import open_transfer
 from ..io.mapped import open_mapped, resident_items  # noqa: F401 - the default backend
 #   imported now, so a load's rchar (/proc/self/io, vLLM's report) counts checkpoint reads,
 #   not module imports
@@ -70,17 +71,40 @@ def compact_plan(staged: StagePlan, whole: AbstractSet[str] = frozenset()) -> Ra
                    redistribute=None)
 
 
+def _uniform_runs(ranges: tuple[tuple[int, int], ...]) -> Optional[tuple[int, int]]:
+    """(stride, run bytes) when ``ranges`` are equal runs at a constant stride (a dim-1 TP
+    slice, row by row), else None."""
+    if len(ranges) < 2:
+        return None
+    n, stride = ranges[0][1], ranges[1][0] - ranges[0][0]
+    if stride < n or any(r[1] != n or r[0] - ranges[0][0] != i * stride
+                         for i, r in enumerate(ranges)):
+        return None
+    return stride, n
+
+
 def _place(staged: StagePlan, item: ReadItem, compact: torch.Tensor) -> torch.Tensor:
-    """A full-shaped tensor with ``compact``'s bytes at their offsets and NaN elsewhere:
-    vLLM's loaders narrow it to this rank's part."""
+    """A full-shaped tensor with ``compact``'s bytes at their offsets and NaN elsewhere, on
+    ``compact``'s device (transient, per tensor): vLLM's loaders narrow it to this rank's
+    part. Row runs at a constant stride (dim-1 slices) are placed in one strided copy."""
     entry = staged.index.entry(item.name)
     ranges = _placed_ranges(staged, item)
     dtype = DTYPES[item.dtype][0]
     if ranges == ((entry.start, entry.nbytes),):  # read whole: already the tensor's bytes
         return compact.view(dtype).reshape(item.source_shape)
-    out = torch.empty(item.source_shape, dtype=dtype)
+    out = torch.empty(item.source_shape, dtype=dtype, device=compact.device)
     out.fill_(float("nan"))
-    raw, pos = out.reshape(-1).view(torch.uint8), 0
+    raw = out.reshape(-1).view(torch.uint8)
+    runs = _uniform_runs(ranges)
+    if runs is not None:
+        stride, n = runs
+        first = ranges[0][0] - entry.start
+        rows = len(ranges)
+        # the rows' bytes as a [rows, stride] view of the tensor from its first run on
+        block = raw[first:first + (rows - 1) * stride + n]
+        torch.as_strided(block, (rows, n), (stride, 1)).copy_(compact.view(rows, n))
+        return out
+    pos = 0
     for offset, nbytes in ranges:
         raw[offset - entry.start: offset - entry.start + nbytes] = compact[pos:pos + nbytes]
         pos += nbytes
@@ -96,18 +120,31 @@ def _placed(staged: StagePlan, tp_mode: str) -> bool:
 DEFAULT_BACKEND = "mapped"
 
 
-def open_reader(plan: RankPlan, backend: Optional[str] = None,
-                options: Optional[ReadOptions] = None) -> ReadBackend:
-    """The one place the engine path picks its read backend and device (host memory, where
-    vLLM's CPU workers and its GPU loaders' ``copy_`` take it from)."""
-    return open_backend(plan, "cpu", options, name=backend or DEFAULT_BACKEND)
+def open_reader(staged: StagePlan, plan: RankPlan, backend: Optional[str] = None,
+                options: Optional[ReadOptions] = None,
+                device: "str | torch.device" = "cpu") -> ReadBackend:
+    """The one place the engine path picks its read backend and device. CPU workers: host
+    memory through ``backend`` (default ``mapped``). A GPU worker (``device`` cuda): the
+    device stream (io/transfer/direct.py: pinned ring -> device windows), so the engine's
+    ``copy_`` is device to device; ``backend`` applies only when it loads onto that device."""
+    if torch.device(device).type == "cpu":
+        return open_backend(plan, "cpu", options, name=backend or DEFAULT_BACKEND)
+    from ..io.registry import select_backend
+    try:
+        name: Optional[str] = select_backend(device, backend).name if backend else None
+    except ValueError:
+        name = None  # a host backend (the CPU default): the device's own
+    return open_transfer(replace(staged, plan=plan, transfer=None), device, options,
+                         io_backend=name)
 
 
-def whole_when_resident(staged: StagePlan, backend: Optional[str]) -> frozenset[str]:
-    """``placed`` items to hand as their whole tensors: with the ``mapped`` backend, those whose
-    whole tensor is in the page cache (a view costs nothing and the engine narrows it, touching
-    only its part); the others are read as the rank's ranges and placed in NaN."""
-    if (backend or DEFAULT_BACKEND) != "mapped":
+def whole_when_resident(staged: StagePlan, backend: Optional[str],
+                        device: "str | torch.device" = "cpu") -> frozenset[str]:
+    """``placed`` items to hand as their whole tensors: with the ``mapped`` backend (CPU
+    workers), those whose whole tensor is in the page cache (a view costs nothing and the
+    engine narrows it, touching only its part); the others are read as the rank's ranges and
+    placed in NaN."""
+    if (backend or DEFAULT_BACKEND) != "mapped" or torch.device(device).type != "cpu":
         return frozenset()
     ranges = {}
     for item in staged.plan.items:
@@ -118,14 +155,14 @@ def whole_when_resident(staged: StagePlan, backend: Optional[str]) -> frozenset[
 
 
 def _stream(staged: StagePlan, tp_mode: str, backend: Optional[str],
-            options: Optional[ReadOptions]
+            options: Optional[ReadOptions], device: "str | torch.device" = "cpu"
             ) -> tuple[ReadBackend, Iterator[tuple[ReadItem, torch.Tensor]], Callable[
                 [ReadItem, torch.Tensor], torch.Tensor]]:
     """(reader, (item, read tensor) pairs in plan order, how a read tensor becomes the one
-    handed over) for ``tp_mode``."""
+    handed over) for ``tp_mode``, read onto ``device``."""
     if _placed(staged, tp_mode):
-        whole = whole_when_resident(staged, backend)
-        reader = open_reader(compact_plan(staged, whole), backend, options)
+        whole = whole_when_resident(staged, backend, device)
+        reader = open_reader(staged, compact_plan(staged, whole), backend, options, device)
 
         def finish(item: ReadItem, raw: torch.Tensor) -> torch.Tensor:
             if item.target in whole:
@@ -134,7 +171,7 @@ def _stream(staged: StagePlan, tp_mode: str, backend: Optional[str],
         # the reader first in zip: its end (identity checks, close) runs after the last item
         return reader, ((item, raw) for (_, raw), item in zip(reader, staged.plan.items)), \
             finish
-    reader = open_reader(staged.plan, backend, options)
+    reader = open_reader(staged, staged.plan, backend, options, device)
     return reader, ((item, t) for (_, t), item in zip(reader, staged.plan.items)), \
         lambda item, t: t
 
@@ -147,11 +184,12 @@ def _named(staged: StagePlan, pairs: Iterable[tuple[ReadItem, torch.Tensor]]
 
 
 def stage_weights(staged: StagePlan, tp_mode: str, backend: Optional[str] = None,
-                  options: Optional[ReadOptions] = None
+                  options: Optional[ReadOptions] = None, device: "str | torch.device" = "cpu"
                   ) -> tuple[ReadBackend, Iterator[tuple[str, torch.Tensor]]]:
     """``(reader, (name, tensor) stream)`` of the stage in the form ``tp_mode`` hands over,
-    under the engine's names (:func:`engine_names`)."""
-    reader, pairs, finish = _stream(staged, tp_mode, backend, options)
+    under the engine's names (:func:`engine_names`); on a GPU ``device`` the tensors arrive
+    on it (``placed``: the NaN fill and placement run there, per tensor)."""
+    reader, pairs, finish = _stream(staged, tp_mode, backend, options, device)
     return reader, _named(staged, ((item, finish(item, raw)) for item, raw in pairs))
 
 

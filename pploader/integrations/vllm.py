@@ -241,6 +241,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
             raise ValueError(f"pploader tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
         if extra:
             raise ValueError(f"unknown pploader model_loader_extra_config keys: {sorted(extra)}")
+        self.staging = _early_staging()  # GPU workers: page-locked while the model is built
 
     def download_model(self, model_config: ModelConfig) -> None:
         """pploader reads a local directory only (no hub downloads)."""
@@ -260,7 +261,14 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model,
                                    range_cost_bytes=self.range_cost_bytes,
                                    local_experts=experts)
-        reader, weights = stage_weights(staged, self.tp_mode, self.io_backend)
+        device = _model_device(model)
+        options = None
+        if device.type != "cpu":  # the device stream: pinned ring -> the GPU, D2D copy_
+            from ..io.backend import ReadOptions
+            if self.staging is not None:
+                self.staging.stop_preparing()  # never page-lock beside the load's own reads
+            options = ReadOptions(ring=self.staging)
+        reader, weights = stage_weights(staged, self.tp_mode, self.io_backend, options, device)
         if self.tp_mode == "sliced" and topology.tp_size > 1:
             _mark_sharded(model)
             try:
@@ -301,6 +309,29 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         world = get_world_group()
         return engine_reload_weights(model, model_config,
                                      last_worker=world.rank_in_group == world.world_size - 1)
+
+
+def _early_staging() -> Any:
+    """On a GPU worker, the device backend's staging (the pinned ring) started now, when vLLM
+    creates the loader, so its page-locking overlaps the engine building the model (vLLM has
+    set the worker's device by then); None on CPU workers or when it cannot start (the load
+    then makes its own)."""
+    try:
+        if not torch.cuda.is_available():
+            return None
+        from ..io.registry import prepare_staging
+        return prepare_staging(torch.device("cuda", torch.cuda.current_device()))
+    except Exception as exc:  # noqa: BLE001 - the load makes its own staging
+        logger.debug("no early staging: %s", exc)
+        return None
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    """Where the engine's parameters live (the load format's target device)."""
+    for p in model.parameters():
+        if p.device.type != "meta":
+            return p.device
+    return torch.device("cpu")
 
 
 def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optional[int],

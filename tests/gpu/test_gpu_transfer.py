@@ -91,3 +91,35 @@ def test_device_stream_report_and_consumer_on_another_stream(tiny_llama: Path) -
     assert report["windows"] > 2
     assert report["peak_device_bytes"] <= max(budget, 2 * largest)
     assert reader.stats.read_bytes == staged.plan.read_bytes
+
+
+def _placed(tensors) -> dict:
+    """name -> (NaN mask, the non-NaN values) on the CPU, comparable across devices."""
+    out = {}
+    for name, t in tensors:
+        t = t.cpu()
+        nan = torch.isnan(t) if t.is_floating_point() else torch.zeros_like(t, dtype=torch.bool)
+        out[name] = (nan, t[~nan])
+    return out
+
+
+def test_vllm_placed_stream_on_the_gpu_equals_the_host_one(tiny_llama: Path) -> None:
+    """The vLLM load format's stream on a GPU worker (integrations/placed.py): TP mode
+    ``placed`` reads the rank's ranges onto the device and places them in NaN there; the
+    same tensors, NaN where unread, as the host path."""
+    from pploader.integrations.placed import stage_weights
+    staged = plan_stage(tiny_llama, Topology(1, 2, rank=1))
+    _, host = stage_weights(staged, "placed", "threaded")
+    reader, dev = stage_weights(staged, "placed", None, None, "cuda:0")
+    got, want = [], _placed(host)
+    for name, t in dev:
+        assert t.device.type == "cuda", name
+        got.append((name, t))
+    got_p = _placed(got)
+    assert got_p.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got_p[k][0], want[k][0]), k
+        assert torch.equal(got_p[k][1].view(torch.uint8) if got_p[k][1].numel() else got_p[k][1],
+                           want[k][1].view(torch.uint8) if want[k][1].numel() else want[k][1]), k
+    assert any(m.any() for m, _ in want.values())  # placed really left unread parts NaN
+    assert reader.stats.read_bytes < sum(i.nbytes for i in staged.plan.items) * 2

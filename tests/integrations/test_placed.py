@@ -201,3 +201,22 @@ def test_tied_last_stage_hands_the_embedding_under_both_names(tmp_path: Path) ->
         assert tensors["lm_head.weight"] is tensors["model.embed_tokens.weight"]
         assert torch.equal(tensors["lm_head.weight"], ref["model.embed_tokens.weight"])
         assert reader.stats.read_bytes == staged.plan.planned_read_bytes
+
+
+def test_uniform_row_runs_are_placed_in_one_strided_copy() -> None:
+    """``_place``'s fast path (equal runs at a constant stride: a dim-1 TP slice) writes the
+    same bytes as placing each run by itself, and irregular runs take the loop."""
+    from pploader.integrations.placed import _uniform_runs
+    assert _uniform_runs(((100, 8), (132, 8), (164, 8))) == (32, 8)
+    assert _uniform_runs(((100, 8), (132, 8), (170, 8))) is None
+    assert _uniform_runs(((100, 8),)) is None
+    assert _uniform_runs(((100, 8), (104, 8))) is None  # overlapping: not a row slice
+    rows, stride, n, first = 5, 32, 8, 12
+    compact = torch.arange(rows * n, dtype=torch.uint8)
+    loop = torch.zeros(first + rows * stride, dtype=torch.uint8)
+    for i in range(rows):
+        loop[first + i * stride: first + i * stride + n] = compact[i * n:(i + 1) * n]
+    fast = torch.zeros_like(loop)
+    block = fast[first:first + (rows - 1) * stride + n]
+    torch.as_strided(block, (rows, n), (stride, 1)).copy_(compact.view(rows, n))
+    assert torch.equal(fast, loop)
