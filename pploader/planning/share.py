@@ -1,6 +1,7 @@
 """Read once for replicas: items several ranks of a stage plan identically are read by one
-of them and broadcast to the others. Pure planning; ``stage.load_stage(read_once=True)`` runs
-it and ``comm.Comm.broadcast_bytes`` moves the bytes.
+of them and broadcast to the others. Pure planning: ``plan_stage(read_once=True)`` plans it
+(planning/transfer.py), io/transfer/read_once.py runs it and ``comm.Comm.broadcast_bytes``
+moves the bytes.
 
 When it pays: storage slower than the interconnect (network file systems, object-store
 mounts, a cold cache shared by many ranks): replicated tensors (norms, routers, MLA's
@@ -77,7 +78,7 @@ def share_reads(stage_plans: Sequence[RankPlan]) -> dict[int, SharedPlan]:
     plan it identically (same bytes, same slice); a group is used only when every member
     chose it. Each shared item gets one reader, balanced by bytes (largest first to the
     least-loaded member). Pure and deterministic: every rank computes the same answer from
-    the same plans (``stage.load_stage(read_once=True)`` uses it).
+    the same plans (planning/transfer.py calls it in ``plan_stage(read_once=True)``).
     """
     plans = {p.topology.rank: p for p in stage_plans}
     if not plans:
