@@ -122,3 +122,21 @@ def run(cmd: list[str], timeout: float = 180, **kw: Any) -> subprocess.Completed
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     env.update(kw.pop("env", {}))
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, **kw)
+
+
+def evict_or_skip(paths: Any) -> None:
+    """Drop each file's pages from the page cache (fsync, then ``POSIX_FADV_DONTNEED``); skip
+    the test where the file system keeps them resident (more than a tenth left)."""
+    import pytest
+
+    from pploader.io.pagecache import resident_bytes_of_ranges
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+        size = os.path.getsize(path)
+        if resident_bytes_of_ranges(str(path), [(0, size)], sample_bytes=0)[0] > size // 10:
+            pytest.skip("this file system keeps the pages resident (no eviction)")

@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from helpers import evict_or_skip
+
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -112,22 +114,6 @@ def test_first_placed_load_rchar_counts_checkpoint_bytes_only(llama: Path, backe
     assert res["mapped"] == (res["read"] if backend == "mapped" else 0), res
 
 
-def _evict(model: Path) -> None:
-    """Drop the checkpoint's pages from the page cache (skip where the kernel keeps them)."""
-    import os
-
-    from pploader.io.pagecache import resident_bytes_of_ranges
-    for path in model.glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        size = path.stat().st_size
-        if resident_bytes_of_ranges(str(path), [(0, size)], sample_bytes=0)[0] > size // 10:
-            pytest.skip("this file system keeps the pages resident (no eviction)")
-
 
 def _warm(model: Path) -> None:
     for path in model.glob("*.safetensors"):
@@ -165,7 +151,7 @@ def test_mapped_cold_reads_only_the_rank_bytes_then_places_them(llama: Path) -> 
     import gc
     staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
     gc.collect()   # no earlier test's view still maps the files (mapped pages stay resident)
-    _evict(llama)
+    evict_or_skip(sorted(llama.glob("*.safetensors")))
     reader, stream = stage_weights(staged, "placed")
     got = list(stream)
     ref = reference_tensors(llama)

@@ -3,34 +3,21 @@ cold ones positional reads; a mix keeps plan order and equals the threaded backe
 from __future__ import annotations
 
 import gc
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import make_model, tiny_config
+from helpers import evict_or_skip, make_model, tiny_config
 from pploader import Topology, load_stage, plan_stage
 from pploader.io.backend import ReadOptions
 from pploader.io.mapped import MappedBackend
-from pploader.io.pagecache import resident_bytes_of_ranges
 
 
 @pytest.fixture()
 def llama(tmp_path: Path) -> Path:
     return make_model(tmp_path / "llama", tiny_config(vocab_size=250), shard_bytes=40_000)
 
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-    size = path.stat().st_size
-    if resident_bytes_of_ranges(str(path), [(0, size)], sample_bytes=0)[0] > size // 10:
-        pytest.skip("this file system keeps the pages resident (no eviction)")
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -42,7 +29,7 @@ def test_half_warm_half_cold_equals_threaded(llama: Path, tp: int) -> None:
     gc.collect()
     cold = files[::2]
     for f in cold:
-        _evict(llama / f)
+        evict_or_skip([llama / f])
     backend = MappedBackend(staged.plan, ReadOptions())
     got = list(backend)
     assert [t for t, _ in got] == [i.target for i in staged.plan.items]   # plan order
