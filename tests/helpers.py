@@ -125,18 +125,38 @@ def run(cmd: list[str], timeout: float = 180, **kw: Any) -> subprocess.Completed
 
 
 def evict_or_skip(paths: Any) -> None:
-    """Drop each file's pages from the page cache (fsync, then ``POSIX_FADV_DONTNEED``); skip
+    """Drop each file's pages from the page cache (``pploader.bench.methods.evict``); skip
     the test where the file system keeps them resident (more than a tenth left)."""
     import pytest
 
-    from pploader.io.pagecache import resident_bytes_of_ranges
+    from pploader.bench.methods import evict
     for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        size = os.path.getsize(path)
-        if resident_bytes_of_ranges(str(path), [(0, size)], sample_bytes=0)[0] > size // 10:
+        if evict([str(path)]) > os.path.getsize(path) // 10:
             pytest.skip("this file system keeps the pages resident (no eviction)")
+
+
+class JobStarted(Exception):
+    """Raised in place of a job's start (a test patches it over ``init_distributed`` and the
+    like): every check before the start passed."""
+
+
+def run_cli(argv: list[str], capsys: Any) -> tuple[Any, str, str]:
+    """``pploader.cli.main(argv)`` in this process: (its exit code, or ``"started"`` when
+    :class:`JobStarted` stopped it; stdout; stderr), the root logger restored after."""
+    import logging
+
+    from pploader.cli import main
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        try:
+            code: Any = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+        except JobStarted:
+            code = "started"
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    out = capsys.readouterr()
+    return code, out.out, out.err

@@ -100,25 +100,7 @@ def build_layout(model: str, root: os.PathLike | str, *, shard_bytes: int = SHAR
     out.mkdir(parents=True, exist_ok=True)
     config = real_config(model)
     spec = spec_from_config(config)
-    tensors = real_tensors(spec)
-    groups: list[dict[str, tuple[str, tuple[int, ...]]]] = [{}]
-    size = 0
-    for name, (dtype, shape) in tensors.items():
-        nbytes = _nbytes(dtype, shape)
-        if groups[-1] and size + nbytes > shard_bytes:
-            groups.append({})
-            size = 0
-        groups[-1][name] = (dtype, shape)
-        size += nbytes
-    weight_map: dict[str, str] = {}
-    for i, group in enumerate(groups):
-        fname = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        _write_sparse(out / fname, group)
-        weight_map.update(dict.fromkeys(group, fname))
-    total = sum(_nbytes(d, s) for d, s in tensors.values())
-    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
-    (out / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}) + "\n")
+    _write_groups(out, config, real_tensors(spec), shard_bytes)
     done.write_text("")
     return out
 

@@ -11,7 +11,7 @@ from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from ..errors import CheckpointError
 from .gcpause import without_gc
@@ -268,18 +268,25 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
         hint = hint or ": --model must be the directory holding the checkpoint's shards"
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
     paths = _resolve(root, shards, roots, str(root))
-    weight_map = {}
-    headers: dict[str, ShardHeader] = {}
-    for file in shards:
-        hdr = parse_header(paths[file], file=file)
+    headers = {file: parse_header(paths[file], file=file) for file in shards}
+    return index_from_headers(root, paths, headers)
+
+
+def index_from_headers(root: "Path | str", paths: Mapping[str, "Path | str"],
+                       headers: Mapping[str, ShardHeader], storage: Any = None
+                       ) -> "CheckpointIndex":
+    """The index of a checkpoint without ``model.safetensors.index.json``: the weight map
+    from every shard's header (in ``headers``' order); a tensor in two shards is refused."""
+    weight_map: dict[str, str] = {}
+    for file, hdr in headers.items():
         for tname in hdr.tensors:
             if tname in weight_map:
                 raise CheckpointError(f"tensor appears in both {weight_map[tname]} and {file}",
                                       file=file, tensor=tname)
             weight_map[tname] = file
-        headers[file] = hdr
-    source = SINGLE_NAME if shards == [SINGLE_NAME] else "the shard headers"
-    return CheckpointIndex(root, weight_map, paths, source, headers)
+    source = SINGLE_NAME if list(headers) == [SINGLE_NAME] else "the shard headers"
+    return CheckpointIndex(root, weight_map, dict(paths), source, dict(headers),
+                           storage=storage)
 
 
 def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:

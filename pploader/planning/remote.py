@@ -87,7 +87,7 @@ def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
     """The CheckpointIndex of ``s3://bucket/prefix``: one LIST of the prefix (which shards are
     present), the index fetched whole when there is one (no shard is read), else every
     ``*.safetensors`` object's header."""
-    from .checkpoint import INDEX_NAME, SINGLE_NAME, CheckpointIndex, _read_index_bytes
+    from .checkpoint import INDEX_NAME, CheckpointIndex, _read_index_bytes, index_from_headers
     storage = open_storage(uri)
     objects = _listing(storage, CheckpointError)
     if INDEX_NAME in objects:
@@ -104,18 +104,8 @@ def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
                               "--model s3://bucket/prefix must hold the checkpoint's shards"
                               + ("" if objects else " (the prefix is empty: check the path)"),
                               file=storage.root + "/")
-    found: dict[str, str] = {}
-    headers: dict[str, ShardHeader] = {}
     with ThreadPoolExecutor(min(16, len(shards))) as pool:  # every header, at once
         fetched = list(pool.map(lambda f: remote_header(storage, f), shards))
-    for file, hdr in zip(shards, fetched):
-        for tname in hdr.tensors:
-            if tname in found:
-                raise CheckpointError(f"tensor appears in both {found[tname]} and {file}",
-                                      file=file, tensor=tname)
-            found[tname] = file
-        headers[file] = hdr
-    source = SINGLE_NAME if shards == [SINGLE_NAME] else "the shard headers"
-    return CheckpointIndex(storage.root, found, {f: storage.uri(f) for f in shards},
-                           source, headers, storage=storage)
+    return index_from_headers(storage.root, {f: storage.uri(f) for f in shards},
+                              dict(zip(shards, fetched)), storage=storage)
 

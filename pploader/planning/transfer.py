@@ -46,12 +46,6 @@ class Transfer:
     node: Optional[NodePlan] = None
 
     @property
-    def needs_comm(self) -> bool:
-        """Whether the kind moves bytes between ranks (a load without a Comm reads
-        ``exchange`` plans directly; the read-once kinds refuse it)."""
-        return self.kind != "direct"
-
-    @property
     def node_exchange(self) -> bool:
         """``node_read_once`` whose own items still go through the TP exchange (every
         exchanged target is among the node plan's own items)."""
@@ -60,17 +54,14 @@ class Transfer:
             return False
         return node.own.redistribute.targets <= {i.target for i in node.own.items}
 
-    def describe(self) -> str:
-        return f"{self.kind} over ranks {list(self.ranks)}"
-
 
 def plan_transfer(spec: ModelSpec, index: CheckpointIndex, plan: RankPlan,
                   windows: Sequence[StageWindow], roles: CheckpointRoles, *,
-                  read_once: bool = False, node_ranks: Optional[Sequence[int]] = None,
-                  exchange: bool = True) -> Transfer:
+                  read_once: bool = False, node_ranks: Optional[Sequence[int]] = None
+                  ) -> Transfer:
     """This rank's transfer: ``node_ranks`` given: ``node_read_once`` over them; else
     ``read_once``: ``stage_read_once``; else ``exchange`` when the plan chose
-    redistribution for some tensor (and ``exchange``); else ``direct``.
+    redistribution for some tensor (``exchange_cost`` off: none); else ``direct``.
 
     ``windows``: every stage's window (the node's peers may sit on other stages); ``roles``:
     the classification ``plan`` was made with, shared by the peers' plans. The peers are
@@ -100,6 +91,6 @@ def plan_transfer(spec: ModelSpec, index: CheckpointIndex, plan: RankPlan,
         ranks = topo.stage_group()
         shared = share_reads([peer(r) for r in ranks])[topo.rank]
         return Transfer("stage_read_once", ranks, shared=shared)
-    if exchange and plan.redistribute is not None:
+    if plan.redistribute is not None:
         return Transfer("exchange", tuple(plan.redistribute.group))
     return Transfer("direct", (topo.rank,))

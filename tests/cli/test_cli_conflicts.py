@@ -3,7 +3,6 @@ condition (issue 32): each case exit 2 (or 0 / 130), one line naming the flag to
 from __future__ import annotations
 
 import json
-import logging
 import os
 import signal
 import stat
@@ -14,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from helpers import make_model
+from helpers import JobStarted, make_model, run_cli
 
 import pploader.cli as cli
-from pploader.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,17 +25,13 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_model(tmp_path_factory.mktemp("conflicts") / "ok")
 
 
-class _Started(Exception):
-    """Raised in place of init_distributed: the argument checks all passed."""
-
-
 @pytest.fixture()
 def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
     """`load` stops where torch.distributed would start (the checks before it all ran)."""
     import pploader
 
     def start(*a: object, **k: object) -> None:
-        raise _Started()
+        raise JobStarted()
     monkeypatch.setattr(pploader, "init_distributed", start)
     for key in ("RANK", "SLURM_PROCID", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "PPLOADER_LOG",
                 "PPLOADER_BACKEND", "LOCAL_WORLD_SIZE", "VLLM_PP_LAYER_PARTITION",
@@ -46,18 +40,8 @@ def no_start(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[object, str]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        try:
-            code: object = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-        except _Started:
-            code = "started"
-    finally:
-        root.handlers[:], _ = handlers, root.setLevel(level)
-    return code, capsys.readouterr().err
+    code, _, err = run_cli(argv, capsys)
+    return code, err
 
 
 def _no_gpu() -> bool:

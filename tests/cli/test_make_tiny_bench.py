@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import json
-import logging
 import os
 import stat
 import subprocess
@@ -15,24 +14,13 @@ from typing import Any
 
 import pytest
 
-from pploader.cli import main
+from helpers import run_cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[Any, str, str]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        try:
-            code: Any = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_cli(argv, capsys)
 
 
 def _one_line(err: str) -> str:

@@ -10,18 +10,17 @@ before that point runs, nothing is launched or measured.
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-from helpers import make_model
+from helpers import JobStarted, make_model, run_cli
 
 import pploader
 import pploader.bench.cuda
 import pploader.bench.data
-from pploader.cli import build_parser, main
+from pploader.cli import build_parser
 
 #: the hostile values: 0, -1, nan, inf, huge, wrong type, empty
 VALUES = ("0", "-1", "nan", "inf", "9" * 30, "x!", "")
@@ -79,10 +78,6 @@ def test_the_table_covers_every_command_and_option() -> None:
     assert len(CASES) > 600
 
 
-class _Started(Exception):
-    """The job would start here: every check before it passed."""
-
-
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     import torch
@@ -98,7 +93,7 @@ def stopped(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.chdir(tmp_path)  # a value taken as a relative output path lands here
 
     def start(*a: object, **k: object) -> None:
-        raise _Started()
+        raise JobStarted()
     monkeypatch.setattr(pploader, "init_distributed", start)
     monkeypatch.setattr(pploader.bench.data, "write_synthetic", start)
     monkeypatch.setattr(pploader.bench.cuda, "main", start)
@@ -123,19 +118,8 @@ def _argv(cmd: str, flag: str, value: "str | None", paths: dict[str, Path],
 
 
 def _main(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[Any, str]:
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level
-    try:
-        try:
-            code: Any = main(argv)
-        except SystemExit as exc:
-            code = exc.code
-        except _Started:
-            code = 0
-    finally:
-        root.handlers[:] = handlers
-        root.setLevel(level)
-    return code, capsys.readouterr().err
+    code, _, err = run_cli(argv, capsys)
+    return (0 if code == "started" else code), err
 
 
 def _check(code: Any, err: str, what: object) -> None:

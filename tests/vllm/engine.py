@@ -52,17 +52,8 @@ def evict(model: str) -> int:
     """Drop a checkpoint's clean pages from the page cache; bytes still resident after."""
     from pathlib import Path
 
-    from pploader.io.pagecache import resident_bytes_of_ranges
-    left = 0
-    for path in Path(model).glob("*.safetensors"):
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-        left += resident_bytes_of_ranges(str(path), [(0, path.stat().st_size)])[0]
-    return left
+    from pploader.bench.methods import evict as evict_paths
+    return evict_paths([str(p) for p in Path(model).glob("*.safetensors")])
 
 
 def data_ptrs(llm: Any) -> Any:
