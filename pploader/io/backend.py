@@ -48,12 +48,10 @@ def merge_stats(into: ReadStats, other: ReadStats) -> None:
 def sum_stats(parts: "Sequence[ReadStats]", seconds: float) -> ReadStats:
     """The stats of one load made of several backends' (``parts``), over ``seconds`` of wall
     time (reads and collectives)."""
-    out = ReadStats(seconds=seconds)
+    out = ReadStats()
     for part in parts:
-        out.read_bytes += part.read_bytes
-        out.items += part.items
-        out.syscalls += part.syscalls
-        out.peak_inflight_bytes = max(out.peak_inflight_bytes, part.peak_inflight_bytes)
+        merge_stats(out, part)
+    out.seconds = seconds
     return out
 
 

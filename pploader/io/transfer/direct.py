@@ -70,8 +70,6 @@ class DirectTransfer:
                  comm: Optional["Comm"] = None, io_backend: Optional[str] = None) -> None:
         self.plan, self.device, self.io_backend = staged.plan, device, io_backend
         self.window_bytes = options.device_window_bytes or DEFAULT_DEVICE_WINDOW_BYTES
-        if device.type == "cuda":  # one staging for the load and every window of a stream
-            options = shared_staging(staged.plan, device, options, io_backend)
         self.options = options
         self.backend: ReadBackend = open_backend(staged.plan, device, options, io_backend)
         self._window_stats: list[ReadStats] = []
@@ -103,6 +101,8 @@ class DirectTransfer:
         loader waits, on its stream, for the consumer's work on a window before reusing its
         memory (the consumer may copy on another stream)."""
         start = time.perf_counter()
+        # one staging (the pinned ring) for every window's backend run
+        options = shared_staging(self.plan, self.device, self.options, self.io_backend)
         windows = device_windows(self.plan.items, max(1, self.window_bytes // 2))
         ready: "queue.Queue[Any]" = queue.Queue()
         freed: "queue.Queue[Optional[torch.cuda.Event]]" = queue.Queue()
@@ -126,7 +126,7 @@ class DirectTransfer:
                         alive[0] += size
                         peak[0] = max(peak[0], alive[0])
                     backend = open_backend(replace(self.plan, items=window, redistribute=None),
-                                           self.device, self.options, self.io_backend)
+                                           self.device, options, self.io_backend)
                     self._window_stats.append(backend.stats)
                     ready.put((window, size, backend.load()))
             except BaseException as exc:  # noqa: BLE001 - raised in the consumer

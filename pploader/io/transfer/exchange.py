@@ -24,7 +24,7 @@ import torch
 from ...planning.checkpoint import DTYPES
 from ...planning.plan import RankPlan
 from ...planning.redistribute import ExchangeItem, Redistribute, piece_selection
-from ..backend import ReadBackend, ReadOptions, ReadStats, collect
+from ..backend import ReadBackend, ReadOptions, ReadStats, collect, sum_stats
 from ..registry import open_backend, shared_staging
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -293,12 +293,9 @@ class ExchangeTransfer:
         finally:
             stop.set()
             reads.join()
-            readers = [*(r.stats for r in (self._share_reader, self._own_reader)
-                         if r is not None), *self._device_stats]
-            for name in ("read_bytes", "items", "syscalls"):
-                setattr(self.stats, name, sum(getattr(s, name) for s in readers))
-            self.stats.peak_inflight_bytes = max((s.peak_inflight_bytes for s in readers), default=0)
-            self.stats.seconds = time.perf_counter() - start
+            self.stats = sum_stats([*(r.stats for r in (self._share_reader, self._own_reader)
+                                      if r is not None), *self._device_stats],
+                                   time.perf_counter() - start)
 
 
 def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
