@@ -116,8 +116,9 @@ class PPLoaderStorageReader(StorageReader):
     (``mesh_topology``; default: the process-group rank). ``stats`` / ``header_bytes`` /
     ``read_bytes``: what the last ``read_data`` did and what reading the headers cost.
     ``staging_device`` (e.g. ``"cuda:0"``, the destinations' GPU): the read backend's host
-    staging for it (the pinned ring) is started in ``read_metadata``, so its page-locking
-    overlaps DCP's planning instead of the first reads, and is reused by later loads.
+    staging for it (the pinned ring) is started when the reader is made, so its page-locking
+    runs in the background while the job builds its model (or, at the latest, while DCP
+    plans) instead of during the first reads; it is reused by later loads.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, names: Optional[NameMap] = None,
@@ -147,6 +148,7 @@ class PPLoaderStorageReader(StorageReader):
         self.staging_device = torch.device(staging_device) if staging_device is not None \
             else None
         self._staging: Any = None                # the backend's staging for staging_device
+        self._start_staging()
 
     # -- StorageReader ------------------------------------------------------------------
 
