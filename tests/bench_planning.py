@@ -6,9 +6,13 @@ Each tree holds a ``pploader/`` package (e.g. ``git archive REV pploader | tar -
 Needs the sparse DeepSeek-V3 layout: ``python tests/real_layouts.py --root /tmp/scale-layouts``.
 Rows: one rank's own plan (the last rank: ``load_spec`` + ``open_checkpoint`` + ``make_windows``
 + ``plan_rank`` with the default options, i.e. header parsing and the redistribution choice
-included; imports excluded), every rank (``plan_all``), and ``python -m pploader plan --help``
-(wall, imports included). Runs alternate between the trees; the best of ``--repeat`` counts.
-Numbers: docs/benchmarks.md, "Planning at real scale"."""
+included; pploader's imports excluded; a generic-family model's transformers imports, which
+``load_spec`` makes, included), ``warm:``: the same with the architecture's transformers
+modules imported before the clock starts (as in an engine or ``pploader load``, which import
+them anyway), every rank (``plan_all``), and ``python -m pploader plan --help`` (wall, imports
+included). Runs alternate between the trees; the best of ``--repeat`` counts. ``--model`` takes
+several layouts (comma separated), one table block each. Numbers: docs/benchmarks.md, "Planning
+at real scale" and "Generic-family planning at real scale"."""
 import argparse
 import json
 import os
@@ -27,9 +31,12 @@ from pploader.planning.spec import load_spec
 from pploader.planning.topology import Topology
 P, layout, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 pp, tp, ep = (int(x) for x in layout.split("x"))
+if mode == "warm":  # the architecture's transformers modules, imported as an engine has them
+    import transformers
+    getattr(transformers, json.load(open(P + "/config.json"))["architectures"][0], None)
 w1 = time.perf_counter(); c1 = time.process_time()
 spec = load_spec(P); index = open_checkpoint(P); spec = spec.for_checkpoint(index.weight_map)
-if mode == "one":
+if mode in ("one", "warm"):
     topo = Topology(pp, tp, ep, pp * tp * ep - 1)
     plan = plan_rank(spec, index, topo, make_windows(spec, index, pp, "even")[topo.pp_rank])
     n = len(plan.items)
@@ -189,39 +196,45 @@ def skeleton_floor(model: str, repeat: int = 5) -> str:
             f"{min(r['cpu'] for r in runs):.3f} s CPU, best of {repeat} fresh processes")
 
 
+def _row(before: str, after: str, case: str, model: str, repeat: int) -> None:
+    """One table row: ``repeat`` runs of each tree, alternating; the best of each counts."""
+    key = "wall" if case == "help" else "cpu"
+    runs: list[list[dict]] = [[], []]
+    for _ in range(repeat):
+        for i, tree in enumerate((before, after)):  # alternating
+            runs[i].append(_run(tree, case, model))
+    b, a = (min(r, key=lambda x: x[key]) for r in runs)
+    trials = " / ".join(" ".join(f"{x[key]:.2f}" for x in r) for r in runs)
+    print(f"| {Path(model).name} | {case} | {a['items']} | {b['cpu']:.3f} ({b['wall']:.3f}) | "
+          f"{a['cpu']:.3f} ({a['wall']:.3f}) | {b[key] / a[key]:.1f}x | {trials} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("before")
     ap.add_argument("after")
-    ap.add_argument("--model", default="/tmp/scale-layouts/deepseek-v3")
+    ap.add_argument("--model", default="/tmp/scale-layouts/deepseek-v3",
+                    help="layout directories, comma separated (tests/real_layouts.py makes them)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default=CASES, help="comma separated: one:PPxTPxEP, "
-                    "all:PPxTPxEP, help")
+                    "warm:PPxTPxEP, all:PPxTPxEP, help")
     ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor, "
                     "the record-per-tensor floor and the columnar floor")
     args = ap.parse_args()
     print(f"# {platform.node()} {platform.machine()}, {os.cpu_count()} cpus, python "
           f"{platform.python_version()}, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
           f"load {os.getloadavg()[0]:.1f}")
-    print("| case (PPxTPxEP) | items | before: CPU s (wall s) | after: CPU s (wall s) | "
-          "speed-up (CPU; wall for --help) |")
-    print("|---|---|---|---|---|")
-    for case in filter(None, args.cases.split(",")):  # --cases "": the floors only
-        best: list = [None, None]
-        for _ in range(args.repeat):
-            for i, tree in enumerate((args.before, args.after)):  # alternating
-                r = _run(tree, case, args.model)
-                key = "wall" if case == "help" else "cpu"
-                if best[i] is None or r[key] < best[i][key]:
-                    best[i] = r
-        b, a = best
-        key = "wall" if case == "help" else "cpu"
-        print(f"| {case} | {a['items']} | {b['cpu']:.3f} ({b['wall']:.3f}) | "
-              f"{a['cpu']:.3f} ({a['wall']:.3f}) | {b[key] / a[key]:.1f}x |", flush=True)
+    print("| layout | case (PPxTPxEP) | items | before: CPU s (wall s) | after: CPU s (wall s) "
+          "| speed-up (CPU; wall for --help) | all trials, CPU s: before / after |")
+    print("|---|---|---|---|---|---|---|")
+    for model in args.model.split(","):
+        for case in filter(None, args.cases.split(",")):  # --cases "": the floors only
+            _row(args.before, args.after, case, model, args.repeat)
     if args.floor:
-        print(json_floor(args.model))
-        print(skeleton_floor(args.model))
-        print(columnar_floor(args.model))
+        for model in args.model.split(","):
+            print(json_floor(model))
+            print(skeleton_floor(model))
+            print(columnar_floor(model))
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
 
 

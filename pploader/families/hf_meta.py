@@ -20,6 +20,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
+from .hf_check import check_conversion, sampled_layers
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
@@ -283,7 +284,6 @@ def _revert_one(model: Any, key: str, tensor: Any) -> dict:
 
 
 def _derive(config: Mapping[str, Any]) -> MetaModel:
-    from transformers.core_model_loading import revert_weight_conversion
     model = build_meta_model(config)
     text = model.config.get_text_config()
     layers_path = _layers_path(model, getattr(text, "num_hidden_layers", None))
@@ -350,21 +350,21 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
                      and any(k.startswith(p + ".") or k == p for p in loop)]
 
-    namings = []
+    namings, saved_names = [], {}
     for fmt in ("original", "transformers"):
-        naming = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                         stage_of, per_layer_experts, num_experts, embed_key, head_key)
+        naming, names_of = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
+                                   stage_of, per_layer_experts, num_experts, embed_key, head_key)
         namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
-    reverted = revert_weight_conversion(model, dict(state))
-    full = {k: tuple(v.shape) for k, v in reverted.items()}
-    if dict(namings[0].template) != full:
-        diff = sorted(set(full) ^ set(namings[0].template))[:4]
-        raise ConfigError(f"per-tensor derivation of the saved names disagrees with "
-                          f"save_pretrained's conversion (e.g. {diff})", file="config.json")
+        if fmt == "original":
+            saved_names = names_of
+    dtype_of = {k: str(v.dtype) for k, v in state.items()}
+    layer_dtypes = {i: tuple(dtype_of[f"{lp}{i}.{rel}"] for rel, _ in signature[i])
+                    for i in signature}
+    dtypes = check_conversion(model, state, layer_of,
+                              sampled_layers(signature, reps, layer_dtypes),
+                              namings[0].template, saved_names)
     if dict(namings[1].template) == dict(namings[0].template):
         namings = namings[:1]
-    dtypes = {k: str(v.dtype).replace("torch.", "")  # the model's names and the saved ones
-              for k, v in (*state.items(), *reverted.items())}
     # what each layer runs with, tied copies included (Zamba2's hybrid layers after the first
     # hold the shared block only as a tied copy: still attention, for the layer kinds)
     ran: dict[int, list[tuple[str, tuple[int, ...]]]] = {i: [] for i in range(num_layers)}
@@ -398,8 +398,10 @@ def _text_values(text: Any) -> dict[str, Any]:
 def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
             layer_of: dict[str, tuple[int, str]], reps: dict, signature: dict, lp: str,
             stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
-            embed_key: Optional[str], head_key: Optional[str]) -> Naming:
-    """The names one on-disk naming gives every state-dict key (see module docstring)."""
+            embed_key: Optional[str], head_key: Optional[str]
+            ) -> tuple[Naming, dict[int, dict[str, str]]]:
+    """The names one on-disk naming gives every state-dict key (see module docstring), and per
+    layer its saved names -> the same component's name in its representative layer."""
     from transformers.core_model_loading import revert_weight_conversion
     def saved(key: str) -> dict[str, tuple[int, ...]]:
         if fmt == "transformers":
@@ -451,13 +453,18 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     if len(prefixes) != 1:
         raise ConfigError(f"decoder layers saved under several prefixes {sorted(prefixes)}")
     prefix = prefixes.pop()
+    layer_names: dict[int, dict[str, str]] = {}  # saved name -> its representative's
+    rep_names = {r: [f"{prefix}{r}.{comp}" for comp in comps]
+                 for r, comps in components_of.items()}
     for i, sig in signature.items():
-        for comp, shape in components_of[reps[sig]].items():
-            template[f"{prefix}{i}.{comp}"] = shape
+        comps = components_of[reps[sig]]
+        names = [f"{prefix}{i}.{comp}" for comp in comps]
+        template.update(zip(names, comps.values()))
+        layer_names[i] = dict(zip(names, rep_names[reps[sig]]))
     head_shape = tuple(model.get_parameter(head_key).shape) if head_key else ()
     return Naming(fmt, template, re.escape(prefix) + r"(\d+)\.", tuple(first), tuple(last),
                   _expert_regex(expert_names, num_experts), tuple(sorted(fused)), embed, head,
-                  head_shape)
+                  head_shape), layer_names
 
 
 def _split_layer(name: str, layer: int) -> tuple[str, str]:
