@@ -6,12 +6,13 @@ For every published config under ``tests/data/real_configs*`` (and, with ``--tin
 config of every causal-LM type of the sweep, tests/sweep_shrink.py), the ``MetaModel`` that
 ``hf_meta.derive`` returns (or its error's type and message) is pickled into ``FILE``.
 ``--compare`` loads an earlier ``--out`` (made with the other tree) and reports every config
-whose MetaModel differs (exit 1 on any): equal MetaModels give equal generic families, so equal
-plans. All configs are derived in this process (a build over 120 s is recorded as an error).
+whose MetaModel or family data (rules by pattern, closures by value) differs (exit 1 on any).
+All configs are derived in this process (a build over 120 s is recorded as an error).
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pickle
 import sys
@@ -21,8 +22,37 @@ HERE = Path(__file__).resolve().parent
 
 
 
+def _data(x: object) -> object:
+    """``x`` as comparable, picklable data: callables by qualified name and closure values,
+    shard rules by their fields, containers element by element."""
+    from pploader.families.base import ShardRule
+    if isinstance(x, ShardRule):
+        return ("ShardRule", x.pattern, x.dim, x.pad, _data(x.segments), _data(x.units))
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return (type(x).__name__, _data({f.name: getattr(x, f.name)
+                                         for f in dataclasses.fields(x) if f.compare}))
+    if isinstance(x, (tuple, list)):
+        return tuple(_data(v) for v in x)
+    if isinstance(x, dict):
+        return {k: _data(v) for k, v in x.items()}
+    if callable(x) and not isinstance(x, type):
+        cells = tuple(c.cell_contents for c in (getattr(x, "__closure__", None) or ()))
+        return (getattr(x, "__qualname__", repr(x)), _data(cells))
+    return x
+
+
+def _family(cfg: dict) -> object:
+    """The generic Family's data (see ``_data``; the layout of ``cfg`` as a value)."""
+    from pploader.families.generic import family_for
+    fam = family_for(cfg)
+    out = {f: _data(getattr(fam, f)) for f in fam.__dataclass_fields__
+           if f not in ("_compiled", "layout", "cache_dims")}
+    out["layout"] = fam.layout(cfg)
+    return out
+
+
 def _derive(cfg: dict) -> object:
-    """The MetaModel of ``cfg``, or its error as text."""
+    """The MetaModel and the family data of ``cfg``, or the error as text."""
     import signal
     from pploader.families.hf_meta import derive
 
@@ -31,7 +61,7 @@ def _derive(cfg: dict) -> object:
     signal.signal(signal.SIGALRM, alarm)
     signal.alarm(120)
     try:
-        return derive(cfg)
+        return derive(cfg), _family(cfg)
     except Exception as exc:  # noqa: BLE001 - the error is what is compared
         return f"ERROR {type(exc).__name__}: {exc}"
     finally:

@@ -193,12 +193,22 @@ def shard_rules(naming: Naming, meta: MetaModel) -> tuple[ShardRule, ...]:
     comps: dict[str, tuple[int, ...]] = {}
     rx = re.compile(naming.layer_prefix)
     expert_rx = re.compile(naming.expert_pattern) if naming.expert_pattern else None
+    prefix = None  # the literal before the layer id: string tests, not a regex per name
+    seen: set[str] = set()
     for name, shape in naming.template.items():
-        m = rx.match(name)
-        if m is None:
+        if prefix is None or not name.startswith(prefix):
+            m = rx.match(name)
+            if m is None:
+                comps[name] = shape
+                continue
+            prefix = name[:m.start(1)]
+        idx, dot, comp = name[len(prefix):].partition(".")
+        if not (dot and idx.isdecimal()):  # what ``(\d+)\.`` does not match (\d: Nd)
             comps[name] = shape
             continue
-        comp = name[m.end():]
+        if comp in seen:  # every layer of a kind repeats its representative's components
+            continue
+        seen.add(comp)
         em = expert_rx.fullmatch(comp) if expert_rx is not None else None
         if em is not None:
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]

@@ -9,6 +9,10 @@ any layer whose stored dtypes differ from its representative's. Converting every
 tensors (44 k names for a 92-layer, 160-expert model) cost more than the rest of the derivation
 together; each layer's names depend only on its own tensors and index, which the sample covers.
 
+``pin_conversions`` computes the model's conversion list once, as ``revert_weight_conversion``
+would on each of its calls (a walk of the whole module tree each time), and leaves it where that
+function reads it first (``model._weight_conversions``, as ``from_pretrained`` does).
+
 Read from the meta model; nothing here reads weights.
 """
 from __future__ import annotations
@@ -17,7 +21,26 @@ from typing import Any, Mapping
 
 from ..errors import ConfigError
 
-__all__ = ["sampled_layers", "check_conversion"]
+__all__ = ["sampled_layers", "check_conversion", "pin_conversions"]
+
+
+def pin_conversions(model: Any) -> None:
+    """Give the private meta ``model`` the conversion list ``revert_weight_conversion`` would
+    derive on each call: ``get_model_conversion_mapping(model, add_legacy=False)`` without
+    ``PrefixChange`` transforms. An empty list is not pinned (that function then returns the
+    state unchanged, after the same lookup); an installed transformers without these names
+    keeps its own per-call lookup."""
+    if getattr(model, "_weight_conversions", None) is not None:
+        return
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange
+    except ImportError:
+        return
+    found = [c for c in get_model_conversion_mapping(model, add_legacy=False)
+             if not isinstance(c, PrefixChange)]
+    if found:
+        model._weight_conversions = found
 
 
 def sampled_layers(signature: Mapping[int, tuple], reps: Mapping[tuple, int],

@@ -20,7 +20,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
-from .hf_check import check_conversion, sampled_layers
+from .hf_check import check_conversion, pin_conversions, sampled_layers
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
@@ -285,6 +285,7 @@ def _revert_one(model: Any, key: str, tensor: Any) -> dict:
 
 def _derive(config: Mapping[str, Any]) -> MetaModel:
     model = build_meta_model(config)
+    pin_conversions(model)  # looked up once, not on each revert below
     text = model.config.get_text_config()
     layers_path = _layers_path(model, getattr(text, "num_hidden_layers", None))
     layers = model.get_submodule(layers_path)
@@ -403,10 +404,14 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     """The names one on-disk naming gives every state-dict key (see module docstring), and per
     layer its saved names -> the same component's name in its representative layer."""
     from transformers.core_model_loading import revert_weight_conversion
+    memo: dict[str, dict[str, tuple[int, ...]]] = {}
+
     def saved(key: str) -> dict[str, tuple[int, ...]]:
         if fmt == "transformers":
             return {key: tuple(state[key].shape)}
-        return {n: tuple(t.shape) for n, t in _revert_one(model, key, state[key]).items()}
+        if key not in memo:
+            memo[key] = {n: tuple(t.shape) for n, t in _revert_one(model, key, state[key]).items()}
+        return dict(memo[key])
 
     template: Shapes = {}
     first: list[str] = []
