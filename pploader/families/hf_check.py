@@ -44,13 +44,17 @@ def pin_conversions(model: Any) -> None:
 
 
 def sampled_layers(signature: Mapping[int, tuple], reps: Mapping[tuple, int],
-                   layer_dtypes: Mapping[int, tuple[str, ...]]) -> frozenset[int]:
-    """The layers the conversion is checked on (see the module docstring)."""
+                   state: Mapping[str, Any], layers_prefix: str) -> frozenset[int]:
+    """The layers the conversion is checked on (see the module docstring). ``signature[i]``:
+    layer ``i``'s ``(relative key, shape)`` pairs; ``reps``: signature -> its first layer."""
+    def dtypes(i: int) -> tuple[str, ...]:
+        return tuple(str(state[f"{layers_prefix}{i}.{rel}"].dtype) for rel, _ in signature[i])
     last: dict[tuple, int] = {}
     for i, sig in signature.items():
         last[sig] = i
     out = set(reps.values()) | set(last.values())
-    out |= {i for i, sig in signature.items() if layer_dtypes[i] != layer_dtypes[reps[sig]]}
+    rep_dtypes = {r: dtypes(r) for r in reps.values()}
+    out |= {i for i, sig in signature.items() if dtypes(i) != rep_dtypes[reps[sig]]}
     return frozenset(out)
 
 

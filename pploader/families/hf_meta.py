@@ -351,19 +351,14 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
                      and any(k.startswith(p + ".") or k == p for p in loop)]
 
-    namings, saved_names = [], {}
+    namings, names_of = [], []
     for fmt in ("original", "transformers"):
-        naming, names_of = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                                   stage_of, per_layer_experts, num_experts, embed_key, head_key)
+        naming, names = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
+                                stage_of, per_layer_experts, num_experts, embed_key, head_key)
         namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
-        if fmt == "original":
-            saved_names = names_of
-    dtype_of = {k: str(v.dtype) for k, v in state.items()}
-    layer_dtypes = {i: tuple(dtype_of[f"{lp}{i}.{rel}"] for rel, _ in signature[i])
-                    for i in signature}
-    dtypes = check_conversion(model, state, layer_of,
-                              sampled_layers(signature, reps, layer_dtypes),
-                              namings[0].template, saved_names)
+        names_of.append(names)
+    dtypes = check_conversion(model, state, layer_of, sampled_layers(signature, reps, state, lp),
+                              namings[0].template, names_of[0])  # (the original naming)
     if dict(namings[1].template) == dict(namings[0].template):
         namings = namings[:1]
     # what each layer runs with, tied copies included (Zamba2's hybrid layers after the first
@@ -401,17 +396,17 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
             stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
             embed_key: Optional[str], head_key: Optional[str]
             ) -> tuple[Naming, dict[int, dict[str, str]]]:
-    """The names one on-disk naming gives every state-dict key (see module docstring), and per
-    layer its saved names -> the same component's name in its representative layer."""
+    """The names one on-disk naming gives every state-dict key (see module docstring), and (the
+    original naming) per layer its saved names -> the same component's in its representative."""
     from transformers.core_model_loading import revert_weight_conversion
     memo: dict[str, dict[str, tuple[int, ...]]] = {}
 
     def saved(key: str) -> dict[str, tuple[int, ...]]:
         if fmt == "transformers":
             return {key: tuple(state[key].shape)}
-        if key not in memo:
+        if key not in memo:  # (callers never change what it returns)
             memo[key] = {n: tuple(t.shape) for n, t in _revert_one(model, key, state[key]).items()}
-        return dict(memo[key])
+        return memo[key]
 
     template: Shapes = {}
     first: list[str] = []
@@ -465,7 +460,8 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
         comps = components_of[reps[sig]]
         names = [f"{prefix}{i}.{comp}" for comp in comps]
         template.update(zip(names, comps.values()))
-        layer_names[i] = dict(zip(names, rep_names[reps[sig]]))
+        if fmt == "original":  # (what the conversion check needs)
+            layer_names[i] = dict(zip(names, rep_names[reps[sig]]))
     head_shape = tuple(model.get_parameter(head_key).shape) if head_key else ()
     return Naming(fmt, template, re.escape(prefix) + r"(\d+)\.", tuple(first), tuple(last),
                   _expert_regex(expert_names, num_experts), tuple(sorted(fused)), embed, head,
