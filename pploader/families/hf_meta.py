@@ -353,10 +353,10 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
 
     namings, names_of = [], []
     for fmt in ("original", "transformers"):
-        naming, names = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                                stage_of, per_layer_experts, num_experts, embed_key, head_key)
+        naming, of_layer = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
+                                   stage_of, per_layer_experts, num_experts, embed_key, head_key)
         namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
-        names_of.append(names)
+        names_of.append(of_layer)
     dtypes = check_conversion(model, state, layer_of, sampled_layers(signature, reps, state, lp),
                               namings[0].template, names_of[0])  # (the original naming)
     if dict(namings[1].template) == dict(namings[0].template):
