@@ -10,7 +10,8 @@ Quantized layouts (DeepSeek-V3 FP8 with 128x128 ``weight_scale_inv`` blocks) qua
 published checkpoint quantizes: every >= 2-d linear weight of the decoder and MTP layers except
 the router (``mlp.gate``), the MTP ``eh_proj``, ``embed_tokens`` and ``shared_head.head``.
 
-Run as a script for the planning-time table of docs/benchmarks.md::
+Run as a script for the planning-time table of docs/benchmarks.md (MODEL: a stem under
+``data/real_configs`` or, planned by the generic family, ``data/real_configs_generic``)::
 
     python tests/real_layouts.py [--root DIR] [MODEL ...]
 """
@@ -181,7 +182,7 @@ def _main(argv: list[str]) -> int:
     print("| model | tensors | layout | one rank (last rank, fresh index) s | all ranks s |")
     print("|---|---|---|---|---|")
     for model in args.models:
-        path = build_layout(model, args.root)
+        path = (build_generic_layout if model in GENERIC_MODELS else build_layout)(model, args.root)
         for layout in args.layouts.split(","):
             pp, tp, ep = (int(x) for x in layout.split("x"))
             spec = load_spec(path)
