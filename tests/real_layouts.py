@@ -114,12 +114,14 @@ _GENERIC_DTYPES = {"_blocks": "U8", "_scales": "U8"}
 
 
 def build_generic_layout(model: str, root: os.PathLike | str, *,
-                         shard_bytes: int = SHARD_BYTES) -> Path:
+                         shard_bytes: int = SHARD_BYTES, mtp: bool = False) -> Path:
     """``build_layout`` for a published config under ``data/real_configs_generic`` (no
     hand-written family): names and shapes from the generic family's template (the model
     built on ``meta``, MXFP4 experts as blocks + scales), bfloat16 except MXFP4's uint8
-    blocks / scales; the config.json written as published (gpt-oss has no ``torch_dtype``)."""
-    out = Path(root) / model
+    blocks / scales; the config.json written as published (gpt-oss has no ``torch_dtype``).
+    MTP layers (``num_nextn_predict_layers``) only with ``mtp`` (the directory is then
+    ``<model>-mtp``)."""
+    out = Path(root) / (f"{model}-mtp" if mtp else model)
     done = out / ".complete"
     if done.exists():
         return out
@@ -128,6 +130,9 @@ def build_generic_layout(model: str, root: os.PathLike | str, *,
     spec = spec_from_config({**config, "dtype": "bfloat16"})
     template = spec.family.template(spec)  # type: ignore[misc]
     names = sorted(template, key=lambda n: model_order(spec, n))
+    if not mtp:
+        names = [n for n in names if getattr(spec.family.classify(
+            n, spec.num_layers, spec.num_mtp_layers), "placement", None) != "mtp"]
     tensors = {n: (next((d for s, d in _GENERIC_DTYPES.items() if n.endswith(s)), "BF16"),
                    tuple(template[n])) for n in names}
     _write_groups(out, config, tensors, shard_bytes)

@@ -6,8 +6,9 @@ Everything comes from the model built on the ``meta`` device (``hf_meta.derive``
 prefix, the first-/last-stage tensors (registered before / after the decoder layers), experts
 (per-expert names or stacked 3-D parameters, expert dim 0), tied weights, and the strict
 template (what ``save_pretrained`` writes, in both namings). MTP layers numbered after the
-decoder layers (``num_nextn_predict_layers``) and a separate ``mtp.*`` module are known and never
-read by a stage (no template for them: ``plan_mtp`` is not available generically).
+decoder layers (``num_nextn_predict_layers``) are never read by a stage; ``plan_mtp`` plans one
+for a draft (their template: families/generic_mtp.py). A separate ``mtp.*`` module is known and
+skipped.
 
 TP rules are derived only where a tensor's role is unambiguous (q/k/v/o, gate/up/down by name,
 head counts from the config dividing the shape, norms of width hidden or head_dim, routers,
@@ -26,6 +27,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
 from .cache_dims import param_cache_dims
+from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
 from .mxfp4 import is_mxfp4, mxfp4_naming
@@ -54,13 +56,8 @@ def _family_cached(key: str) -> Family:
     return _family(meta)
 
 
-def _mtp_layers(text: Mapping[str, Any]) -> int:
-    value = text.get("num_nextn_predict_layers")
-    return int(value) if isinstance(value, int) and value > 0 else 0
-
-
 def _family(meta: MetaModel) -> Family:
-    num_mtp = _mtp_layers(meta.text_config)
+    num_mtp = num_mtp_layers(meta.text_config)
     kinds = layer_kinds(meta)
     layout = Layout(meta.num_layers, kinds, meta.moe_layers if meta.num_experts else frozenset(),
                     meta.num_experts, num_mtp)
@@ -94,7 +91,9 @@ def _integer_dtypes(meta: MetaModel) -> dict[str, str]:
 
 
 def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
-    """The Family fields that change with the naming: prefix, globals, experts, rules."""
+    """The Family fields that change with the naming: prefix, globals, experts, rules (MTP
+    layers in the template and rules: families/generic_mtp.py)."""
+    naming, mtp_only = with_mtp(naming, meta.text_config, meta.num_layers)
     globals_: list[GlobalRule] = []
     for name in naming.first:
         globals_.append(GlobalRule.exact(name, "first",
@@ -115,7 +114,7 @@ def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
     return dict(layer_prefix=naming.layer_prefix, globals=tuple(globals_),
                 expert_pattern=naming.expert_pattern, fused_expert_pattern=fused,
                 template=template_of, format=naming.name, shared=naming.shared,
-                shard_rules=shard_rules(naming, meta))
+                shard_rules=shard_rules(naming, meta, mtp_only))
 
 
 def _marker(naming: Naming, original: Naming) -> Optional[str]:
@@ -187,8 +186,10 @@ def _kv_heads(spec: SpecView) -> int:
     return spec.num_kv_heads
 
 
-def shard_rules(naming: Naming, meta: MetaModel) -> tuple[ShardRule, ...]:
-    """One rule per distinct layer component (expert ids generalised) and per global."""
+def shard_rules(naming: Naming, meta: MetaModel,
+                mtp_only: frozenset[str] = frozenset()) -> tuple[ShardRule, ...]:
+    """One rule per distinct layer component (expert ids generalised) and per global
+    (``mtp_only``: components only MTP layers have, ruled by ``generic_mtp.mtp_rule``)."""
     text = meta.text_config
     comps: dict[str, tuple[int, ...]] = {}
     rx = re.compile(naming.layer_prefix)
@@ -216,7 +217,8 @@ def shard_rules(naming: Naming, meta: MetaModel) -> tuple[ShardRule, ...]:
     rules = []
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
-        rules.append(_rule(pattern, comp, shape, naming, text, meta.num_experts))
+        rule = mtp_rule(pattern, comp, shape, text) if comp in mtp_only else None
+        rules.append(rule or _rule(pattern, comp, shape, naming, text, meta.num_experts))
     return tuple(rules)
 
 
