@@ -94,6 +94,16 @@ def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
     return _copied(ctx, params, copied, extra)
 
 
+def _streams_prep(streams: int) -> Callable[[Ctx], dict]:
+    """``prep_engine_staged`` with O_DIRECT loads read as ``streams`` sequential readers per
+    file (``DeviceLoader.streams_per_file``: fastsafetensors' pattern at 1)."""
+    def prep(ctx: Ctx) -> dict:
+        from ..io.device import DeviceLoader
+        DeviceLoader.default_streams_per_file = streams  # this method's process only
+        return prep_engine_staged(ctx)
+    return prep
+
+
 def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """What pploader's vLLM load format calls on a GPU worker: ``placed.stage_weights`` onto
     the model's device with the staging the loader started at creation, then the engine's
@@ -177,6 +187,9 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
+    "engine_pploader_streams1": (m_engine_pploader, _streams_prep(1)),
+    "engine_pploader_streams2": (m_engine_pploader, _streams_prep(2)),
+    "engine_pploader_streams4": (m_engine_pploader, _streams_prep(4)),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_staged),
     "engine_vllm_default": (m_engine_vllm_default, prep_engine),
     "engine_dcp": (m_engine_dcp, prep_engine),
