@@ -41,8 +41,9 @@ logger = logging.getLogger(__name__)
 class DeviceLoader:
     """Load a RankPlan onto a CUDA device (called by the rank that owns the device)."""
 
-    #: ``streams_per_file`` of new loaders (see ``__init__``)
+    #: ``streams_per_file`` / ``direct_readers`` of new loaders (see ``__init__``)
     default_streams_per_file = 0
+    default_direct_readers = 0
 
     def __init__(self, plan: RankPlan, device: torch.device | str, *,
                  ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
@@ -86,6 +87,9 @@ class DeviceLoader:
         # contiguous share front to back (sequential streams, as fastsafetensors' reader
         # threads read a file); 0: one queue of requests in file order for every reader
         self.streams_per_file = self.default_streams_per_file
+        # O_DIRECT loads: > 0 caps the readers (requests in flight) at that many; 0: one per
+        # ring thread (what warm, buffered loads need to reach the memory's bandwidth)
+        self.direct_readers = self.default_direct_readers
         if prepare_ring:
             self.ring.prepare()  # no-op when already under way or done
 
@@ -184,9 +188,12 @@ class DeviceLoader:
         """One request iterator per reader: all share one queue, or (O_DIRECT with
         ``streams_per_file``) each file's requests cut into that many contiguous shares, the
         shares dealt round-robin to at most ``ring.threads`` readers."""
+        readers = self.ring.threads
+        if self.direct and self.direct_readers > 0:
+            readers = min(readers, self.direct_readers)
         if not (self.direct and self.streams_per_file > 0):
             shared = iter(chunks)
-            return [shared] * min(self.ring.threads, max(1, len(chunks)))
+            return [shared] * min(readers, max(1, len(chunks)))
         by_file: dict[str, list[_Chunk]] = {}
         for c in chunks:
             by_file.setdefault(c.file, []).append(c)
@@ -194,7 +201,7 @@ class DeviceLoader:
         for mine in by_file.values():
             step = -(-len(mine) // min(self.streams_per_file, len(mine)))
             shares += [mine[i:i + step] for i in range(0, len(mine), step)]
-        readers = max(1, min(self.ring.threads, len(shares)))
+        readers = max(1, min(readers, len(shares)))
         dealt: list[list[_Chunk]] = [[] for _ in range(readers)]
         for k, share in enumerate(shares):
             dealt[k % readers] += share
