@@ -83,9 +83,9 @@ class DeviceLoader:
         # and dropped), and readers take requests file by file or round-robin over the files
         self.direct_gap_bytes = 0
         self.interleave_files = False
-        # O_DIRECT loads: > 0 gives each file that many readers, each reading its own
-        # contiguous share front to back (sequential streams, as fastsafetensors' reader
-        # threads read a file); 0: one queue of requests in file order for every reader
+        # > 0 gives each file that many readers, each reading its own contiguous share front
+        # to back (sequential streams, as fastsafetensors' reader threads read a file); 0:
+        # one queue of requests in file order for every reader
         self.streams_per_file = self.default_streams_per_file
         # O_DIRECT loads: > 0 caps the readers (requests in flight) at that many; 0: one per
         # ring thread (what warm, buffered loads need to reach the memory's bandwidth)
@@ -185,13 +185,13 @@ class DeviceLoader:
         return os.open(path, os.O_RDONLY)
 
     def _queues(self, chunks: list[_Chunk]) -> list[Iterator[_Chunk]]:
-        """One request iterator per reader: all share one queue, or (O_DIRECT with
-        ``streams_per_file``) each file's requests cut into that many contiguous shares, the
-        shares dealt round-robin to at most ``ring.threads`` readers."""
+        """One request iterator per reader: all share one queue, or (``streams_per_file``)
+        each file's requests cut into that many contiguous shares, the shares dealt
+        round-robin to at most ``ring.threads`` readers."""
         readers = self.ring.threads
         if self.direct and self.direct_readers > 0:
             readers = min(readers, self.direct_readers)
-        if not (self.direct and self.streams_per_file > 0):
+        if self.streams_per_file <= 0:
             shared = iter(chunks)
             return [shared] * min(readers, max(1, len(chunks)))
         by_file: dict[str, list[_Chunk]] = {}
