@@ -240,6 +240,14 @@ class HostAllocRing:
     def pin(self, index: int, slot: int) -> None:
         return None
 
+    def bind_device(self, device: Any) -> None:  # cudaHostAlloc'd: nothing to page-lock
+        return None
+
+    def prefault(self) -> None:
+        """Allocate every thread's slots now (before a clock)."""
+        for i in range(self.threads):
+            self.slots(i)
+
 
 def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = False,
               prepare: bool = False, interleave: bool = False, gap: int = 0,
@@ -331,6 +339,23 @@ def m_pploader_hostalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     return _pploader(ctx, HostAllocRing())
 
 
+def _hostalloc_streams(streams: int) -> Callable[[Ctx, dict], tuple[dict, dict]]:
+    """A reload through a cudaHostAlloc'd ring made before the clock (fastsafetensors'
+    bounce buffers are cudaHostAlloc'd), ``streams`` sequential readers per file (0: one
+    shared queue)."""
+    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+        from pploader.io.device import DeviceLoader
+        DeviceLoader.default_streams_per_file = streams  # this method's process only
+        return _pploader(ctx, prep["ring"])
+    return run
+
+
+def prep_hostalloc(ctx: Ctx) -> dict:
+    ring = HostAllocRing()
+    ring.prefault()
+    return {"ring": ring}
+
+
 def prep_reused(ctx: Ctx) -> dict:
     from pploader.io.device import PinnedRing
     return {"ring": PinnedRing(lazy=False)}
@@ -368,6 +393,8 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_first_thp_overlap": (_first_variant(True, True), None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
+    "pploader_hostalloc_reused": (_hostalloc_streams(0), prep_hostalloc),
+    "pploader_hostalloc_reused_streams1": (_hostalloc_streams(1), prep_hostalloc),
     "pploader_first_prep": (_variant(prepare=True), None),
     "pploader_first_populate": (_variant(populate=True), None),
     "pploader_first_early": (_variant(early=True), None),
