@@ -171,15 +171,20 @@ def m_st_readall(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
 
 # ---- fastsafetensors (optional) ----------------------------------------------------------
 
-def m_fastsafetensors(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+def m_fastsafetensors(ctx: Ctx, prep: dict, block_bytes: Optional[int] = None
+                      ) -> tuple[dict, dict]:
     """SafeTensorsFileLoader(nogds) over the stage's files, filtered to the stage's tensors;
-    O_DIRECT or buffered as FASTSAFETENSORS_ODIRECT says (set per method by the driver)."""
+    O_DIRECT or buffered as FASTSAFETENSORS_ODIRECT says (set per method by the driver).
+    ``block_bytes``: its ``max_copy_block_size`` (default 16 GiB: one request, so one reader
+    thread, per file run; 16 MiB makes its 16 threads take 16 MiB requests in file order,
+    pploader's pattern)."""
     from fastsafetensors import SafeTensorsFileLoader
     loader = SafeTensorsFileLoader(None, ctx.device, nogds=True)
     names = set(ctx.tensors)
     loader.set_tensor_filter(lambda n: n in names)
     loader.add_filenames({0: [ctx.path(f) for f in ctx.files]})
-    fb = loader.copy_files_to_device()
+    fb = loader.copy_files_to_device() if block_bytes is None else \
+        loader.copy_files_to_device(max_copy_block_size=block_bytes)
     out = {k: fb.get_tensor(k) for k in ctx.tensors}
     torch.cuda.synchronize(ctx.device)
     return out, {"logical_bytes": ctx.ideal_bytes, "_keep": (loader, fb),
@@ -409,10 +414,14 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "instanttensor": (m_instanttensor, None),
     "fastsafetensors_buf": (m_fastsafetensors, None),
     "fastsafetensors_odirect": (m_fastsafetensors, None),
+    "fastsafetensors_odirect_b16m": (lambda c, p: m_fastsafetensors(c, p, 16 * MIB), None),
+    "fastsafetensors_odirect_b256m": (lambda c, p: m_fastsafetensors(c, p, 256 * MIB), None),
     "st_readall": (m_st_readall, None),
 }
 METHOD_ENV = {"fastsafetensors_buf": {"FASTSAFETENSORS_ODIRECT": "0"},
-              "fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"}}
+              "fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"},
+              "fastsafetensors_odirect_b16m": {"FASTSAFETENSORS_ODIRECT": "1"},
+              "fastsafetensors_odirect_b256m": {"FASTSAFETENSORS_ODIRECT": "1"}}
 OPTIONAL = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors"}
 
 
