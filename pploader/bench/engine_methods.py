@@ -94,21 +94,6 @@ def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
     return _copied(ctx, params, copied, extra)
 
 
-def _direct_prep(streams: int = 0, readers: int = 0, buffered: bool = False
-                 ) -> Callable[[Ctx], dict]:
-    """``prep_engine_staged`` with O_DIRECT loads read as ``streams`` sequential readers per
-    file (``DeviceLoader.streams_per_file``: fastsafetensors' pattern at 1) or by at most
-    ``readers`` readers (``DeviceLoader.direct_readers``)."""
-    def prep(ctx: Ctx) -> dict:
-        from ..io.device import DeviceLoader
-        DeviceLoader.default_streams_per_file = streams  # this method's process only
-        DeviceLoader.default_direct_readers = readers
-        if buffered:  # never O_DIRECT, whatever the page cache holds
-            DeviceLoader._use_direct = lambda self: False  # type: ignore[method-assign]
-        return prep_engine_staged(ctx)
-    return prep
-
-
 def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """What pploader's vLLM load format calls on a GPU worker: ``placed.stage_weights`` onto
     the model's device with the staging the loader started at creation, then the engine's
@@ -192,15 +177,6 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
-    "engine_pploader_streams1": (m_engine_pploader, _direct_prep(streams=1)),
-    "engine_pploader_streams2": (m_engine_pploader, _direct_prep(streams=2)),
-    "engine_pploader_w32g_streams1": (_engine_pploader_window(32 << 30), _direct_prep(1)),
-    "engine_pploader_w32g_streams2": (_engine_pploader_window(32 << 30), _direct_prep(2)),
-    "engine_pploader_buffered": (m_engine_pploader, _direct_prep(buffered=True)),
-    "engine_pploader_w32g_buffered_streams1": (_engine_pploader_window(32 << 30),
-                                               _direct_prep(1, buffered=True)),
-    "engine_pploader_r4": (m_engine_pploader, _direct_prep(readers=4)),
-    "engine_pploader_r8": (m_engine_pploader, _direct_prep(readers=8)),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_staged),
     "engine_vllm_default": (m_engine_vllm_default, prep_engine),
     "engine_dcp": (m_engine_dcp, prep_engine),

@@ -344,15 +344,10 @@ def m_pploader_hostalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     return _pploader(ctx, HostAllocRing())
 
 
-def _hostalloc_streams(streams: int) -> Callable[[Ctx, dict], tuple[dict, dict]]:
+def m_pploader_hostalloc_reused(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """A reload through a cudaHostAlloc'd ring made before the clock (fastsafetensors'
-    bounce buffers are cudaHostAlloc'd), ``streams`` sequential readers per file (0: one
-    shared queue)."""
-    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-        from pploader.io.device import DeviceLoader
-        DeviceLoader.default_streams_per_file = streams  # this method's process only
-        return _pploader(ctx, prep["ring"])
-    return run
+    bounce buffers are cudaHostAlloc'd; pploader's ring is page-locked by registering)."""
+    return _pploader(ctx, prep["ring"])
 
 
 def prep_hostalloc(ctx: Ctx) -> dict:
@@ -398,8 +393,7 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_first_thp_overlap": (_first_variant(True, True), None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
-    "pploader_hostalloc_reused": (_hostalloc_streams(0), prep_hostalloc),
-    "pploader_hostalloc_reused_streams1": (_hostalloc_streams(1), prep_hostalloc),
+    "pploader_hostalloc_reused": (m_pploader_hostalloc_reused, prep_hostalloc),
     "pploader_first_prep": (_variant(prepare=True), None),
     "pploader_first_populate": (_variant(populate=True), None),
     "pploader_first_early": (_variant(early=True), None),

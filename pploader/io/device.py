@@ -41,10 +41,6 @@ logger = logging.getLogger(__name__)
 class DeviceLoader:
     """Load a RankPlan onto a CUDA device (called by the rank that owns the device)."""
 
-    #: ``streams_per_file`` / ``direct_readers`` of new loaders (see ``__init__``)
-    default_streams_per_file = 0
-    default_direct_readers = 0
-
     def __init__(self, plan: RankPlan, device: torch.device | str, *,
                  ring: Optional[PinnedRing] = None, cancel: Optional[threading.Event] = None,
                  on_progress: Optional[Callable[[int], None]] = None,
@@ -83,13 +79,6 @@ class DeviceLoader:
         # and dropped), and readers take requests file by file or round-robin over the files
         self.direct_gap_bytes = 0
         self.interleave_files = False
-        # > 0 gives each file that many readers, each reading its own contiguous share front
-        # to back (sequential streams, as fastsafetensors' reader threads read a file); 0:
-        # one queue of requests in file order for every reader
-        self.streams_per_file = self.default_streams_per_file
-        # O_DIRECT loads: > 0 caps the readers (requests in flight) at that many; 0: one per
-        # ring thread (what warm, buffered loads need to reach the memory's bandwidth)
-        self.direct_readers = self.default_direct_readers
         if prepare_ring:
             self.ring.prepare()  # no-op when already under way or done
 
@@ -144,7 +133,7 @@ class DeviceLoader:
             times["destinations_s"] = time.perf_counter() - t0
 
         pin_before = self.ring.alloc_seconds
-        self._run(self._queues(chunks), allocate)
+        self._run(chunks, allocate)
         t_io = time.perf_counter()
         for item, tmp, dst in post:
             materialise(item, tmp, dst)
@@ -184,43 +173,20 @@ class DeviceLoader:
                 pass
         return os.open(path, os.O_RDONLY)
 
-    def _queues(self, chunks: list[_Chunk]) -> list[Iterator[_Chunk]]:
-        """One request iterator per reader: all share one queue, or (``streams_per_file``)
-        each file's requests cut into that many contiguous shares, the shares dealt
-        round-robin to at most ``ring.threads`` readers."""
-        readers = self.ring.threads
-        if self.direct and self.direct_readers > 0:
-            readers = min(readers, self.direct_readers)
-        if self.streams_per_file <= 0:
-            shared = iter(chunks)
-            return [shared] * min(readers, max(1, len(chunks)))
-        by_file: dict[str, list[_Chunk]] = {}
-        for c in chunks:
-            by_file.setdefault(c.file, []).append(c)
-        shares: list[list[_Chunk]] = []
-        for mine in by_file.values():
-            step = -(-len(mine) // min(self.streams_per_file, len(mine)))
-            shares += [mine[i:i + step] for i in range(0, len(mine), step)]
-        readers = max(1, min(readers, len(shares)))
-        dealt: list[list[_Chunk]] = [[] for _ in range(readers)]
-        for k, share in enumerate(shares):
-            dealt[k % readers] += share
-        return [iter(d) for d in dealt]
-
-    def _run(self, queues: list[Iterator[_Chunk]], prepare: Callable[[], None]) -> None:
-        """Start one reader per queue, run ``prepare`` (the destinations) here meanwhile,
-        join."""
+    def _run(self, chunks: list[_Chunk], prepare: Callable[[], None]) -> None:
+        """Start the readers, run ``prepare`` (the destinations) here meanwhile, join."""
         fds = {f: self._open(p) for f, p in self.plan.paths.items()}
         try:
             for f, fd in fds.items():
                 if (os.fstat(fd).st_size, os.fstat(fd).st_ino) != (
                         self.plan.identities[f].size, self.plan.identities[f].inode):
                     raise self._err("file changed since planning", f)
+            queue = iter(chunks)
             self._first_h2d = 0.0
             errors: list[BaseException] = []
             threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
                                         name=f"pploader-h2d-{i}")
-                       for i, queue in enumerate(queues)]
+                       for i in range(min(self.ring.threads, max(1, len(chunks))))]
             self._ready, self._allocated = threading.Event(), None
             if not self.overlap_alloc:
                 self._prepare(prepare)
