@@ -337,12 +337,13 @@ def format_pools(entries: Sequence[dict]) -> str:
 
 
 def _window_lines(entries: Sequence[dict]) -> list[str]:
-    """Per rank with windowed layers: pool bytes by layer kind and the window pools' saving."""
+    """Per stage (its first TP / EP rank) with windowed layers: pool bytes by layer kind and
+    the window pools' saving."""
     from ..report import format_bytes
     out = []
     for e in entries:
         c = e["pools"]["capacity"]
-        if not c.get("window_pages"):
+        if not c.get("window_pages") or e.get("tp_rank", 0) or e.get("ep_rank", 0):
             continue
         kinds = ", ".join(f"{k} {format_bytes(b)}" for k, b in c.get("kind_bytes", {}).items())
         spaces = ", ".join(f"window {w}: {p} pages" for w, p in c["window_pages"].items())

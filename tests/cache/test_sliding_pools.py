@@ -215,3 +215,33 @@ def test_load_allocates_window_sized_pools(tiny_mistral: Path) -> None:
         assert p["allocated_bytes_by_kind"] == p["capacity"]["kind_bytes"] == {
             "sliding_attention": 4 * 2 * PS * bpt}
         assert p["kv_allocated_bytes"] == p["capacity"]["kv_pool_bytes"]
+
+
+@pytest.mark.slow
+def test_gemma3_27b_at_128k_saves_as_documented() -> None:
+    """docs/pools.md's numbers: Gemma-3-27B's published text config (62 layers, window 1024,
+    pattern 6, 16 KV heads x 128, bf16), one 131,072-token request, PP=1 and PP=2."""
+    spec = spec_from_config({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "hidden_size": 5376, "intermediate_size": 21504, "num_hidden_layers": 62,
+        "num_attention_heads": 32, "num_key_value_heads": 16, "head_dim": 128,
+        "sliding_window": 1024, "sliding_window_pattern": 6, "vocab_size": 262208,
+        "query_pre_attn_scalar": 168, "dtype": "bfloat16"})
+    full_layers = [i for i in range(62) if (i + 1) % 6 == 0]
+    assert len(full_layers) == 10
+    per_layer = 2 * 16 * 128 * 2  # 8 KiB per token
+    ctx = 131072
+    opts = PoolOptions(tokens=ctx, requests=1)
+    whole = stage_capacity(stage_geometry(spec, StageWindow(0, 0, 62, True, True)), opts, 0)
+    assert dict(whole.kind_bytes) == {"full_attention": 10 * ctx * per_layer,  # 10 GiB
+                                      "sliding_attention": 52 * 1024 * per_layer}  # 416 MiB
+    assert whole.full_length_kv_bytes == 62 * ctx * per_layer == 62 << 30
+    assert round(1 - whole.pool_bytes / whole.full_length_kv_bytes, 3) == 0.832
+    for w in _stages(spec, 2):  # 5 full + 26 sliding layers each
+        cap = stage_capacity(stage_geometry(spec, w), opts, 0)
+        assert cap.pool_bytes == 5 * ctx * per_layer + 26 * 1024 * per_layer
+        assert cap.full_length_kv_bytes == 31 << 30
+        budget = size_pools(stage_geometry(spec, w), 40 << 30, requests=16)
+        assert budget.max_tokens == ((40 << 30) - 16 * 1024 * 26 * per_layer) \
+            // (PS * 5 * per_layer) * PS == 963376  # full-length pools: 169,120
+        assert (40 << 30) // (PS * 31 * per_layer) * PS == 169120
