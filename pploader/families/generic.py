@@ -29,6 +29,7 @@ from .cache_dims import param_cache_dims
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
 from .mxfp4 import is_mxfp4, mxfp4_naming
+from .windows import layout_windows
 
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
@@ -78,7 +79,8 @@ def _family(meta: MetaModel) -> Family:
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                         "vocab_size", "num_hidden_layers", "tie_word_embeddings")}
     #                                                    (Gemma-3 ties by default)
-    dims = param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params))
+    dims = replace(param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params)),
+                   windows=lambda _spec: layout_windows(text, kinds))  # class-normalised
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
                   layout=lambda _config: layout, mtp_pattern=mtp_pattern, cache_dims=dims,
                   config_defaults=aliases, native_dtypes=_integer_dtypes(meta),
