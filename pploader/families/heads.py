@@ -40,7 +40,8 @@ def unit_share(units: int, tp_size: int, tp_rank: int = 0) -> tuple[int, int]:
     return tp_rank * units // tp_size, 1
 
 #: layer kinds with query / key-value heads split over TP (MLA: query heads only)
-ATTENTION_KINDS = ("full_attention", "hybrid_attention_mamba2", "mla")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention",
+                   "hybrid_attention_mamba2", "mla")
 
 
 def check_tp_heads(spec: SpecView, tp_size: int) -> None:
@@ -56,7 +57,8 @@ def check_tp_heads(spec: SpecView, tp_size: int) -> None:
         raise PlanError(f"--tp {tp_size} does not divide the {q} query heads "
                         f"(num_attention_heads): engines give every TP rank whole heads; "
                         f"use --tp in {divisors}", file="config.json")
-    if kinds & {"full_attention", "hybrid_attention_mamba2"}:
+    if kinds & {"full_attention", "sliding_attention", "chunked_attention",
+                 "hybrid_attention_mamba2"}:
         kv = spec.num_kv_heads
         try:
             unit_share(kv, tp_size)

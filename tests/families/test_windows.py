@@ -122,3 +122,18 @@ def test_bad_window_is_a_config_error() -> None:
                                         model_type="mistral", sliding_window=-4))
     with pytest.raises(ConfigError, match="sliding_window = -4"):
         model_cache(spec)
+
+
+def test_tp_head_check_covers_sliding_only_models() -> None:
+    """A model whose attention layers are all sliding still gets the TP head check (engines
+    give every TP rank whole heads): 4 query heads do not split over 3 ranks."""
+    from pploader.errors import PlanError
+    from pploader.families.heads import check_tp_heads
+    spec = spec_from_config({"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+                             "num_hidden_layers": 5, "hidden_size": 64, "intermediate_size": 64,
+                             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                             "vocab_size": 128, "sliding_window": 32, "dtype": "bfloat16"})
+    assert set(spec.layer_kinds) == {"sliding_attention"}
+    check_tp_heads(spec, 2)
+    with pytest.raises(PlanError, match="does not divide the 4 query heads"):
+        check_tp_heads(spec, 3)
