@@ -45,7 +45,8 @@ MODELS: dict[str, tuple[str, str, dict[str, Any]]] = {
         mm_tokens_per_image=4, image_token_index=150, boi_token_index=151,
         eoi_token_index=152)),
     "mistral3": ("Mistral3Config", "Mistral3ForConditionalGeneration", dict(
-        text_config=dict(TEXT, model_type="mistral"), image_token_index=150,
+        text_config=dict(TEXT, model_type="mistral", tie_word_embeddings=False),
+        image_token_index=150, tie_word_embeddings=False,  # a stored head, as Mistral-Small 3.1
         vision_config=dict(VISION, model_type="pixtral", head_dim=8))),
 }
 #: towers whose checkpoints exist with the ``vision_model.`` prefix (CLIP, SigLIP)

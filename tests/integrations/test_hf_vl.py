@@ -1,0 +1,49 @@
+"""PP=2 forward of a vision-language model's text path through the generic family.
+
+Tiny LLaVA / Gemma-3 / Mistral-3 checkpoints (tests/vl_models.py, no hand-written pploader
+code; LLaVA in the older ``vision_tower.vision_model.*`` naming) are loaded stage by stage
+by pploader (``build_stage``: each stage reads only its plan) and run with ``input_ids`` only,
+stage 0's boundary handed to stage 1; the logits must equal those of transformers'
+``from_pretrained`` of the whole model from the same directory.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import vl_models
+from pploader.planning.topology import Topology
+
+transformers = pytest.importorskip("transformers")
+
+from pploader.integrations.hf import build_stage  # noqa: E402
+
+CASES = [("llava", "legacy"), ("gemma3", "original"), ("mistral3", "original")]
+
+
+@pytest.mark.parametrize("model_name,naming", CASES)
+def test_pp2_text_path_equals_transformers(model_name: str, naming: str,
+                                           tmp_path: Path) -> None:
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    path = vl_models.write(vl_models.build(model_name), tmp_path / model_name, naming)
+    _, model_cls, _ = vl_models.MODELS[model_name]
+    ids = torch.randint(0, 140, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = getattr(transformers, model_cls).from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        want = ref(input_ids=ids, use_cache=False).logits
+    stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
+    got = stages[1].forward(ids, stages[0].forward(ids))
+    assert isinstance(got, torch.Tensor) and got.shape == want.shape
+    diff = (got - want).abs().max().item()
+    print(f"{model_name} ({naming}) PP=2 max abs diff {diff:.1e}")
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), diff
+    # each stage holds only its part: the tower on stage 0, nothing of it on stage 1
+    tower = [[p for n, p in s.model.named_parameters() if "vision_tower" in n] for s in stages]
+    assert tower[0] and all(not p.is_meta for p in tower[0])
+    assert all(p.is_meta or p.numel() == 0 for p in tower[1])
+    assert stages[0].plan.tensors and not any("vision_tower" in t for t in stages[1].plan.tensors)
+    assert not set(stages[0].plan.tensors) & set(stages[1].plan.tensors) - {
+        t for t in stages[0].plan.tensors if t.endswith("embed_tokens.weight")}
