@@ -423,8 +423,9 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
         encoder.extend(out if key in encoders else ())
     embed = next(iter(saved(embed_key))) if embed_key and embed_key in state else None
     head = next(iter(saved(head_key))) if head_key and head_key in state else None
-    if head_key and head is None:  # tied: the head's name as the checkpoint would spell it
-        head = head_key
+    if head_key and head is None:  # tied: the head's name as this naming would spell it
+        head = head_key if fmt == "transformers" else next(iter(_revert_one(  # (a VL model's
+            model, head_key, model.get_parameter(head_key))), head_key)  # language_model.lm_head)
     for rep in sorted(set(reps.values())):
         comps: dict[str, tuple[int, ...]] = {}
         _, expert_keys = per_layer_experts[rep]

@@ -47,3 +47,31 @@ def test_pp2_text_path_equals_transformers(model_name: str, naming: str,
     assert stages[0].plan.tensors and not any("vision_tower" in t for t in stages[1].plan.tensors)
     assert not set(stages[0].plan.tensors) & set(stages[1].plan.tensors) - {
         t for t in stages[0].plan.tensors if t.endswith("embed_tokens.weight")}
+
+
+def test_tied_config_with_a_stored_language_model_head(tmp_path: Path) -> None:
+    """Gemma-3 ties its head by default; a checkpoint that nevertheless stores
+    ``language_model.lm_head.weight`` (different from the embedding) is planned with that
+    head read by the last stage, as transformers keeps it; PP=2 logits equal transformers'."""
+    import json
+    from safetensors.torch import save_file
+    transformers.logging.set_verbosity_error()
+    model = vl_models.build("gemma3")
+    path = vl_models.write(model, tmp_path / "gemma3", "original")
+    head = model.get_output_embeddings().weight.detach().clone() * -0.5
+    save_file({"language_model.lm_head.weight": head.contiguous()},
+              str(path / "head.safetensors"), metadata={"format": "pt"})
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["language_model.lm_head.weight"] = "head.safetensors"
+    (path / "model.safetensors.index.json").write_text(json.dumps(index))
+    ids = torch.randint(0, 140, (1, 7), generator=torch.Generator().manual_seed(2))
+    ref = transformers.Gemma3ForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    assert torch.equal(ref.lm_head.weight, head)  # transformers reads the stored head
+    with torch.no_grad():
+        want = ref.eval()(input_ids=ids, use_cache=False).logits
+    stages = [build_stage(path, Topology(2, rank=r)) for r in range(2)]
+    last = {(i.name, i.target) for i in stages[1].plan.items}
+    assert ("language_model.lm_head.weight", "language_model.lm_head.weight") in last
+    assert not any("embed_tokens" in name for name, _ in last)
+    got = stages[1].forward(ids, stages[0].forward(ids))
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max().item()
