@@ -351,10 +351,16 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
             if not on:
                 continue
             how = "transformers" if fmt == "transformers" else "original"
-            naming = _naming(how, model, state, keys, layer_of, reps, signature, lp, stage_of,
-                             per_layer_experts, num_experts, embed_key, head_key, encoders)
-            namings.append(replace(naming, name=fmt,
-                                   shared=saved_pairs(how, model, state, shared_pairs)))
+            try:
+                naming = _naming(how, model, state, keys, layer_of, reps, signature, lp,
+                                 stage_of, per_layer_experts, num_experts, embed_key, head_key,
+                                 encoders)
+                namings.append(replace(naming, name=fmt,
+                                       shared=saved_pairs(how, model, state, shared_pairs)))
+            except ConfigError as exc:
+                if fmt != PREFIXED:
+                    raise  # the older naming is an extra: such checkpoints stay refused
+                logger.debug("%s: no prefixed naming: %s", config.get("architectures"), exc)
     reverted = revert_weight_conversion(model, dict(state))
     full = {k: tuple(v.shape) for k, v in reverted.items()}
     if dict(namings[0].template) != full:
