@@ -142,7 +142,8 @@ def exactness_check(model: torch.nn.Module, spec: Any, index: Any, pp: int) -> N
     fam = resolved.family
     plans = plan_all(spec, index, pp, 1, 1)
     loaded: set[str] = set()
-    raw = stage_needs(model, 0, raw=True) <= set(index.weight_map)  # the module tree's names
+    raw = set().union(*(stage_needs(model, i, raw=True) for i in range(  # the module tree's
+        resolved.num_layers))) <= set(index.weight_map)                  # names, every layer
     for plan in plans:
         targets = {i.target for i in plan.items}
         loaded |= targets

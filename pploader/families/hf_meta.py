@@ -120,7 +120,10 @@ def derive(config: Mapping[str, Any]) -> MetaModel:
 def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
     """Path of the decoder-layer ModuleList: a ModuleList beside the input embedding."""
     from torch import nn
-    embed = model.get_input_embeddings()  # type: ignore[operator]
+    try:
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+    except NotImplementedError as exc:  # PPFormulaNet: transformers cannot name the embedding
+        raise ConfigError(f"{type(model).__name__}: no input embedding ({exc})") from None
     for path, module in model.named_modules():
         children = dict(module.named_children())
         if not any(c is embed for c in children.values()):
