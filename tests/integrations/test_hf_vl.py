@@ -75,3 +75,32 @@ def test_tied_config_with_a_stored_language_model_head(tmp_path: Path) -> None:
     assert not any("embed_tokens" in name for name, _ in last)
     got = stages[1].forward(ids, stages[0].forward(ids))
     assert torch.allclose(got, want, rtol=1e-5, atol=1e-6), (got - want).abs().max().item()
+
+
+def _gloo_rank(rank: int, world: int, path: str) -> dict:
+    """One gloo rank: its stage of the VL model and the pipeline forward (text path)."""
+    from pploader.distributed.comm import Comm
+    from pploader.integrations.hf import pipeline_forward
+    topo = Topology.for_world(world, rank)
+    comm = Comm(topo, timeout_s=60)
+    stage = build_stage(path, topo)
+    ids = torch.randint(0, 140, (2, 9), generator=torch.Generator().manual_seed(0))
+    logits = pipeline_forward(stage, ids, comm)
+    comm.close()
+    return {"logits": logits, "tensors": list(stage.plan.tensors)}
+
+
+@pytest.mark.slow
+def test_pp2_text_path_over_gloo(tmp_path: Path) -> None:
+    """The same as above as two processes: stage 0 sends its boundary over gloo."""
+    from helpers import reference_tensors, run_ranks
+    transformers.logging.set_verbosity_error()
+    path = vl_models.write(vl_models.build("llava"), tmp_path / "llava", "legacy")
+    results = run_ranks(_gloo_rank, 2, str(path), timeout_s=120)
+    ids = torch.randint(0, 140, (2, 9), generator=torch.Generator().manual_seed(0))
+    ref = transformers.LlavaForConditionalGeneration.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        want = ref.eval()(input_ids=ids, use_cache=False).logits
+    assert results[0]["logits"] is None and torch.equal(results[1]["logits"], want)
+    read = [t for r in results for t in r["tensors"]]
+    assert sorted(read) == sorted(reference_tensors(path))  # each tensor by one stage
