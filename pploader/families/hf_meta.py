@@ -15,11 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
+from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
@@ -33,7 +35,8 @@ _DIGIT = re.compile(r"\d+")
 @dataclass(frozen=True)
 class Naming:
     """One on-disk naming of the checkpoint (original = ``save_pretrained`` default; the
-    transformers naming = ``save_original_format=False``)."""
+    transformers naming = ``save_original_format=False``; prefixed = the original with the
+    prefixes transformers strips on load, as older VL checkpoints store them)."""
 
     name: str
     template: Mapping[str, tuple[int, ...]]     # every tensor name -> shape
@@ -48,6 +51,7 @@ class Naming:
     #: parameters the model ties to a stored one, the head's tie aside: (target as this naming
     #: would spell it, the stored source, where the target is used: "layer" / "first" / "last")
     shared: tuple[tuple[str, str, str], ...] = ()
+    encoder: tuple[str, ...] = ()               # first-stage names of vision / audio encoders
 
 
 @dataclass(frozen=True)
@@ -116,7 +120,10 @@ def derive(config: Mapping[str, Any]) -> MetaModel:
 def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
     """Path of the decoder-layer ModuleList: a ModuleList beside the input embedding."""
     from torch import nn
-    embed = model.get_input_embeddings()  # type: ignore[operator]
+    try:
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+    except NotImplementedError as exc:  # PPFormulaNet: transformers cannot name the embedding
+        raise ConfigError(f"{type(model).__name__}: no input embedding ({exc})") from None
     for path, module in model.named_modules():
         children = dict(module.named_children())
         if not any(c is embed for c in children.values()):
@@ -131,22 +138,12 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
     found = [path for path, module in model.named_modules()  # e.g. BERT-style encoder.layer
              if isinstance(module, nn.ModuleList) and num_hidden and len(module) == num_hidden]
     if len(found) > 1:  # leave out towers: sub-models with their own (vision, audio) config
-        towers = _tower_paths(model)
+        towers = tower_paths(model)
         found = [p for p in found if not any(p.startswith(t + ".") for t in towers)]
     if len(found) == 1:
         return found[0]
     raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
                       "embedding (not a decoder-only layout the generic family understands)")
-
-
-def _tower_paths(model: Any) -> list[str]:
-    """Paths of nested transformers models built from a config other than the text config
-    (GIT's ``image_encoder``, a VL model's vision tower): never the decoder stack."""
-    from transformers import PreTrainedModel
-    text = model.config.get_text_config()
-    return [path for path, module in model.named_modules()
-            if path and isinstance(module, PreTrainedModel) and module.config is not text
-            and module.config is not model.config]
 
 
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
@@ -350,19 +347,31 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
                      and any(k.startswith(p + ".") or k == p for p in loop)]
 
+    encoders = encoder_keys(model, layers_path, stage_of)
     namings = []
-    for fmt in ("original", "transformers"):
-        naming = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                         stage_of, per_layer_experts, num_experts, embed_key, head_key)
-        namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
+    for fmt in ("original", "transformers", PREFIXED):
+        with prefixed_conversions(model) if fmt == PREFIXED else nullcontext(True) as on:
+            if not on:
+                continue
+            how = "transformers" if fmt == "transformers" else "original"
+            try:
+                naming = _naming(how, model, state, keys, layer_of, reps, signature, lp,
+                                 stage_of, per_layer_experts, num_experts, embed_key, head_key,
+                                 encoders)
+                namings.append(replace(naming, name=fmt,
+                                       shared=saved_pairs(how, model, state, shared_pairs)))
+            except ConfigError as exc:
+                if fmt != PREFIXED:
+                    raise  # the older naming is an extra: such checkpoints stay refused
+                logger.debug("%s: no prefixed naming: %s", config.get("architectures"), exc)
     reverted = revert_weight_conversion(model, dict(state))
     full = {k: tuple(v.shape) for k, v in reverted.items()}
     if dict(namings[0].template) != full:
         diff = sorted(set(full) ^ set(namings[0].template))[:4]
         raise ConfigError(f"per-tensor derivation of the saved names disagrees with "
                           f"save_pretrained's conversion (e.g. {diff})", file="config.json")
-    if dict(namings[1].template) == dict(namings[0].template):
-        namings = namings[:1]
+    namings = namings[:1] + [n for n in namings[1:]  # only namings that differ
+                             if dict(n.template) != dict(namings[0].template)]
     dtypes = {k: str(v.dtype).replace("torch.", "")  # the model's names and the saved ones
               for k, v in (*state.items(), *reverted.items())}
     # what each layer runs with, tied copies included (Zamba2's hybrid layers after the first
@@ -398,7 +407,7 @@ def _text_values(text: Any) -> dict[str, Any]:
 def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
             layer_of: dict[str, tuple[int, str]], reps: dict, signature: dict, lp: str,
             stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
-            embed_key: Optional[str], head_key: Optional[str]) -> Naming:
+            embed_key: Optional[str], head_key: Optional[str], encoders: set[str]) -> Naming:
     """The names one on-disk naming gives every state-dict key (see module docstring)."""
     from transformers.core_model_loading import revert_weight_conversion
     def saved(key: str) -> dict[str, tuple[int, ...]]:
@@ -413,16 +422,19 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     components_of: dict[int, dict[str, tuple[int, ...]]] = {}
     expert_names: dict[str, Optional[int]] = {}   # component -> expert id (None: unknown yet)
     fused: set[str] = set()
+    encoder: list[str] = []
     for pos, key in enumerate(keys):
         if key in layer_of:
             continue
         out = saved(key)
         template.update(out)
         (first if stage_of[key] == "first" else last).extend(out)
+        encoder.extend(out if key in encoders else ())
     embed = next(iter(saved(embed_key))) if embed_key and embed_key in state else None
     head = next(iter(saved(head_key))) if head_key and head_key in state else None
-    if head_key and head is None:  # tied: the head's name as the checkpoint would spell it
-        head = head_key
+    if head_key and head is None:  # tied: the head's name as this naming would spell it
+        head = head_key if fmt == "transformers" else next(iter(_revert_one(  # (a VL model's
+            model, head_key, model.get_parameter(head_key))), head_key)  # language_model.lm_head)
     for rep in sorted(set(reps.values())):
         comps: dict[str, tuple[int, ...]] = {}
         _, expert_keys = per_layer_experts[rep]
@@ -457,7 +469,7 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     head_shape = tuple(model.get_parameter(head_key).shape) if head_key else ()
     return Naming(fmt, template, re.escape(prefix) + r"(\d+)\.", tuple(first), tuple(last),
                   _expert_regex(expert_names, num_experts), tuple(sorted(fused)), embed, head,
-                  head_shape)
+                  head_shape, encoder=tuple(encoder))
 
 
 def _split_layer(name: str, layer: int) -> tuple[str, str]:
