@@ -6,8 +6,10 @@ fields (ranges concatenated into ``buffer_shape``, then ``gather`` per-dim inter
 ``engine_slices`` is the reference: the MXFP4 experts by vLLM's ``_load_weights_mxfp4``
 arithmetic (``per = cdiv(I // 32, tp) * 32``, rank r from ``r * per`` to ``min((r + 1) * per,
 I)``; gate_up rows ``[2 s, 2 e)``, down's packed input ``[s / 2, e / 2)`` bytes, scales
-``[s / 32, e / 32)``, down's bias whole), attention by heads (sinks with q), the vocabulary in
-``ceil(V / tp)`` rows (padding after), everything else whole.
+``[s / 32, e / 32)``, down's bias whole; unquantized experts by ``_load_weights_other``:
+``cdiv(I, tp)`` elements, gate_up's columns ``[2 s, 2 e)``, down's rows ``[s, e)``), attention
+by heads (sinks with q), the vocabulary in ``ceil(V / tp)`` rows (padding after), everything
+else whole.
 """
 from __future__ import annotations
 
@@ -22,6 +24,13 @@ Slices = tuple[slice, ...]
 def mxfp4_bounds(intermediate: int, tp: int, rank: int) -> tuple[int, int]:
     """vLLM's element bounds ``[tp_rank_start, tp_rank_end)`` of the intermediate dim."""
     per = -(-(intermediate // 32) // tp) * 32
+    start = rank * per
+    return min(start, intermediate), min((rank + 1) * per, intermediate)
+
+
+def plain_bounds(intermediate: int, tp: int, rank: int) -> tuple[int, int]:
+    """The same for unquantized experts (``_load_weights_other``: ``cdiv(I, tp)`` elements)."""
+    per = -(-intermediate // tp)
     start = rank * per
     return min(start, intermediate), min((rank + 1) * per, intermediate)
 
@@ -42,6 +51,18 @@ def engine_slices(name: str, shape: Sequence[int], config: Mapping[str, Any], tp
         out[d] = slice(a, b)
         return tuple(out)
 
+    if ".experts." in name and not leaf.endswith(("_blocks", "_scales")) and \
+            (config.get("quantization_config") or {}).get("quant_method") != "mxfp4":
+        s, e = plain_bounds(config["intermediate_size"], tp, rank)
+        if leaf == "gate_up_proj":                    # [E, H, 2I]: columns 2s..2e
+            return dim(2, 2 * s, 2 * e), 0
+        if leaf == "gate_up_proj_bias":
+            return dim(1, 2 * s, 2 * e), 0
+        if leaf == "down_proj":                       # [E, I, H]: rows s..e
+            return dim(1, s, e), 0
+        if leaf == "down_proj_bias":
+            return whole, 0
+        raise AssertionError(f"no reference for {name}")
     if ".experts." in name:
         s, e = mxfp4_bounds(config["intermediate_size"], tp, rank)
         if leaf.startswith("gate_up_proj"):           # blocks, scales, bias: rows 2s..2e

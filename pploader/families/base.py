@@ -156,7 +156,8 @@ class ShardRule:
     replicated (rank r takes unit r * units // tp). ``pad`` pads dim 0 to a multiple of tp.
     ``ceil`` splits the units unevenly, as an engine does for that tensor: each rank takes
     ``ceil(units / tp)`` of them and the last ranks fewer (``families.heads.ceil_share``:
-    vLLM's gpt-oss MXFP4 experts, whole 32-value blocks of the intermediate dim).
+    vLLM's gpt-oss experts: MXFP4 in whole 32-value blocks of the intermediate dim, bf16 in
+    elements).
     """
 
     pattern: str

@@ -18,7 +18,10 @@ dim in whole 32-value blocks, ``ceil(blocks / tp)`` a rank, the last rank fewer
 gate in transformers), so the rows ``[2 s, 2 e)`` hold both halves of intermediate
 ``[s, e)``: blocks, scales and bias split on dim 1 in units of 64 rows. down_proj's input dim
 is the intermediate dim: blocks and scales split on dim 2 in whole blocks. down_proj's bias
-is read whole on every rank (the engine zeroes it off TP rank 0 itself).
+is read whole on every rank (the engine zeroes it off TP rank 0 itself). gpt-oss's
+unquantized experts (bf16, ``[E, H, 2I]`` / ``[E, I, H]``) split as that loader's
+``_load_weights_other`` does: the intermediate dim in elements, ``cdiv(I, tp)`` a rank, the
+last fewer; gate_up's columns ``[2 s, 2 e)`` (dim 2) and bias, down's rows ``[s, e)`` (dim 1).
 """
 from __future__ import annotations
 
@@ -83,43 +86,59 @@ def mxfp4_naming(naming: Naming, config: Mapping[str, Any]) -> Naming:
     return replace(naming, template=template, fused_components=components)
 
 
-#: architectures whose serving engine splits the MXFP4 experts under TP (vLLM's gpt-oss)
+#: architectures whose serving engine defines the TP split of the stacked experts (vLLM's
+#: gpt-oss loader: ``_load_weights_mxfp4`` for MXFP4, ``_load_weights_other`` for bf16)
 ENGINE_TP_ARCHITECTURES = frozenset({"GptOssForCausalLM"})
 
-#: stacked expert tensor -> the dim vLLM's gpt-oss loader splits (None: read whole)
-_ENGINE_DIMS: dict[str, Optional[int]] = {
+#: stacked expert tensor -> the dim vLLM's gpt-oss loader splits (None: read whole); MXFP4
+#: splits the intermediate dim in whole blocks, the unquantized layout in elements
+_MXFP4_DIMS: dict[str, Optional[int]] = {
     "gate_up_proj_blocks": 1, "gate_up_proj_scales": 1, "gate_up_proj_bias": 1,
     "down_proj_blocks": 2, "down_proj_scales": 2, "down_proj_bias": None}
+_PLAIN_DIMS: dict[str, Optional[int]] = {  # [E, H, 2I] / [E, 2I] / [E, I, H] / [E, H]
+    "gate_up_proj": 2, "gate_up_proj_bias": 1, "down_proj": 1, "down_proj_bias": None}
+
+
+def _intermediate(spec: SpecView) -> int:
+    """``intermediate_size``: the units of the engine's split of unquantized experts."""
+    size = spec.config.get("intermediate_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+        raise PlanError(f"gpt-oss experts under TP: intermediate_size {size!r} is not a "
+                        "positive integer", file="config.json")
+    return size
 
 
 def _intermediate_blocks(spec: SpecView) -> int:
     """The intermediate dim in whole MXFP4 blocks (the units of the engine's split)."""
-    size = spec.config.get("intermediate_size")
-    if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % BLOCK:
-        raise PlanError(f"mxfp4 experts under TP: intermediate_size {size!r} is not a positive "
-                        f"multiple of the {BLOCK}-value block", file="config.json")
+    size = _intermediate(spec)
+    if size % BLOCK:
+        raise PlanError(f"mxfp4 experts under TP: intermediate_size {size} is not a multiple "
+                        f"of the {BLOCK}-value block", file="config.json")
     return size // BLOCK
 
 
 def engine_tp_rules(architecture: str, naming: Naming) -> dict[str, Callable[[str], ShardRule]]:
-    """``{component: pattern -> ShardRule}`` for the MXFP4 expert tensors of ``naming`` whose
-    TP split an engine defines (see the module docstring); empty for any other architecture
-    or an unquantized naming, whose rules stay the generic family's."""
-    if architecture not in ENGINE_TP_ARCHITECTURES or not any(
-            c.endswith(SUFFIXES[0]) for c in naming.fused_components):
+    """``{component: pattern -> ShardRule}`` for the stacked expert tensors of ``naming``
+    whose TP split an engine defines (see the module docstring): gpt-oss's MXFP4 blocks,
+    scales and biases in whole blocks, its unquantized experts and biases in elements (vLLM:
+    ``cdiv(intermediate_size, tp)`` a rank, the last fewer); empty for any other
+    architecture, whose rules stay the generic family's."""
+    if architecture not in ENGINE_TP_ARCHITECTURES:
         return {}
+    quantized = any(c.endswith(SUFFIXES[0]) for c in naming.fused_components)
+    dims, units = (_MXFP4_DIMS, _intermediate_blocks) if quantized else \
+        (_PLAIN_DIMS, _intermediate)
     out: dict[str, Callable[[str], ShardRule]] = {}
-    for comp in naming.fused_components + tuple(
-            c.rsplit(SUFFIXES[0], 1)[0] + "_bias" for c in naming.fused_components
-            if c.endswith(SUFFIXES[0])):
+    for comp in naming.fused_components:
         tokens = comp.split(".")
-        if len(tokens) < 2 or tokens[-2] != "experts" or tokens[-1] not in _ENGINE_DIMS:
+        if len(tokens) < 2 or tokens[-2] != "experts" or tokens[-1] not in dims:
             continue
-        out[comp] = partial(_engine_rule, dim=_ENGINE_DIMS[tokens[-1]])
+        out[comp] = partial(_engine_rule, dim=dims[tokens[-1]], units=units)
     return out
 
 
-def _engine_rule(pattern: str, dim: Optional[int]) -> ShardRule:
+def _engine_rule(pattern: str, dim: Optional[int], units: Callable[[SpecView], int]
+                 ) -> ShardRule:
     if dim is None:
         return ShardRule(pattern, None)
-    return ShardRule(pattern, dim, units=_intermediate_blocks, ceil=True)
+    return ShardRule(pattern, dim, units=units, ceil=True)
