@@ -32,7 +32,7 @@ from ..errors import PlanError
 from .cache_dims import param_cache_dims
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
-from .mxfp4 import is_mxfp4, mxfp4_naming
+from .mxfp4 import engine_tp_rules, is_mxfp4, mxfp4_naming
 from .windows import layout_windows
 
 
@@ -209,11 +209,13 @@ def shard_rules(naming: Naming, meta: MetaModel) -> tuple[ShardRule, ...]:
         if em is not None:
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
         comps.setdefault(comp, shape)
+    engine = engine_tp_rules(meta.architecture, naming)  # gpt-oss MXFP4: vLLM's split
     rules = []
     encoders = frozenset(naming.encoder)
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
-        rules.append(_rule(pattern, comp, shape, naming, text, meta.num_experts, encoders))
+        rules.append(engine[comp](pattern) if comp in engine else
+                     _rule(pattern, comp, shape, naming, text, meta.num_experts, encoders))
     return tuple(rules)
 
 

@@ -21,6 +21,7 @@ from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
+from .hf_experts import declared_experts, ids_below, routed_count
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
@@ -147,7 +148,8 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
 
 
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
-    """(experts, {relative key: expert id or -1 for stacked}) of one decoder layer."""
+    """(experts, {relative key: expert id, -1 for stacked, -2 for stacked with extra rows past
+    the routed experts}) of one decoder layer."""
     from torch import nn
     count, keys = 0, {}
     for path, module in layer.named_modules():
@@ -160,42 +162,17 @@ def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
                 keys[f"{path}.{key}"] = int(key.split(".")[0])
         elif own:
             big = [p.shape[0] for p in own.values() if p.dim() >= 3]
-            if not big or len(set(big)) != 1:
+            routed = routed_count(module, big)
+            if not routed:
                 continue
-            count = max(count, big[0])
-            for name, p in own.items():
-                if p.dim() >= 2 and p.shape[0] == big[0]:
+            count = max(count, routed)
+            for name, p in own.items():  # -2: extra rows past the routed experts (LongCat)
+                if p.dim() >= 2 and p.shape[0] == routed:
                     keys[f"{path}.{name}"] = -1
+                elif p.dim() >= 3 and p.shape[0] > routed:
+                    keys[f"{path}.{name}"] = -2
     if not keys:
-        count, keys = _declared_experts(layer)
-    return count, keys
-
-
-#: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,
-#: DBRX's ExpertGLU)
-_COUNT_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
-
-
-def _declared_experts(layer: Any) -> tuple[int, dict[str, int]]:
-    """Stacked experts of modules not named ``experts`` that declare their expert count
-    ``E`` (``_COUNT_ATTRS``): their own parameters with dim 0 = E and >= 3 dims (JetMoE's
-    ``input_linear.weight`` ``[E, 2I, H]``), or 2-d with the experts flattened into dim 0
-    (``E x rows``, DBRX's ``experts.mlp.w1`` ``[E x I, H]``). A router (``[E, H]``, 2-d with
-    dim 0 = E) is neither."""
-    count, keys = 0, {}
-    for path, module in layer.named_modules():
-        declared = [getattr(module, a, None) for a in _COUNT_ATTRS]
-        num = next((int(v) for v in declared if isinstance(v, int) and v > 1), 0)
-        if not num:
-            continue
-        for name, p in module.named_parameters(recurse=False):
-            stacked = (p.dim() >= 3 and p.shape[0] == num) or (
-                p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0)
-            if stacked:
-                if count and count != num:
-                    return 0, {}  # two different declared counts: not guessed
-                count = num
-                keys[f"{path}.{name}" if path else name] = -1
+        count, keys = declared_experts(layer)
     return count, keys
 
 
@@ -455,8 +432,9 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
                 comp = _split_layer(name, rep)[1]
                 if comps.get(comp) != shape:
                     raise ConfigError(f"expert tensor {key} is merged with others on save")
-                if expert_keys[rel] == -1 and len(out) == 1 and shape == tuple(state[key].shape):
-                    fused.add(comp)
+                if expert_keys[rel] < 0 and len(out) == 1 and shape == tuple(state[key].shape):
+                    if expert_keys[rel] == -1:  # -2 (extra rows): a layer tensor, not split
+                        fused.add(comp)
                 else:
                     expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
         components_of[rep] = comps
@@ -490,14 +468,18 @@ def _expert_regex(comps: Mapping[str, Optional[int]], num_experts: int) -> Optio
         skeleton = tuple("#" if _DIGIT.fullmatch(t) else t for t in tokens)
         groups.setdefault(skeleton, []).append(tokens)
     befores, afters = set(), set()
+    extra = False
     for skeleton, members in groups.items():
         digit_pos = [i for i, t in enumerate(skeleton) if t == "#"]
-        pos = next((i for i in digit_pos
-                    if {int(m[i]) for m in members} == set(range(num_experts))), None)
+        ids = {i: {int(m[i]) for m in members} for i in digit_pos}
+        pos = next((i for i in digit_pos if ids[i] == set(range(num_experts))),
+                   next((i for i in digit_pos if ids[i] > set(range(num_experts))), None))
         if pos is None:
             raise ConfigError(f"cannot tell the expert id in {'.'.join(members[0])}")
+        extra |= max(ids[pos]) >= num_experts
         for m in members:
             befores.add(re.escape(".".join(m[:pos]) + ".") if pos else "")
             afters.add(re.escape("." + ".".join(m[pos + 1:])))
     alt = lambda xs: "(?:" + "|".join(sorted(xs)) + ")"  # noqa: E731
-    return alt(befores) + r"(\d+)" + alt(afters)
+    # ids past the routed count (LongCat's zero experts' gate/up) are layer tensors, not split
+    return alt(befores) + (f"({ids_below(num_experts)})" if extra else r"(\d+)") + alt(afters)
