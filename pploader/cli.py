@@ -73,7 +73,7 @@ def _pool_options(args: argparse.Namespace) -> "PoolOptions":
     return PoolOptions(
         tokens=args.tokens, requests=args.requests, budget_bytes=args.cache_budget,
         device_bytes=None if mem == -1 else mem, memory_fraction=args.memory_fraction,
-        mamba_ratio=args.mamba_ratio, page_size=args.page_size,
+        mamba_ratio=args.mamba_ratio, page_size=args.page_size, max_context=args.max_context,
         dtypes=CacheDtypes.of(kv=args.kv_dtype, ssm=args.ssm_dtype))
 
 

@@ -272,6 +272,9 @@ def _pool_args(p: argparse.ArgumentParser) -> None:
                    help="share of a stage's budget for the state pool when it has both "
                    "attention and state layers (default 0.5)")
     g.add_argument("--page-size", type=_page, default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--max-context", type=_tokens, default=None, metavar="TOKENS",
+                   help="tokens one request may reach: sliding-window layers keep min(window, "
+                   "this) per request (default: the window)")
     g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
     g.add_argument("--ssm-dtype", default=None,
                    help="ssm / temporal state dtype (default float32)")

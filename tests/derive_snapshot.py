@@ -90,6 +90,16 @@ def configs(tiny: bool) -> dict[str, dict]:
     return out
 
 
+def _what(old: object, new: object) -> str:
+    """Which part of two results differs: the MetaModel, family fields, or the error."""
+    if not (isinstance(old, tuple) and isinstance(new, tuple)):
+        return "error / outcome"
+    parts = ["MetaModel"] if old[0] != new[0] else []
+    parts += [f"family.{k}" for k in sorted(set(old[1]) | set(new[1]))
+              if old[1].get(k) != new[1].get(k)]
+    return ", ".join(parts)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
@@ -109,7 +119,8 @@ def main() -> int:
         old = pickle.loads(Path(args.compare).read_bytes())
         diff = [n for n in results if n in old and old[n] != results[n]]
         print(f"# {len(results)} config(s), {len([n for n in results if n in old])} compared, "
-              f"{len(diff)} differ" + "".join(f"\n#   DIFFERS: {n}" for n in diff))
+              f"{len(diff)} differ" + "".join(f"\n#   DIFFERS: {n} ({_what(old[n], results[n])})"
+                                               for n in diff))
         return 1 if diff else 0
     return 0
 

@@ -113,16 +113,17 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
     return total
 
 
-def stage_needs(model: torch.nn.Module, layer: int) -> set[str]:
+def stage_needs(model: torch.nn.Module, layer: int, raw: bool = False) -> set[str]:
     """The checkpoint names decoder layer ``layer`` of ``model`` runs with, from the module
     tree alone (independent of pploader's accounting): every parameter and persistent buffer
     registered under the layer, tied copies included (``state_dict`` keeps every path), as
-    transformers' own conversion mapping spells them on disk."""
+    transformers' own conversion mapping spells them on disk (``raw``: as the module tree
+    names them, ``save_pretrained(save_original_format=False)``)."""
     from transformers.core_model_loading import revert_weight_conversion
     from pploader.families.hf_meta import _layers_path
     path = _layers_path(model, len(_decoder_layers(model)))
     state = {k: v for k, v in model.state_dict().items() if k.startswith(f"{path}.{layer}.")}
-    return set(revert_weight_conversion(model, state))
+    return set(state) if raw else set(revert_weight_conversion(model, state))
 
 
 def _decoder_layers(model: torch.nn.Module) -> list:
@@ -141,13 +142,15 @@ def exactness_check(model: torch.nn.Module, spec: Any, index: Any, pp: int) -> N
     fam = resolved.family
     plans = plan_all(spec, index, pp, 1, 1)
     loaded: set[str] = set()
+    raw = set().union(*(stage_needs(model, i, raw=True) for i in range(  # the module tree's
+        resolved.num_layers))) <= set(index.weight_map)                  # names, every layer
     for plan in plans:
         targets = {i.target for i in plan.items}
         loaded |= targets
         w = plan.window
         need: set[str] = set()
         for layer in range(w.start_layer, w.end_layer):
-            need |= stage_needs(model, layer)
+            need |= stage_needs(model, layer, raw)
         layer_targets = {t for t in targets if (r := fam.classify(
             t, resolved.num_layers, resolved.num_mtp_layers)) is not None and r.placement == "layer"}
         if need != layer_targets:

@@ -140,6 +140,63 @@ def build_generic_layout(model: str, root: os.PathLike | str, *,
     return out
 
 
+#: published indexes written compactly (every name and its shard): data/published_indexes
+PUBLISHED = Path(__file__).resolve().parent / "data" / "published_indexes"
+
+
+def published_weight_map(model: str) -> tuple[dict[str, str], dict]:
+    """``({name: shard file}, metadata)`` of a published checkpoint's index, expanded from
+    ``data/published_indexes/<model>.json``: its globals, and per layer block the components
+    and each layer's shard (``[a, b]``: a layer cut by a shard boundary, its components
+    starting with one of ``split_first`` in shard a, the rest in shard b)."""
+    facts = json.loads((PUBLISHED / f"{model}.json").read_text())
+    fname = facts["files"].format
+    out = {n: fname(s) for n, s in facts["globals"].items()}
+    for block in facts["layers"]:
+        first = tuple(block.get("split_first", ()))
+        for i in range(block["count"]):
+            where = block["shard"][str(i)]
+            for comp in block["components"]:
+                shard = where if isinstance(where, int) else where[0 if comp.startswith(first)
+                                                                    else 1]
+                out[f"{block['prefix']}{i}.{comp}"] = fname(shard)
+    return out, facts["metadata"]
+
+
+def build_published_layout(model: str, root: os.PathLike | str) -> Path:
+    """A published checkpoint as sparse files: its real names and shard split
+    (``published_weight_map``), its published config (``data/real_configs_generic``), shapes
+    from the generic family's template for that naming (every published name must be in it
+    and nothing else), its config dtype; the total must equal the published ``total_size``."""
+    out = Path(root) / model
+    done = out / ".complete"
+    if done.exists():
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    config = json.loads((GENERIC_CONFIGS / f"{model}.json").read_text())
+    weight_map, metadata = published_weight_map(model)
+    spec = spec_from_config(config).for_checkpoint(weight_map)
+    template = spec.family.template(spec)  # type: ignore[misc]
+    if set(template) != set(weight_map):
+        raise AssertionError(f"{model}: published names != the {spec.family.name} template: "
+                             f"{sorted(set(template) ^ set(weight_map))[:6]}")
+    dtype = dtype_code(spec.dtype)
+    shards: dict[str, dict[str, tuple[str, tuple[int, ...]]]] = {}
+    for name in sorted(weight_map):
+        shards.setdefault(weight_map[name], {})[name] = (dtype, tuple(template[name]))
+    for fname, tensors in shards.items():
+        _write_sparse(out / fname, tensors)
+    total = sum(_nbytes(d, s) for t in shards.values() for d, s in t.values())
+    if total != metadata["total_size"]:
+        raise AssertionError(f"{model}: {total} bytes, published total_size "
+                             f"{metadata['total_size']}")
+    (out / "config.json").write_text(json.dumps(config, indent=1) + "\n")
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": metadata, "weight_map": weight_map}) + "\n")
+    done.write_text("")
+    return out
+
+
 def _write_groups(out: Path, config: Mapping, tensors: Mapping[str, tuple[str, tuple[int, ...]]],
                   shard_bytes: int) -> None:
     """Shards of at most ``shard_bytes`` (in order), their index and config.json."""

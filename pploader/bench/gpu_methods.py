@@ -171,15 +171,20 @@ def m_st_readall(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
 
 # ---- fastsafetensors (optional) ----------------------------------------------------------
 
-def m_fastsafetensors(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+def m_fastsafetensors(ctx: Ctx, prep: dict, block_bytes: Optional[int] = None
+                      ) -> tuple[dict, dict]:
     """SafeTensorsFileLoader(nogds) over the stage's files, filtered to the stage's tensors;
-    O_DIRECT or buffered as FASTSAFETENSORS_ODIRECT says (set per method by the driver)."""
+    O_DIRECT or buffered as FASTSAFETENSORS_ODIRECT says (set per method by the driver).
+    ``block_bytes``: its ``max_copy_block_size`` (default 16 GiB: one request, so one reader
+    thread, per file run; 16 MiB makes its 16 threads take 16 MiB requests in file order,
+    pploader's pattern)."""
     from fastsafetensors import SafeTensorsFileLoader
     loader = SafeTensorsFileLoader(None, ctx.device, nogds=True)
     names = set(ctx.tensors)
     loader.set_tensor_filter(lambda n: n in names)
     loader.add_filenames({0: [ctx.path(f) for f in ctx.files]})
-    fb = loader.copy_files_to_device()
+    fb = loader.copy_files_to_device() if block_bytes is None else \
+        loader.copy_files_to_device(max_copy_block_size=block_bytes)
     out = {k: fb.get_tensor(k) for k in ctx.tensors}
     torch.cuda.synchronize(ctx.device)
     return out, {"logical_bytes": ctx.ideal_bytes, "_keep": (loader, fb),
@@ -239,6 +244,14 @@ class HostAllocRing:
 
     def pin(self, index: int, slot: int) -> None:
         return None
+
+    def bind_device(self, device: Any) -> None:  # cudaHostAlloc'd: nothing to page-lock
+        return None
+
+    def prefault(self) -> None:
+        """Allocate every thread's slots now (before a clock)."""
+        for i in range(self.threads):
+            self.slots(i)
 
 
 def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = False,
@@ -331,6 +344,18 @@ def m_pploader_hostalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     return _pploader(ctx, HostAllocRing())
 
 
+def m_pploader_hostalloc_reused(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """A reload through a cudaHostAlloc'd ring made before the clock (fastsafetensors'
+    bounce buffers are cudaHostAlloc'd; pploader's ring is page-locked by registering)."""
+    return _pploader(ctx, prep["ring"])
+
+
+def prep_hostalloc(ctx: Ctx) -> dict:
+    ring = HostAllocRing()
+    ring.prefault()
+    return {"ring": ring}
+
+
 def prep_reused(ctx: Ctx) -> dict:
     from pploader.io.device import PinnedRing
     return {"ring": PinnedRing(lazy=False)}
@@ -368,6 +393,7 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "pploader_first_thp_overlap": (_first_variant(True, True), None),
     "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
     "pploader_hostalloc": (m_pploader_hostalloc, None),
+    "pploader_hostalloc_reused": (m_pploader_hostalloc_reused, prep_hostalloc),
     "pploader_first_prep": (_variant(prepare=True), None),
     "pploader_first_populate": (_variant(populate=True), None),
     "pploader_first_early": (_variant(early=True), None),
@@ -382,10 +408,14 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "instanttensor": (m_instanttensor, None),
     "fastsafetensors_buf": (m_fastsafetensors, None),
     "fastsafetensors_odirect": (m_fastsafetensors, None),
+    "fastsafetensors_odirect_b16m": (lambda c, p: m_fastsafetensors(c, p, 16 * MIB), None),
+    "fastsafetensors_odirect_b256m": (lambda c, p: m_fastsafetensors(c, p, 256 * MIB), None),
     "st_readall": (m_st_readall, None),
 }
 METHOD_ENV = {"fastsafetensors_buf": {"FASTSAFETENSORS_ODIRECT": "0"},
-              "fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"}}
+              "fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"},
+              "fastsafetensors_odirect_b16m": {"FASTSAFETENSORS_ODIRECT": "1"},
+              "fastsafetensors_odirect_b256m": {"FASTSAFETENSORS_ODIRECT": "1"}}
 OPTIONAL = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors"}
 
 

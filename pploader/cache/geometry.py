@@ -13,6 +13,9 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
 - ``gdn`` (gated delta net): conv ``[conv_dim_local, K-1]`` with
   ``conv_dim = 2 * Hk * dk + Hv * dv`` and temporal ``[Hv_local, dv, dk]``.
 - ``hybrid_attention_mamba2`` (Falcon-H1): both the GQA pages and the mamba2 state.
+- ``sliding_attention``: GQA pages holding at most ``window`` tokens per sequence (sliding-window
+  or chunked attention); a GQA layer the family gives a window (``CacheDims.windows``: Mistral,
+  Qwen2 with ``use_sliding_window``...) is one too. Without a window it is pooled full-length.
 
 State tensors get a leading request-slot dim in the pool: ``[max_requests, *shape]``.
 Default dtypes: KV and conv in the model dtype, ssm / temporal in float32 (or the dtype the
@@ -39,7 +42,7 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache",
            "layer_cache", "model_cache", "local_units", "parse_dtype", "dtype_name",
-           "StageCacheGeometry", "stage_geometry", "layer_cache_bytes"]
+           "StageCacheGeometry", "stage_geometry", "layer_cache_bytes", "WINDOWED_KINDS"]
 
 #: Which caches each layer kind (families.base.LAYER_KINDS) carries, in order. ``mlp`` blocks
 #: (NemotronH's MLP / MoE layers) have no sequence mixer, hence no cache. A kind missing here
@@ -47,7 +50,7 @@ __all__ = ["KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache"
 KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "full_attention": ("gqa",), "mla": ("mla",), "mamba1": ("mamba1",), "mamba2": ("mamba2",),
     "gdn": ("gdn",), "hybrid_attention_mamba2": ("gqa", "mamba2"), "mlp": (),
-    "sliding_attention": ("gqa",),  # full-length pages: a safe bound (no window-sized pool yet)
+    "sliding_attention": ("gqa",),  # window-sized pages (LayerCache.window)
 }
 
 
@@ -128,12 +131,14 @@ class StateTensor:
 
 @dataclass(frozen=True)
 class LayerCache:
-    """The cache one decoder layer needs on one TP rank."""
+    """The cache one decoder layer needs on one TP rank. ``window``: the tokens of KV it keeps
+    per sequence (sliding / chunked attention), None = the whole context."""
 
     layer: int
     kind: str
     kv: Optional[KVLayout]
     states: tuple[StateTensor, ...]
+    window: Optional[int] = None
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -144,13 +149,18 @@ class LayerCache:
         return sum(s.nbytes for s in self.states)
 
     def bytes_at(self, tokens: int, requests: int) -> int:
-        """Cache bytes of this layer holding ``tokens`` tokens and ``requests`` requests."""
-        return self.kv_bytes_per_token * tokens + self.state_bytes_per_request * requests
+        """Cache bytes of this layer holding ``tokens`` tokens and ``requests`` requests (a
+        windowed layer: at most ``window`` tokens of each request)."""
+        held = tokens if self.window is None else min(tokens, requests * self.window)
+        return self.kv_bytes_per_token * held + self.state_bytes_per_request * requests
 
     def to_json(self) -> dict:
-        return {"layer": self.layer, "kind": self.kind,
-                "kv": self.kv.to_json() if self.kv else None,
-                "states": {s.name: s.to_json() for s in self.states}}
+        out = {"layer": self.layer, "kind": self.kind,
+               "kv": self.kv.to_json() if self.kv else None,
+               "states": {s.name: s.to_json() for s in self.states}}
+        if self.window is not None:
+            out["window"] = self.window
+        return out
 
 
 def local_units(units: int, tp: int, what: str) -> int:
@@ -213,12 +223,25 @@ _STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTe
     "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn}
 
 
+#: layer kinds whose KV a window can bound (GQA attention); a window on another kind is an error
+WINDOWED_KINDS = ("full_attention", "sliding_attention")
+
+
 def layer_cache(spec: "ModelSpec", layer: int, tp_size: int = 1,
-                dtypes: CacheDtypes = CacheDtypes()) -> LayerCache:
-    """The cache of decoder layer ``layer`` on one of ``tp_size`` TP ranks."""
+                dtypes: CacheDtypes = CacheDtypes(),
+                windows: Optional[tuple[Optional[int], ...]] = None) -> LayerCache:
+    """The cache of decoder layer ``layer`` on one of ``tp_size`` TP ranks (``windows``: the
+    family's ``CacheDims.windows_of(spec)``, read here when not given)."""
     if not 0 <= layer < spec.num_layers:
         raise PlanError(f"layer {layer} outside the model's {spec.num_layers} layers")
-    kind = spec.layer_kinds[layer]
+    if windows is None:
+        windows = spec.family.cache_dims.windows_of(spec)
+    kind, window = spec.layer_kinds[layer], windows[layer]
+    if window is not None:
+        if kind not in WINDOWED_KINDS:
+            raise ConfigError(f"layer {layer} ({kind}) has an attention window of {window} "
+                              f"tokens: only {' / '.join(WINDOWED_KINDS)} layers can have one")
+        kind = "sliding_attention"  # a windowed GQA layer, whatever the layout called it
     if kind not in KIND_CACHES:
         raise ConfigError(f"layer {layer} has kind {kind!r} with no cache geometry; known kinds: "
                           + ", ".join(KIND_CACHES)
@@ -230,13 +253,14 @@ def layer_cache(spec: "ModelSpec", layer: int, tp_size: int = 1,
             kv = _KV_BUILDERS[part](spec, tp_size, dt)
         else:
             states += _STATE_BUILDERS[part](spec, tp_size, dt)
-    return LayerCache(layer, kind, kv, states)
+    return LayerCache(layer, kind, kv, states, window)
 
 
 def model_cache(spec: "ModelSpec", tp_size: int = 1,
                 dtypes: CacheDtypes = CacheDtypes()) -> tuple[LayerCache, ...]:
     """The cache of every decoder layer (MTP layers excluded) on one TP rank."""
-    return tuple(layer_cache(spec, i, tp_size, dtypes) for i in range(spec.num_layers))
+    windows = spec.family.cache_dims.windows_of(spec)
+    return tuple(layer_cache(spec, i, tp_size, dtypes, windows) for i in range(spec.num_layers))
 
 
 @dataclass(frozen=True)
@@ -267,19 +291,39 @@ class StageCacheGeometry:
 
     @property
     def kv_bytes_per_token(self) -> int:
+        """KV bytes per token over every attention layer (windowed ones too)."""
         return sum(c.kv_bytes_per_token for c in self.layers)
+
+    @property
+    def full_kv_bytes_per_token(self) -> int:
+        """KV bytes per token of the layers that keep the whole context."""
+        return sum(c.kv_bytes_per_token for c in self.layers if c.window is None)
+
+    @property
+    def windows(self) -> tuple[tuple[int, int], ...]:
+        """``(window, KV bytes per token)`` of each window size among the stage's layers,
+        smallest window first (layers of one window share one page space)."""
+        out: dict[int, int] = {}
+        for c in self.layers:
+            if c.window is not None and c.kv is not None:
+                out[c.window] = out.get(c.window, 0) + c.kv_bytes_per_token
+        return tuple(sorted(out.items()))
 
     @property
     def state_bytes_per_request(self) -> int:
         return sum(c.state_bytes_per_request for c in self.layers)
 
     def to_json(self) -> dict:
-        return {"start_layer": self.start_layer, "end_layer": self.end_layer,
-                "tp_size": self.tp_size, "attention_layers": list(self.attention_layers),
-                "state_layers": list(self.state_layers),
-                "kv_bytes_per_token": self.kv_bytes_per_token,
-                "state_bytes_per_request": self.state_bytes_per_request,
-                "layers": [c.to_json() for c in self.layers if c.kv is not None or c.states]}
+        out = {"start_layer": self.start_layer, "end_layer": self.end_layer,
+               "tp_size": self.tp_size, "attention_layers": list(self.attention_layers),
+               "state_layers": list(self.state_layers),
+               "kv_bytes_per_token": self.kv_bytes_per_token,
+               "state_bytes_per_request": self.state_bytes_per_request,
+               "layers": [c.to_json() for c in self.layers if c.kv is not None or c.states]}
+        if self.windows:  # (only then: a model without windowed layers reports as before)
+            out["full_kv_bytes_per_token"] = self.full_kv_bytes_per_token
+            out["window_kv_bytes_per_token"] = {str(w): b for w, b in self.windows}
+        return out
 
 
 def stage_geometry(spec: "ModelSpec", window: StageWindow, tp_size: int = 1,

@@ -107,7 +107,9 @@ class CachePools:
     """The KV and state pools of one stage on one rank, on the caller's device.
 
     The KV pool covers the stage's attention layers only, the state pool its state layers
-    only; global layer ids outside ``[start_layer, end_layer)`` are refused by name.
+    only; global layer ids outside ``[start_layer, end_layer)`` are refused by name. Layers
+    with an attention window (sliding / chunked) get their own, window-sized page space per
+    window size (``window_pages``); the full-length layers share ``pages``.
     """
 
     def __init__(self, geometry: StageCacheGeometry, capacity: PoolCapacity, *,
@@ -117,7 +119,7 @@ class CachePools:
         self.states: dict[int, dict[str, torch.Tensor]] = {}
         for c in geometry.layers:
             if c.kv is not None:
-                shape = c.kv.page_shape(capacity.num_pages, capacity.page_size)
+                shape = c.kv.page_shape(capacity.pages_of(c.window), capacity.page_size)
                 self.kv[c.layer] = tuple(torch.empty(shape, dtype=c.kv.dtype, device=self.device)
                                          for _ in c.kv.parts)
             if c.states:
@@ -128,6 +130,9 @@ class CachePools:
         self._kv_index = {layer: i for i, layer in enumerate(geometry.attention_layers)}
         self._state_index = {layer: i for i, layer in enumerate(geometry.state_layers)}
         self.pages = PageAllocator(capacity.num_pages, capacity.page_size)
+        #: window -> the allocator of that window's page space (its layers share it)
+        self.window_pages = {w: PageAllocator(n, capacity.page_size)
+                             for w, n in capacity.window_pages}
         self.slots = SlotAllocator(capacity.max_requests or 0)
 
     @property
@@ -174,6 +179,14 @@ class CachePools:
                             f"{list(self.geometry.attention_layers)} ({self._where()})")
         return self.kv[layer]
 
+    def page_allocator(self, layer: int) -> PageAllocator:
+        """The allocator of the pages ``layer``'s KV tensors are indexed by: ``pages`` for
+        full-length layers, ``window_pages[window]`` for windowed ones."""
+        c = self._check(layer)
+        if c.kv is None:
+            raise PoolError(f"layer {layer} ({c.kind}) has no KV cache ({self._where()})")
+        return self.pages if c.window is None else self.window_pages[c.window]
+
     def state(self, layer: int) -> dict[str, torch.Tensor]:
         """The layer's state tensors by name, each ``[max_requests, *shape]``."""
         c = self._check(layer)
@@ -201,12 +214,23 @@ class CachePools:
     def state_allocated_bytes(self) -> int:
         return sum(t.nbytes for ts in self.states.values() for t in ts.values())
 
+    def allocated_bytes_by_kind(self) -> dict[str, int]:
+        """Measured bytes (``tensor.nbytes``) of the pools per layer kind."""
+        out: dict[str, int] = {}
+        for c in self.geometry.layers:
+            n = sum(t.nbytes for t in self.kv.get(c.layer, ())) + \
+                sum(t.nbytes for t in self.states.get(c.layer, {}).values())
+            if n or c.kv is not None:
+                out[c.kind] = out.get(c.kind, 0) + n
+        return out
+
     def report(self) -> dict[str, Any]:
         """Geometry, capacity and measured allocation (JSON-able; goes into the load report)."""
         return {**self.geometry.to_json(), "capacity": self.capacity.to_json(),
                 "device": str(self.device),
                 "kv_allocated_bytes": self.kv_allocated_bytes,
                 "state_allocated_bytes": self.state_allocated_bytes,
+                "allocated_bytes_by_kind": self.allocated_bytes_by_kind(),
                 "dtypes": sorted({dtype_name(t.dtype) for ts in self.kv.values() for t in ts}
                                  | {dtype_name(t.dtype) for ts in self.states.values()
                                     for t in ts.values()})}

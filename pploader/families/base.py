@@ -154,7 +154,10 @@ class ShardRule:
     units (e.g. kv heads) of every segment, or a tuple with one count per segment (Mamba2
     in_proj: heads for z/x/dt, groups for B/C): with fewer units than TP ranks, units are
     replicated (rank r takes unit r * units // tp). ``pad`` pads dim 0 to a multiple of tp.
-    ``block`` is the quantization block along ``dim`` a split must not cut.
+    ``ceil`` splits the units unevenly, as an engine does for that tensor: each rank takes
+    ``ceil(units / tp)`` of them and the last ranks fewer (``families.heads.ceil_share``:
+    vLLM's gpt-oss experts: MXFP4 in whole 32-value blocks of the intermediate dim, bf16 in
+    elements).
     """
 
     pattern: str
@@ -162,6 +165,7 @@ class ShardRule:
     segments: Optional[Callable[[SpecView], tuple[int, ...]]] = None
     units: Optional[Callable[[SpecView], Union[int, tuple[int, ...]]]] = None
     pad: bool = False
+    ceil: bool = False
 
 
 class TensorRole(NamedTuple):

@@ -16,6 +16,7 @@ from typing import Callable, Mapping, Optional, TypeVar
 from ..errors import ConfigError
 from .base import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
+from .windows import Windows, spec_layout_windows
 
 __all__ = ["MlaDims", "CacheDims", "CONFIG_KEYS", "CONFIG_CACHE_DIMS", "mla_dims",
            "config_mamba2_dims", "ssm_cache_dtype"]
@@ -130,6 +131,19 @@ class CacheDims:
     mamba2: Optional[Callable[[SpecView], Mamba2Dims]] = None
     gdn: Optional[Callable[[SpecView], GdnDims]] = None
     ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
+    #: tokens of KV each layer keeps per sequence (sliding / chunked attention; None = the
+    #: whole context); None here = no layer of the family is windowed (families/windows.py)
+    windows: Optional[Callable[[SpecView], Windows]] = None
+
+    def windows_of(self, spec: SpecView) -> Windows:
+        """One window per decoder layer (None = full length)."""
+        if self.windows is None:
+            return (None,) * spec.num_layers
+        out = tuple(self.windows(spec))
+        if len(out) != spec.num_layers:
+            raise ConfigError(f"{spec.architecture}: {len(out)} attention windows for "
+                              f"{spec.num_layers} layers", file="config.json")
+        return out
 
     def of_mla(self, spec: SpecView) -> MlaDims:
         return _read(self.mla, "mla", spec)
@@ -153,7 +167,8 @@ def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView)
 
 #: The default: every mixer's sizes by the known config-key aliases (CONFIG_KEYS).
 CONFIG_CACHE_DIMS = CacheDims(mla=_config_mla_dims, mamba1=_config_mamba1_dims,
-                              mamba2=config_mamba2_dims, gdn=_config_gdn_dims)
+                              mamba2=config_mamba2_dims, gdn=_config_gdn_dims,
+                              windows=spec_layout_windows)
 
 
 # ---- sizes from a layer's own parameter shapes (the generic family) ---------------------------

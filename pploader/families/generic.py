@@ -3,16 +3,19 @@
 ``find_family`` falls back to it when no hand-written family names the architecture (those
 stay first: they add fused targets, TP rules for packed tensors and cache-pool knowledge).
 Everything comes from the model built on the ``meta`` device (``hf_meta.derive``): the layer
-prefix, the first-/last-stage tensors (registered before / after the decoder layers), experts
-(per-expert names or stacked 3-D parameters, expert dim 0), tied weights, and the strict
-template (what ``save_pretrained`` writes, in both namings). MTP layers numbered after the
-decoder layers (``num_nextn_predict_layers``) are never read by a stage; ``plan_mtp`` plans one
-for a draft (their template: families/generic_mtp.py). A separate ``mtp.*`` module is known and
-skipped.
+prefix, the first-/last-stage tensors (run before / after the decoder layers: a
+vision-language model's towers and projector first), experts (per-expert names or stacked 3-D
+parameters, expert dim 0), tied weights, and the strict template in each on-disk naming (what
+``save_pretrained`` writes; transformers' own with ``save_original_format=False``; for towers
+whose prefix transformers strips on load, the older prefixed one, ``vision_tower.vision_model.*``,
+``hf_multimodal.py``). MTP layers numbered after the decoder layers (``num_nextn_predict_layers``)
+are never read by a stage; ``plan_mtp`` plans one for a draft (their template:
+families/generic_mtp.py). A separate ``mtp.*`` module is known and skipped.
 
 TP rules are derived only where a tensor's role is unambiguous (q/k/v/o, gate/up/down by name,
 head counts from the config dividing the shape, norms of width hidden or head_dim, routers,
-vocab); any other tensor gets a rule that refuses TP > 1 naming the tensor, never a guess.
+vocab; a vision-language model's encoders and projector replicated, ``hf_multimodal.py``);
+any other tensor gets a rule that refuses TP > 1 naming the tensor, never a guess.
 Layer kinds: attention / MLA / Mamba1 / Mamba2 / gated delta net from the layer's own
 parameters, sliding vs full from ``layer_types``; anything else is ``unknown`` (no cache pool).
 """
@@ -30,7 +33,8 @@ from .cache_dims import param_cache_dims
 from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
-from .mxfp4 import is_mxfp4, mxfp4_naming
+from .mxfp4 import engine_tp_rules, is_mxfp4, mxfp4_naming
+from .windows import layout_windows
 
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
@@ -75,7 +79,8 @@ def _family(meta: MetaModel) -> Family:
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                         "vocab_size", "num_hidden_layers", "tie_word_embeddings")}
     #                                                    (Gemma-3 ties by default)
-    dims = param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params))
+    dims = replace(param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params)),
+                   windows=lambda _spec: layout_windows(text, kinds))  # class-normalised
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
                   layout=lambda _config: layout, mtp_pattern=mtp_pattern, cache_dims=dims,
                   config_defaults=aliases, native_dtypes=_integer_dtypes(meta),
@@ -214,17 +219,23 @@ def shard_rules(naming: Naming, meta: MetaModel,
         if em is not None:
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
         comps.setdefault(comp, shape)
+    engine = engine_tp_rules(meta.architecture, naming)  # gpt-oss MXFP4: vLLM's split
     rules = []
+    encoders = frozenset(naming.encoder)
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
         rule = mtp_rule(pattern, comp, shape, text) if comp in mtp_only else None
-        rules.append(rule or _rule(pattern, comp, shape, naming, text, meta.num_experts))
+        rules.append(rule or (engine[comp](pattern) if comp in engine else
+                              _rule(pattern, comp, shape, naming, text, meta.num_experts,
+                                    encoders)))
     return tuple(rules)
 
 
 def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
-          text: Mapping[str, Any], num_experts: int) -> ShardRule:
-    """The TP rule of one component (see the module docstring)."""
+          text: Mapping[str, Any], num_experts: int,
+          encoders: frozenset[str] = frozenset()) -> ShardRule:
+    """The TP rule of one component (see the module docstring); ``encoders``: the names of
+    vision / audio encoders and projectors (``Naming.encoder``), replicated."""
     hidden = _int(text, "hidden_size")
     heads = _int(text, "num_attention_heads")
     kv = _int(text, "num_key_value_heads") or heads or 0
@@ -237,6 +248,8 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if comp in (naming.embed, naming.head):
         return ShardRule(pattern, 0, pad=True) if shape and shape[0] == vocab else \
             refuse(f"vocabulary dim {shape[:1]} != vocab_size {vocab}")
+    if comp in encoders:
+        return ShardRule(pattern, None)  # a vision / audio encoder or projector: replicated
     if kind in _SINKS and heads and shape == (heads,):
         return ShardRule(pattern, 0, units=_heads)  # one attention sink per head
     if _router(tokens, shape, num_experts):

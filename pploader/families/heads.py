@@ -12,7 +12,7 @@ from ..errors import PlanError
 from .base import SpecView
 
 
-__all__ = ["check_tp_heads", "ATTENTION_KINDS", "unit_share", "UnitSplitError"]
+__all__ = ["check_tp_heads", "ATTENTION_KINDS", "unit_share", "ceil_share", "UnitSplitError"]
 
 
 class UnitSplitError(ValueError):
@@ -39,8 +39,23 @@ def unit_share(units: int, tp_size: int, tp_rank: int = 0) -> tuple[int, int]:
         raise UnitSplitError(units, tp_size, "cannot be replicated evenly")
     return tp_rank * units // tp_size, 1
 
+
+def ceil_share(units: int, tp_size: int, tp_rank: int = 0) -> tuple[int, int]:
+    """``(first, count)`` of the units TP rank ``tp_rank`` holds under the engines' uneven
+    split, for the tensors an engine splits that way (``ShardRule.ceil``): ``ceil(units /
+    tp)`` units a rank, the last ranks fewer, possibly none. vLLM's gpt-oss MXFP4 loader
+    (``_load_weights_mxfp4``): ``cdiv(intermediate_size // 32, tp)`` blocks a rank, rank r
+    from ``r * per`` to ``min((r + 1) * per, blocks)`` (90 blocks over 8: 12 x 7 + 6); the
+    engine pads its own parameter to ``per``, so a rank's bytes are only its blocks."""
+    if units <= 0 or tp_size <= 0 or not 0 <= tp_rank < tp_size:
+        raise UnitSplitError(units, tp_size, "cannot be split")
+    per = -(-units // tp_size)
+    first = min(tp_rank * per, units)
+    return first, min(per, units - first)
+
 #: layer kinds with query / key-value heads split over TP (MLA: query heads only)
-ATTENTION_KINDS = ("full_attention", "hybrid_attention_mamba2", "mla")
+ATTENTION_KINDS = ("full_attention", "sliding_attention", "chunked_attention",
+                   "hybrid_attention_mamba2", "mla")
 
 
 def check_tp_heads(spec: SpecView, tp_size: int) -> None:
@@ -56,7 +71,8 @@ def check_tp_heads(spec: SpecView, tp_size: int) -> None:
         raise PlanError(f"--tp {tp_size} does not divide the {q} query heads "
                         f"(num_attention_heads): engines give every TP rank whole heads; "
                         f"use --tp in {divisors}", file="config.json")
-    if kinds & {"full_attention", "hybrid_attention_mamba2"}:
+    if kinds & {"full_attention", "sliding_attention", "chunked_attention",
+                 "hybrid_attention_mamba2"}:
         kv = spec.num_kv_heads
         try:
             unit_share(kv, tp_size)

@@ -15,12 +15,15 @@ from __future__ import annotations
 import json
 import logging
 import re
+from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
+from .hf_experts import declared_experts, ids_below, routed_count
+from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
@@ -34,7 +37,8 @@ _DIGIT = re.compile(r"\d+")
 @dataclass(frozen=True)
 class Naming:
     """One on-disk naming of the checkpoint (original = ``save_pretrained`` default; the
-    transformers naming = ``save_original_format=False``)."""
+    transformers naming = ``save_original_format=False``; prefixed = the original with the
+    prefixes transformers strips on load, as older VL checkpoints store them)."""
 
     name: str
     template: Mapping[str, tuple[int, ...]]     # every tensor name -> shape
@@ -49,6 +53,7 @@ class Naming:
     #: parameters the model ties to a stored one, the head's tie aside: (target as this naming
     #: would spell it, the stored source, where the target is used: "layer" / "first" / "last")
     shared: tuple[tuple[str, str, str], ...] = ()
+    encoder: tuple[str, ...] = ()               # first-stage names of vision / audio encoders
 
 
 @dataclass(frozen=True)
@@ -117,7 +122,10 @@ def derive(config: Mapping[str, Any]) -> MetaModel:
 def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
     """Path of the decoder-layer ModuleList: a ModuleList beside the input embedding."""
     from torch import nn
-    embed = model.get_input_embeddings()  # type: ignore[operator]
+    try:
+        embed = model.get_input_embeddings()  # type: ignore[operator]
+    except NotImplementedError as exc:  # PPFormulaNet: transformers cannot name the embedding
+        raise ConfigError(f"{type(model).__name__}: no input embedding ({exc})") from None
     for path, module in model.named_modules():
         children = dict(module.named_children())
         if not any(c is embed for c in children.values()):
@@ -132,7 +140,7 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
     found = [path for path, module in model.named_modules()  # e.g. BERT-style encoder.layer
              if isinstance(module, nn.ModuleList) and num_hidden and len(module) == num_hidden]
     if len(found) > 1:  # leave out towers: sub-models with their own (vision, audio) config
-        towers = _tower_paths(model)
+        towers = tower_paths(model)
         found = [p for p in found if not any(p.startswith(t + ".") for t in towers)]
     if len(found) == 1:
         return found[0]
@@ -140,18 +148,9 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
                       "embedding (not a decoder-only layout the generic family understands)")
 
 
-def _tower_paths(model: Any) -> list[str]:
-    """Paths of nested transformers models built from a config other than the text config
-    (GIT's ``image_encoder``, a VL model's vision tower): never the decoder stack."""
-    from transformers import PreTrainedModel
-    text = model.config.get_text_config()
-    return [path for path, module in model.named_modules()
-            if path and isinstance(module, PreTrainedModel) and module.config is not text
-            and module.config is not model.config]
-
-
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
-    """(experts, {relative key: expert id or -1 for stacked}) of one decoder layer."""
+    """(experts, {relative key: expert id, -1 for stacked, -2 for stacked with extra rows past
+    the routed experts}) of one decoder layer."""
     from torch import nn
     count, keys = 0, {}
     for path, module in layer.named_modules():
@@ -164,42 +163,17 @@ def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
                 keys[f"{path}.{key}"] = int(key.split(".")[0])
         elif own:
             big = [p.shape[0] for p in own.values() if p.dim() >= 3]
-            if not big or len(set(big)) != 1:
+            routed = routed_count(module, big)
+            if not routed:
                 continue
-            count = max(count, big[0])
-            for name, p in own.items():
-                if p.dim() >= 2 and p.shape[0] == big[0]:
+            count = max(count, routed)
+            for name, p in own.items():  # -2: extra rows past the routed experts (LongCat)
+                if p.dim() >= 2 and p.shape[0] == routed:
                     keys[f"{path}.{name}"] = -1
+                elif p.dim() >= 3 and p.shape[0] > routed:
+                    keys[f"{path}.{name}"] = -2
     if not keys:
-        count, keys = _declared_experts(layer)
-    return count, keys
-
-
-#: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,
-#: DBRX's ExpertGLU)
-_COUNT_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
-
-
-def _declared_experts(layer: Any) -> tuple[int, dict[str, int]]:
-    """Stacked experts of modules not named ``experts`` that declare their expert count
-    ``E`` (``_COUNT_ATTRS``): their own parameters with dim 0 = E and >= 3 dims (JetMoE's
-    ``input_linear.weight`` ``[E, 2I, H]``), or 2-d with the experts flattened into dim 0
-    (``E x rows``, DBRX's ``experts.mlp.w1`` ``[E x I, H]``). A router (``[E, H]``, 2-d with
-    dim 0 = E) is neither."""
-    count, keys = 0, {}
-    for path, module in layer.named_modules():
-        declared = [getattr(module, a, None) for a in _COUNT_ATTRS]
-        num = next((int(v) for v in declared if isinstance(v, int) and v > 1), 0)
-        if not num:
-            continue
-        for name, p in module.named_parameters(recurse=False):
-            stacked = (p.dim() >= 3 and p.shape[0] == num) or (
-                p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0)
-            if stacked:
-                if count and count != num:
-                    return 0, {}  # two different declared counts: not guessed
-                count = num
-                keys[f"{path}.{name}" if path else name] = -1
+        count, keys = declared_experts(layer)
     return count, keys
 
 
@@ -351,16 +325,28 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
                      and any(k.startswith(p + ".") or k == p for p in loop)]
 
+    encoders = encoder_keys(model, layers_path, stage_of)
     namings, names_of = [], []
-    for fmt in ("original", "transformers"):
-        naming, of_layer = _naming(fmt, model, state, keys, layer_of, reps, signature, lp,
-                                   stage_of, per_layer_experts, num_experts, embed_key, head_key)
-        namings.append(replace(naming, shared=saved_pairs(fmt, model, state, shared_pairs)))
-        names_of.append(of_layer)
+    for fmt in ("original", "transformers", PREFIXED):
+        with prefixed_conversions(model) if fmt == PREFIXED else nullcontext(True) as on:
+            if not on:
+                continue
+            how = "transformers" if fmt == "transformers" else "original"
+            try:
+                naming, of_layer = _naming(how, model, state, keys, layer_of, reps, signature,
+                                           lp, stage_of, per_layer_experts, num_experts,
+                                           embed_key, head_key, encoders, fmt == "original")
+                namings.append(replace(naming, name=fmt,
+                                       shared=saved_pairs(how, model, state, shared_pairs)))
+                names_of.append(of_layer)
+            except ConfigError as exc:
+                if fmt != PREFIXED:
+                    raise  # the older naming is an extra: such checkpoints stay refused
+                logger.debug("%s: no prefixed naming: %s", config.get("architectures"), exc)
     dtypes = check_conversion(model, state, layer_of, sampled_layers(signature, reps, state, lp),
                               namings[0].template, names_of[0])  # (the original naming)
-    if dict(namings[1].template) == dict(namings[0].template):
-        namings = namings[:1]
+    namings = namings[:1] + [n for n in namings[1:]  # only namings that differ
+                             if dict(n.template) != dict(namings[0].template)]
     # what each layer runs with, tied copies included (Zamba2's hybrid layers after the first
     # hold the shared block only as a tied copy: still attention, for the layer kinds)
     ran: dict[int, list[tuple[str, tuple[int, ...]]]] = {i: [] for i in range(num_layers)}
@@ -394,10 +380,10 @@ def _text_values(text: Any) -> dict[str, Any]:
 def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
             layer_of: dict[str, tuple[int, str]], reps: dict, signature: dict, lp: str,
             stage_of: dict[str, str], per_layer_experts: list, num_experts: int,
-            embed_key: Optional[str], head_key: Optional[str]
-            ) -> tuple[Naming, dict[int, dict[str, str]]]:
-    """The names one on-disk naming gives every state-dict key (see module docstring), and (the
-    original naming) per layer its saved names -> the same component's in its representative."""
+            embed_key: Optional[str], head_key: Optional[str], encoders: set[str],
+            by_layer: bool = False) -> tuple[Naming, dict[int, dict[str, str]]]:
+    """The names one on-disk naming gives every state-dict key (see module docstring), and
+    (``by_layer``) per layer its saved names -> the same component's in its representative."""
     from transformers.core_model_loading import revert_weight_conversion
     memo: dict[str, dict[str, tuple[int, ...]]] = {}
 
@@ -415,16 +401,19 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     components_of: dict[int, dict[str, tuple[int, ...]]] = {}
     expert_names: dict[str, Optional[int]] = {}   # component -> expert id (None: unknown yet)
     fused: set[str] = set()
+    encoder: list[str] = []
     for pos, key in enumerate(keys):
         if key in layer_of:
             continue
         out = saved(key)
         template.update(out)
         (first if stage_of[key] == "first" else last).extend(out)
+        encoder.extend(out if key in encoders else ())
     embed = next(iter(saved(embed_key))) if embed_key and embed_key in state else None
     head = next(iter(saved(head_key))) if head_key and head_key in state else None
-    if head_key and head is None:  # tied: the head's name as the checkpoint would spell it
-        head = head_key
+    if head_key and head is None:  # tied: the head's name as this naming would spell it
+        head = head_key if fmt == "transformers" else next(iter(_revert_one(  # (a VL model's
+            model, head_key, model.get_parameter(head_key))), head_key)  # language_model.lm_head)
     for rep in sorted(set(reps.values())):
         comps: dict[str, tuple[int, ...]] = {}
         _, expert_keys = per_layer_experts[rep]
@@ -445,8 +434,9 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
                 comp = _split_layer(name, rep)[1]
                 if comps.get(comp) != shape:
                     raise ConfigError(f"expert tensor {key} is merged with others on save")
-                if expert_keys[rel] == -1 and len(out) == 1 and shape == tuple(state[key].shape):
-                    fused.add(comp)
+                if expert_keys[rel] < 0 and len(out) == 1 and shape == tuple(state[key].shape):
+                    if expert_keys[rel] == -1:  # -2 (extra rows): a layer tensor, not split
+                        fused.add(comp)
                 else:
                     expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
         components_of[rep] = comps
@@ -460,12 +450,12 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
         comps = components_of[reps[sig]]
         names = [f"{prefix}{i}.{comp}" for comp in comps]
         template.update(zip(names, comps.values()))
-        if fmt == "original":  # (what the conversion check needs)
+        if by_layer:  # (what the conversion check needs)
             layer_names[i] = dict(zip(names, rep_names[reps[sig]]))
     head_shape = tuple(model.get_parameter(head_key).shape) if head_key else ()
     return Naming(fmt, template, re.escape(prefix) + r"(\d+)\.", tuple(first), tuple(last),
                   _expert_regex(expert_names, num_experts), tuple(sorted(fused)), embed, head,
-                  head_shape), layer_names
+                  head_shape, encoder=tuple(encoder)), layer_names
 
 
 def _split_layer(name: str, layer: int) -> tuple[str, str]:
@@ -486,14 +476,18 @@ def _expert_regex(comps: Mapping[str, Optional[int]], num_experts: int) -> Optio
         skeleton = tuple("#" if _DIGIT.fullmatch(t) else t for t in tokens)
         groups.setdefault(skeleton, []).append(tokens)
     befores, afters = set(), set()
+    extra = False
     for skeleton, members in groups.items():
         digit_pos = [i for i, t in enumerate(skeleton) if t == "#"]
-        pos = next((i for i in digit_pos
-                    if {int(m[i]) for m in members} == set(range(num_experts))), None)
+        ids = {i: {int(m[i]) for m in members} for i in digit_pos}
+        pos = next((i for i in digit_pos if ids[i] == set(range(num_experts))),
+                   next((i for i in digit_pos if ids[i] > set(range(num_experts))), None))
         if pos is None:
             raise ConfigError(f"cannot tell the expert id in {'.'.join(members[0])}")
+        extra |= max(ids[pos]) >= num_experts
         for m in members:
             befores.add(re.escape(".".join(m[:pos]) + ".") if pos else "")
             afters.add(re.escape("." + ".".join(m[pos + 1:])))
     alt = lambda xs: "(?:" + "|".join(sorted(xs)) + ")"  # noqa: E731
-    return alt(befores) + r"(\d+)" + alt(afters)
+    # ids past the routed count (LongCat's zero experts' gate/up) are layer tensors, not split
+    return alt(befores) + (f"({ids_below(num_experts)})" if extra else r"(\d+)") + alt(afters)

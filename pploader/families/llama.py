@@ -11,6 +11,7 @@ from .blocks import mlp_biased
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, uniform_layout, vocab_rules)
 from .fused import GATE_UP, QKV
+from .windows import mistral_windows, qwen_windows
 
 
 __all__ = ["FAMILIES", "FAMILY", "QWEN2", "QWEN3", "dense_template"]
@@ -36,19 +37,19 @@ _FUSED = (QKV, GATE_UP)  # used when the module has qkv_proj / gate_up_proj
 
 FAMILY = Family(
     name="llama", architectures=("LlamaForCausalLM", "MistralForCausalLM"),
-    model_types=frozenset({"llama", "mistral"}), cache_dims=CacheDims(),
+    model_types=frozenset({"llama", "mistral"}), cache_dims=CacheDims(windows=mistral_windows),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, optional_bias=True))
 
 QWEN2 = Family(
     name="qwen2", architectures=("Qwen2ForCausalLM",),
-    model_types=frozenset({"qwen2"}), cache_dims=CacheDims(),
+    model_types=frozenset({"qwen2"}), cache_dims=CacheDims(windows=qwen_windows),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, bias=True))
 
 QWEN3 = Family(
     name="qwen3", architectures=("Qwen3ForCausalLM",),
-    model_types=frozenset({"qwen3"}), cache_dims=CacheDims(),
+    model_types=frozenset({"qwen3"}), cache_dims=CacheDims(windows=qwen_windows),
     layout=uniform_layout, globals=llama_globals(), shard_rules=_RULES, fused_targets=_FUSED,
     template=lambda spec: dense_template(spec, qk_norm=True, optional_bias=True))
 

@@ -12,6 +12,7 @@ from typing import Mapping
 
 from .base import CheckpointFormat, Family, Layout, SpecView, cfg, cfg_opt
 from .cache_dims import CacheDims
+from .windows import qwen_moe_windows, uniform_windows
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
@@ -73,7 +74,7 @@ def _moe_inter(spec: SpecView) -> int:
 
 QWEN3_MOE = Family(
     name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), layout=_qwen3_moe_layout,
-    model_types=frozenset({"qwen3_moe"}), cache_dims=CacheDims(),
+    model_types=frozenset({"qwen3_moe"}), cache_dims=CacheDims(windows=qwen_moe_windows),
     globals=llama_globals(), expert_pattern=r"mlp\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules() + attention_rules() + expert_rules(r"mlp\.experts\.", _moe_inter)
@@ -107,7 +108,7 @@ def _dense_inter(spec: SpecView) -> int:
 
 MIXTRAL = Family(
     name="mixtral", architectures=("MixtralForCausalLM",), layout=_mixtral_layout,
-    model_types=frozenset({"mixtral"}), cache_dims=CacheDims(),
+    model_types=frozenset({"mixtral"}), cache_dims=CacheDims(windows=uniform_windows(None)),
     globals=llama_globals(), expert_pattern=r"block_sparse_moe\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=vocab_rules() + attention_rules()

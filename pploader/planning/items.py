@@ -110,8 +110,8 @@ def read_item(entry: TensorEntry, target: str, selection: Selection,
                                      for d in range(k))
     needed = (math.prod(out_shape) - (selection.pad_rows * math.prod(shape[1:]))) * itemsize
     row_bytes = math.prod(shape[1:]) * itemsize
-    lo = min(a for a, _ in sel[0]) if j == 0 else 0
-    hi = max(a + n for a, n in sel[0]) if j == 0 else shape[0]
+    lo = min((a for a, _ in sel[0]), default=0) if j == 0 else 0  # none: an empty piece
+    hi = max((a + n for a, n in sel[0]), default=0) if j == 0 else shape[0]
     box_bytes = (hi - lo) * row_bytes
     if n_runs <= 1 or needed + n_runs * range_cost <= box_bytes:
         runs = byte_runs(shape, itemsize, entry.start, Selection(selection.dims))

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Optional
 
 from ..errors import PlanError
 from ..families.base import ShardRule
-from ..families.heads import UnitSplitError, unit_share
+from ..families.heads import UnitSplitError, ceil_share, unit_share
 
 if TYPE_CHECKING:  # pragma: no cover
     from .spec import ModelSpec
@@ -97,7 +97,8 @@ def tp_selection(rule: Optional[ShardRule], shape: tuple[int, ...], spec: "Model
                         f"split {where}", tensor=name)
     intervals, offset = [], 0
     for seg, seg_units in zip(segments, per_segment):
-        intervals.append(_segment_piece(seg, seg_units, offset, tp_rank, tp_size, where, name))
+        intervals.append(_segment_piece(seg, seg_units, offset, tp_rank, tp_size, where, name,
+                                        rule.ceil))
         offset += seg
     merged = tuple(_merge(intervals))
     if merged == ((0, size),):
@@ -106,11 +107,14 @@ def tp_selection(rule: Optional[ShardRule], shape: tuple[int, ...], spec: "Model
 
 
 def _segment_piece(seg: int, seg_units: Optional[int], offset: int, tp_rank: int, tp_size: int,
-                   where: str, name: str) -> Interval:
+                   where: str, name: str, ceil: bool = False) -> Interval:
     """The rank's interval of one segment: an even share of its units, or (declared units
-    fewer than tp, e.g. kv heads) one replicated unit."""
+    fewer than tp, e.g. kv heads) one replicated unit; with ``ceil`` the engine's uneven
+    share (``ceil_share``: the last ranks fewer units, possibly none)."""
     if seg == 0:
         return (offset, 0)
+    if seg_units is None and ceil:
+        seg_units = seg  # every row its own unit, split unevenly
     if seg_units is None:  # every row is its own unit: must split evenly, never replicate
         if seg % tp_size:
             raise PlanError(f"segment of {seg} does not divide: cannot split {where}", tensor=name)
@@ -120,8 +124,9 @@ def _segment_piece(seg: int, seg_units: Optional[int], offset: int, tp_rank: int
         raise PlanError(f"segment of {seg} is not a multiple of {seg_units} units: cannot split "
                         f"{where}", tensor=name)
     unit = seg // seg_units
+    share = ceil_share if ceil else unit_share
     try:
-        first, count = unit_share(seg_units, tp_size, tp_rank)
+        first, count = share(seg_units, tp_size, tp_rank)
     except UnitSplitError as exc:
         raise PlanError(f"{seg_units} units of {unit} {exc.reason}: cannot split {where}",
                         tensor=name) from None

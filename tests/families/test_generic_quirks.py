@@ -168,7 +168,9 @@ def test_generic_layer_kinds_and_pools(tmp_path: Path) -> None:
     spec = load_spec(tmp_path)
     assert spec.family.name == "generic:gemma2"
     assert spec.layer_kinds == ("sliding_attention", "full_attention") * 2
-    assert layer_cache(spec, 0, 1).kv is not None  # sliding layers keep (full-length) KV pages
+    sliding, full = layer_cache(spec, 0, 1), layer_cache(spec, 1, 1)
+    assert sliding.kv is not None and sliding.window == 16  # window-sized KV pages
+    assert full.kv is not None and full.window is None
 
 
 def test_unknown_layer_kind_has_no_pool() -> None:

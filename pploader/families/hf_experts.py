@@ -1,0 +1,63 @@
+"""Experts of a decoder layer built on ``meta``, for ``hf_meta.derive``: the count an expert
+module declares (JetMoE's ``ParallelExperts``, DBRX's ``ExpertGLU``, LongCat-Flash's routed
+count next to its zero-compute experts) and the regex of expert ids below that count."""
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["COUNT_ATTRS", "declared_experts", "routed_count", "ids_below"]
+
+
+#: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,
+#: DBRX's ExpertGLU)
+COUNT_ATTRS = ("num_experts", "moe_num_experts", "num_local_experts")
+
+
+def routed_count(module: Any, big: list[int]) -> int:
+    """The expert count of a module stacking experts on dim 0 of its >= 3-d parameters: their
+    common dim 0, or, where they differ, the routed count the module declares when it is the
+    smallest (LongCat-Flash: ``gate_up_proj`` ``[E + Z, ...]`` also holds rows of its ``Z``
+    zero-compute identity experts, ``down_proj`` ``[E, ...]`` only the ``E`` routed ones,
+    which engines split; ``num_routed_experts``). 0 when neither."""
+    if not big:
+        return 0
+    if len(set(big)) == 1:
+        return big[0]
+    declared = [getattr(module, a, None) for a in ("num_routed_experts",) + COUNT_ATTRS]
+    return next((v for v in declared if isinstance(v, int) and v == min(big)), 0)
+
+
+def declared_experts(layer: Any) -> tuple[int, dict[str, int]]:
+    """Stacked experts of modules not named ``experts`` that declare their expert count
+    ``E`` (``COUNT_ATTRS``): their own parameters with dim 0 = E and >= 3 dims (JetMoE's
+    ``input_linear.weight`` ``[E, 2I, H]``), or 2-d with the experts flattened into dim 0
+    (``E x rows``, DBRX's ``experts.mlp.w1`` ``[E x I, H]``). A router (``[E, H]``, 2-d with
+    dim 0 = E) is neither."""
+    count, keys = 0, {}
+    for path, module in layer.named_modules():
+        declared = [getattr(module, a, None) for a in COUNT_ATTRS]
+        num = next((int(v) for v in declared if isinstance(v, int) and v > 1), 0)
+        if not num:
+            continue
+        for name, p in module.named_parameters(recurse=False):
+            stacked = (p.dim() >= 3 and p.shape[0] == num) or (
+                p.dim() == 2 and p.shape[0] > num and p.shape[0] % num == 0)
+            if stacked:
+                if count and count != num:
+                    return 0, {}  # two different declared counts: not guessed
+                count = num
+                keys[f"{path}.{name}" if path else name] = -1
+    return count, keys
+
+
+def ids_below(n: int) -> str:
+    """A regex matching exactly the decimal numbers ``0 .. n - 1`` (no leading zeros)."""
+    top = str(n - 1)
+    alts = ["[0-9]"] if len(top) > 1 else []
+    alts += [f"[1-9][0-9]{{{k - 1}}}" for k in range(2, len(top))]
+    for i, digit in enumerate(top):
+        low = 1 if i == 0 and len(top) > 1 else 0
+        if int(digit) > low:
+            rest = len(top) - i - 1
+            alts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
+    return "|".join(alts + [top])
