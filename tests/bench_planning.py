@@ -9,10 +9,11 @@ Rows: one rank's own plan (the last rank: ``load_spec`` + ``open_checkpoint`` + 
 included; pploader's imports excluded; a generic-family model's transformers imports, which
 ``load_spec`` makes, included), ``warm:``: the same with the architecture's transformers
 modules imported before the clock starts (as in an engine or ``pploader load``, which import
-them anyway), every rank (``plan_all``), and ``python -m pploader plan --help`` (wall, imports
-included). Runs alternate between the trees; the best of ``--repeat`` counts. ``--model`` takes
-several layouts (comma separated), one table block each. Numbers: docs/benchmarks.md, "Planning
-at real scale" and "Generic-family planning at real scale"."""
+them anyway), ``plan:``: the same with the model's family derived before the clock (a process
+planning another rank), every rank (``plan_all``), and ``python -m pploader plan --help``
+(wall, imports included). Runs alternate between the trees; the best of ``--repeat`` counts.
+``--model`` takes several layouts (comma separated), one table block each. Numbers:
+docs/benchmarks.md, "Planning at real scale" and "Generic-family planning at real scale"."""
 import argparse
 import json
 import os
@@ -31,12 +32,14 @@ from pploader.planning.spec import load_spec
 from pploader.planning.topology import Topology
 P, layout, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 pp, tp, ep = (int(x) for x in layout.split("x"))
-if mode == "warm":  # the architecture's transformers modules, imported as an engine has them
+if mode in ("warm", "plan"):  # the architecture's transformers modules, as an engine has them
     import transformers
     getattr(transformers, json.load(open(P + "/config.json"))["architectures"][0], None)
+if mode == "plan":  # the family derived before the clock (a process planning its 2nd rank)
+    load_spec(P)
 w1 = time.perf_counter(); c1 = time.process_time()
 spec = load_spec(P); index = open_checkpoint(P); spec = spec.for_checkpoint(index.weight_map)
-if mode in ("one", "warm"):
+if mode in ("one", "warm", "plan"):
     topo = Topology(pp, tp, ep, pp * tp * ep - 1)
     plan = plan_rank(spec, index, topo, make_windows(spec, index, pp, "even")[topo.pp_rank])
     n = len(plan.items)
@@ -217,7 +220,7 @@ def main() -> None:
                     help="layout directories, comma separated (tests/real_layouts.py makes them)")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--cases", default=CASES, help="comma separated: one:PPxTPxEP, "
-                    "warm:PPxTPxEP, all:PPxTPxEP, help")
+                    "warm:PPxTPxEP, plan:PPxTPxEP, all:PPxTPxEP, help")
     ap.add_argument("--floor", action="store_true", help="also print the JSON parse floor, "
                     "the record-per-tensor floor and the columnar floor")
     args = ap.parse_args()
