@@ -111,19 +111,29 @@ def test_gpt_oss_120b_exact_at_pp2_tp8(gpt_oss: Path, capsys: pytest.CaptureFixt
               f"{exchanged / 1e9:.2f} GB")
 
 
-@pytest.fixture(scope="module")
-def glm_air(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_generic_layout("glm-4.5-air", tmp_path_factory.mktemp("generic-layouts"))
+#: (layout, routed experts, shards): GLM-4.5-Air and the 142-shard GLM-4.5 (issue 31 item 7)
+GLM = [("glm-4.5-air", 128, 43), ("glm-4.5", 160, 142)]
 
 
-def test_glm_45_air_router_bias_exact_at_pp2_tp8(glm_air: Path,
-                                                  capsys: pytest.CaptureFixture) -> None:
-    """GLM-4.5-Air (generic family: 128 experts, ``mlp.gate.e_score_correction_bias``, q/k/v
-    biases, shared expert; 43 sparse shards of 5 GB): PP=2 x TP=8 plans every tensor on one
-    stage; per stage and tensor the 8 TP ranks' bytes add up to the tensor (split) or each
-    rank reads it whole (replicated: routers, their bias, norms), independent of the rules."""
+@pytest.fixture(scope="module", params=GLM, ids=[g[0] for g in GLM])
+def glm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+        ) -> tuple[Path, int, int]:
+    model, experts, shards = request.param
+    return (build_generic_layout(model, tmp_path_factory.mktemp("generic-layouts")), experts,
+            shards)
+
+
+def test_glm_router_bias_exact_at_pp2_tp8(glm: tuple[Path, int, int],
+                                          capsys: pytest.CaptureFixture) -> None:
+    """GLM-4.5-Air / GLM-4.5 (generic family: 128 / 160 experts,
+    ``mlp.gate.e_score_correction_bias``, q/k/v biases, shared expert; 43 / 142 sparse shards
+    of 5 GB): PP=2 x TP=8 plans every tensor on one stage; per stage and tensor the 8 TP ranks'
+    bytes add up to the tensor (split) or each rank reads it whole (replicated: routers, their
+    bias, norms), independent of the rules."""
+    glm_air, experts, shards = glm
     spec, index = load_spec(glm_air), open_checkpoint(glm_air)
-    assert spec.family.name == "generic:glm4_moe" and spec.num_experts == 128
+    assert spec.family.name == "generic:glm4_moe" and spec.num_experts == experts
+    assert len(set(index.weight_map.values())) == shards
     plans = plan_all(spec, index, 2, 8, 1)
     owner: dict[str, set[int]] = defaultdict(set)
     per_rank: dict[tuple[int, str], list[int]] = defaultdict(list)
@@ -148,4 +158,4 @@ def test_glm_45_air_router_bias_exact_at_pp2_tp8(glm_air: Path,
     assert split > replicated > 0
     seconds = _one_rank_seconds(glm_air, 2, 8, 1)
     with capsys.disabled():
-        print(f"\nglm-4.5-air PP=2 x TP=8: one rank planned in {seconds * 1000:.0f} ms")
+        print(f"\n{glm_air.name} PP=2 x TP=8: one rank planned in {seconds * 1000:.0f} ms")
