@@ -6,9 +6,11 @@ state dict goes through the same steps ``save_pretrained`` applies (keys ignored
 weights removed, transformers 5's conversion mapping reverted to the original naming). Each
 state-dict key is also reverted on its own, which tells where every checkpoint name comes from:
 its decoder layer, its expert (stacked 3-D parameters or per-expert modules) and whether it is
-registered before the decoder layers (first stage) or after them (last stage).
+registered before the decoder layers (first stage) or after them (last stage). One layer of
+each kind is derived and the others named after it; ``hf_check.py`` cross-checks that against
+the whole-state conversion on sampled layers.
 
-transformers is imported here only, and only when a generic family is built.
+transformers is imported here (and in its helper modules) only when a generic family is built.
 """
 from __future__ import annotations
 
