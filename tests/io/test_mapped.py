@@ -11,7 +11,7 @@ import torch
 from helpers import evict_or_skip, make_model, tiny_config
 from pploader import Topology, load_stage, plan_stage
 from pploader.io.backend import ReadOptions
-from pploader.io.mapped import MappedBackend
+from pploader.io.mapped import MappedBackend, strided_runs
 
 
 @pytest.fixture()
@@ -64,3 +64,57 @@ def test_destinations_are_filled(llama: Path) -> None:
     out = MappedBackend(staged.plan, ReadOptions()).load(dst)
     for k, v in ref.items():
         assert out[k] is dst[k] and torch.equal(dst[k], v), k
+
+
+def _expand(runs: list) -> list:
+    return [(off + i * stride, n) for off, n, count, stride in runs for i in range(count)]
+
+
+def test_strided_runs() -> None:
+    """Ranges grouped into (offset, length, count, stride) runs that expand back to them:
+    a dim-1 shard's rows are one run; anything irregular still covered, in order."""
+    assert strided_runs([(0, 4), (10, 4), (20, 4)]) == [(0, 4, 3, 10)]
+    assert strided_runs([(0, 4), (4, 4), (8, 4)]) == [(0, 4, 3, 4)]
+    assert strided_runs([(7, 5)]) == [(7, 5, 1, 5)]
+    assert strided_runs([]) == []
+    irregular = [(0, 4), (10, 4), (25, 4), (30, 2), (40, 2), (50, 2), (51, 2)]
+    assert strided_runs(irregular) == [(0, 4, 2, 10), (25, 4, 1, 4), (30, 2, 3, 10),
+                                       (51, 2, 1, 2)]
+    # a box of a 3-d tensor [4, 6, 8] bytes: rows 1..3 of dims 1, bytes 2..5 of dim 2
+    box = [(b * 48 + r * 8 + 2, 4) for b in range(4) for r in range(1, 4)]
+    runs = strided_runs(box)
+    assert _expand(runs) == box and len(runs) == 4
+    torch.manual_seed(0)
+    for _ in range(50):
+        offs = torch.randint(0, 5, (20,)).cumsum(0) * 8
+        ranges = [(int(o), int(n)) for o, n in zip(offs, torch.randint(1, 9, (20,)))]
+        assert _expand(strided_runs(ranges)) == ranges
+
+
+def test_fault_budget_reads_cold_items_straight_into_destinations(llama: Path) -> None:
+    """With ``fault_budget`` an item with missing pages is cold: it is read by positional
+    reads straight into its destination (a 1-byte memory budget: no intermediate tensor);
+    warm ones, dim-1 row runs included, are copied from the mapping (no read syscall)."""
+    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    assert any(len(i.ranges) > 1 for i in staged.plan.items)  # dim-1 row runs
+    ref = load_stage(staged, io_backend="threaded").state_dict
+    files = sorted({i.file for i in staged.plan.items})
+    gc.collect()
+    for path in llama.glob("*.safetensors"):
+        path.read_bytes()
+    cold = files[::2]
+    for f in cold:
+        evict_or_skip([llama / f])
+    dst = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+    backend = MappedBackend(staged.plan, ReadOptions(memory_budget_bytes=1), fault_budget=0.01)
+    out = backend.load(dst)
+    for k, v in ref.items():
+        assert out[k] is dst[k] and torch.equal(dst[k], v), k
+    warm = [i for i in staged.plan.items if i.file not in cold]
+    cold_items = [i for i in staged.plan.items if i.file in cold]
+    assert backend.warm_items == len(warm)
+    assert backend.mapped_bytes == sum(i.read_bytes for i in warm)
+    assert backend.stats.read_bytes == staged.plan.read_bytes
+    assert backend.stats.syscalls >= len(cold_items)  # cold: positional reads only
+    with pytest.raises(ValueError, match="fault_budget"):
+        MappedBackend(staged.plan, ReadOptions(), fault_budget=-1)
