@@ -7,7 +7,6 @@ import ctypes
 import ctypes.util
 import mmap
 import os
-import platform
 from functools import lru_cache
 from typing import Iterable, Optional
 
@@ -15,9 +14,13 @@ __all__ = ["resident_bytes_of_ranges", "cached_pages", "PAGE_BYTES"]
 
 PAGE_BYTES = mmap.PAGESIZE
 #: cachestat(2) (Linux >= 6.5): the number is 451 in the generic and the x86_64 tables
-_CACHESTAT = 451 if platform.system() == "Linux" and platform.machine() in (
+_CACHESTAT = 451 if os.uname().sysname == "Linux" and os.uname().machine in (
     "x86_64", "aarch64") else None
 _cachestat_ok = [_CACHESTAT is not None]
+#: the process's own C library (dlopen(NULL): no library search, so no file is read on a
+#: first use inside a measured load)
+_SELF = ctypes.CDLL(None, use_errno=True)
+_SELF.syscall.restype = ctypes.c_long
 
 
 class _Range(ctypes.Structure):
@@ -31,13 +34,13 @@ class _Stat(ctypes.Structure):
 
 def cached_pages(fd: int, offset: int, length: int) -> Optional[int]:
     """Pages of ``fd``'s bytes ``[offset, offset + length)`` in the page cache, counted by the
-    kernel in one call (``cachestat``, ~10x faster than ``mincore`` on a VM); None where the
+    kernel in one call (``cachestat``: 4-20x faster than ``mincore`` here); None where the
     kernel has no cachestat (callers fall back to mincore)."""
     if not _cachestat_ok[0] or length <= 0:
         return None if not _cachestat_ok[0] else 0
     rng, stat = _Range(offset, length), _Stat()
-    libc = _libc()
-    if libc.syscall(_CACHESTAT, fd, ctypes.byref(rng), ctypes.byref(stat), 0) != 0:
+    if _SELF.syscall(ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(rng),
+                     ctypes.byref(stat), ctypes.c_long(0)) != 0:
         _cachestat_ok[0] = False  # ENOSYS (older kernel) or a seccomp filter: stop asking
         return None
     return int(stat.nr_cache)
@@ -51,7 +54,6 @@ def _libc() -> ctypes.CDLL:
                           ctypes.c_int, ctypes.c_long]
     libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
     libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    libc.syscall.restype = ctypes.c_long
     return libc
 
 

@@ -3,6 +3,7 @@ cold ones positional reads; a mix keeps plan order and equals the threaded backe
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -118,3 +119,25 @@ def test_fault_budget_reads_cold_items_straight_into_destinations(llama: Path) -
     assert backend.stats.syscalls >= len(cold_items)  # cold: positional reads only
     with pytest.raises(ValueError, match="fault_budget"):
         MappedBackend(staged.plan, ReadOptions(), fault_budget=-1)
+
+
+def test_cached_pages_counts_resident_pages(tmp_path: Path) -> None:
+    """cachestat's count of a byte range: every page after a read, fewer after eviction;
+    it agrees with mincore's (resident_bytes_of_ranges) on both."""
+    from pploader.io.pagecache import PAGE_BYTES, cached_pages, resident_bytes_of_ranges
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * (64 * PAGE_BYTES // 256))
+    path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = cached_pages(fd, 0, 64 * PAGE_BYTES)
+        if got is None:
+            pytest.skip("no cachestat on this kernel (the mincore fallback is used)")
+        assert got == 64 == resident_bytes_of_ranges(str(path), [(0, 64 * PAGE_BYTES)],
+                                                     sample_bytes=0)[0] // PAGE_BYTES
+        assert cached_pages(fd, 8 * PAGE_BYTES, 4 * PAGE_BYTES) == 4
+        evict_or_skip([path])
+        left = resident_bytes_of_ranges(str(path), [(0, 64 * PAGE_BYTES)], sample_bytes=0)[0]
+        assert cached_pages(fd, 0, 64 * PAGE_BYTES) == left // PAGE_BYTES < 64
+    finally:
+        os.close(fd)
