@@ -9,10 +9,12 @@ Any DCP planner drives it (the default one included). ``read_metadata`` comes fr
 and the headers, each shard's header parsed only when the planner first asks for a tensor in it
 (so a stage parses only its shards); ``read_data`` turns each DCP ``ReadItem`` (storage offsets
 and lengths of one local shard) into a pploader read item of exactly those byte ranges (dim-1
-shards as row runs, as the planner makes them) and reads them with the device's read backend
-(``io/registry.py``: CPU threads, or the pinned ring on CUDA) straight into the destination
-tensors. Strict: stored dtype = destination dtype, box inside the stored shape, files unchanged
-since their headers were read; errors name the rank, file and tensor.
+shards as row runs, as the planner makes them) and reads them straight into the destination
+tensors: on CUDA with the device's read backend (``io/registry.py``: the pinned ring), on CPU
+with the ``mapped`` backend (a shard in the page cache is one strided copy from a mapping;
+a cold one exact positional reads). Strict: stored dtype = destination dtype, box inside the
+stored shape, files unchanged since their headers were read; errors name the rank, file and
+tensor.
 """
 from __future__ import annotations
 
@@ -113,7 +115,8 @@ class PPLoaderStorageReader(StorageReader):
     ``names`` (a ``NameMap``) or ``rename`` (checkpoint name -> state-dict key, None to leave
     a tensor out) give the state-dict keys; by default they are the checkpoint names, as with
     torch's ``HuggingFaceStorageReader``. ``io_backend`` / ``threads`` / ``window_bytes`` pick
-    and size the read backend (``None``: the device's default). ``range_cost_bytes``: 0 reads
+    and size the read backend (``None``: on CPU ``mapped`` with ``FAULT_BUDGET``, else the
+    device's default). ``range_cost_bytes``: 0 reads
     exactly the requested bytes (a dim-1 shard as one range per row); above 0, a strided shard
     whose runs would cost more than that many bytes each is read as its covering box and
     gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
@@ -187,7 +190,7 @@ class PPLoaderStorageReader(StorageReader):
                                       f"state-dict key {key}: fix the NameMap / rename",
                                       file=index.source, tensor=name, rank=self._rank)
             keys[key] = name
-        self._index, self._keys, self._planned = index, keys, None
+        self._index, self._keys, self._planned, self._relative = index, keys, None, {}
         metadata = Metadata(state_dict_metadata=_LazyTensors(self, keys),  # type: ignore[arg-type]
                             storage_data=_LazyStorage(keys))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)

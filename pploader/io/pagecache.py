@@ -36,8 +36,10 @@ def cached_pages(fd: int, offset: int, length: int) -> Optional[int]:
     """Pages of ``fd``'s bytes ``[offset, offset + length)`` in the page cache, counted by the
     kernel in one call (``cachestat``: 4-20x faster than ``mincore`` here); None where the
     kernel has no cachestat (callers fall back to mincore)."""
-    if not _cachestat_ok[0] or length <= 0:
-        return None if not _cachestat_ok[0] else 0
+    if _CACHESTAT is None or not _cachestat_ok[0]:
+        return None
+    if length <= 0:
+        return 0
     rng, stat = _Range(offset, length), _Stat()
     if _SELF.syscall(ctypes.c_long(_CACHESTAT), ctypes.c_long(fd), ctypes.byref(rng),
                      ctypes.byref(stat), ctypes.c_long(0)) != 0:

@@ -9,7 +9,6 @@ from types import SimpleNamespace
 from typing import Callable
 
 import pytest
-import torch
 
 from bind_models import TinyLM, checksum, param_ptrs
 from helpers import make_model, run_ranks, tiny_config
