@@ -27,14 +27,17 @@ import logging
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping, Optional, Sequence
+from functools import partial
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from ..errors import ReadError
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
+from .mapped_split import copy_stretch, split_resident
 from .pagecache import cached_pages
 from .read import Reader
 
@@ -46,7 +49,8 @@ logger = logging.getLogger(__name__)
 #: An item counts as warm (served from the mapping) when at least this share of its pages is
 #: resident; the few missing pages are faulted in by the consumer's copy.
 WARM_FRACTION = 0.9
-#: Reader threads for cold items unless ``ReadOptions.threads`` says otherwise.
+#: Reader threads for cold items (and copying threads for warm ones into destinations) unless
+#: ``ReadOptions.threads`` says otherwise.
 COLD_THREADS = 4
 PAGE_BYTES = mmap.PAGESIZE
 #: the process's own C library (dlopen(NULL): no library search, no file read at first use)
@@ -307,30 +311,86 @@ class MappedBackend:
             self._finish(files, reader, start)
 
     def _into(self, destinations: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Warm items copied from the mapping into their destinations, then cold ones read
-        straight into theirs (no intermediate tensor). Our own copy faults the pages in (the
-        kernel maps the resident neighbours of each fault), so nothing is populated ahead."""
+        """Warm items copied from the mapping into their destinations (on ``threads``
+        threads), then cold ones read straight into theirs (no intermediate tensor); with
+        ``fault_budget``, a partly resident item is split (io/mapped_split.py): its resident
+        rows / pages copied, the rest read. Our own copy faults the pages in (the kernel maps
+        the resident neighbours of each fault), so nothing is populated ahead."""
         start, files = time.perf_counter(), dict[str, _File]()
         self.mapped_bytes = self.warm_items = 0
         reader: Optional[Reader] = None
         try:
             warm = self._warm(files)
+            hot = [i for i, w in zip(self.plan.items, warm) if w]
+            jobs: list[Callable[[], object]] = [
+                partial(self._from_mapping, files[i.file], i, destinations[i.target])
+                for i in hot]
+            cold: list[ReadItem] = []
+            parts: dict[ReadItem, torch.Tensor] = {}
+            mapped = 0  # bytes of the partly resident items copied from the mapping
             for item, is_warm in zip(self.plan.items, warm):
                 if is_warm:
-                    self._check_cancel(item)
-                    self._from_mapping(files[item.file], item, destinations[item.target])
-                    self._count_warm(item)
-                    self.stats.items += 1
-            cold = [i for i, w in zip(self.plan.items, warm) if not w]
-            if cold:
-                reader = self._cold_reader(cold)
-                reader.read_into({i.target: destinations[i.target] for i in cold})
-                self.stats.items += len(cold)
+                    continue
+                got = self._split(files, item, destinations[item.target])
+                if got is None:
+                    cold.append(item)
+                    continue
+                copies, reads = got
+                jobs.extend(copies)
+                mapped += _run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
+                parts.update(reads)
+            self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
+            for item in hot:
+                self._count_warm(item)
+            self.stats.items += len(hot)
+            if cold or parts:
+                reader = self._cold_reader([*cold, *parts])
+                reader.read_into({**{i.target: destinations[i.target] for i in cold},
+                                  **{i.target: view for i, view in parts.items()}})
+            self.stats.items += len(self.plan.items) - len(hot)
+            self.mapped_bytes += mapped
+            self.stats.read_bytes += mapped
+            if mapped and self.options.on_progress is not None:
+                self.options.on_progress(mapped)
             for file, f in files.items():
                 check_identity(self.plan, file, f.fd)
         finally:
             self._finish(files, reader, start)
         return {i.target: destinations[i.target] for i in self.plan.items}
+
+    def _split(self, files: dict[str, _File], item: ReadItem, dst: torch.Tensor
+               ) -> Optional[tuple[list[Callable[[], object]], dict[ReadItem, torch.Tensor]]]:
+        """A partly resident item (``fault_budget`` set): copies of its resident stretches
+        and read items of its missing bytes with their destination views; None to read it
+        whole (nothing resident, a padded or gathered item, or no fault budget)."""
+        if self.fault_budget is None or not item.direct or item.pad_rows or not item.ranges:
+            return None
+        f = files[item.file]
+        runs = self._item_runs(item)
+        end = max(off + (count - 1) * stride + n for off, n, count, stride in runs)
+        if end > f.base.numel():
+            return None  # the positional reads name the truncation
+        stretches, reads = split_resident(item, runs, f.resident, PAGE_BYTES)
+        if not stretches:
+            return None
+        flat = dst.reshape(-1).view(torch.uint8)
+        copies: list[Callable[[], object]] = [partial(copy_stretch, f.base, flat, s)
+                                            for s in stretches]
+        views = {r: flat[int(r.target.rsplit("@", 1)[1]):][:r.nbytes] for r in reads}
+        return copies, views
+
+    def _run_copies(self, jobs: list[Callable[[], object]], item: Optional[ReadItem]) -> None:
+        """Run the copies from the mapping on ``threads`` threads (copy_ releases the GIL)."""
+        if item is not None:
+            self._check_cancel(item)
+        threads = min(self.options.threads or COLD_THREADS, len(jobs))
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="pploader-copy") as pool:
+                for fut in [pool.submit(job) for job in jobs]:
+                    fut.result()
+        else:
+            for job in jobs:
+                job()
 
     def _check_cancel(self, item: ReadItem) -> None:
         cancel = self.options.cancel
