@@ -199,6 +199,7 @@ class MappedBackend:
         self.mapped_bytes = 0
         self.warm_items = 0
         self._runs: dict[str, list[Run]] = {}
+        self._missing: dict[str, tuple[int, int]] = {}  # (pages missing, touched) by target
 
     def _err(self, msg: str, item: ReadItem) -> ReadError:
         return ReadError(msg, file=item.file, tensor=item.name, rank=self.plan.topology.rank)
@@ -235,6 +236,7 @@ class MappedBackend:
                 continue
             runs = self._item_runs(item)
             missing, pages = self._open(files, item).missing(runs)
+            self._missing[item.target] = (missing, pages)
             if self.fault_budget is not None:
                 out.append(missing * PAGE_BYTES <= self.fault_budget * _run_bytes(runs))
             else:
@@ -362,8 +364,12 @@ class MappedBackend:
                ) -> Optional[tuple[list[Callable[[], object]], dict[ReadItem, torch.Tensor]]]:
         """A partly resident item (``fault_budget`` set): copies of its resident stretches
         and read items of its missing bytes with their destination views; None to read it
-        whole (nothing resident, a padded or gathered item, or no fault budget)."""
+        whole (more than half its pages missing, a padded or gathered item, or no fault
+        budget)."""
         if self.fault_budget is None or not item.direct or item.pad_rows or not item.ranges:
+            return None
+        missing, pages = self._missing.get(item.target, (1, 1))
+        if 2 * missing > pages:  # mostly cold: one exact read of it beats a split
             return None
         f = files[item.file]
         runs = self._item_runs(item)

@@ -33,20 +33,26 @@ class Stretch(NamedTuple):
     stride: int
 
 
-def _pieces(runs: Sequence[Run], page: int) -> list[tuple[int, int, int]]:
-    """``(file offset, length, destination pos)`` of each row of ``runs``; a one-range run
-    (a whole tensor, a dim-0 shard) is cut at page boundaries, so that its resident pages
-    are told from its missing ones."""
+def _pieces(runs: Sequence[Run], page: int, bitmap: bytes, first: int
+            ) -> list[tuple[int, int, int, bool]]:
+    """``(file offset, length, destination pos, resident)`` of each row of ``runs``; a
+    one-range run (a whole tensor, a dim-0 shard) is cut where page residency changes."""
     out, pos = [], 0
     for off, n, count, stride in runs:
         if count == 1:
-            a = off
-            while a < off + n:
-                b = min((a // page + 1) * page, off + n)
-                out.append((a, b - a, pos + a - off))
+            a, end = off, off + n
+            while a < end:
+                i = a // page - first
+                ok = bitmap[i] != 0
+                j = bitmap.find(b"\x00" if ok else b"\x01", i + 1)  # next change of state
+                b = end if j < 0 else min(end, (j + first) * page)
+                out.append((a, b - a, pos + a - off, ok))
                 a = b
         else:
-            out.extend((off + r * stride, n, pos + r * n) for r in range(count))
+            for r in range(count):
+                a = off + r * stride
+                out.append((a, n, pos + r * n,
+                            0 not in bitmap[a // page - first:(a + n - 1) // page - first + 1]))
         pos += n * count
     return out
 
@@ -57,20 +63,17 @@ def split_resident(item: ReadItem, runs: Sequence[Run],
     """The item's resident stretches and, for the rest, ``U8`` read items of exactly its
     bytes (targets ``<target>@<pos>``: destination bytes ``[pos, pos + nbytes)``).
     ``resident(first, last)``: one byte per page, 0 = not resident."""
-    pieces = _pieces(runs, page)
-    if not pieces:
+    spans = [(off, off + (count - 1) * stride + n) for off, n, count, stride in runs if n]
+    if not spans:
         return [], []
-    first = min(p[0] for p in pieces) // page
-    last = max(p[0] + p[1] - 1 for p in pieces) // page
-    bitmap = resident(first, last)
+    first = min(x for x, _ in spans) // page
+    last = (max(y for _, y in spans) - 1) // page
     groups: list[tuple[bool, list[tuple[int, int, int]]]] = []
-    for piece in pieces:
-        a, n, _ = piece
-        ok = 0 not in bitmap[a // page - first:(a + n - 1) // page - first + 1]
+    for x, n, pos, ok in _pieces(runs, page, resident(first, last), first):
         if groups and groups[-1][0] == ok:
-            groups[-1][1].append(piece)
+            groups[-1][1].append((x, n, pos))
         else:
-            groups.append((ok, [piece]))
+            groups.append((ok, [(x, n, pos)]))
     stretches: list[Stretch] = []
     reads: list[ReadItem] = []
     for ok, group in groups:

@@ -180,3 +180,33 @@ def test_fault_budget_splits_a_partly_resident_item(tmp_path: Path) -> None:
     n = len(staged.plan.items)  # a dropped large folio may reach into a neighbouring item
     assert n - 4 <= backend.warm_items < n
     assert read <= rchar <= read + 4096, (read, rchar)
+
+
+def test_split_resident_covers_every_byte_once() -> None:
+    """Rows and a one-range item split at missing pages: resident stretches + exact reads
+    cover each byte of the item once, in destination order."""
+    from pploader.io.mapped_split import split_resident
+    from pploader.planning.items import ReadItem
+    page = 16
+    bitmap = bytes([1] * 4 + [0] * 3 + [1] * 9)  # pages 4..6 missing (bytes 64..111)
+    for runs in ([(8, 6, 20, 12)], [(5, 200, 1, 200)]):
+        ranges = tuple((off + r * stride, n) for off, n, count, stride in runs
+                       for r in range(count))
+        item = ReadItem("w", "w", "f", "U8", (sum(n for _, n in ranges),), (256,), ranges,
+                        (sum(n for _, n in ranges),))
+        stretches, reads = split_resident(item, runs, lambda a, b: bitmap[a:b + 1], page)
+        got = {}  # destination pos -> file offset, byte by byte
+        for s in stretches:
+            for r in range(s.rows):
+                for k in range(s.length):
+                    got[s.pos + r * s.length + k] = s.offset + r * s.stride + k
+        for rd in reads:
+            pos = int(rd.target.rsplit("@", 1)[1])
+            for off, n in rd.ranges:
+                for k in range(n):
+                    got[pos] = off + k
+                    pos += 1
+            assert all(64 - 16 < off < 112 + 16 for off, _ in rd.ranges)  # near the hole
+        want = [off + k for off, n in ranges for k in range(n)]
+        assert [got[i] for i in range(len(want))] == want and len(got) == len(want)
+        assert stretches and reads
