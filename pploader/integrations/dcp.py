@@ -380,7 +380,8 @@ class PPLoaderStorageReader(StorageReader):
         shard whose missing pages exceed ``FAULT_BUDGET`` of its bytes, and every cold one,
         by positional reads straight into its destination), else the device's default."""
         if device.type == "cpu" and self.io_backend is None:
-            return open_mapped(plan, device, self._options(device), fault_budget=FAULT_BUDGET)
+            return open_mapped(plan, device, self._options(device), fault_budget=FAULT_BUDGET,
+                               cold_threads=self.threads or 1)  # cold: as the threaded default
         return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:

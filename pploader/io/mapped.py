@@ -189,13 +189,15 @@ class MappedBackend:
 
     def __init__(self, plan: RankPlan, options: ReadOptions, *,
                  warm_fraction: float = WARM_FRACTION,
-                 fault_budget: Optional[float] = None) -> None:
+                 fault_budget: Optional[float] = None,
+                 cold_threads: Optional[int] = None) -> None:
         if not 0.0 < warm_fraction <= 1.0:
             raise ValueError(f"warm_fraction must be in (0, 1], got {warm_fraction}")
         if fault_budget is not None and fault_budget < 0:
             raise ValueError(f"fault_budget must be >= 0, got {fault_budget}")
         self.plan, self.options, self.stats = plan, options, ReadStats()
         self.warm_fraction, self.fault_budget = warm_fraction, fault_budget
+        self.cold_threads = cold_threads  # reader threads of cold items (None: ``threads``)
         self.mapped_bytes = 0
         self.warm_items = 0
         self._runs: dict[str, list[Run]] = {}
@@ -275,7 +277,8 @@ class MappedBackend:
     def _cold_reader(self, cold: list[ReadItem]) -> Reader:
         return Reader(replace(self.plan, items=tuple(cold), redistribute=None),
                       window_bytes=self.options.window_bytes,
-                      threads=self.options.threads or COLD_THREADS, cancel=self.options.cancel,
+                      threads=self.cold_threads or self.options.threads or COLD_THREADS,
+                      cancel=self.options.cancel,
                       on_progress=self.options.on_progress,
                       memory_budget_bytes=self.options.memory_budget_bytes)
 
@@ -483,9 +486,10 @@ def resident_items(plan: RankPlan, ranges: Mapping[str, tuple[str, tuple[tuple[i
 
 
 def open_mapped(plan: RankPlan, device: torch.device, options: ReadOptions, *,
-                warm_fraction: float = WARM_FRACTION,
-                fault_budget: Optional[float] = None) -> MappedBackend:
+                warm_fraction: float = WARM_FRACTION, fault_budget: Optional[float] = None,
+                cold_threads: Optional[int] = None) -> MappedBackend:
     """The ``mapped`` backend's factory (io/registry.py; the keywords: see MappedBackend)."""
     if device.type != "cpu":
         raise ValueError(f"the mapped backend loads onto cpu, not {device}")
-    return MappedBackend(plan, options, warm_fraction=warm_fraction, fault_budget=fault_budget)
+    return MappedBackend(plan, options, warm_fraction=warm_fraction, fault_budget=fault_budget,
+                         cold_threads=cold_threads)
