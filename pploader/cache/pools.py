@@ -30,6 +30,7 @@ from .sizing import (DEFAULT_MAMBA_RATIO, DEFAULT_PAGE_SIZE, PoolCapacity, PoolO
                      stage_balance, stage_capacity)
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..planning.partition import StageWindow
     from ..planning.plan import RankPlan
     from ..planning.spec import ModelSpec
 
@@ -236,11 +237,33 @@ class CachePools:
                                     for t in ts.values()})}
 
 
-def build_rank_pools(spec: "ModelSpec", plan: "RankPlan", opts: PoolOptions, *,
-                     device: Union[str, torch.device] = "cpu") -> CachePools:
-    """Allocate the pools of the rank planned by ``plan`` on ``device`` (after its weights)."""
-    geom, cap = rank_pools(spec, plan, opts)
-    return CachePools(geom, cap, device=device)
+def build_rank_pools(spec: "ModelSpec", plan: Optional["RankPlan"] = None,
+                     opts: Optional[PoolOptions] = None, *,
+                     device: Union[str, torch.device] = "cpu", mesh: Any = None,
+                     window: Optional[StageWindow] = None,
+                     weight_bytes: Optional[int] = None) -> CachePools:
+    """Allocate the pools of this rank's stage on ``device`` (after its weights).
+
+    The stage: the rank planned by ``plan``; or, without a plan, a ``DeviceMesh`` (``mesh``,
+    dims named pp / tp [/ ep]: its TP size and pipeline rank) and the stage's ``window``
+    (``pipeline_window(stage, layers)``; default: pploader's even split), as
+    ``integrations.mesh.resolve_stage`` reads them. With a plan, a ``mesh`` / ``window``
+    given too must be the plan's (TopologyError otherwise). ``weight_bytes``: the rank's
+    weight bytes when the budget is ``device_bytes`` and there is no plan."""
+    from ..integrations.mesh import check_stage, resolve_stage
+    opts = opts if opts is not None else PoolOptions()
+    if plan is not None:
+        if mesh is not None or window is not None:
+            check_stage(plan.topology, plan.window, mesh=mesh, stage_window=window)
+        geom, cap = rank_pools(spec, plan, opts)
+        return CachePools(geom, cap, device=device)
+    topo, win = resolve_stage(spec.num_layers, mesh=mesh, window=window)
+    if opts.budget_bytes is None and opts.device_bytes is not None and weight_bytes is None:
+        raise PlanError("pools sized from device_bytes need the rank's weight bytes: pass "
+                        "weight_bytes= (e.g. the local shards' bytes of the stage's state "
+                        "dict) or a plan, or give budget_bytes", rank=topo.rank)
+    geom = stage_geometry(spec, win, topo.tp_size, opts.dtypes)
+    return CachePools(geom, stage_capacity(geom, opts, weight_bytes or 0), device=device)
 
 
 def pool_device(name: Optional[str] = None, *, local_rank: int = 0) -> torch.device:

@@ -9,10 +9,12 @@ Any DCP planner drives it (the default one included). ``read_metadata`` comes fr
 and the headers, each shard's header parsed only when the planner first asks for a tensor in it
 (so a stage parses only its shards); ``read_data`` turns each DCP ``ReadItem`` (storage offsets
 and lengths of one local shard) into a pploader read item of exactly those byte ranges (dim-1
-shards as row runs, as the planner makes them) and reads them with the device's read backend
-(``io/registry.py``: CPU threads, or the pinned ring on CUDA) straight into the destination
-tensors. Strict: stored dtype = destination dtype, box inside the stored shape, files unchanged
-since their headers were read; errors name the rank, file and tensor.
+shards as row runs, as the planner makes them) and reads them straight into the destination
+tensors: on CUDA with the device's read backend (``io/registry.py``: the pinned ring), on CPU
+with the ``mapped`` backend (a shard in the page cache is one strided copy from a mapping;
+a cold one exact positional reads). Strict: stored dtype = destination dtype, box inside the
+stored shape, files unchanged since their headers were read; errors name the rank, file and
+tensor.
 """
 from __future__ import annotations
 
@@ -35,7 +37,8 @@ from torch.futures import Future
 
 from ..bind.names import NameMap
 from ..errors import CheckpointError, PlanError, ReadError
-from ..io.backend import ReadOptions, ReadStats, merge_stats
+from ..io.backend import ReadBackend, ReadOptions, ReadStats, merge_stats
+from ..io.mapped import open_mapped
 from ..io.read import default_window_bytes
 from ..io.registry import open_backend, prepare_staging, select_backend
 from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
@@ -52,6 +55,9 @@ logger = logging.getLogger(__name__)
 
 #: the header metadata key torch's HF writer sets on distributed (unconsolidated) saves
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
+#: CPU destinations: a shard is copied from the page cache (a mapping) when the pages of it
+#: that are not resident (each read alone by its fault) hold at most this share of its bytes
+FAULT_BUDGET = 0.01
 
 
 class _LazyTensors(Mapping):
@@ -109,7 +115,8 @@ class PPLoaderStorageReader(StorageReader):
     ``names`` (a ``NameMap``) or ``rename`` (checkpoint name -> state-dict key, None to leave
     a tensor out) give the state-dict keys; by default they are the checkpoint names, as with
     torch's ``HuggingFaceStorageReader``. ``io_backend`` / ``threads`` / ``window_bytes`` pick
-    and size the read backend (``None``: the device's default). ``range_cost_bytes``: 0 reads
+    and size the read backend (``None``: on CPU ``mapped`` with ``FAULT_BUDGET``, else the
+    device's default). ``range_cost_bytes``: 0 reads
     exactly the requested bytes (a dim-1 shard as one range per row); above 0, a strided shard
     whose runs would cost more than that many bytes each is read as its covering box and
     gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
@@ -144,6 +151,8 @@ class PPLoaderStorageReader(StorageReader):
         self.stats = ReadStats()
         self._index: Optional[CheckpointIndex] = None
         self._keys: dict[str, str] = {}          # state-dict key -> checkpoint name
+        self._planned: Optional[tuple[tuple[DCPReadItem, ...], list[ReadItem]]] = None
+        self._relative: dict[tuple, ReadItem] = {}  # read items at offset 0, by kind
         self._rank: Optional[int] = None
         self.staging_device = torch.device(staging_device) if staging_device is not None \
             else None
@@ -158,7 +167,7 @@ class PPLoaderStorageReader(StorageReader):
             self.path = Path(checkpoint_id)
         self.load_id = uuid.uuid4().hex
         self.stats = ReadStats()
-        self._index, self._keys = None, {}
+        self._index, self._keys, self._planned = None, {}, None
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: "str | os.PathLike[str]") -> bool:
@@ -181,7 +190,7 @@ class PPLoaderStorageReader(StorageReader):
                                       f"state-dict key {key}: fix the NameMap / rename",
                                       file=index.source, tensor=name, rank=self._rank)
             keys[key] = name
-        self._index, self._keys = index, keys
+        self._index, self._keys, self._planned, self._relative = index, keys, None, {}
         metadata = Metadata(state_dict_metadata=_LazyTensors(self, keys),  # type: ignore[arg-type]
                             storage_data=_LazyStorage(keys))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
@@ -226,8 +235,7 @@ class PPLoaderStorageReader(StorageReader):
                 copied.append((item, dst))
         with torch.no_grad():
             for device, pairs in sorted(direct.items(), key=lambda kv: kv[0].type != "cpu"):
-                backend = open_backend(self._rank_plan([i for i, _ in pairs]), device,
-                                       self._options(device), self._backend_name(device))
+                backend = self._open(self._rank_plan([i for i, _ in pairs]), device)
                 backend.load({i.target: d for i, d in pairs})
                 merge_stats(stats, backend.stats)
             if copied:  # strided destinations: a borrowed CPU ring, one copy_ each
@@ -290,14 +298,19 @@ class PPLoaderStorageReader(StorageReader):
         return self._index
 
     def _plan_items(self, requests: Sequence[DCPReadItem]) -> list[ReadItem]:
-        """One pploader item per DCP request: exactly its box's bytes, targets unique."""
+        """One pploader item per DCP request: exactly its box's bytes, targets unique (the
+        requests ``prepare_local_plan`` planned are not planned again by ``read_data``)."""
+        key = tuple(requests)
+        if self._planned is not None and self._planned[0] == key:
+            return self._planned[1]
         out, seen = [], set()
         for req in requests:
-            key = req.storage_index.fqn
-            target = key if key not in seen else \
-                f"{key}@{list(req.dest_offsets)}<-{list(req.storage_offsets)}"
+            name = req.storage_index.fqn
+            target = name if name not in seen else \
+                f"{name}@{list(req.dest_offsets)}<-{list(req.storage_offsets)}"
             seen.add(target)
-            out.append(self._item(req, key, target))
+            out.append(self._item(req, name, target))
+        self._planned = (key, out)
         return out
 
     def _item(self, req: DCPReadItem, key: str, target: str) -> ReadItem:
@@ -323,7 +336,17 @@ class PPLoaderStorageReader(StorageReader):
         if not math.prod(lengths):  # an empty shard: nothing to read
             return ReadItem(entry.name, target, entry.file, entry.dtype, lengths, shape, (),
                             lengths)
-        return read_item(entry, target, Selection(dims), self.range_cost_bytes)
+        # planned once per (dtype, shape, box) at offset 0, then moved to each tensor (the
+        # same projection in every layer): a dim-1 box's row runs are computed once
+        kind = (entry.dtype, shape, dims, self.range_cost_bytes)
+        rel = self._relative.get(kind)
+        if rel is None:
+            rel = self._relative[kind] = read_item(entry._replace(start=0, end=entry.nbytes),
+                                                   target, Selection(dims),
+                                                   self.range_cost_bytes)
+        start = entry.start
+        return rel._replace(name=entry.name, target=target, file=entry.file,
+                            ranges=tuple((start + a, n) for a, n in rel.ranges))
 
     def _check_destination(self, item: ReadItem, dst: torch.Tensor) -> None:
         dtype = DTYPES[item.dtype][0]
@@ -350,6 +373,16 @@ class PPLoaderStorageReader(StorageReader):
             self._staging = prepare_staging(self.staging_device,
                                             ReadOptions(threads=self.threads),
                                             self._backend_name(self.staging_device))
+
+    def _open(self, plan: RankPlan, device: torch.device) -> ReadBackend:
+        """The read backend of ``plan`` onto ``device``: the configured one, else on CPU the
+        ``mapped`` backend (resident shards copied from a mapping, one strided copy each; a
+        shard whose missing pages exceed ``FAULT_BUDGET`` of its bytes, and every cold one,
+        by positional reads straight into its destination), else the device's default."""
+        if device.type == "cpu" and self.io_backend is None:
+            return open_mapped(plan, device, self._options(device), fault_budget=FAULT_BUDGET,
+                               cold_threads=self.threads or 1)  # cold: as the threaded default
+        return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:
         try:

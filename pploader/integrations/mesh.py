@@ -6,16 +6,20 @@ One line each, so a torch-native job (``init_device_mesh`` + ``parallelize_modul
 
     topo = mesh_topology(mesh)                       # mesh dims named "pp" and "tp"
     window = pipeline_window(stage, range(start, end))  # a PipelineStage (or its index + count)
+
+:func:`resolve_stage` and :func:`check_stage` are how pploader's APIs that take ``mesh=`` /
+``window=`` (``build_rank_pools``, ``reload_from_disk``) turn them into a rank's stage, or
+check them against the stage a plan or a load record already names.
 """
 from __future__ import annotations
 
 from typing import Any, Iterable, Optional
 
 from ..errors import TopologyError
-from ..planning.partition import StageWindow
+from ..planning.partition import StageWindow, even_windows
 from ..planning.topology import Topology
 
-__all__ = ["mesh_topology", "pipeline_window"]
+__all__ = ["mesh_topology", "pipeline_window", "resolve_stage", "check_stage"]
 
 
 def _dim_size_rank(mesh: Any, dim: Optional[str]) -> tuple[int, int]:
@@ -70,3 +74,64 @@ def pipeline_window(stage: Any, layers: Iterable[int], num_stages: Optional[int]
     if not 0 <= index < count:
         raise TopologyError(f"stage index {index} outside {count} stages")
     return StageWindow(index, owned[0], owned[-1] + 1, index == 0, index == count - 1)
+
+
+def _topology(mesh: Any) -> Topology:
+    """``mesh_topology`` with the dims pploader's APIs understand by name: pp, tp, ep (a
+    missing one is size 1; a mesh with neither pp nor tp is refused, naming its dims)."""
+    names = set(getattr(mesh, "mesh_dim_names", None) or ())
+    if not names & {"pp", "tp"}:
+        return mesh_topology(mesh)  # raises: the mesh has no dim named pp
+    return mesh_topology(mesh, pp_dim="pp" if "pp" in names else None,
+                         tp_dim="tp" if "tp" in names else None,
+                         ep_dim="ep" if "ep" in names else None)
+
+
+def _check_window(topo: Topology, window: StageWindow, num_layers: Optional[int]) -> None:
+    # a rank may hold several (looped) virtual stages: stage i lives on pp rank i % pp
+    if window.pp_rank % topo.pp_size != topo.pp_rank:
+        raise TopologyError(f"stage {window.pp_rank} (layers [{window.start_layer}, "
+                            f"{window.end_layer})) does not live on pipeline rank "
+                            f"{topo.pp_rank} of {topo.pp_size} (stage i runs on rank i % pp)",
+                            rank=topo.rank)
+    if num_layers is not None and window.end_layer > num_layers:
+        raise TopologyError(f"stage {window.pp_rank} owns layers up to {window.end_layer - 1} "
+                            f"but the model has {num_layers}", rank=topo.rank)
+
+
+def resolve_stage(num_layers: int, *, mesh: Any = None, window: Optional[StageWindow] = None,
+                  topology: Optional[Topology] = None) -> tuple[Topology, StageWindow]:
+    """This rank's ``(Topology, StageWindow)`` from a ``DeviceMesh`` (dims named pp / tp
+    [/ ep], :func:`mesh_topology`) or a ``Topology``, and the stage's window
+    (:func:`pipeline_window`; default: pploader's even split of ``num_layers`` over the
+    mesh's pp size). The window must be a stage of this pipeline rank."""
+    if mesh is not None and topology is not None:
+        raise TopologyError("give mesh= (a DeviceMesh) or topology=, not both")
+    topo = _topology(mesh) if mesh is not None else topology
+    if topo is None:
+        raise TopologyError("no stage given: pass mesh= (a DeviceMesh with dims named pp / "
+                            "tp) or topology=, and optionally window=pipeline_window(...)")
+    if window is None:
+        window = even_windows(num_layers, topo.pp_size)[topo.pp_rank]
+    _check_window(topo, window, num_layers)
+    return topo, window
+
+
+def check_stage(topology: Topology, window: StageWindow, *, mesh: Any = None,
+                stage_window: Optional[StageWindow] = None, what: str = "the plan") -> None:
+    """TopologyError unless ``mesh`` (its :func:`mesh_topology`) and ``stage_window`` (when
+    given) are ``topology`` and ``window``, the stage ``what`` was made for."""
+    problems = []
+    if mesh is not None:
+        got = _topology(mesh)
+        if got != topology:
+            problems.append(f"the mesh is {got.describe()}, {what} is for "
+                            f"{topology.describe()}")
+    if stage_window is not None and stage_window != window:
+        problems.append(f"the stage window is layers [{stage_window.start_layer}, "
+                        f"{stage_window.end_layer}) of stage {stage_window.pp_rank}, {what} "
+                        f"has [{window.start_layer}, {window.end_layer}) of stage "
+                        f"{window.pp_rank} (pploader's split is not the job's: plan with "
+                        "the job's window)")
+    if problems:
+        raise TopologyError("; ".join(problems), rank=topology.rank)

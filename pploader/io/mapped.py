@@ -2,12 +2,16 @@
 a private file mapping, so the consumer's own copy (an engine's ``param.copy_``) is the only
 copy; bytes that must come from the disk keep the threaded backend's large positional reads.
 
-Per item, before anything is handed out: the pages of its byte ranges are looked up with
-``mincore`` on the mapping (exact, one bitmap per file). An item at least ``WARM_FRACTION``
-resident is *warm*: a single-range item becomes a view of the mapping (no copy, no fresh
-buffer to fault in and zero); a strided TP slice or a padded item is gathered from the mapping
-into a fresh tensor (one copy). The other items are *cold* and go through one threaded
-:class:`~pploader.io.read.Reader` over just those items (its window reads ahead).
+Per item, before anything is handed out: the pages of its byte ranges are looked up (exact:
+``cachestat`` on the span of each run of ranges, ``mincore`` on the mapping where some page is
+missing). An item at least ``WARM_FRACTION`` resident (or, with ``fault_budget``, whose
+missing pages hold at most that share of its bytes) is *warm*: a single-range item becomes a
+view of the mapping (no copy, no fresh buffer to fault in and zero); a strided TP slice or a
+padded item is gathered from the mapping into a fresh tensor (one copy: a run of equal rows at
+a constant stride, as a dim-1 shard's rows are, is one strided ``copy_``, not one per row). The other items are *cold* and go
+through one threaded :class:`~pploader.io.read.Reader` over just those items (its window reads
+ahead). With destinations (``load(destinations)``) warm items are copied from the mapping
+straight into them and cold ones read straight into them (``Reader.read_into``).
 
 Views stay valid while referenced (each holds the mapping); like any file mapping (and the
 safetensors loaders engines use by default), a file truncated in place while a view is still
@@ -23,24 +27,30 @@ import logging
 import mmap
 import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Iterator, Mapping, Optional
+from functools import partial
+from typing import Callable, Iterator, Mapping, Optional, Sequence
 
 import torch
 
 from ..errors import ReadError
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
+from .mapped_split import copy_stretch, split_resident
+from .pagecache import cached_pages
 from .read import Reader
 
-__all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "resident_items"]
+__all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "resident_items",
+           "strided_runs"]
 
 logger = logging.getLogger(__name__)
 
 #: An item counts as warm (served from the mapping) when at least this share of its pages is
 #: resident; the few missing pages are faulted in by the consumer's copy.
 WARM_FRACTION = 0.9
-#: Reader threads for cold items unless ``ReadOptions.threads`` says otherwise.
+#: Reader threads for cold items (and copying threads for warm ones into destinations) unless
+#: ``ReadOptions.threads`` says otherwise.
 COLD_THREADS = 4
 PAGE_BYTES = mmap.PAGESIZE
 #: the process's own C library (dlopen(NULL): no library search, no file read at first use)
@@ -53,53 +63,145 @@ _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 
 @dataclass
 class _File:
-    """One open, identity-checked file: its descriptor, private mapping (as a uint8 tensor)
-    and page-residency bitmap (1 byte per page, bit 0 = resident)."""
+    """One open, identity-checked file: its descriptor and private mapping (as a uint8
+    tensor). Page residency is asked of the kernel only for the pages an item touches
+    (a whole-file ``mincore`` bitmap costs ~0.2 µs a page on a VM): ``cachestat`` counts a
+    run's span in one call, ``mincore`` lists its pages when some are missing."""
 
     fd: int
     base: torch.Tensor
-    resident: bytes
+
+    def resident(self, first: int, last: int) -> bytes:
+        """One byte per page ``first..last`` (inclusive): 1 resident, 0 not (or unknown)."""
+        pages = last - first + 1
+        size = self.base.numel()
+        if pages <= 0 or first * PAGE_BYTES >= size:
+            return bytes(max(pages, 0))
+        length = min(pages * PAGE_BYTES, size - first * PAGE_BYTES)
+        vec = (ctypes.c_ubyte * pages)()
+        if _LIBC.mincore(ctypes.c_void_p(self.base.data_ptr() + first * PAGE_BYTES), length,
+                         vec) != 0:
+            return bytes(pages)  # unknown residency: treat as cold
+        return bytes(vec).translate(_LOW_BIT)
+
+    def missing(self, runs: Sequence[Run]) -> tuple[int, int]:
+        """(pages not resident, pages touched) of ``runs`` (:func:`strided_runs`): a run
+        whose gaps are shorter than a page touches every page it spans (one count); rows
+        further apart are counted row by row."""
+        missing = pages = 0
+        for off, n, count, stride in runs:
+            if n <= 0 or count <= 0:
+                continue
+            first = off // PAGE_BYTES
+            last = (off + (count - 1) * stride + n - 1) // PAGE_BYTES
+            cached = cached_pages(self.fd, first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
+            if cached is not None and cached >= last - first + 1:  # all resident: one call
+                pages += _touched(off, n, count, stride)
+                continue
+            bitmap = self.resident(first, last)
+            if count == 1 or stride - n < PAGE_BYTES:
+                missing, pages = missing + bitmap.count(0), pages + len(bitmap)
+                continue
+            for row in range(off, off + count * stride, stride):
+                window = bitmap[row // PAGE_BYTES - first:(row + n - 1) // PAGE_BYTES - first + 1]
+                missing, pages = missing + window.count(0), pages + len(window)
+        return missing, pages
 
     def fraction(self, ranges: tuple[tuple[int, int], ...]) -> float:
-        pages = hits = 0
-        for off, n in ranges:
-            if n <= 0:
-                continue
-            first, last = off // PAGE_BYTES, (off + n - 1) // PAGE_BYTES
-            window = self.resident[first:last + 1]
-            pages += len(window)
-            hits += len(window) - window.count(0)
-        return hits / pages if pages else 1.0
+        """Share of the pages ``ranges`` touch that are resident (1.0 for no bytes)."""
+        missing, pages = self.missing(strided_runs(ranges))
+        return 1.0 - missing / pages if pages else 1.0
 
 
-def _map(path: str, fd: int, file: str, plan: RankPlan) -> _File:
-    """Map ``fd`` privately and read its page-residency bitmap (no data is read)."""
+#: ``(offset, length, count, stride)``: ``count`` byte ranges of ``length``, ``stride`` apart
+Run = tuple[int, int, int, int]
+
+
+def strided_runs(ranges: Sequence[tuple[int, int]]) -> list[Run]:
+    """``ranges`` as runs of ``(offset, length, count, stride)``: ``count`` ranges of equal
+    ``length`` whose offsets step by ``stride`` (>= length), in order. A dim-1 shard's rows
+    are one run (one strided copy instead of one copy per row); any ranges are covered."""
+    n = len(ranges)
+    if n > 2:  # the common case in C passes: every range alike, evenly spaced
+        offs, lens = zip(*ranges)
+        stride = offs[1] - offs[0]
+        if stride >= lens[0] > 0 and lens.count(lens[0]) == n and \
+                offs == tuple(range(offs[0], offs[0] + stride * n, stride)):
+            return [(offs[0], lens[0], n, stride)]
+    out: list[Run] = []
+    i = 0
+    while i < n:
+        off, length = ranges[i]
+        j, stride = i + 1, 0
+        while j < n and ranges[j][1] == length:
+            step = ranges[j][0] - ranges[j - 1][0]
+            if not stride:
+                if step < length:
+                    break
+                stride = step
+            elif step != stride:
+                break
+            j += 1
+        out.append((off, length, j - i, stride or length))
+        i = j
+    return out
+
+
+def _touched(off: int, n: int, count: int, stride: int) -> int:
+    """Pages touched by a run (its span when the gaps are shorter than a page)."""
+    if count == 1 or stride - n < PAGE_BYTES:
+        return (off + (count - 1) * stride + n - 1) // PAGE_BYTES - off // PAGE_BYTES + 1
+    return sum((row + n - 1) // PAGE_BYTES - row // PAGE_BYTES + 1
+               for row in range(off, off + count * stride, stride))
+
+
+def _run_bytes(runs: Sequence[Run]) -> int:
+    return sum(n * count for _, n, count, _ in runs)
+
+
+def _map(path: str, fd: int, file: str, plan: RankPlan, *, random: bool = False) -> _File:
+    """Map ``fd`` privately (no data is read); ``random``: a fault reads only its page."""
     size = os.fstat(fd).st_size
     if size == 0:
-        return _File(fd, torch.empty(0, dtype=torch.uint8), b"")
+        return _File(fd, torch.empty(0, dtype=torch.uint8))
     try:
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
     except (OSError, ValueError) as exc:
         raise ReadError(f"cannot map {path}: {exc}", file=file,
                         rank=plan.topology.rank) from exc
-    base = torch.frombuffer(mm, dtype=torch.uint8)  # holds ``mm`` while any view lives
-    pages = (size + PAGE_BYTES - 1) // PAGE_BYTES
-    vec = (ctypes.c_ubyte * pages)()
-    if _LIBC.mincore(ctypes.c_void_p(base.data_ptr()), size, vec) != 0:
-        return _File(fd, base, bytes(pages))  # unknown residency: treat as cold
-    return _File(fd, base, bytes(vec).translate(_LOW_BIT))
+    if random:
+        mm.madvise(mmap.MADV_RANDOM)
+    return _File(fd, torch.frombuffer(mm, dtype=torch.uint8))  # holds ``mm`` while views live
 
 
 class MappedBackend:
     """Reads a plan as views of the page cache where warm, positional reads where cold (see
     the module docstring). ``stats.read_bytes``: every planned byte delivered, warm or cold;
     ``mapped_bytes``: those of them taken from the mapping (no read syscall: /proc's rchar
-    does not count them)."""
+    does not count them).
 
-    def __init__(self, plan: RankPlan, options: ReadOptions) -> None:
+    Which items are warm: by default those with at least ``warm_fraction`` of their pages
+    resident (the few missing are faulted in with the kernel's read-around). ``fault_budget``
+    (a share, e.g. 0.01) instead bounds what faults may read from storage: an item is warm
+    when its missing pages hold at most that share of its bytes, and the mapping is
+    ``MADV_RANDOM`` so a fault reads only its own page (a caller that promises to read about
+    its bytes only, as the DCP reader does)."""
+
+    def __init__(self, plan: RankPlan, options: ReadOptions, *,
+                 warm_fraction: float = WARM_FRACTION,
+                 fault_budget: Optional[float] = None,
+                 cold_threads: Optional[int] = None) -> None:
+        if not 0.0 < warm_fraction <= 1.0:
+            raise ValueError(f"warm_fraction must be in (0, 1], got {warm_fraction}")
+        if fault_budget is not None and fault_budget < 0:
+            raise ValueError(f"fault_budget must be >= 0, got {fault_budget}")
         self.plan, self.options, self.stats = plan, options, ReadStats()
+        self.warm_fraction, self.fault_budget = warm_fraction, fault_budget
+        self.cold_threads = cold_threads  # reader threads of cold items (None: ``threads``)
         self.mapped_bytes = 0
         self.warm_items = 0
+        self._runs: dict[str, list[Run]] = {}
+        self._missing: dict[str, tuple[int, int]] = {}  # (pages missing, touched) by target
 
     def _err(self, msg: str, item: ReadItem) -> ReadError:
         return ReadError(msg, file=item.file, tensor=item.name, rank=self.plan.topology.rank)
@@ -114,17 +216,42 @@ class MappedBackend:
                 raise self._err(f"cannot open: {exc.strerror}", item) from exc
             try:
                 check_identity(self.plan, item.file, fd, item.name)
-                f = files[item.file] = _map(path, fd, item.file, self.plan)
+                f = files[item.file] = _map(path, fd, item.file, self.plan,
+                                            random=self.fault_budget is not None)
             except BaseException:
                 os.close(fd)
                 raise
         return f
 
+    def _item_runs(self, item: ReadItem) -> list[Run]:
+        runs = self._runs.get(item.target)
+        if runs is None:
+            runs = self._runs[item.target] = strided_runs(item.ranges)
+        return runs
+
+    def _warm(self, files: dict[str, _File]) -> list[bool]:
+        """Per item (plan order): served from the mapping (its files opened and mapped)."""
+        out = []
+        for item in self.plan.items:
+            if not item.ranges:
+                out.append(False)
+                continue
+            runs = self._item_runs(item)
+            missing, pages = self._open(files, item).missing(runs)
+            self._missing[item.target] = (missing, pages)
+            if self.fault_budget is not None:
+                out.append(missing * PAGE_BYTES <= self.fault_budget * _run_bytes(runs))
+            else:
+                out.append(not pages or 1.0 - missing / pages >= self.warm_fraction)
+        return out
+
     def _from_mapping(self, f: _File, item: ReadItem, dst: Optional[torch.Tensor]
                       ) -> torch.Tensor:
         """The item's tensor from the mapping: a view when it is one whole range (and no
-        destination is given), else gathered into ``dst`` or a fresh tensor."""
-        end = max(off + n for off, n in item.ranges)
+        destination is given), else copied into ``dst`` or a fresh tensor (one strided copy
+        per run of :func:`strided_runs`)."""
+        runs = self._item_runs(item)
+        end = max(off + (count - 1) * stride + n for off, n, count, stride in runs)
         if end > f.base.numel():
             raise self._err(f"file changed during load: unexpected end of file (the item "
                             f"ends at byte {end}, the file has {f.base.numel()}; truncated "
@@ -136,9 +263,10 @@ class MappedBackend:
         out = dst if dst is not None else torch.empty(item.shape, dtype=dtype)
         if item.direct:
             flat, pos = out.reshape(-1).view(torch.uint8), 0
-            for off, n in item.ranges:
-                flat[pos:pos + n].copy_(f.base[off:off + n])
-                pos += n
+            for off, n, count, stride in runs:
+                flat[pos:pos + n * count].view(count, n).copy_(
+                    f.base.as_strided((count, n), (stride, 1), off))
+                pos += n * count
             materialise(item, flat[:0], out)  # the padding rows only
             return out
         parts = [f.base[off:off + n] for off, n in item.ranges]
@@ -146,63 +274,157 @@ class MappedBackend:
         materialise(item, raw, out)
         return out
 
-    def _each(self, destinations: Optional[Mapping[str, torch.Tensor]]
-              ) -> Iterator[tuple[str, torch.Tensor]]:
+    def _cold_reader(self, cold: list[ReadItem]) -> Reader:
+        return Reader(replace(self.plan, items=tuple(cold), redistribute=None),
+                      window_bytes=self.options.window_bytes,
+                      threads=self.cold_threads or self.options.threads or COLD_THREADS,
+                      cancel=self.options.cancel,
+                      on_progress=self.options.on_progress,
+                      memory_budget_bytes=self.options.memory_budget_bytes)
+
+    def _each(self) -> Iterator[tuple[str, torch.Tensor]]:
         start, files = time.perf_counter(), dict[str, _File]()
         self.mapped_bytes = self.warm_items = 0
         reader: Optional[Reader] = None
         try:
-            warm = []
-            for item in self.plan.items:
-                ok = bool(item.ranges) and \
-                    self._open(files, item).fraction(item.ranges) >= WARM_FRACTION
-                warm.append(ok)
+            warm = self._warm(files)
             cold = [i for i, w in zip(self.plan.items, warm) if not w]
             stream: Iterator[tuple[str, torch.Tensor]] = iter(())
             if cold:
-                reader = Reader(replace(self.plan, items=tuple(cold), redistribute=None),
-                                window_bytes=self.options.window_bytes,
-                                threads=self.options.threads or COLD_THREADS,
-                                cancel=self.options.cancel,
-                                memory_budget_bytes=self.options.memory_budget_bytes)
+                reader = self._cold_reader(cold)
+                reader.on_progress = None  # counted below, once per item
                 stream = iter(reader)
             self._populate(files, [i for i, w in zip(self.plan.items, warm) if w])
             for item, is_warm in zip(self.plan.items, warm):
-                cancel = self.options.cancel
-                if cancel is not None and cancel.is_set():
-                    raise self._err("cancelled: another rank failed", item)
-                dst = destinations.get(item.target) if destinations is not None else None
+                self._check_cancel(item)
                 if is_warm:
-                    tensor = self._from_mapping(files[item.file], item, dst)
-                    self.mapped_bytes += item.read_bytes
-                    self.stats.read_bytes += item.read_bytes
-                    self.warm_items += 1
+                    tensor = self._from_mapping(files[item.file], item, None)
+                    self._count_warm(item)
                 else:
                     target, tensor = next(stream)
                     if target != item.target:  # pragma: no cover - plan order is kept
                         raise self._err(f"internal: cold stream gave {target}", item)
-                    if dst is not None:
-                        dst.copy_(tensor)
-                        tensor = dst
+                    if self.options.on_progress is not None:
+                        self.options.on_progress(item.read_bytes)
                 self.stats.items += 1
-                if self.options.on_progress is not None:
-                    self.options.on_progress(item.read_bytes)
                 yield item.target, tensor
             for _ in stream:  # the cold reader's end: its identity checks and close
                 pass
             for file, f in files.items():
                 check_identity(self.plan, file, f.fd)
         finally:
-            for f in files.values():
-                os.close(f.fd)
-            if reader is not None:
-                self.stats.read_bytes += reader.stats.read_bytes
-                self.stats.syscalls += reader.stats.syscalls
-                self.stats.peak_inflight_bytes = reader.stats.peak_inflight_bytes
-            self.stats.seconds = time.perf_counter() - start
-            logger.debug("rank %d: %d item(s) mapped (%d bytes), %d read (%d bytes)",
-                         self.plan.topology.rank, self.warm_items, self.mapped_bytes,
-                         len(self.plan.items) - self.warm_items, self.stats.read_bytes)
+            self._finish(files, reader, start)
+
+    def _into(self, destinations: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Warm items copied from the mapping into their destinations (on ``threads``
+        threads), then cold ones read straight into theirs (no intermediate tensor); with
+        ``fault_budget``, a partly resident item is split (io/mapped_split.py): its resident
+        rows / pages copied, the rest read. Our own copy faults the pages in (the kernel maps
+        the resident neighbours of each fault), so nothing is populated ahead."""
+        start, files = time.perf_counter(), dict[str, _File]()
+        self.mapped_bytes = self.warm_items = 0
+        reader: Optional[Reader] = None
+        try:
+            warm = self._warm(files)
+            hot = [i for i, w in zip(self.plan.items, warm) if w]
+            jobs: list[Callable[[], object]] = [
+                partial(self._from_mapping, files[i.file], i, destinations[i.target])
+                for i in hot]
+            cold: list[ReadItem] = []
+            parts: dict[ReadItem, torch.Tensor] = {}
+            mapped = 0  # bytes of the partly resident items copied from the mapping
+            for item, is_warm in zip(self.plan.items, warm):
+                if is_warm:
+                    continue
+                got = self._split(files, item, destinations[item.target])
+                if got is None:
+                    cold.append(item)
+                    continue
+                copies, reads = got
+                jobs.extend(copies)
+                mapped += _run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
+                parts.update(reads)
+            self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
+            for item in hot:
+                self._count_warm(item)
+            self.stats.items += len(hot)
+            if cold or parts:
+                reader = self._cold_reader([*cold, *parts])
+                reader.read_into({**{i.target: destinations[i.target] for i in cold},
+                                  **{i.target: view for i, view in parts.items()}})
+            self.stats.items += len(self.plan.items) - len(hot)
+            self.mapped_bytes += mapped
+            self.stats.read_bytes += mapped
+            if mapped and self.options.on_progress is not None:
+                self.options.on_progress(mapped)
+            for file, f in files.items():
+                check_identity(self.plan, file, f.fd)
+        finally:
+            self._finish(files, reader, start)
+        return {i.target: destinations[i.target] for i in self.plan.items}
+
+    def _split(self, files: dict[str, _File], item: ReadItem, dst: torch.Tensor
+               ) -> Optional[tuple[list[Callable[[], object]], dict[ReadItem, torch.Tensor]]]:
+        """A partly resident item (``fault_budget`` set): copies of its resident stretches
+        and read items of its missing bytes with their destination views; None to read it
+        whole (more than half its pages missing, a padded or gathered item, or no fault
+        budget)."""
+        if self.fault_budget is None or not item.direct or item.pad_rows or not item.ranges:
+            return None
+        missing, pages = self._missing.get(item.target, (1, 1))
+        if 2 * missing > pages:  # mostly cold: one exact read of it beats a split
+            return None
+        f = files[item.file]
+        runs = self._item_runs(item)
+        end = max(off + (count - 1) * stride + n for off, n, count, stride in runs)
+        if end > f.base.numel():
+            return None  # the positional reads name the truncation
+        stretches, reads = split_resident(item, runs, f.resident, PAGE_BYTES)
+        if not stretches:
+            return None
+        flat = dst.reshape(-1).view(torch.uint8)
+        copies: list[Callable[[], object]] = [partial(copy_stretch, f.base, flat, s)
+                                            for s in stretches]
+        views = {r: flat[int(r.target.rsplit("@", 1)[1]):][:r.nbytes] for r in reads}
+        return copies, views
+
+    def _run_copies(self, jobs: list[Callable[[], object]], item: Optional[ReadItem]) -> None:
+        """Run the copies from the mapping on ``threads`` threads (copy_ releases the GIL)."""
+        if item is not None:
+            self._check_cancel(item)
+        threads = min(self.options.threads or COLD_THREADS, len(jobs))
+        if threads > 1:
+            with ThreadPoolExecutor(threads, thread_name_prefix="pploader-copy") as pool:
+                for fut in [pool.submit(job) for job in jobs]:
+                    fut.result()
+        else:
+            for job in jobs:
+                job()
+
+    def _check_cancel(self, item: ReadItem) -> None:
+        cancel = self.options.cancel
+        if cancel is not None and cancel.is_set():
+            raise self._err("cancelled: another rank failed", item)
+
+    def _count_warm(self, item: ReadItem) -> None:
+        nbytes = _run_bytes(self._item_runs(item))
+        self.mapped_bytes += nbytes
+        self.stats.read_bytes += nbytes
+        self.warm_items += 1
+        if self.options.on_progress is not None:
+            self.options.on_progress(nbytes)
+
+    def _finish(self, files: dict[str, _File], reader: Optional[Reader], start: float) -> None:
+        for f in files.values():
+            os.close(f.fd)
+        if reader is not None:
+            self.stats.read_bytes += reader.stats.read_bytes
+            self.stats.syscalls += reader.stats.syscalls
+            self.stats.peak_inflight_bytes = reader.stats.peak_inflight_bytes
+        self.stats.seconds = time.perf_counter() - start
+        logger.debug("rank %d: %d item(s) mapped (%d bytes), %d read (%d bytes)",
+                     self.plan.topology.rank, self.warm_items, self.mapped_bytes,
+                     len(self.plan.items) - self.warm_items, self.stats.read_bytes)
 
     @staticmethod
     def _populate(files: dict[str, _File], items: list[ReadItem]) -> None:
@@ -224,17 +446,18 @@ class MappedBackend:
     def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
              ) -> dict[str, torch.Tensor]:
         """Every item (views of the mapping where warm), or copied into ``destinations``."""
-        if destinations is not None:
-            for item in self.plan.items:
-                dst = destinations.get(item.target)
-                if dst is None or tuple(dst.shape) != item.shape or not dst.is_contiguous() \
-                        or dst.dtype != item_dtype(item) or dst.device.type != "cpu":
-                    raise self._err(f"destination {item.target} is not a contiguous cpu "
-                                    f"tensor of {item.shape} {item_dtype(item)}", item)
-        return dict(self._each(destinations))
+        if destinations is None:
+            return dict(self._each())
+        for item in self.plan.items:
+            dst = destinations.get(item.target)
+            if dst is None or tuple(dst.shape) != item.shape or not dst.is_contiguous() \
+                    or dst.dtype != item_dtype(item) or dst.device.type != "cpu":
+                raise self._err(f"destination {item.target} is not a contiguous cpu "
+                                f"tensor of {item.shape} {item_dtype(item)}", item)
+        return self._into(destinations)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return self._each(None)
+        return self._each()
 
 
 def resident_items(plan: RankPlan, ranges: Mapping[str, tuple[str, tuple[tuple[int, int], ...]]]
@@ -262,8 +485,11 @@ def resident_items(plan: RankPlan, ranges: Mapping[str, tuple[str, tuple[tuple[i
     return out
 
 
-def open_mapped(plan: RankPlan, device: torch.device, options: ReadOptions) -> MappedBackend:
-    """The ``mapped`` backend's factory (io/registry.py)."""
+def open_mapped(plan: RankPlan, device: torch.device, options: ReadOptions, *,
+                warm_fraction: float = WARM_FRACTION, fault_budget: Optional[float] = None,
+                cold_threads: Optional[int] = None) -> MappedBackend:
+    """The ``mapped`` backend's factory (io/registry.py; the keywords: see MappedBackend)."""
     if device.type != "cpu":
         raise ValueError(f"the mapped backend loads onto cpu, not {device}")
-    return MappedBackend(plan, options)
+    return MappedBackend(plan, options, warm_fraction=warm_fraction, fault_budget=fault_budget,
+                         cold_threads=cold_threads)

@@ -215,3 +215,44 @@ def test_mesh_topology_and_stage_window() -> None:
     assert pipeline_window(2, [9, 8], num_stages=3) == StageWindow(2, 8, 10, False, True)
     with pytest.raises(TopologyError, match="contiguous"):
         pipeline_window(0, [0, 2], num_stages=2)
+
+
+def test_cpu_dim1_shard_from_page_cache_or_exact_reads(llama: Path) -> None:
+    """CPU default: a resident dim-1 shard is one strided copy from a mapping (no read
+    syscall); evicted, it is read by one positional read per row, exactly its bytes."""
+    from helpers import evict_or_skip
+    from pploader.report import proc_io
+    import gc
+    fqn = "model.layers.2.mlp.down_proj.weight"  # [128, 256] fp32
+    ref = reference(llama)[fqn].clone()
+    gc.collect()  # no mapping of the shard left (pages of a mapped file are not dropped)
+    box = DCPReadItem(type=LoadItemType.TENSOR, dest_index=MetadataIndex(fqn, (0, 0)),
+                      dest_offsets=torch.Size((0, 0)), storage_index=MetadataIndex(fqn, (0, 0)),
+                      storage_offsets=torch.Size((0, 128)), lengths=torch.Size((128, 128)))
+    nbytes = 128 * 128 * 4
+    for cache in ("warm", "cold"):
+        reader = PPLoaderStorageReader(llama)
+        reader.read_metadata()
+        path = llama / reader.entry(fqn).file
+        if cache == "warm":
+            path.read_bytes()
+        else:
+            fd = os.open(path, os.O_RDONLY)
+            os.fsync(fd)  # just written: dirty pages are not dropped
+            os.close(fd)
+            evict_or_skip([path])
+        dst = torch.full((128, 128), float("nan"))
+        planner = SimpleNamespace(resolve_tensor=lambda req, d=dst: d,
+                                  commit_tensor=lambda req, t: None)
+        if cache == "warm":  # once untimed: the modules a first read imports
+            reader.read_data(SimpleNamespace(items=[box]), planner).wait()
+        io0 = proc_io()
+        reader.read_data(SimpleNamespace(items=[box]), planner).wait()
+        rchar = proc_io().get("rchar", 0) - io0.get("rchar", 0)
+        assert torch.equal(dst, ref[:, 128:]), cache
+        assert reader.read_bytes == nbytes
+        if cache == "warm":
+            assert reader.stats.syscalls == 0 and rchar < 4096, (reader.stats, rchar)
+        else:
+            assert reader.stats.syscalls == 128, reader.stats
+            assert nbytes <= rchar <= 1.02 * nbytes + 4096, rchar

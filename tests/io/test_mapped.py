@@ -3,6 +3,7 @@ cold ones positional reads; a mix keeps plan order and equals the threaded backe
 from __future__ import annotations
 
 import gc
+import os
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from helpers import evict_or_skip, make_model, tiny_config
 from pploader import Topology, load_stage, plan_stage
 from pploader.io.backend import ReadOptions
-from pploader.io.mapped import MappedBackend
+from pploader.io.mapped import MappedBackend, strided_runs
 
 
 @pytest.fixture()
@@ -64,3 +65,148 @@ def test_destinations_are_filled(llama: Path) -> None:
     out = MappedBackend(staged.plan, ReadOptions()).load(dst)
     for k, v in ref.items():
         assert out[k] is dst[k] and torch.equal(dst[k], v), k
+
+
+def _expand(runs: list) -> list:
+    return [(off + i * stride, n) for off, n, count, stride in runs for i in range(count)]
+
+
+def test_strided_runs() -> None:
+    """Ranges grouped into (offset, length, count, stride) runs that expand back to them:
+    a dim-1 shard's rows are one run; anything irregular still covered, in order."""
+    assert strided_runs([(0, 4), (10, 4), (20, 4)]) == [(0, 4, 3, 10)]
+    assert strided_runs([(0, 4), (4, 4), (8, 4)]) == [(0, 4, 3, 4)]
+    assert strided_runs([(7, 5)]) == [(7, 5, 1, 5)]
+    assert strided_runs([]) == []
+    irregular = [(0, 4), (10, 4), (25, 4), (30, 2), (40, 2), (50, 2), (51, 2)]
+    assert strided_runs(irregular) == [(0, 4, 2, 10), (25, 4, 1, 4), (30, 2, 3, 10),
+                                       (51, 2, 1, 2)]
+    # a box of a 3-d tensor [4, 6, 8] bytes: rows 1..3 of dims 1, bytes 2..5 of dim 2
+    box = [(b * 48 + r * 8 + 2, 4) for b in range(4) for r in range(1, 4)]
+    runs = strided_runs(box)
+    assert _expand(runs) == box and len(runs) == 4
+    torch.manual_seed(0)
+    for _ in range(50):
+        offs = torch.randint(0, 5, (20,)).cumsum(0) * 8
+        ranges = [(int(o), int(n)) for o, n in zip(offs, torch.randint(1, 9, (20,)))]
+        assert _expand(strided_runs(ranges)) == ranges
+
+
+def test_fault_budget_reads_cold_items_straight_into_destinations(llama: Path) -> None:
+    """With ``fault_budget`` an item with missing pages is cold: it is read by positional
+    reads straight into its destination (a 1-byte memory budget: no intermediate tensor);
+    warm ones, dim-1 row runs included, are copied from the mapping (no read syscall)."""
+    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    assert any(len(i.ranges) > 1 for i in staged.plan.items)  # dim-1 row runs
+    ref = load_stage(staged, io_backend="threaded").state_dict
+    files = sorted({i.file for i in staged.plan.items})
+    gc.collect()
+    for path in llama.glob("*.safetensors"):
+        path.read_bytes()
+    cold = files[::2]
+    for f in cold:
+        evict_or_skip([llama / f])
+    dst = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+    backend = MappedBackend(staged.plan, ReadOptions(memory_budget_bytes=1), fault_budget=0.01)
+    out = backend.load(dst)
+    for k, v in ref.items():
+        assert out[k] is dst[k] and torch.equal(dst[k], v), k
+    warm = [i for i in staged.plan.items if i.file not in cold]
+    cold_items = [i for i in staged.plan.items if i.file in cold]
+    assert backend.warm_items == len(warm)
+    assert backend.mapped_bytes == sum(i.read_bytes for i in warm)
+    assert backend.stats.read_bytes == staged.plan.read_bytes
+    assert backend.stats.syscalls >= len(cold_items)  # cold: positional reads only
+    with pytest.raises(ValueError, match="fault_budget"):
+        MappedBackend(staged.plan, ReadOptions(), fault_budget=-1)
+
+
+def test_cached_pages_counts_resident_pages(tmp_path: Path) -> None:
+    """cachestat's count of a byte range: every page after a read, fewer after eviction;
+    it agrees with mincore's (resident_bytes_of_ranges) on both."""
+    from pploader.io.pagecache import PAGE_BYTES, cached_pages, resident_bytes_of_ranges
+    path = tmp_path / "f.bin"
+    path.write_bytes(bytes(range(256)) * (64 * PAGE_BYTES // 256))
+    path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        got = cached_pages(fd, 0, 64 * PAGE_BYTES)
+        if got is None:
+            pytest.skip("no cachestat on this kernel (the mincore fallback is used)")
+        assert got == 64 == resident_bytes_of_ranges(str(path), [(0, 64 * PAGE_BYTES)],
+                                                     sample_bytes=0)[0] // PAGE_BYTES
+        assert cached_pages(fd, 8 * PAGE_BYTES, 4 * PAGE_BYTES) == 4
+        evict_or_skip([path])
+        left = resident_bytes_of_ranges(str(path), [(0, 64 * PAGE_BYTES)], sample_bytes=0)[0]
+        assert cached_pages(fd, 0, 64 * PAGE_BYTES) == left // PAGE_BYTES < 64
+    finally:
+        os.close(fd)
+
+
+def test_fault_budget_splits_a_partly_resident_item(tmp_path: Path) -> None:
+    """Pages dropped from the middle of two items: their resident rows / pages are copied
+    from the mapping and only the rest is read (some, not all, of their bytes; rchar = the
+    reader's count); every value equal to the threaded backend's."""
+    from pploader.report import proc_io
+    model = make_model(tmp_path / "big", tiny_config(vocab_size=250, hidden_size=1024,
+                                                    intermediate_size=4096,
+                                                    num_hidden_layers=2),
+                       shard_bytes=64_000_000)
+    staged = plan_stage(model, Topology(1, 2, 1, 0), range_cost_bytes=0)
+    ref = load_stage(staged, io_backend="threaded").state_dict
+    gc.collect()
+    for path in model.glob("*.safetensors"):
+        path.read_bytes()
+    rows = max((i for i in staged.plan.items if len(i.ranges) > 1), key=lambda i: i.read_bytes)
+    whole = max((i for i in staged.plan.items if len(i.ranges) == 1), key=lambda i: i.read_bytes)
+    for item in (rows, whole):  # drop the middle half of each (whole large folios in it)
+        lo, hi = item.ranges[0][0], item.ranges[-1][0] + item.ranges[-1][1]
+        fd = os.open(model / item.file, os.O_RDONLY)
+        os.fdatasync(fd)
+        os.posix_fadvise(fd, lo + (hi - lo) // 4, (hi - lo) // 2, os.POSIX_FADV_DONTNEED)
+        os.close(fd)
+    dst = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+    backend = MappedBackend(staged.plan, ReadOptions(threads=1), fault_budget=0.0)
+    io0 = proc_io()
+    backend.load(dst)
+    rchar = proc_io()["rchar"] - io0["rchar"]
+    for k, v in ref.items():
+        assert torch.equal(dst[k], v), k
+    read = backend.stats.read_bytes - backend.mapped_bytes
+    assert backend.stats.read_bytes == staged.plan.read_bytes
+    if read == 0:
+        pytest.skip("this file system keeps the pages resident (no eviction)")
+    assert read < rows.read_bytes + whole.read_bytes  # split: not the two items whole
+    n = len(staged.plan.items)  # a dropped large folio may reach into a neighbouring item
+    assert n - 4 <= backend.warm_items < n
+    assert read <= rchar <= read + 4096, (read, rchar)
+
+
+def test_split_resident_covers_every_byte_once() -> None:
+    """Rows and a one-range item split at missing pages: resident stretches + exact reads
+    cover each byte of the item once, in destination order."""
+    from pploader.io.mapped_split import split_resident
+    from pploader.planning.items import ReadItem
+    page = 16
+    bitmap = bytes([1] * 4 + [0] * 3 + [1] * 9)  # pages 4..6 missing (bytes 64..111)
+    for runs in ([(8, 6, 20, 12)], [(5, 200, 1, 200)]):
+        ranges = tuple((off + r * stride, n) for off, n, count, stride in runs
+                       for r in range(count))
+        item = ReadItem("w", "w", "f", "U8", (sum(n for _, n in ranges),), (256,), ranges,
+                        (sum(n for _, n in ranges),))
+        stretches, reads = split_resident(item, runs, lambda a, b: bitmap[a:b + 1], page)
+        got = {}  # destination pos -> file offset, byte by byte
+        for s in stretches:
+            for r in range(s.rows):
+                for k in range(s.length):
+                    got[s.pos + r * s.length + k] = s.offset + r * s.stride + k
+        for rd in reads:
+            pos = int(rd.target.rsplit("@", 1)[1])
+            for off, n in rd.ranges:
+                for k in range(n):
+                    got[pos] = off + k
+                    pos += 1
+            assert all(64 - 16 < off < 112 + 16 for off, _ in rd.ranges)  # near the hole
+        want = [off + k for off, n in ranges for k in range(n)]
+        assert [got[i] for i in range(len(want))] == want and len(got) == len(want)
+        assert stretches and reads

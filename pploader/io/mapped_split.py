@@ -1,0 +1,112 @@
+"""A partly resident item split by page residency (the ``mapped`` backend with
+``fault_budget``): its resident stretches are copied from the file mapping, its missing ones
+read by positional reads of exactly the item's bytes there, both straight into the
+destination.
+
+A page cache that is being reclaimed (a VM's balloon, another job's reads) leaves a shard
+with a few missing megabytes: rather than read the whole shard row by row, or fault the
+missing pages in (a fault reads a whole page, the neighbouring TP ranks' bytes included),
+only those rows (or, of a one-range shard, those pages' bytes) are read.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Sequence
+
+import torch
+
+from ..planning.plan import ReadItem
+
+__all__ = ["Stretch", "split_resident", "copy_stretch"]
+
+#: ``(offset, length, count, stride)``: ``count`` byte ranges of ``length``, ``stride`` apart
+Run = tuple[int, int, int, int]
+
+
+class Stretch(NamedTuple):
+    """Resident bytes of an item: ``rows`` ranges of ``length`` at ``offset`` + k x
+    ``stride`` in the file, landing at byte ``pos`` of the destination, one after another."""
+
+    pos: int
+    offset: int
+    length: int
+    rows: int
+    stride: int
+
+
+def _pieces(runs: Sequence[Run], page: int, bitmap: bytes, first: int
+            ) -> list[tuple[int, int, int, bool]]:
+    """``(file offset, length, destination pos, resident)`` of each row of ``runs``; a
+    one-range run (a whole tensor, a dim-0 shard) is cut where page residency changes."""
+    out, pos = [], 0
+    for off, n, count, stride in runs:
+        if count == 1:
+            a, end = off, off + n
+            while a < end:
+                i = a // page - first
+                ok = bitmap[i] != 0
+                j = bitmap.find(b"\x00" if ok else b"\x01", i + 1)  # next change of state
+                b = end if j < 0 else min(end, (j + first) * page)
+                out.append((a, b - a, pos + a - off, ok))
+                a = b
+        else:
+            for r in range(count):
+                a = off + r * stride
+                out.append((a, n, pos + r * n,
+                            0 not in bitmap[a // page - first:(a + n - 1) // page - first + 1]))
+        pos += n * count
+    return out
+
+
+def split_resident(item: ReadItem, runs: Sequence[Run],
+                   resident: Callable[[int, int], bytes], page: int
+                   ) -> tuple[list[Stretch], list[ReadItem]]:
+    """The item's resident stretches and, for the rest, ``U8`` read items of exactly its
+    bytes (targets ``<target>@<pos>``: destination bytes ``[pos, pos + nbytes)``).
+    ``resident(first, last)``: one byte per page, 0 = not resident."""
+    spans = [(off, off + (count - 1) * stride + n) for off, n, count, stride in runs if n]
+    if not spans:
+        return [], []
+    first = min(x for x, _ in spans) // page
+    last = (max(y for _, y in spans) - 1) // page
+    groups: list[tuple[bool, list[tuple[int, int, int]]]] = []
+    for x, n, pos, ok in _pieces(runs, page, resident(first, last), first):
+        if groups and groups[-1][0] == ok:
+            groups[-1][1].append((x, n, pos))
+        else:
+            groups.append((ok, [(x, n, pos)]))
+    stretches: list[Stretch] = []
+    reads: list[ReadItem] = []
+    for ok, group in groups:
+        if ok:
+            stretches.extend(_stretches(group))
+            continue
+        ranges: list[tuple[int, int]] = []
+        for a, n, _ in group:  # adjacent pieces (a one-range item's pages): one range
+            if ranges and ranges[-1][0] + ranges[-1][1] == a:
+                ranges[-1] = (ranges[-1][0], ranges[-1][1] + n)
+            else:
+                ranges.append((a, n))
+        pos, nbytes = group[0][2], sum(n for _, n, _ in group)
+        reads.append(ReadItem(item.name, f"{item.target}@{pos}", item.file, "U8", (nbytes,),
+                              item.source_shape, tuple(ranges), (nbytes,)))
+    return stretches, reads
+
+
+def _stretches(group: list[tuple[int, int, int]]) -> list[Stretch]:
+    """Consecutive pieces (consecutive in the destination) as strided stretches."""
+    out: list[Stretch] = []
+    for a, n, pos in group:
+        if out:
+            s = out[-1]
+            step = a - (s.offset + (s.rows - 1) * s.stride)
+            if n == s.length and (s.rows == 1 and step >= n or step == s.stride):
+                out[-1] = s._replace(rows=s.rows + 1, stride=step if s.rows == 1 else s.stride)
+                continue
+        out.append(Stretch(pos, a, n, 1, n))
+    return out
+
+
+def copy_stretch(base: torch.Tensor, flat: torch.Tensor, s: Stretch) -> None:
+    """Copy one stretch from the mapping ``base`` into the destination bytes ``flat``."""
+    flat[s.pos:s.pos + s.length * s.rows].view(s.rows, s.length).copy_(
+        base.as_strided((s.rows, s.length), (s.stride, 1), s.offset))
