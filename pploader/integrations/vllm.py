@@ -283,7 +283,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         rchar1, seconds = rchar_bytes(), time.perf_counter() - start
         check_all_loaded(model, loaded, staged)
         if self.tp_mode == "placed" and topology.tp_size > 1 and \
-                getattr(reader, "warm_items", 0) < len(staged.plan.items):
+                getattr(reader, "mapped_items", 0) < len(staged.plan.items):
             check_no_unread(model, topology.rank)  # some tensors were placed in NaN
         state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
                           range_cost_bytes=self.range_cost_bytes, io_backend=self.io_backend,
@@ -337,8 +337,9 @@ def _model_device(model: nn.Module) -> torch.device:
 def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optional[int],
                  rchar1: Optional[int]) -> dict[str, Any]:
     """What one worker read; ``ideal_bytes`` is its TP part of the stage (tp_mode aside);
-    ``mapped_bytes``: the part of ``read_bytes`` taken as views of resident pages (no read
-    syscall, so not in ``rchar_bytes``)."""
+    ``mapped_bytes``: the part of ``read_bytes`` taken as views of the page cache (no read
+    syscall, so not in ``rchar_bytes``); ``readahead_bytes``: of those, the ones that were
+    cold and faulted in ahead of the engine (kernel readahead)."""
     ideal = plan_stage(state.model_dir, state.topology, partition=list(state.partition)) \
         .plan.ideal_bytes if state.tp_mode == "full" and state.topology.tp_size > 1 \
         else state.staged.plan.ideal_bytes
@@ -347,6 +348,7 @@ def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: 
             "start_layer": w.start_layer, "end_layer": w.end_layer,
             "read_bytes": reader.stats.read_bytes, "ideal_bytes": ideal,
             "mapped_bytes": int(getattr(reader, "mapped_bytes", 0)),
+            "readahead_bytes": int(getattr(reader, "readahead_bytes", 0)),
             "io_backend": state.io_backend,
             "local_experts": None if state.local_experts is None else sorted(state.local_experts),
             "header_bytes": state.staged.plan.header_bytes, "seconds": seconds,
