@@ -82,14 +82,17 @@ class Comm:
 
     def __init__(self, topology: Topology, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  dead_after_s: Optional[float] = None, store: Optional[dist.Store] = None,
-                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = 0) -> None:
+                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = 0,
+                 max_poll_s: float = 0.2) -> None:
         """``timeout_s``: how long a rank may make no progress while others wait for it;
         ``dead_after_s`` (default min(10, timeout_s)): how long its heartbeat may stop;
         ``namespace``: the purpose of this handle; the n-th Comm of a namespace on each rank
         meets the n-th of the same namespace on every other rank (module docstring);
         ``store_host_rank``: the rank whose process hosts the store (named when the store
         is lost); None when no rank does (torchrun's agent): ``init_distributed()`` returns
-        it as ``LaunchEnv.store_host_rank`` (this module reads no environment)."""
+        it as ``LaunchEnv.store_host_rank`` (this module reads no environment);
+        ``max_poll_s``: the longest pause between an agreement's store polls (the most a rank
+        that posted early waits past the last post; a reload between requests wants it short)."""
         if not dist.is_initialized():
             raise TopologyError("torch.distributed is not initialised; call "
                                 "pploader.distributed.bootstrap.init_distributed() first")
@@ -113,6 +116,7 @@ class Comm:
         self._concluded_failure = False
         self._abort_after_s: Optional[float] = None
         self.store_host_rank = store_host_rank
+        self.max_poll_s = float(max_poll_s)
         self.cancel = threading.Event()
         self._closed = threading.Event()
         self.touch()
@@ -265,7 +269,7 @@ class Comm:
                     return self._propose(key, sorted(posted), silent=tuple(silent),
                                          dead=tuple(dead))
             time.sleep(poll)
-            poll = min(poll * 1.5, 0.2)
+            poll = min(poll * 1.5, self.max_poll_s)
 
     def _propose(self, key: str, ranks: Iterable[int], *, silent: tuple[int, ...],
                  dead: tuple[int, ...]) -> tuple[str, dict[int, Any]]:
