@@ -91,8 +91,9 @@ def _read_agreed(model: nn.Module, state: Any, checkpoint_dir: str, timeout_s: f
         return (staged, *read_stage(staged, state.tp_mode, state.io_backend))
 
     # polls at most 10 ms apart: a worker that read first starts writing right after the last
+    # (agreement only: no process subgroups, whose creation is a collective per reload)
     comm = Comm(topology, timeout_s=timeout_s, namespace="pploader-vllm-reload",
-                max_poll_s=0.01)
+                max_poll_s=0.01, groups=False)
     try:
         return run_guarded(comm, read_all), None
     except PPLoaderError as exc:   # every worker gets the same RankFailure if any failed
