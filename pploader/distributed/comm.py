@@ -82,14 +82,19 @@ class Comm:
 
     def __init__(self, topology: Topology, *, timeout_s: float = DEFAULT_TIMEOUT_S,
                  dead_after_s: Optional[float] = None, store: Optional[dist.Store] = None,
-                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = 0) -> None:
+                 namespace: str = DEFAULT_NAMESPACE, store_host_rank: Optional[int] = 0,
+                 max_poll_s: float = 0.2, groups: bool = True) -> None:
         """``timeout_s``: how long a rank may make no progress while others wait for it;
         ``dead_after_s`` (default min(10, timeout_s)): how long its heartbeat may stop;
         ``namespace``: the purpose of this handle; the n-th Comm of a namespace on each rank
         meets the n-th of the same namespace on every other rank (module docstring);
         ``store_host_rank``: the rank whose process hosts the store (named when the store
         is lost); None when no rank does (torchrun's agent): ``init_distributed()`` returns
-        it as ``LaunchEnv.store_host_rank`` (this module reads no environment)."""
+        it as ``LaunchEnv.store_host_rank`` (this module reads no environment);
+        ``max_poll_s``: the longest pause between an agreement's store polls (the most a rank
+        that posted early waits past the last post; a reload between requests wants it short);
+        ``groups`` False: no process subgroups (agreements only: they use the store; building
+        gloo groups is a collective over every rank, seconds on a busy box)."""
         if not dist.is_initialized():
             raise TopologyError("torch.distributed is not initialised; call "
                                 "pploader.distributed.bootstrap.init_distributed() first")
@@ -113,6 +118,7 @@ class Comm:
         self._concluded_failure = False
         self._abort_after_s: Optional[float] = None
         self.store_host_rank = store_host_rank
+        self.max_poll_s = float(max_poll_s)
         self.cancel = threading.Event()
         self._closed = threading.Event()
         self.touch()
@@ -120,9 +126,11 @@ class Comm:
         self._watcher = threading.Thread(target=self._watch, name="pploader-watch", daemon=True)
         self._watcher.start()
         atexit.register(_stop_at_exit, weakref.ref(self))
-        self.tp_group = self._groups(lambda t: t.tp_group())
-        self.replica_group = self._groups(lambda t: t.replica_group())
-        self.stage_group = self._groups(lambda t: t.stage_group())
+        self.tp_group = self.replica_group = self.stage_group = None
+        if groups:
+            self.tp_group = self._groups(lambda t: t.tp_group())
+            self.replica_group = self._groups(lambda t: t.replica_group())
+            self.stage_group = self._groups(lambda t: t.stage_group())
 
     @property
     def rank(self) -> int:
@@ -141,6 +149,14 @@ class Comm:
             if self.rank in ranks:
                 mine = group
         return mine
+
+    def _named_groups(self, group: str) -> dict[str, Any]:
+        groups = {"stage": self.stage_group, "tp": self.tp_group, "replica": self.replica_group}
+        if group not in groups:
+            raise ValueError(f"unknown group {group!r}; known: {', '.join(groups)}")
+        if self.world_size > 1 and all(g is None for g in groups.values()):
+            raise ValueError("this Comm was made without process groups (groups=False)")
+        return groups
 
     # ---- liveness ----------------------------------------------------------------------
     def touch(self) -> None:
@@ -265,7 +281,7 @@ class Comm:
                     return self._propose(key, sorted(posted), silent=tuple(silent),
                                          dead=tuple(dead))
             time.sleep(poll)
-            poll = min(poll * 1.5, 0.2)
+            poll = min(poll * 1.5, self.max_poll_s)
 
     def _propose(self, key: str, ranks: Iterable[int], *, silent: tuple[int, ...],
                  dead: tuple[int, ...]) -> tuple[str, dict[int, Any]]:
@@ -366,9 +382,7 @@ class Comm:
         """Broadcast a contiguous tensor's bytes in place from global rank ``src`` over this
         rank's ``group`` ("stage", "tp" or "replica"); any dtype (fp8 too: sent as uint8).
         Read-once for replicas (planning/share.py) moves replicated tensors with it."""
-        groups = {"stage": self.stage_group, "tp": self.tp_group, "replica": self.replica_group}
-        if group not in groups:
-            raise ValueError(f"unknown group {group!r}; known: {', '.join(groups)}")
+        groups = self._named_groups(group)
         if tensor.numel():
             dist.broadcast(tensor.reshape(-1).view(torch.uint8), src=src, group=groups[group])
 
@@ -379,9 +393,7 @@ class Comm:
         ``recv`` (1-d uint8) is filled with every member's part for this rank, in member
         order. CPU tensors over gloo, CUDA tensors over NCCL. Every member must call it with
         matching splits. Read-and-redistribute (io/transfer/exchange.py) batches many tensors into one."""
-        groups = {"stage": self.stage_group, "tp": self.tp_group, "replica": self.replica_group}
-        if group not in groups:
-            raise ValueError(f"unknown group {group!r}; known: {', '.join(groups)}")
+        groups = self._named_groups(group)
         if recv.dtype != torch.uint8 or send.dtype != torch.uint8 or recv.dim() != 1 \
                 or send.dim() != 1:
             raise ValueError("all_to_all_bytes moves 1-d uint8 tensors")

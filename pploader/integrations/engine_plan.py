@@ -78,8 +78,9 @@ def engine_stage(model_dir: str, topology: Topology, partition: Sequence[int], *
     """This worker's stage as the engine holds it (module docstring). ``topology``: pploader's
     (pp, tp) place of the worker (ep 1; the engine's EP rides on TP); ``local_experts``: the
     experts the engine holds on this rank under expert parallelism (None: no EP)."""
+    # engines read their own bytes directly: no TP exchange planned (nor its chooser built)
     staged = plan_stage(model_dir, topology, partition=list(partition),
-                        range_cost_bytes=range_cost_bytes)
+                        range_cost_bytes=range_cost_bytes, exchange_cost=None)
     items = list(staged.plan.items)
     others: list[StagePlan] = []
     if local_experts is not None:

@@ -1,24 +1,26 @@
 """What an engine's weight loaders are handed, read from one stage's plan (vLLM's load format,
 integrations/vllm.py; no engine import here, so it is testable anywhere).
 
-TP mode ``placed``: only this TP rank's byte ranges are read, then placed at their offsets
-inside a full-shaped tensor whose other elements are NaN, so the engine's loaders narrow to the
-rank's part as they always do (dtypes without a NaN are read whole); a tensor wholly in the
-page cache is handed as a view of it instead (the engine's narrow touches only its part).
-``full`` / ``sliced``: the plan's tensors as the reader yields them. Every read goes through
-the read-backend seam, chosen in one place (:func:`open_reader`; default ``mapped``: views of
-resident pages, positional reads for the rest). Tensors are handed under the engine's names
-(integrations/engine_plan.py)."""
+TP mode ``placed``: the engine's loaders narrow full tensors to the rank's part as they always
+do. CPU workers (the ``mapped`` backend, default): each split tensor is handed as a view of its
+whole bytes in the page cache while only this rank's ranges are checked, faulted in and, when
+cold, read ahead (io/mapped.py ``whole``): one copy, the engine's, touching only its part.
+Other backends and GPU workers: only the rank's byte ranges are read, then placed at their
+offsets inside a full-shaped tensor whose other elements are NaN (dtypes without a NaN are
+read whole). ``full`` / ``sliced``: the plan's tensors as the reader yields them. Every read
+goes through the read-backend seam, chosen in one place (:func:`open_reader`). Tensors are
+handed under the engine's names (integrations/engine_plan.py)."""
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import AbstractSet, Callable, Iterable, Iterator, Optional
+from typing import Callable, Iterable, Iterator, Mapping, Optional
 
 import torch
 
 from ..io.backend import ReadBackend, ReadOptions
 from ..io.transfer import open_transfer
-from ..io.mapped import open_mapped, resident_items  # noqa: F401 - the default backend
+from ..io.backend import ReadOptions as _Options
+from ..io.mapped import MappedBackend, open_mapped  # noqa: F401 - the default backend
 #   imported now, so a load's rchar (/proc/self/io, vLLM's report) counts checkpoint reads,
 #   not module imports
 from ..io.read import open_threaded  # noqa: F401
@@ -29,7 +31,7 @@ from ..stage import StagePlan
 from .engine_plan import engine_names
 
 __all__ = ["NAN_DTYPES", "DEFAULT_BACKEND", "rchar_bytes", "compact_plan", "open_reader",
-           "whole_when_resident", "stage_weights", "read_stage"]
+           "whole_ranges", "stage_weights", "read_stage"]
 
 #: Floating dtypes whose unread elements are poisoned with NaN in ``placed`` mode.
 NAN_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -56,14 +58,12 @@ def _placed_ranges(staged: StagePlan, item: ReadItem) -> tuple[tuple[int, int], 
     return item.ranges
 
 
-def compact_plan(staged: StagePlan, whole: AbstractSet[str] = frozenset()) -> RankPlan:
-    """The stage's plan with each item read as its placed ranges (the whole tensor for targets
-    in ``whole``), back to back, as one flat ``uint8`` tensor: any read backend reads it
-    (io/registry.py); :func:`_place` puts the bytes at their offsets."""
+def compact_plan(staged: StagePlan) -> RankPlan:
+    """The stage's plan with each item read as its placed ranges, back to back, as one flat
+    ``uint8`` tensor: any read backend reads it (io/registry.py); :func:`_place` puts the
+    bytes at their offsets."""
     def compact(item: ReadItem) -> ReadItem:
-        entry = staged.index.entry(item.name)
-        ranges = ((entry.start, entry.nbytes),) if item.target in whole \
-            else _placed_ranges(staged, item)
+        ranges = _placed_ranges(staged, item)
         size = (sum(n for _, n in ranges),)
         return ReadItem(name=item.name, target=item.target, file=item.file, dtype="U8",
                         shape=size, source_shape=size, ranges=ranges, buffer_shape=size)
@@ -116,17 +116,26 @@ def _placed(staged: StagePlan, tp_mode: str) -> bool:
 
 
 #: The backend the engine path reads with unless told otherwise (io/registry.py): views of
-#: the page cache where warm (the engine's copy is the only one), positional reads where cold.
+#: the page cache, cold pages read ahead by the kernel (the engine's copy is the only one).
 DEFAULT_BACKEND = "mapped"
+
+
+def _mapped_here(backend: Optional[str], device: "str | torch.device") -> bool:
+    return (backend or DEFAULT_BACKEND) == "mapped" and torch.device(device).type == "cpu"
 
 
 def open_reader(staged: StagePlan, plan: RankPlan, backend: Optional[str] = None,
                 options: Optional[ReadOptions] = None,
-                device: "str | torch.device" = "cpu") -> ReadBackend:
+                device: "str | torch.device" = "cpu",
+                whole: Optional[Mapping[str, tuple[int, int]]] = None) -> ReadBackend:
     """The one place the engine path picks its read backend and device. CPU workers: host
-    memory through ``backend`` (default ``mapped``). A GPU worker (``device`` cuda): the
-    device stream (io/transfer/direct.py: pinned ring -> device windows), so the engine's
-    ``copy_`` is device to device; ``backend`` applies only when it loads onto that device."""
+    memory through ``backend`` (default ``mapped``, cold items read ahead into the page cache
+    and handed as views too; ``whole``: targets handed as their full tensors, io/mapped.py).
+    A GPU worker (``device`` cuda): the device stream (io/transfer/direct.py: pinned ring ->
+    device windows), so the engine's ``copy_`` is device to device; ``backend`` applies only
+    when it loads onto that device."""
+    if _mapped_here(backend, device):
+        return MappedBackend(plan, options or _Options(), cold="readahead", whole=whole)
     if torch.device(device).type == "cpu":
         return open_backend(plan, "cpu", options, name=backend or DEFAULT_BACKEND)
     from ..io.registry import select_backend
@@ -138,20 +147,15 @@ def open_reader(staged: StagePlan, plan: RankPlan, backend: Optional[str] = None
                          io_backend=name)
 
 
-def whole_when_resident(staged: StagePlan, backend: Optional[str],
-                        device: "str | torch.device" = "cpu") -> frozenset[str]:
-    """``placed`` items to hand as their whole tensors: with the ``mapped`` backend (CPU
-    workers), those whose whole tensor is in the page cache (a view costs nothing and the
-    engine narrows it, touching only its part); the others are read as the rank's ranges and
-    placed in NaN."""
-    if (backend or DEFAULT_BACKEND) != "mapped" or torch.device(device).type != "cpu":
-        return frozenset()
-    ranges = {}
+def whole_ranges(staged: StagePlan) -> dict[str, tuple[int, int]]:
+    """``placed`` items whose rank ranges are not their whole tensor: target -> the tensor's
+    whole byte range in its file (what the ``mapped`` backend hands as a view)."""
+    out = {}
     for item in staged.plan.items:
         entry = staged.index.entry(item.name)
-        if _placed_ranges(staged, item) != ((entry.start, entry.nbytes),):
-            ranges[item.target] = (item.file, ((entry.start, entry.nbytes),))
-    return frozenset(resident_items(staged.plan, ranges))
+        if item.ranges != ((entry.start, entry.nbytes),):
+            out[item.target] = (entry.start, entry.nbytes)
+    return out
 
 
 def _stream(staged: StagePlan, tp_mode: str, backend: Optional[str],
@@ -160,18 +164,17 @@ def _stream(staged: StagePlan, tp_mode: str, backend: Optional[str],
                 [ReadItem, torch.Tensor], torch.Tensor]]:
     """(reader, (item, read tensor) pairs in plan order, how a read tensor becomes the one
     handed over) for ``tp_mode``, read onto ``device``."""
-    if _placed(staged, tp_mode):
-        whole = whole_when_resident(staged, backend, device)
-        reader = open_reader(staged, compact_plan(staged, whole), backend, options, device)
+    if _placed(staged, tp_mode) and not _mapped_here(backend, device):
+        reader = open_reader(staged, compact_plan(staged), backend, options, device)
 
         def finish(item: ReadItem, raw: torch.Tensor) -> torch.Tensor:
-            if item.target in whole:
-                return raw.view(DTYPES[item.dtype][0]).reshape(item.source_shape)
             return _place(staged, item, raw)
         # the reader first in zip: its end (identity checks, close) runs after the last item
         return reader, ((item, raw) for (_, raw), item in zip(reader, staged.plan.items)), \
             finish
-    reader = open_reader(staged, staged.plan, backend, options, device)
+    # placed on the mapped backend: views of whole tensors, only the rank's pages touched
+    whole = whole_ranges(staged) if _placed(staged, tp_mode) else None
+    reader = open_reader(staged, staged.plan, backend, options, device, whole=whole)
     return reader, ((item, t) for (_, t), item in zip(reader, staged.plan.items)), \
         lambda item, t: t
 

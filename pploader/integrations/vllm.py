@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional, Sequence
@@ -63,6 +64,7 @@ from .vllm_reload import WorkerExtension, engine_reload_weights, reload, reload_
 logger = logging.getLogger(__name__)
 
 __all__ = ["LOAD_FORMAT", "TP_MODES", "WORKER_EXTENSION", "PPLoaderModelLoader", "register",
+           "EarlyPlan", "start_early_plan",
            "engine_topology", "engine_partition", "engine_local_experts", "load_report",
            "reload_stage", "reload", "WorkerExtension"]
 
@@ -143,11 +145,14 @@ def _read_topology(topology: Topology, tp_mode: str) -> Topology:
 def plan_engine_stage(model_dir: str, topology: Topology, partition: Sequence[int],
                       tp_mode: str, model: Optional[nn.Module] = None, *,
                       range_cost_bytes: int = 0,
-                      local_experts: Optional[frozenset[int]] = None) -> StagePlan:
+                      local_experts: Optional[frozenset[int]] = None,
+                      planned: Optional[StagePlan] = None) -> StagePlan:
     """Plan this worker's stage as the engine holds it (integrations/engine_plan.py: its
-    expert placement, its names) with the engine's partition; the window must be the model's."""
-    staged = engine_stage(model_dir, _read_topology(topology, tp_mode), partition,
-                          local_experts=local_experts, range_cost_bytes=range_cost_bytes)
+    expert placement, its names) with the engine's partition; the window must be the model's.
+    ``planned``: that plan made already (:class:`EarlyPlan`), only checked here."""
+    staged = planned if planned is not None else engine_stage(
+        model_dir, _read_topology(topology, tp_mode), partition,
+        local_experts=local_experts, range_cost_bytes=range_cost_bytes)
     window = staged.plan.window
     start = sum(partition[:topology.pp_rank])
     expected = (start, start + partition[topology.pp_rank])
@@ -163,6 +168,57 @@ def plan_engine_stage(model_dir: str, topology: Topology, partition: Sequence[in
                         f"{topology.pp_rank}/{topology.pp_size} holds [{expected[0]}, "
                         f"{expected[1]})", rank=topology.rank)
     return staged
+
+
+class EarlyPlan:
+    """The stage planned in a background thread while vLLM builds the model (planning needs
+    only the directory and the engine's parallel state; it reads config and headers, no
+    tensor data), so ``load_weights`` starts reading at once. Not for MoE checkpoints (the
+    expert placement is read off the built model). ``result()`` joins and re-raises the
+    planning error, if any, in the caller."""
+
+    def __init__(self, model_dir: str, topology: Topology, partition: Sequence[int],
+                 tp_mode: str, range_cost_bytes: int) -> None:
+        self.key = (model_dir, topology, tuple(partition), tp_mode, range_cost_bytes)
+        self._staged: Optional[StagePlan] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._run, name="pploader-plan", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        model_dir, topology, partition, tp_mode, cost = self.key
+        try:
+            self._staged = engine_stage(model_dir, _read_topology(topology, tp_mode),
+                                        partition, range_cost_bytes=cost)
+        except BaseException as exc:  # noqa: BLE001 - re-raised by result()
+            self._error = exc
+
+    def result(self) -> StagePlan:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        assert self._staged is not None
+        return self._staged
+
+
+def start_early_plan(model_dir: str, tp_mode: str, range_cost_bytes: int
+                     ) -> Optional[EarlyPlan]:
+    """An :class:`EarlyPlan` of this worker's stage, or None where it cannot be made before
+    the model exists (not a local directory, experts, an unreadable config: the load plans
+    then, and reports any error itself)."""
+    try:
+        if not os.path.isdir(model_dir):
+            return None
+        from ..planning.spec import load_spec
+        spec = load_spec(model_dir)
+        if spec.num_experts:
+            return None
+        topology = engine_topology()
+        partition = engine_partition(spec.num_layers, topology.pp_size)
+    except Exception as exc:  # noqa: BLE001 - load_weights plans and raises as usual
+        logger.debug("no early plan: %s", exc)
+        return None
+    return EarlyPlan(model_dir, topology, partition, tp_mode, range_cost_bytes)
 
 
 # ---- checks after load_weights ----------------------------------------------------------
@@ -242,12 +298,24 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         if extra:
             raise ValueError(f"unknown pploader model_loader_extra_config keys: {sorted(extra)}")
         self.staging = _early_staging()  # GPU workers: page-locked while the model is built
+        self.early_plan: Optional[EarlyPlan] = None  # set by load_model
 
     def download_model(self, model_config: ModelConfig) -> None:
         """pploader reads a local directory only (no hub downloads)."""
         if not os.path.isdir(model_config.model):
             raise ValueError(f"load_format 'pploader' needs a local checkpoint directory, got "
                              f"{model_config.model!r}")
+
+    def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = ""
+                   ) -> nn.Module:
+        """vLLM's load_model, with this worker's stage planned in the background while the
+        engine builds the model (:class:`EarlyPlan`)."""
+        self.early_plan = start_early_plan(model_config.model, self.tp_mode,
+                                           self.range_cost_bytes)
+        try:
+            return super().load_model(vllm_config, model_config, prefix=prefix)
+        finally:
+            self.early_plan = None
 
     def load_weights(self, model: nn.Module, model_config: ModelConfig) -> None:
         model_dir = model_config.model
@@ -258,9 +326,13 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         spec = load_spec(model_dir)
         partition = engine_partition(spec.num_layers, topology.pp_size)
         experts = engine_local_experts(model, spec.num_experts) if spec.num_experts else None
+        early = getattr(self, "early_plan", None)
+        planned = early.result() if early is not None and early.key == (
+            model_dir, topology, tuple(partition), self.tp_mode, self.range_cost_bytes) \
+            and experts is None else None
         staged = plan_engine_stage(model_dir, topology, partition, self.tp_mode, model,
                                    range_cost_bytes=self.range_cost_bytes,
-                                   local_experts=experts)
+                                   local_experts=experts, planned=planned)
         device = _model_device(model)
         options = None
         if device.type != "cpu":  # the device stream: pinned ring -> the GPU, D2D copy_
@@ -283,7 +355,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
         rchar1, seconds = rchar_bytes(), time.perf_counter() - start
         check_all_loaded(model, loaded, staged)
         if self.tp_mode == "placed" and topology.tp_size > 1 and \
-                getattr(reader, "warm_items", 0) < len(staged.plan.items):
+                getattr(reader, "mapped_items", 0) < len(staged.plan.items):
             check_no_unread(model, topology.rank)  # some tensors were placed in NaN
         state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
                           range_cost_bytes=self.range_cost_bytes, io_backend=self.io_backend,
@@ -337,8 +409,9 @@ def _model_device(model: nn.Module) -> torch.device:
 def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: Optional[int],
                  rchar1: Optional[int]) -> dict[str, Any]:
     """What one worker read; ``ideal_bytes`` is its TP part of the stage (tp_mode aside);
-    ``mapped_bytes``: the part of ``read_bytes`` taken as views of resident pages (no read
-    syscall, so not in ``rchar_bytes``)."""
+    ``mapped_bytes``: the part of ``read_bytes`` taken as views of the page cache (no read
+    syscall, so not in ``rchar_bytes``); ``readahead_bytes``: of those, the ones that were
+    cold and faulted in ahead of the engine (kernel readahead)."""
     ideal = plan_stage(state.model_dir, state.topology, partition=list(state.partition)) \
         .plan.ideal_bytes if state.tp_mode == "full" and state.topology.tp_size > 1 \
         else state.staged.plan.ideal_bytes
@@ -347,6 +420,7 @@ def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: 
             "start_layer": w.start_layer, "end_layer": w.end_layer,
             "read_bytes": reader.stats.read_bytes, "ideal_bytes": ideal,
             "mapped_bytes": int(getattr(reader, "mapped_bytes", 0)),
+            "readahead_bytes": int(getattr(reader, "readahead_bytes", 0)),
             "io_backend": state.io_backend,
             "local_experts": None if state.local_experts is None else sorted(state.local_experts),
             "header_bytes": state.staged.plan.header_bytes, "seconds": seconds,

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from ..bind.module_state import find_module_state, module_state
+# imported with the plugin, not inside the first reload (its import is seconds on a busy box)
+from ..distributed.comm import Comm, run_guarded
 from ..errors import PlanError, PPLoaderError, RankFailure
 from ..io.backend import ReadBackend
 from ..stage import StagePlan
@@ -78,7 +80,6 @@ def _read_agreed(model: nn.Module, state: Any, checkpoint_dir: str, timeout_s: f
                  ) -> tuple[Optional[Read], Optional[dict[str, Any]]]:
     """Phase 1 on every worker: plan, check and take the whole stage of ``checkpoint_dir``,
     then agree. ((staged, reader, replay), None) on success; (None, the agreed failure)."""
-    from ..distributed.comm import Comm, run_guarded
     from .vllm import plan_engine_stage
     topology = state.topology
 
@@ -89,7 +90,10 @@ def _read_agreed(model: nn.Module, state: Any, checkpoint_dir: str, timeout_s: f
         _same_layout(state.staged, staged, topology.rank)
         return (staged, *read_stage(staged, state.tp_mode, state.io_backend))
 
-    comm = Comm(topology, timeout_s=timeout_s, namespace="pploader-vllm-reload")
+    # polls at most 10 ms apart: a worker that read first starts writing right after the last
+    # (agreement only: no process subgroups, whose creation is a collective per reload)
+    comm = Comm(topology, timeout_s=timeout_s, namespace="pploader-vllm-reload",
+                max_poll_s=0.01, groups=False)
     try:
         return run_guarded(comm, read_all), None
     except PPLoaderError as exc:   # every worker gets the same RankFailure if any failed
@@ -102,8 +106,8 @@ def _read_agreed(model: nn.Module, state: Any, checkpoint_dir: str, timeout_s: f
         logger.error("pploader reload of %s refused on %s: %s", checkpoint_dir,
                      topology.describe(), exc)
         return None, failed
-    finally:
-        comm.close()
+    finally:  # the engine's store outlives this call: no rank needs to wait for the others
+        comm.close(linger=False)
 
 
 def _served(model: nn.Module, state: Any, staged: StagePlan, reader: ReadBackend,
@@ -175,8 +179,9 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
         worker.model_runner.reload_weights(weights_iterator=replay(), is_checkpoint_format=True)
         del replay  # the held bytes go now
         from .vllm import check_no_unread
-        if state.tp_mode == "placed" and topology.tp_size > 1:
-            check_no_unread(model, topology.rank)
+        if state.tp_mode == "placed" and topology.tp_size > 1 and \
+                getattr(reader, "mapped_items", 0) < len(staged.plan.items):
+            check_no_unread(model, topology.rank)   # some tensors were placed in NaN
     except Exception as exc:  # noqa: BLE001
         failed = {"ok": False, "rank": topology.rank, "written": True,
                   "error": f"writing failed after agreement, weights may be partly updated: "

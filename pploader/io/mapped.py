@@ -1,6 +1,13 @@
 """The ``mapped`` read backend (CPU): bytes already in the page cache are handed out as views of
 a private file mapping, so the consumer's own copy (an engine's ``param.copy_``) is the only
-copy; bytes that must come from the disk keep the threaded backend's large positional reads.
+copy. Bytes that must come from the disk (``cold``): ``read`` (the registry's default) keeps the
+threaded backend's large positional reads; ``readahead`` (the engine path,
+integrations/placed.py) hands views too, after a prefetch thread has faulted the item's pages
+in through the kernel's readahead (io/readahead.py, ahead of the consumer by at most a
+window), so a cold load is one copy too. ``whole`` items (target -> the full source tensor's
+byte range): handed as a view of the full tensor although only the item's own ranges are
+checked, populated and read ahead (a TP rank whose engine narrows full tensors itself touches
+only its part).
 
 Per item, before anything is handed out: the pages of its byte ranges are looked up (exact:
 ``cachestat`` on the span of each run of ranges, ``mincore`` on the mapping where some page is
@@ -37,12 +44,13 @@ import torch
 from ..errors import ReadError
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
-from .mapped_split import copy_stretch, split_resident
+from .mapped_split import Run, copy_stretch, run_bytes, split_resident, strided_runs, touched
 from .pagecache import cached_pages
 from .read import Reader
+from .readahead import Prefetch, advise_sequential, page_span, span_of
 
-__all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "resident_items",
-           "strided_runs"]
+__all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "COLD_MODES",
+           "READAHEAD_WINDOW", "resident_items", "strided_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +67,14 @@ _LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctype
 _LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
 _LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte = resident
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+#: How cold items arrive: ``read`` (positional reads into fresh tensors) or ``readahead``
+#: (views, their pages brought in ahead of the consumer: io/readahead.py).
+COLD_MODES = ("read", "readahead")
+#: ``readahead``: bytes the prefetch thread may run ahead of the consumer
+#: (``ReadOptions.window_bytes`` overrides).
+READAHEAD_WINDOW = 256 << 20
+#: spans closer than this are populated in one call (the gap's pages are mapped too)
+_MERGE_GAP = 64 << 10
 
 
 @dataclass
@@ -96,7 +112,7 @@ class _File:
             last = (off + (count - 1) * stride + n - 1) // PAGE_BYTES
             cached = cached_pages(self.fd, first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
             if cached is not None and cached >= last - first + 1:  # all resident: one call
-                pages += _touched(off, n, count, stride)
+                pages += touched(off, n, count, stride)
                 continue
             bitmap = self.resident(first, last)
             if count == 1 or stride - n < PAGE_BYTES:
@@ -111,52 +127,6 @@ class _File:
         """Share of the pages ``ranges`` touch that are resident (1.0 for no bytes)."""
         missing, pages = self.missing(strided_runs(ranges))
         return 1.0 - missing / pages if pages else 1.0
-
-
-#: ``(offset, length, count, stride)``: ``count`` byte ranges of ``length``, ``stride`` apart
-Run = tuple[int, int, int, int]
-
-
-def strided_runs(ranges: Sequence[tuple[int, int]]) -> list[Run]:
-    """``ranges`` as runs of ``(offset, length, count, stride)``: ``count`` ranges of equal
-    ``length`` whose offsets step by ``stride`` (>= length), in order. A dim-1 shard's rows
-    are one run (one strided copy instead of one copy per row); any ranges are covered."""
-    n = len(ranges)
-    if n > 2:  # the common case in C passes: every range alike, evenly spaced
-        offs, lens = zip(*ranges)
-        stride = offs[1] - offs[0]
-        if stride >= lens[0] > 0 and lens.count(lens[0]) == n and \
-                offs == tuple(range(offs[0], offs[0] + stride * n, stride)):
-            return [(offs[0], lens[0], n, stride)]
-    out: list[Run] = []
-    i = 0
-    while i < n:
-        off, length = ranges[i]
-        j, stride = i + 1, 0
-        while j < n and ranges[j][1] == length:
-            step = ranges[j][0] - ranges[j - 1][0]
-            if not stride:
-                if step < length:
-                    break
-                stride = step
-            elif step != stride:
-                break
-            j += 1
-        out.append((off, length, j - i, stride or length))
-        i = j
-    return out
-
-
-def _touched(off: int, n: int, count: int, stride: int) -> int:
-    """Pages touched by a run (its span when the gaps are shorter than a page)."""
-    if count == 1 or stride - n < PAGE_BYTES:
-        return (off + (count - 1) * stride + n - 1) // PAGE_BYTES - off // PAGE_BYTES + 1
-    return sum((row + n - 1) // PAGE_BYTES - row // PAGE_BYTES + 1
-               for row in range(off, off + count * stride, stride))
-
-
-def _run_bytes(runs: Sequence[Run]) -> int:
-    return sum(n * count for _, n, count, _ in runs)
 
 
 def _map(path: str, fd: int, file: str, plan: RankPlan, *, random: bool = False) -> _File:
@@ -175,10 +145,11 @@ def _map(path: str, fd: int, file: str, plan: RankPlan, *, random: bool = False)
 
 
 class MappedBackend:
-    """Reads a plan as views of the page cache where warm, positional reads where cold (see
-    the module docstring). ``stats.read_bytes``: every planned byte delivered, warm or cold;
-    ``mapped_bytes``: those of them taken from the mapping (no read syscall: /proc's rchar
-    does not count them).
+    """Reads a plan as views of the page cache where warm; cold items by ``cold`` (see the
+    module docstring). ``stats.read_bytes``: every planned byte delivered, warm or cold (a
+    ``whole`` item's own ranges); ``mapped_bytes``: those of them taken from the mapping (no
+    read syscall: /proc's rchar does not count them); ``readahead_bytes``: of those, the cold
+    ones faulted in ahead (``readahead``); ``mapped_items``: items served from the mapping.
 
     Which items are warm: by default those with at least ``warm_fraction`` of their pages
     resident (the few missing are faulted in with the kernel's read-around). ``fault_budget``
@@ -190,7 +161,12 @@ class MappedBackend:
     def __init__(self, plan: RankPlan, options: ReadOptions, *,
                  warm_fraction: float = WARM_FRACTION,
                  fault_budget: Optional[float] = None,
-                 cold_threads: Optional[int] = None) -> None:
+                 cold_threads: Optional[int] = None, cold: str = "read",
+                 whole: Optional[Mapping[str, tuple[int, int]]] = None) -> None:
+        if cold not in COLD_MODES:
+            raise ValueError(f"cold must be one of {COLD_MODES}, got {cold!r}")
+        if whole and cold != "readahead":
+            raise ValueError("whole items are handed as views: cold='readahead' only")
         if not 0.0 < warm_fraction <= 1.0:
             raise ValueError(f"warm_fraction must be in (0, 1], got {warm_fraction}")
         if fault_budget is not None and fault_budget < 0:
@@ -198,8 +174,9 @@ class MappedBackend:
         self.plan, self.options, self.stats = plan, options, ReadStats()
         self.warm_fraction, self.fault_budget = warm_fraction, fault_budget
         self.cold_threads = cold_threads  # reader threads of cold items (None: ``threads``)
-        self.mapped_bytes = 0
-        self.warm_items = 0
+        self.cold, self.whole = cold, dict(whole or {})
+        self.mapped_bytes = self.readahead_bytes = 0
+        self.warm_items = self.mapped_items = 0
         self._runs: dict[str, list[Run]] = {}
         self._missing: dict[str, tuple[int, int]] = {}  # (pages missing, touched) by target
 
@@ -240,7 +217,7 @@ class MappedBackend:
             missing, pages = self._open(files, item).missing(runs)
             self._missing[item.target] = (missing, pages)
             if self.fault_budget is not None:
-                out.append(missing * PAGE_BYTES <= self.fault_budget * _run_bytes(runs))
+                out.append(missing * PAGE_BYTES <= self.fault_budget * run_bytes(runs))
             else:
                 out.append(not pages or 1.0 - missing / pages >= self.warm_fraction)
         return out
@@ -249,13 +226,19 @@ class MappedBackend:
                       ) -> torch.Tensor:
         """The item's tensor from the mapping: a view when it is one whole range (and no
         destination is given), else copied into ``dst`` or a fresh tensor (one strided copy
-        per run of :func:`strided_runs`)."""
+        per run of :func:`strided_runs`; a ``whole`` item: a view of its full tensor)."""
+        whole = self.whole.get(item.target)
+        if whole is not None:
+            off, n = whole
+            self._check_end(f, item, off + n)
+            out = f.base[off:off + n].view(item_dtype(item)).reshape(item.source_shape)
+            if dst is not None:
+                dst.copy_(out)
+                return dst
+            return out
         runs = self._item_runs(item)
-        end = max(off + (count - 1) * stride + n for off, n, count, stride in runs)
-        if end > f.base.numel():
-            raise self._err(f"file changed during load: unexpected end of file (the item "
-                            f"ends at byte {end}, the file has {f.base.numel()}; truncated "
-                            "while loading?)", item)
+        self._check_end(f, item, max(off + (count - 1) * stride + n
+                                     for off, n, count, stride in runs))
         dtype = item_dtype(item)
         if dst is None and item.direct and not item.pad_rows and len(item.ranges) == 1:
             off, n = item.ranges[0]
@@ -274,6 +257,12 @@ class MappedBackend:
         materialise(item, raw, out)
         return out
 
+    def _check_end(self, f: _File, item: ReadItem, end: int) -> None:
+        if end > f.base.numel():
+            raise self._err(f"file changed during load: unexpected end of file (the item "
+                            f"ends at byte {end}, the file has {f.base.numel()}; truncated "
+                            "while loading?)", item)
+
     def _cold_reader(self, cold: list[ReadItem]) -> Reader:
         return Reader(replace(self.plan, items=tuple(cold), redistribute=None),
                       window_bytes=self.options.window_bytes,
@@ -284,9 +273,12 @@ class MappedBackend:
 
     def _each(self) -> Iterator[tuple[str, torch.Tensor]]:
         start, files = time.perf_counter(), dict[str, _File]()
-        self.mapped_bytes = self.warm_items = 0
+        self.mapped_bytes = self.readahead_bytes = self.warm_items = self.mapped_items = 0
         reader: Optional[Reader] = None
         try:
+            if self.cold == "readahead":
+                yield from self._each_ahead(files, None)
+                return
             warm = self._warm(files)
             cold = [i for i, w in zip(self.plan.items, warm) if not w]
             stream: Iterator[tuple[str, torch.Tensor]] = iter(())
@@ -294,7 +286,8 @@ class MappedBackend:
                 reader = self._cold_reader(cold)
                 reader.on_progress = None  # counted below, once per item
                 stream = iter(reader)
-            self._populate(files, [i for i, w in zip(self.plan.items, warm) if w])
+            self._populate(files, [(i.file, span_of(i.ranges))
+                                   for i, w in zip(self.plan.items, warm) if w])
             for item, is_warm in zip(self.plan.items, warm):
                 self._check_cancel(item)
                 if is_warm:
@@ -322,9 +315,11 @@ class MappedBackend:
         rows / pages copied, the rest read. Our own copy faults the pages in (the kernel maps
         the resident neighbours of each fault), so nothing is populated ahead."""
         start, files = time.perf_counter(), dict[str, _File]()
-        self.mapped_bytes = self.warm_items = 0
+        self.mapped_bytes = self.readahead_bytes = self.warm_items = self.mapped_items = 0
         reader: Optional[Reader] = None
         try:
+            if self.cold == "readahead":
+                return dict(self._each_ahead(files, destinations))
             warm = self._warm(files)
             hot = [i for i, w in zip(self.plan.items, warm) if w]
             jobs: list[Callable[[], object]] = [
@@ -342,7 +337,7 @@ class MappedBackend:
                     continue
                 copies, reads = got
                 jobs.extend(copies)
-                mapped += _run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
+                mapped += run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
                 parts.update(reads)
             self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
             for item in hot:
@@ -407,10 +402,11 @@ class MappedBackend:
             raise self._err("cancelled: another rank failed", item)
 
     def _count_warm(self, item: ReadItem) -> None:
-        nbytes = _run_bytes(self._item_runs(item))
+        nbytes = run_bytes(self._item_runs(item))
         self.mapped_bytes += nbytes
         self.stats.read_bytes += nbytes
         self.warm_items += 1
+        self.mapped_items += 1
         if self.options.on_progress is not None:
             self.options.on_progress(nbytes)
 
@@ -426,22 +422,74 @@ class MappedBackend:
                      self.plan.topology.rank, self.warm_items, self.mapped_bytes,
                      len(self.plan.items) - self.warm_items, self.stats.read_bytes)
 
-    @staticmethod
-    def _populate(files: dict[str, _File], items: list[ReadItem]) -> None:
-        """Map the warm items' resident pages into this process in one call per file range
-        (MADV_POPULATE_READ) instead of one page fault per 4 KiB during the consumer's copy."""
-        spans: dict[str, list[int]] = {}
+    def _each_ahead(self, files: dict[str, _File],
+                    destinations: Optional[Mapping[str, torch.Tensor]]
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """``cold="readahead"``: every item from the mapping, its pages (a ``whole`` item's
+        own span only) brought in by a :class:`~pploader.io.readahead.Prefetch` thread in
+        plan order."""
+        items = self.plan.items
+        spans: list[tuple[int, int]] = []
+        slot: list[Optional[int]] = []   # plan position -> its span in ``spans``
+        sizes: list[int] = []
         for item in items:
-            lo = min(off for off, _ in item.ranges)
-            hi = max(off + n for off, n in item.ranges)
-            span = spans.setdefault(item.file, [lo, hi])
-            span[0], span[1] = min(span[0], lo), max(span[1], hi)
-        for file, (lo, hi) in spans.items():
+            f = self._open(files, item)
+            sizes.append(sum(n for _, n in item.ranges))
+            if not item.ranges:
+                slot.append(None)
+                continue
+            lo, hi = span_of(item.ranges)
+            self._check_end(f, item, max(hi, sum(self.whole.get(item.target, (0, 0)))))
+            slot.append(len(spans))
+            spans.append(page_span(f.base.data_ptr(), lo, hi))
+        for f in files.values():
+            advise_sequential(f.base.data_ptr(), f.base.numel())
+        prefetch = Prefetch(spans, window=self.options.window_bytes or READAHEAD_WINDOW,
+                            warm_fraction=WARM_FRACTION)
+        try:
+            for k, item in enumerate(items):
+                self._check_cancel(item)
+                at = slot[k]
+                if at is not None:
+                    prefetch.wait(at)
+                    if prefetch.cold[at]:
+                        self.readahead_bytes += sizes[k]
+                    else:
+                        self.warm_items += 1
+                dst = destinations.get(item.target) if destinations is not None else None
+                tensor = self._from_mapping(files[item.file], item, dst)
+                self.mapped_bytes += sizes[k]
+                self.stats.read_bytes += sizes[k]
+                self.mapped_items += 1
+                self.stats.items += 1
+                if self.options.on_progress is not None:
+                    self.options.on_progress(sizes[k])
+                yield item.target, tensor
+        finally:
+            prefetch.close()
+        for file, f in files.items():
+            check_identity(self.plan, file, f.fd)
+
+    @staticmethod
+    def _populate(files: dict[str, _File], items: list[tuple[str, tuple[int, int]]]) -> None:
+        """Map the warm items' resident pages ((file, span of its ranges) each) into this
+        process in one call per run of nearby spans (MADV_POPULATE_READ) instead of one page
+        fault per 4 KiB during the consumer's copy."""
+        spans: dict[str, list[tuple[int, int]]] = {}
+        for file, span in items:
+            spans.setdefault(file, []).append(span)
+        for file, found in spans.items():
             base = files[file].base
-            addr = base.data_ptr() + lo // PAGE_BYTES * PAGE_BYTES
-            length = hi - lo // PAGE_BYTES * PAGE_BYTES
-            # best effort: an older kernel (EINVAL) simply faults pages in on first touch
-            _LIBC.madvise(addr, length, _MADV_POPULATE_READ)
+            merged: list[list[int]] = []
+            for lo, hi in sorted(found):
+                if merged and lo <= merged[-1][1] + _MERGE_GAP:
+                    merged[-1][1] = max(merged[-1][1], hi)
+                else:
+                    merged.append([lo, hi])
+            for lo, hi in merged:
+                # best effort: an older kernel (EINVAL) simply faults pages in on first touch
+                _LIBC.madvise(*page_span(base.data_ptr(), lo, min(hi, base.numel())),
+                              _MADV_POPULATE_READ)
 
     def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
              ) -> dict[str, torch.Tensor]:
@@ -450,10 +498,11 @@ class MappedBackend:
             return dict(self._each())
         for item in self.plan.items:
             dst = destinations.get(item.target)
-            if dst is None or tuple(dst.shape) != item.shape or not dst.is_contiguous() \
+            shape = item.source_shape if item.target in self.whole else item.shape
+            if dst is None or tuple(dst.shape) != shape or not dst.is_contiguous() \
                     or dst.dtype != item_dtype(item) or dst.device.type != "cpu":
                 raise self._err(f"destination {item.target} is not a contiguous cpu "
-                                f"tensor of {item.shape} {item_dtype(item)}", item)
+                                f"tensor of {shape} {item_dtype(item)}", item)
         return self._into(destinations)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:

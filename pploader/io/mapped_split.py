@@ -1,4 +1,5 @@
-"""A partly resident item split by page residency (the ``mapped`` backend with
+"""An item's byte ranges as strided runs (one strided copy per run), and a partly resident
+item split by page residency (the ``mapped`` backend with
 ``fault_budget``): its resident stretches are copied from the file mapping, its missing ones
 read by positional reads of exactly the item's bytes there, both straight into the
 destination.
@@ -10,16 +11,61 @@ only those rows (or, of a one-range shard, those pages' bytes) are read.
 """
 from __future__ import annotations
 
+import mmap
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from ..planning.plan import ReadItem
 
-__all__ = ["Stretch", "split_resident", "copy_stretch"]
+__all__ = ["Run", "Stretch", "strided_runs", "touched", "run_bytes", "split_resident",
+           "copy_stretch"]
 
 #: ``(offset, length, count, stride)``: ``count`` byte ranges of ``length``, ``stride`` apart
 Run = tuple[int, int, int, int]
+PAGE_BYTES = mmap.PAGESIZE
+
+
+def strided_runs(ranges: Sequence[tuple[int, int]]) -> list[Run]:
+    """``ranges`` as runs of ``(offset, length, count, stride)``: ``count`` ranges of equal
+    ``length`` whose offsets step by ``stride`` (>= length), in order. A dim-1 shard's rows
+    are one run (one strided copy instead of one copy per row); any ranges are covered."""
+    n = len(ranges)
+    if n > 2:  # the common case in C passes: every range alike, evenly spaced
+        offs, lens = zip(*ranges)
+        stride = offs[1] - offs[0]
+        if stride >= lens[0] > 0 and lens.count(lens[0]) == n and \
+                offs == tuple(range(offs[0], offs[0] + stride * n, stride)):
+            return [(offs[0], lens[0], n, stride)]
+    out: list[Run] = []
+    i = 0
+    while i < n:
+        off, length = ranges[i]
+        j, stride = i + 1, 0
+        while j < n and ranges[j][1] == length:
+            step = ranges[j][0] - ranges[j - 1][0]
+            if not stride:
+                if step < length:
+                    break
+                stride = step
+            elif step != stride:
+                break
+            j += 1
+        out.append((off, length, j - i, stride or length))
+        i = j
+    return out
+
+
+def touched(off: int, n: int, count: int, stride: int) -> int:
+    """Pages touched by a run (its span when the gaps are shorter than a page)."""
+    if count == 1 or stride - n < PAGE_BYTES:
+        return (off + (count - 1) * stride + n - 1) // PAGE_BYTES - off // PAGE_BYTES + 1
+    return sum((row + n - 1) // PAGE_BYTES - row // PAGE_BYTES + 1
+               for row in range(off, off + count * stride, stride))
+
+
+def run_bytes(runs: Sequence[Run]) -> int:
+    return sum(n * count for _, n, count, _ in runs)
 
 
 class Stretch(NamedTuple):

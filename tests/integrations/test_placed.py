@@ -142,27 +142,37 @@ def test_mapped_warm_hands_views_of_the_page_cache(llama: Path, tp_rank: int) ->
     assert reader.mapped_bytes == reader.stats.read_bytes >= staged.plan.ideal_bytes
 
 
-def test_mapped_cold_reads_only_the_rank_bytes_then_places_them(llama: Path) -> None:
-    """Cold files: positional reads of exactly the rank's bytes (ideal), placed in NaN."""
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_mapped_cold_reads_the_rank_pages_ahead_then_hands_views(llama: Path,
+                                                                 tp_rank: int) -> None:
+    """Cold files, default backend: no read syscall and no fresh buffer; the rank's pages are
+    read ahead by the kernel and every tensor is the checkpoint's whole tensor as a view of the
+    mapping (the engine narrows it), equal to safe_open's."""
     from helpers import reference_tensors
 
     from pploader import Topology, plan_stage
-    from pploader.integrations.placed import stage_weights
+    from pploader.integrations.placed import rchar_bytes, stage_weights
     import gc
-    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    ref = {k: v.clone() for k, v in reference_tensors(llama).items()}   # not mapping views
+    staged = plan_stage(llama, Topology(1, 2, 1, tp_rank), range_cost_bytes=0)
+    sizes = {p.name: p.stat().st_size for p in llama.glob("*.safetensors")}
+    files = {i.name: i.file for i in staged.plan.items}
     gc.collect()   # no earlier test's view still maps the files (mapped pages stay resident)
     evict_or_skip(sorted(llama.glob("*.safetensors")))
+    before = rchar_bytes()
     reader, stream = stage_weights(staged, "placed")
-    got = list(stream)
-    ref = reference_tensors(llama)
-    nan = 0
-    for name, tensor in got:
-        known = ~torch.isnan(tensor.float())
-        nan += int((~known).sum())
-        assert torch.equal(tensor[known], ref[name][known]), name
-    assert nan > 0
-    assert reader.mapped_bytes == 0
-    assert reader.stats.read_bytes == staged.plan.ideal_bytes
+    got = dict(stream)
+    after = rchar_bytes()
+    assert got.keys() == {i.name for i in staged.plan.items}
+    for name, tensor in got.items():
+        assert torch.equal(tensor, ref[name]), name
+        assert tensor.untyped_storage().nbytes() == sizes[files[name]], name
+    assert reader.stats.read_bytes == reader.mapped_bytes == staged.plan.ideal_bytes
+    assert 0 < reader.readahead_bytes <= staged.plan.ideal_bytes
+    assert reader.mapped_items == len(staged.plan.items)
+    if before is not None and after is not None:
+        assert after - before < 64 << 10   # no positional reads of tensor data
+    del got
     _warm(llama)
 
 

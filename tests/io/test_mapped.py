@@ -12,7 +12,8 @@ import torch
 from helpers import evict_or_skip, make_model, tiny_config
 from pploader import Topology, load_stage, plan_stage
 from pploader.io.backend import ReadOptions
-from pploader.io.mapped import MappedBackend, strided_runs
+from pploader.io.mapped import MappedBackend
+from pploader.io.mapped_split import strided_runs
 
 
 @pytest.fixture()
@@ -210,3 +211,59 @@ def test_split_resident_covers_every_byte_once() -> None:
         want = [off + k for off, n in ranges for k in range(n)]
         assert [got[i] for i in range(len(want))] == want and len(got) == len(want)
         assert stretches and reads
+
+
+def _evicted(llama: Path) -> None:
+    gc.collect()   # no earlier view still maps the files (mapped pages stay resident)
+    evict_or_skip(sorted(llama.glob("*.safetensors")))
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_readahead_cold_items_are_views_equal_to_threaded(llama: Path, tp: int) -> None:
+    """``cold="readahead"``: cold items arrive as views of the mapping too (no read syscall,
+    no fresh buffer for a whole-range item), counted as read ahead, in plan order."""
+    staged = plan_stage(llama, Topology(1, tp, 1, tp - 1), range_cost_bytes=0)
+    ref = {k: v.clone() for k, v in load_stage(staged, io_backend="threaded")
+           .state_dict.items()}
+    _evicted(llama)
+    backend = MappedBackend(staged.plan, ReadOptions(), cold="readahead")
+    got = list(backend)
+    assert [t for t, _ in got] == [i.target for i in staged.plan.items]
+    for target, tensor in got:
+        assert torch.equal(tensor, ref[target]), target
+    assert backend.stats.read_bytes == backend.mapped_bytes == staged.plan.read_bytes
+    assert 0 < backend.readahead_bytes <= staged.plan.read_bytes
+    assert backend.mapped_items == len(staged.plan.items)
+    assert backend.stats.syscalls == 0
+
+
+def test_whole_items_are_full_tensor_views_counting_only_their_ranges(llama: Path) -> None:
+    """``whole``: a TP slice is handed as its full source tensor (a view of the mapping),
+    while only the slice's bytes count as read; ``whole`` needs ``cold="readahead"``."""
+    from helpers import reference_tensors
+    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    split = [i for i in staged.plan.items if i.shape != i.source_shape]
+    assert split
+    whole = {i.target: (staged.index.entry(i.name).start, staged.index.entry(i.name).nbytes)
+             for i in split}
+    ref = reference_tensors(llama)
+    backend = MappedBackend(staged.plan, ReadOptions(), cold="readahead", whole=whole)
+    got = dict(backend)
+    for item in split:
+        assert got[item.target].shape == item.source_shape
+        assert torch.equal(got[item.target], ref[item.name]), item.name
+    assert backend.stats.read_bytes == staged.plan.read_bytes
+    with pytest.raises(ValueError, match="readahead"):
+        MappedBackend(staged.plan, ReadOptions(), whole=whole)
+
+
+def test_readahead_refuses_a_file_changed_after_planning(llama: Path, tmp_path: Path) -> None:
+    """A shard rewritten shorter after planning: ReadError naming it before any view."""
+    from pploader.errors import ReadError
+    staged = plan_stage(llama, Topology(1))
+    first = staged.plan.items[0].file
+    with open(llama / first, "r+b") as fh:
+        fh.truncate((llama / first).stat().st_size - 1000)
+    with pytest.raises(ReadError, match="changed during load") as info:
+        list(MappedBackend(staged.plan, ReadOptions(), cold="readahead"))
+    assert first in str(info.value)

@@ -61,8 +61,11 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
         {"name": "pp2-default", "model": str(d["llama1"]), "load_format": "auto", "pp": 2,
          "vllm_reloads": [str(d["llama2"])]},
         {"name": "pp2-default-ckpt2", "model": str(d["llama2"]), "load_format": "auto", "pp": 2},
-        # cold: positional reads of exactly the rank's bytes, placed in NaN
+        # cold: the rank's pages read ahead by the kernel, whole tensors handed as views
         {"name": "tp2", "model": str(d["llama1"]), "load_format": pp, "tp": 2, "evict": True},
+        # cold, positional reads of exactly the rank's bytes placed in NaN (the GPU's shape)
+        {"name": "tp2-threaded", "model": str(d["llama1"]), "load_format": pp, "tp": 2,
+         "evict": True, "extra": {"io_backend": "threaded"}},
         {"name": "tp2-full", "model": str(d["llama1"]), "load_format": pp, "tp": 2,
          "extra": {"tp_mode": "full"}},
         {"name": "tp2-default", "model": str(d["llama1"]), "load_format": "auto", "tp": 2},
@@ -187,18 +190,32 @@ def test_pp2_warm_hands_views_of_the_page_cache(results: dict) -> None:
         assert 0.5 * load["read_bytes"] <= load["mapped_bytes"] <= load["read_bytes"], load
 
 
-def test_tp2_placed_cold_reads_only_the_rank_slice(results: dict) -> None:
+def test_tp2_placed_cold_reads_ahead_only_the_rank_pages(results: dict) -> None:
+    """Cold, default backend: no positional read of tensor data; each worker's cold bytes are
+    read ahead by the kernel (at most its slice; the two workers share the page cache, so one
+    may find pages the other brought in) and every byte is handed as a view."""
     run, ref = results["tp2"], results["tp2-default"]
     assert run["resident_before"] == 0
     assert run["tokens"] == ref["tokens"]
-    assert [x["tp_rank"] for x in _loads(run)] == [0, 1]
-    for load in _loads(run):
-        # cold: positional reads of at most the rank's slice; the two workers share the page
-        # cache, so a tensor the other worker already read (a replicated norm, shared pages
-        # of a strided slice) may be found resident and taken as a view instead
-        syscalls = load["read_bytes"] - load["mapped_bytes"]
-        assert 0 < syscalls <= load["ideal_bytes"], load
+    loads = _loads(run)
+    assert [x["tp_rank"] for x in loads] == [0, 1]
+    for load in loads:
+        assert load["mapped_bytes"] == load["read_bytes"] == load["ideal_bytes"], load
+        assert 0 <= load["readahead_bytes"] <= load["ideal_bytes"], load
+    assert sum(x["readahead_bytes"] for x in loads) > 0
     _check_bytes(run, tp=2)
+
+
+def test_tp2_threaded_cold_reads_only_the_rank_slice_placed_in_nan(results: dict) -> None:
+    """io_backend threaded: positional reads of exactly the rank's bytes, placed in NaN at
+    their offsets (the engine narrows to them: no NaN left), same tokens."""
+    run, ref = results["tp2-threaded"], results["tp2-default"]
+    assert run["resident_before"] == 0
+    assert run["tokens"] == ref["tokens"]
+    for load in _loads(run):
+        assert load["io_backend"] == "threaded" and load["mapped_bytes"] == 0, load
+        assert load["read_bytes"] == load["ideal_bytes"], load
+    _check_bytes(run)
 
 
 def test_tp2_full_mode_same_tokens_tp_times_the_bytes(results: dict) -> None:
