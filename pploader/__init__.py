@@ -64,8 +64,8 @@ _EXPORTS: dict[str, str] = {
     "build_rank_pools": "cache.pools",
     # torch-native: dcp.load's storage reader; DeviceMesh / pipelining stage -> pploader
     "PPLoaderStorageReader": "integrations.dcp",
-    "mesh_topology": "integrations.mesh",
-    "pipeline_window": "integrations.mesh",
+    "mesh_topology": "planning.mesh",
+    "pipeline_window": "planning.mesh",
     # errors (pploader.errors has them all)
     "PPLoaderError": "errors",
     "ConfigError": "errors",
@@ -127,6 +127,6 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .cache.geometry import CacheDtypes
     from .cache.pools import CachePools, build_rank_pools
     from .integrations.dcp import PPLoaderStorageReader
-    from .integrations.mesh import mesh_topology, pipeline_window
+    from .planning.mesh import mesh_topology, pipeline_window
     from .errors import (CheckpointError, ConfigError, MemoryBudgetError, NotReadyError,
                          PlanError, PPLoaderError, RankFailure, ReadError, TopologyError)

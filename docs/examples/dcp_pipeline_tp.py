@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
                                                parallelize_module)
 
 from pploader.integrations.dcp import PPLoaderStorageReader
-from pploader.integrations.mesh import mesh_topology, pipeline_window
+from pploader.planning.mesh import mesh_topology, pipeline_window
 from pploader.report import proc_io
 
 

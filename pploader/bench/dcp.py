@@ -106,7 +106,7 @@ def _worker(spec: dict) -> None:
 
     from ..integrations.dcp import PPLoaderStorageReader
     from ..report import proc_io
-    from ..integrations.mesh import mesh_topology
+    from ..planning.mesh import mesh_topology
     from ..planning.topology import Topology
     rank, world, cuda = spec["rank"], spec["world"], spec["device"] == "cuda"
     solo = spec["solo"]  # this rank alone (no process group): its stage, as rank ``rank``

@@ -103,9 +103,9 @@ def record_stage(model: nn.Module, checkpoint_dir: os.PathLike | str, *, mesh: A
                  window: Optional["StageWindow"] = None, names: Optional[NameMap] = None,
                  strict: bool = True, allowed_roots: Sequence[str] = ()) -> LoadRecord:
     """The ``LoadRecord`` of ``model``'s stage as it is now (no load_stage_into before): the
-    stage from ``mesh`` / ``window`` (``integrations.mesh.resolve_stage``), planned from
+    stage from ``mesh`` / ``window`` (``planning.mesh.resolve_stage``), planned from
     ``checkpoint_dir`` and bound to ``model``; its tensors now are the destinations."""
-    from ..integrations.mesh import resolve_stage
+    from ..planning.mesh import resolve_stage
     from ..planning.stage import open_model
     opened = open_model(checkpoint_dir, allowed_roots=allowed_roots)
     spec, index = opened.spec, opened.index
@@ -164,7 +164,7 @@ def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
     base: list[LoadRecord] = []
 
     def validate() -> tuple[StagePlan, Binding]:
-        from ..integrations.mesh import check_stage
+        from ..planning.mesh import check_stage
         rec = record
         if rec is None and (mesh is not None or window is not None):
             rec = record_stage(model, checkpoint_dir, mesh=mesh, window=window, names=names,

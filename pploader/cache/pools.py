@@ -247,10 +247,10 @@ def build_rank_pools(spec: "ModelSpec", plan: Optional["RankPlan"] = None,
     The stage: the rank planned by ``plan``; or, without a plan, a ``DeviceMesh`` (``mesh``,
     dims named pp / tp [/ ep]: its TP size and pipeline rank) and the stage's ``window``
     (``pipeline_window(stage, layers)``; default: pploader's even split), as
-    ``integrations.mesh.resolve_stage`` reads them. With a plan, a ``mesh`` / ``window``
+    ``planning.mesh.resolve_stage`` reads them. With a plan, a ``mesh`` / ``window``
     given too must be the plan's (TopologyError otherwise). ``weight_bytes``: the rank's
     weight bytes when the budget is ``device_bytes`` and there is no plan."""
-    from ..integrations.mesh import check_stage, resolve_stage
+    from ..planning.mesh import check_stage, resolve_stage
     opts = opts if opts is not None else PoolOptions()
     if plan is not None:
         if mesh is not None or window is not None:

@@ -28,7 +28,7 @@ from helpers import run_ranks
 from pploader import NameMap, StageWindow, Topology
 from pploader.errors import CheckpointError, PlanError, ReadError, TopologyError
 from pploader.integrations.dcp import PPLoaderStorageReader
-from pploader.integrations.mesh import mesh_topology, pipeline_window
+from pploader.planning.mesh import mesh_topology, pipeline_window
 
 transformers = pytest.importorskip("transformers")  # the `hf` extra; installed in CI
 

@@ -1,5 +1,5 @@
 """A ``DeviceMesh`` and a pipelining stage's window given to the pools and reload APIs
-(integrations/mesh.py ``resolve_stage`` / ``check_stage``): the same pools as from the
+(planning/mesh.py ``resolve_stage`` / ``check_stage``): the same pools as from the
 explicit Topology's plan, and a reload of exactly the stage's tensors in place, on 4 gloo
 ranks (PP=2 x TP=2) on CPU; the rules themselves in one process."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from bind_models import TinyLM, checksum, param_ptrs
 from helpers import make_model, run_ranks, tiny_config
 from pploader import StageWindow, Topology
 from pploader.errors import TopologyError
-from pploader.integrations.mesh import check_stage, pipeline_window, resolve_stage
+from pploader.planning.mesh import check_stage, pipeline_window, resolve_stage
 
 CFG = tiny_config()  # tiny-llama: 8 layers
 
@@ -123,7 +123,7 @@ def _reload_rank(rank: int, world: int, a: str, b: str) -> dict:
 
     from pploader import load_stage_into, plan_stage, reload_from_disk
     from pploader.bind.write import module_tensors
-    from pploader.integrations.mesh import mesh_topology
+    from pploader.planning.mesh import mesh_topology
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "tp"))
     topo = mesh_topology(mesh)
     pp = topo.pp_rank

@@ -16,8 +16,8 @@ from __future__ import annotations
 from typing import Any, Iterable, Optional
 
 from ..errors import TopologyError
-from ..planning.partition import StageWindow, even_windows
-from ..planning.topology import Topology
+from .partition import StageWindow, even_windows
+from .topology import Topology
 
 __all__ = ["mesh_topology", "pipeline_window", "resolve_stage", "check_stage"]
 
