@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 from pathlib import Path
-from typing import Callable, NoReturn, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 from .io.registry import AUTO, backend_names, backends_help
 from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
@@ -100,12 +100,17 @@ def _size0(text: str) -> int:
     return 0 if text.strip() == "0" else _size(text)
 
 
+def _parse(text: str, kind: Callable[[str], Any], what: str) -> Any:
+    """``kind(text)``, or the option's one-line error saying ``text`` is not ``what``."""
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
+
+
 def _count(text: str) -> int:
     """A positive integer (ranks, threads, tokens)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _parse(text, int, "an integer")
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
     return value
@@ -142,10 +147,7 @@ _page = _at_most(1 << 20, "tokens per page")
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    value = _parse(text, float, "a number of seconds")
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"{text}: the timeout must be positive seconds, "
                                          "e.g. 60")
@@ -153,20 +155,14 @@ def _seconds(text: str) -> float:
 
 
 def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parse(text, float, "a number")
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1], e.g. 0.9")
     return value
 
 
 def _ratio(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    value = _parse(text, float, "a number")
     if not 0 <= value <= 1:
         raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1], e.g. 0.5")
     return value
@@ -197,11 +193,8 @@ def _exchange_cost(text: str) -> Optional[float | str]:
         return None
     if text == "auto":
         return "auto"
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a cost: give a number >= 0 (bytes "
-                                         "read per byte exchanged), auto or off") from None
+    value = _parse(text, float, "a cost: give a number >= 0 (bytes read per byte exchanged), "
+                   "auto or off")
     if not 0 <= value < float("inf"):  # NaN fails both comparisons
         raise argparse.ArgumentTypeError(f"{text}: the cost must be a finite number >= 0, "
                                          "auto or off")
@@ -210,10 +203,7 @@ def _exchange_cost(text: str) -> Optional[float | str]:
 
 def _index(text: str) -> int:
     """A non-negative integer (a node number)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    value = _parse(text, int, "an integer")
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
     return value

@@ -71,8 +71,7 @@ def check_tp_heads(spec: SpecView, tp_size: int) -> None:
         raise PlanError(f"--tp {tp_size} does not divide the {q} query heads "
                         f"(num_attention_heads): engines give every TP rank whole heads; "
                         f"use --tp in {divisors}", file="config.json")
-    if kinds & {"full_attention", "sliding_attention", "chunked_attention",
-                 "hybrid_attention_mamba2"}:
+    if kinds & (set(ATTENTION_KINDS) - {"mla"}):  # MLA splits query heads only
         kv = spec.num_kv_heads
         try:
             unit_share(kv, tp_size)

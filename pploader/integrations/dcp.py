@@ -124,8 +124,8 @@ class PPLoaderStorageReader(StorageReader):
     ``read_bytes``: what the last ``read_data`` did and what reading the headers cost.
     ``staging_device`` (e.g. ``"cuda:0"``, the destinations' GPU): the read backend's host
     staging for it (the pinned ring) is started when the reader is made, so its page-locking
-    runs in the background while the job builds its model (or, at the latest, while DCP
-    plans) instead of during the first reads; it is reused by later loads.
+    runs in the background while the job builds its model and DCP plans, instead of during
+    the first reads; it is reused by later loads.
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, names: Optional[NameMap] = None,
@@ -178,7 +178,6 @@ class PPLoaderStorageReader(StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """The checkpoint's tensors as DCP metadata; headers are parsed on first access."""
         check_model_dir(self.path)
-        self._start_staging()
         index = open_checkpoint(self.path, allowed_roots=self.allowed_roots)
         keys: dict[str, str] = {}
         for name in index.weight_map:

@@ -29,7 +29,6 @@ consumer writing into a view never changes the file.
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import mmap
 import os
@@ -45,7 +44,8 @@ from ..errors import ReadError
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
 from .mapped_split import Run, copy_stretch, run_bytes, split_resident, strided_runs, touched
-from .pagecache import cached_pages
+from .pagecache import (MADV_POPULATE_READ, PAGE_BYTES, advise, cached_pages,
+                        mapped_residency)
 from .read import Reader
 from .readahead import Prefetch, advise_sequential, page_span, span_of
 
@@ -60,13 +60,6 @@ WARM_FRACTION = 0.9
 #: Reader threads for cold items (and copying threads for warm ones into destinations) unless
 #: ``ReadOptions.threads`` says otherwise.
 COLD_THREADS = 4
-PAGE_BYTES = mmap.PAGESIZE
-#: the process's own C library (dlopen(NULL): no library search, no file read at first use)
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte = resident
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 #: How cold items arrive: ``read`` (positional reads into fresh tensors) or ``readahead``
 #: (views, their pages brought in ahead of the consumer: io/readahead.py).
 COLD_MODES = ("read", "readahead")
@@ -94,11 +87,10 @@ class _File:
         if pages <= 0 or first * PAGE_BYTES >= size:
             return bytes(max(pages, 0))
         length = min(pages * PAGE_BYTES, size - first * PAGE_BYTES)
-        vec = (ctypes.c_ubyte * pages)()
-        if _LIBC.mincore(ctypes.c_void_p(self.base.data_ptr() + first * PAGE_BYTES), length,
-                         vec) != 0:
+        bitmap = mapped_residency(self.base.data_ptr() + first * PAGE_BYTES, length)
+        if bitmap is None:
             return bytes(pages)  # unknown residency: treat as cold
-        return bytes(vec).translate(_LOW_BIT)
+        return bitmap + bytes(pages - len(bitmap))  # pages past the file's end: not resident
 
     def missing(self, runs: Sequence[Run]) -> tuple[int, int]:
         """(pages not resident, pages touched) of ``runs`` (:func:`strided_runs`): a run
@@ -488,8 +480,8 @@ class MappedBackend:
                     merged.append([lo, hi])
             for lo, hi in merged:
                 # best effort: an older kernel (EINVAL) simply faults pages in on first touch
-                _LIBC.madvise(*page_span(base.data_ptr(), lo, min(hi, base.numel())),
-                              _MADV_POPULATE_READ)
+                advise(*page_span(base.data_ptr(), lo, min(hi, base.numel())),
+                       MADV_POPULATE_READ)
 
     def load(self, destinations: Optional[Mapping[str, torch.Tensor]] = None
              ) -> dict[str, torch.Tensor]:

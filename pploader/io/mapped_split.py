@@ -11,19 +11,18 @@ only those rows (or, of a one-range shard, those pages' bytes) are read.
 """
 from __future__ import annotations
 
-import mmap
 from typing import Callable, NamedTuple, Sequence
 
 import torch
 
 from ..planning.plan import ReadItem
+from .pagecache import PAGE_BYTES
 
 __all__ = ["Run", "Stretch", "strided_runs", "touched", "run_bytes", "split_resident",
            "copy_stretch"]
 
 #: ``(offset, length, count, stride)``: ``count`` byte ranges of ``length``, ``stride`` apart
 Run = tuple[int, int, int, int]
-PAGE_BYTES = mmap.PAGESIZE
 
 
 def strided_runs(ranges: Sequence[tuple[int, int]]) -> list[Run]:

@@ -10,7 +10,8 @@ import os
 from functools import lru_cache
 from typing import Iterable, Optional
 
-__all__ = ["resident_bytes_of_ranges", "cached_pages", "PAGE_BYTES"]
+__all__ = ["resident_bytes_of_ranges", "cached_pages", "mapped_residency", "advise",
+           "PAGE_BYTES", "MADV_SEQUENTIAL", "MADV_WILLNEED", "MADV_POPULATE_READ"]
 
 PAGE_BYTES = mmap.PAGESIZE
 #: cachestat(2) (Linux >= 6.5): the number is 451 in the generic and the x86_64 tables
@@ -21,6 +22,28 @@ _cachestat_ok = [_CACHESTAT is not None]
 #: first use inside a measured load)
 _SELF = ctypes.CDLL(None, use_errno=True)
 _SELF.syscall.restype = ctypes.c_long
+_SELF.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+_SELF.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte = resident
+MADV_SEQUENTIAL = getattr(mmap, "MADV_SEQUENTIAL", 2)
+MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+
+
+def mapped_residency(addr: int, length: int) -> Optional[bytes]:
+    """One byte per page of the mapped ``[addr, addr + length)`` (``addr`` page aligned): 1
+    in the page cache, 0 not; None when ``mincore`` fails (unknown)."""
+    pages = (length + PAGE_BYTES - 1) // PAGE_BYTES
+    vec = (ctypes.c_ubyte * pages)()
+    if _SELF.mincore(ctypes.c_void_p(addr), length, vec) != 0:
+        return None
+    return bytes(vec).translate(_LOW_BIT)
+
+
+def advise(addr: int, length: int, advice: int) -> int:
+    """``madvise`` on a mapping, best effort (0, or -1 where the kernel refuses the advice:
+    an older kernel's EINVAL just leaves the pages to be faulted in on first touch)."""
+    return int(_SELF.madvise(addr, length, advice))
 
 
 class _Range(ctypes.Structure):

@@ -8,25 +8,17 @@ consumer copies meanwhile. Residency is looked up per span with ``mincore`` (not
 so the caller learns which spans were warm without a whole-file bitmap."""
 from __future__ import annotations
 
-import ctypes
-import mmap
 import threading
 from typing import Sequence
+
+from .pagecache import (MADV_POPULATE_READ, MADV_SEQUENTIAL, MADV_WILLNEED, PAGE_BYTES, advise,
+                        mapped_residency)
 
 __all__ = ["Prefetch", "span_of", "page_span", "resident_fraction", "advise_sequential",
            "LOOKAHEAD_BYTES"]
 
-PAGE_BYTES = mmap.PAGESIZE
-#: the process's own C library (dlopen(NULL): no library search, no file read at first use)
-_LIBC = ctypes.CDLL(None, use_errno=True)
-_LIBC.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_LIBC.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_SEQUENTIAL = getattr(mmap, "MADV_SEQUENTIAL", 2)
-_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 #: cold bytes asked for ahead of the span being mapped (requests in flight)
 LOOKAHEAD_BYTES = 64 << 20
-_LOW_BIT = bytes(b & 1 for b in range(256))  # mincore: bit 0 of each byte = resident
 
 
 def span_of(ranges: Sequence[tuple[int, int]]) -> tuple[int, int]:
@@ -43,18 +35,17 @@ def page_span(addr: int, lo: int, hi: int) -> tuple[int, int]:
 def resident_fraction(addr: int, length: int) -> float:
     """Share of the pages of [addr, addr + length) (page aligned) in the page cache; 0.0
     when mincore fails (unknown: treated as cold)."""
-    pages = (length + PAGE_BYTES - 1) // PAGE_BYTES
-    if pages <= 0:
+    if length <= 0:
         return 1.0
-    vec = (ctypes.c_ubyte * pages)()
-    if _LIBC.mincore(ctypes.c_void_p(addr), length, vec) != 0:
+    bitmap = mapped_residency(addr, length)
+    if bitmap is None:
         return 0.0
-    return (pages - bytes(vec).translate(_LOW_BIT).count(0)) / pages
+    return (len(bitmap) - bitmap.count(0)) / len(bitmap)
 
 
 def advise_sequential(addr: int, length: int) -> None:
     """Fault-time readahead of a mapping in large sequential requests (best effort)."""
-    _LIBC.madvise(addr, length, _MADV_SEQUENTIAL)
+    advise(addr, length, MADV_SEQUENTIAL)
 
 
 class Prefetch:
@@ -81,7 +72,7 @@ class Prefetch:
         addr, length = self.spans[j]
         if resident_fraction(addr, length) < self.warm_fraction:
             self.cold[j] = True
-            _LIBC.madvise(addr, length, _MADV_WILLNEED)  # asynchronous: returns once queued
+            advise(addr, length, MADV_WILLNEED)  # asynchronous: returns once queued
 
     def _run(self) -> None:
         try:
@@ -97,7 +88,7 @@ class Prefetch:
                     self._ask(asked)
                     asked_end += self.spans[asked][1]
                     asked += 1
-                _LIBC.madvise(addr, length, _MADV_POPULATE_READ)
+                advise(addr, length, MADV_POPULATE_READ)
                 ahead += length
                 self.done[k].set()
         finally:
