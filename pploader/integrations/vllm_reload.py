@@ -10,7 +10,8 @@ Two entry points, one protocol (read and agree before anything is written):
   raises and :func:`reload` raises ``RankFailure`` on the driver.
 
 Each worker plans its stage of ``D`` (headers and sizes, same family / window / tensor shapes as
-served), takes all of its bytes (views of resident pages, the rest read into memory), then all
+served; a checkpoint of exactly the served layout keeps the served plan, planning/rebase.py),
+takes all of its bytes (views of resident pages, the rest read into memory), then all
 workers agree. Only then is anything written. A refused checkpoint never leaves the engine
 broken: nothing is written, ``model_config.model`` points back at the served checkpoint, and
 on vLLM's path only the executor's *last* worker raises (vLLM's multiprocess executor reads the
@@ -32,6 +33,7 @@ from ..bind.module_state import find_module_state, module_state
 from ..distributed.comm import Comm, run_guarded
 from ..errors import PlanError, PPLoaderError, RankFailure
 from ..io.backend import ReadBackend
+from ..planning.rebase import rebase_stage
 from ..stage import StagePlan
 from .placed import rchar_bytes, read_stage
 
@@ -84,9 +86,10 @@ def _read_agreed(model: nn.Module, state: Any, checkpoint_dir: str, timeout_s: f
     topology = state.topology
 
     def read_all() -> Read:
-        staged = plan_engine_stage(checkpoint_dir, topology, state.partition, state.tp_mode,
-                                   model, range_cost_bytes=state.range_cost_bytes,
-                                   local_experts=state.local_experts)
+        # a checkpoint of the served layout (a weight update) keeps the served plan
+        staged = rebase_stage(state.staged, checkpoint_dir) or plan_engine_stage(
+            checkpoint_dir, topology, state.partition, state.tp_mode, model,
+            range_cost_bytes=state.range_cost_bytes, local_experts=state.local_experts)
         _same_layout(state.staged, staged, topology.rank)
         return (staged, *read_stage(staged, state.tp_mode, state.io_backend))
 
