@@ -59,6 +59,17 @@ def prep_engine_staged(ctx: Ctx) -> dict:
     return {"ring": ring, "params": _params(ctx)}
 
 
+def _prep_engine_queue(threads: int, slot_bytes: int) -> Callable[[Ctx], dict]:
+    """Staging of ``threads`` readers x 2 slots of ``slot_bytes``, page-locked before the
+    clock: requests of ``slot_bytes``, ``threads x slot_bytes`` in flight (the disk queue's
+    depth, issue 28's cold comparison)."""
+    def prep(ctx: Ctx) -> dict:
+        from ..io.pinned_ring import PinnedRing
+        ring = PinnedRing(threads, slot_bytes, lazy=False, device=ctx.device)
+        return {"ring": ring, "params": _params(ctx)}
+    return prep
+
+
 def _copied(ctx: Ctx, params: dict[str, torch.Tensor], copied: int, extra: dict) -> tuple:
     torch.cuda.synchronize(ctx.device)
     if copied != len(params):
@@ -178,6 +189,11 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_staged),
+    # in-flight depth: readers x request size (default 16 x 16 MiB)
+    "engine_pploader_q16x64m": (m_engine_pploader, _prep_engine_queue(16, 64 << 20)),
+    "engine_pploader_q32x32m": (m_engine_pploader, _prep_engine_queue(32, 32 << 20)),
+    "engine_pploader_q8x256m": (m_engine_pploader, _prep_engine_queue(8, 256 << 20)),
+    "engine_pploader_q64x16m": (m_engine_pploader, _prep_engine_queue(64, 16 << 20)),
     "engine_vllm_default": (m_engine_vllm_default, prep_engine),
     "engine_dcp": (m_engine_dcp, prep_engine),
     "engine_fastsafetensors": (m_engine_fastsafetensors, prep_engine),
