@@ -297,7 +297,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
             raise ValueError(f"pploader tp_mode must be one of {TP_MODES}, got {self.tp_mode!r}")
         if extra:
             raise ValueError(f"unknown pploader model_loader_extra_config keys: {sorted(extra)}")
-        self.staging = _early_staging()  # GPU workers: page-locked while the model is built
+        self.staging: Any = None  # GPU workers: page-locked while load_model builds the model
         self.early_plan: Optional[EarlyPlan] = None  # set by load_model
 
     def download_model(self, model_config: ModelConfig) -> None:
@@ -309,7 +309,10 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
     def load_model(self, vllm_config: Any, model_config: ModelConfig, prefix: str = ""
                    ) -> nn.Module:
         """vLLM's load_model, with this worker's stage planned in the background while the
-        engine builds the model (:class:`EarlyPlan`)."""
+        engine builds the model (:class:`EarlyPlan`), and on a GPU worker the pinned staging
+        page-locked meanwhile. Started here, not when the loader is made: vLLM's
+        ``reload_weights`` makes a loader only to call :meth:`get_all_weights`."""
+        self.staging = _early_staging()
         self.early_plan = start_early_plan(model_config.model, self.tp_mode,
                                            self.range_cost_bytes)
         try:
@@ -385,8 +388,8 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
 
 def _early_staging() -> Any:
     """On a GPU worker, the device backend's staging (the pinned ring) started now, when vLLM
-    creates the loader, so its page-locking overlaps the engine building the model (vLLM has
-    set the worker's device by then); None on CPU workers or when it cannot start (the load
+    starts ``load_model``, so its page-locking overlaps the engine building the model (vLLM
+    has set the worker's device by then); None on CPU workers or when it cannot start (the load
     then makes its own)."""
     try:
         if not torch.cuda.is_available():
