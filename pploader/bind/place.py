@@ -163,6 +163,9 @@ class LoadRecord:
     strict: bool
     binding: Binding
     snapshots: Mapping[str, TensorSnapshot]
+    #: the plan the stage was last filled from: a reload from a checkpoint of the same layout
+    #: keeps it (planning/rebase.py) instead of planning again
+    staged: Optional[StagePlan] = None
 
 
 @dataclass(frozen=True)
@@ -442,6 +445,6 @@ def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str]
     plan = staged.plan
     record = LoadRecord(staged.spec.family, staged.spec.num_layers, plan.topology, plan.window,
                         plan.experts, names, tuple(ignore), allow_cast, strict, binding,
-                        snapshots)
+                        snapshots, staged)
     return BindResult(binding.missing, binding.unexpected, binding.params, processed,
                       staged.plan, stats, record)

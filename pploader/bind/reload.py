@@ -36,6 +36,7 @@ from ..errors import ConfigError, PlanError
 from .place import (Binding, LoadRecord, TensorSnapshot, bind_stage, commit_writes,
                     module_tensors)
 from ..planning.plan import RankPlan, plan_rank
+from ..planning.rebase import rebase_stage
 from ..io.read import ReadStats
 from ..planning.spec import read_config, spec_from_config
 from ..planning.stage import StagePlan
@@ -64,7 +65,12 @@ class ReloadResult:
 
 def plan_reload(record: LoadRecord, checkpoint_dir: os.PathLike | str, *,
                 allowed_roots: Sequence[str] = ()) -> StagePlan:
-    """Plan the recorded stage (same family, topology and window) from a new checkpoint."""
+    """Plan the recorded stage (same family, topology and window) from a new checkpoint; a
+    checkpoint of the recorded plan's layout keeps that plan (planning/rebase.py)."""
+    if record.staged is not None:
+        rebased = rebase_stage(record.staged, checkpoint_dir, allowed_roots=allowed_roots)
+        if rebased is not None:
+            return rebased
     config = read_config(checkpoint_dir, allowed_roots=allowed_roots)
     path = Path(checkpoint_dir) / "config.json"
     archs = config.get("architectures") if isinstance(config, dict) else None
@@ -134,7 +140,7 @@ def record_stage(model: nn.Module, checkpoint_dir: os.PathLike | str, *, mesh: A
                         rank=topo.rank)
     return LoadRecord(spec.family, spec.num_layers, topo, win, staged.plan.experts, names, (),
                       False, strict, binding,
-                      {n: TensorSnapshot.of(tensors[n]) for n in binding.params})
+                      {n: TensorSnapshot.of(tensors[n]) for n in binding.params}, staged)
 
 
 def _is_dtensor(t: Any) -> bool:
@@ -197,4 +203,5 @@ def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
         model, binding, staged.plan, action="reload_from_disk", comm=comm, process=process,
         window_bytes=window_bytes, threads=threads, on_progress=on_progress)
     logger.info("rank %s: reloaded %d bytes in %.3f s", rank, stats.read_bytes, stats.seconds)
-    return ReloadResult(staged.plan, stats, processed, replace(base[0], binding=binding))
+    return ReloadResult(staged.plan, stats, processed,
+                        replace(base[0], binding=binding, staged=staged))

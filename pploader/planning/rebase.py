@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import replace
-from typing import Optional
+from typing import Optional, Sequence
 
 from ..errors import PPLoaderError
 from .checkpoint import open_checkpoint
@@ -25,16 +25,17 @@ logger = logging.getLogger(__name__)
 __all__ = ["rebase_stage"]
 
 
-def rebase_stage(staged: StagePlan, model_dir: os.PathLike | str) -> Optional[StagePlan]:
+def rebase_stage(staged: StagePlan, model_dir: os.PathLike | str, *,
+                 allowed_roots: Sequence[str] = ()) -> Optional[StagePlan]:
     """``staged`` moved onto ``model_dir`` when its config.json, weight map and the headers
     of every shard the plan reads equal the planned ones; None otherwise (or on any error
     reading them: the caller's fresh planning then reports it properly)."""
     if staged.index.storage is not None:  # object stores: planned afresh (ETags, not inodes)
         return None
     try:
-        if read_config(model_dir) != dict(staged.spec.full_config):
+        if read_config(model_dir, allowed_roots=allowed_roots) != dict(staged.spec.full_config):
             return None
-        index = open_checkpoint(model_dir)
+        index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
         if dict(index.weight_map) != dict(staged.index.weight_map):
             return None
         files = tuple(staged.plan.paths)

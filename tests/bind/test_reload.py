@@ -193,3 +193,24 @@ def test_two_ranks_atomic_reload(ckpts: tuple[Path, Path], tmp_path: Path) -> No
         assert wrong in errs["shape"] and "rank 1" in errs["shape"]
         assert "injected fault on rank 1" in errs["midway"]
         assert res["ready_after_fault"] is False and res["restored"] is True
+
+
+def test_a_checkpoint_of_the_same_layout_keeps_the_plan(ckpts: tuple[Path, Path],
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A weight update (same config and headers, new values) reuses the recorded plan with
+    the new files: nothing is planned again, and the result equals a fresh plan's."""
+    import dataclasses
+
+    import pploader.bind.reload as reload_mod
+    a, b = ckpts
+    model, record = loaded(a)
+    assert record.staged is not None
+    fresh_plan = reload_mod.plan_reload(dataclasses.replace(record, staged=None), b).plan
+
+    def no_planning(*args: object, **kwargs: object) -> None:
+        raise AssertionError("planned again")
+    monkeypatch.setattr(reload_mod, "plan_rank", no_planning)
+    result = reload_from_disk(model, b, record=record)
+    assert result.plan == fresh_plan
+    assert result.record.staged is not None and result.record.staged.plan == fresh_plan
+    assert torch.equal(out(model), out(fresh(b)))
