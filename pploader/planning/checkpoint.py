@@ -227,6 +227,13 @@ class CheckpointIndex:
             self._headers[hdr.file] = hdr
             self._entries.update(hdr.tensors)
 
+    def adopt(self, hdr: ShardHeader) -> None:
+        """Take ``hdr`` as ``hdr.file``'s header without parsing it: the caller checked that
+        the file holds the same header bytes as the checkpoint ``hdr`` was parsed from
+        (planning/rebase.py), so the weight map cross-check holds as it did there."""
+        self._headers[hdr.file] = hdr
+        self._entries.update(hdr.tensors)
+
     def opened_files(self) -> tuple[str, ...]:
         """Files whose headers were read so far."""
         return tuple(self._headers)

@@ -7,6 +7,7 @@ up front, so a bad file fails before any rank allocates or reads a byte of it.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -124,6 +125,9 @@ class ShardHeader:
     data_start: int
     tensors: Mapping[str, TensorEntry]
     metadata: Mapping[str, str]
+    #: BLAKE2b of the header's JSON bytes: another file with these bytes and this size has
+    #: exactly these entries (planning/rebase.py); empty when not computed
+    digest: bytes = b""
 
 
 def _sniff(head: bytes) -> str:
@@ -285,7 +289,7 @@ def header_from_bytes(name: str, path: "Path | str", identity: FileIdentity, siz
     data_len = size - data_start
     fast = _fast_header(name, raw, data_start, data_len, max_tensors)  # no decode: UTF-8
     if fast is not None:  # is checked by orjson (invalid: None, and the decode below says so)
-        return ShardHeader(name, path, identity, n, data_start, *fast)
+        return ShardHeader(name, path, identity, n, data_start, *fast, header_digest(raw))
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -307,7 +311,14 @@ def header_from_bytes(name: str, path: "Path | str", identity: FileIdentity, siz
     for tname, info in obj.items():
         tensors[tname] = _entry(name, tname, info, data_start, data_len)
     _check_tiling(name, tensors, data_start, data_len)
-    return ShardHeader(name, path, identity, n, data_start, tensors, metadata)
+    return ShardHeader(name, path, identity, n, data_start, tensors, metadata,
+                       header_digest(raw))
+
+
+def header_digest(raw: bytes) -> bytes:
+    """``ShardHeader.digest`` of a header's JSON bytes (16 bytes of BLAKE2b: ~0.1 ms for a
+    header of thousands of tensors)."""
+    return hashlib.blake2b(raw, digest_size=16).digest()
 
 
 def _metadata(file: str, metadata: object) -> dict:
