@@ -87,3 +87,20 @@ def test_a_directory_rewritten_in_place_is_checked_against_the_planned_headers(
     for shard in served.glob("*.safetensors"):
         _rewrite(shard, _other_dtype)
     assert rebase_stage(staged, served) is None
+
+
+def test_a_shard_cut_short_or_with_other_metadata_is_planned_afresh(served: Path,
+                                                                    tmp_path: Path) -> None:
+    """Same entries are not enough: the file's size and its header bytes must be the planned
+    ones (a truncated shard then fails fresh planning with its own clear error)."""
+    staged = plan_stage(served, Topology(2, 1, 1, 1))
+    file = next(iter(staged.plan.paths))
+    cut = _copy(served, tmp_path / "cut", scale=1.0)
+    with open(cut / file, "r+b") as fh:
+        fh.truncate((cut / file).stat().st_size - 1)
+    assert rebase_stage(staged, cut) is None
+
+    other = _copy(served, tmp_path / "meta", scale=1.0)
+    tensors = load_file(str(other / file))
+    save_file(tensors, str(other / file), metadata={"format": "pt", "step": "7"})
+    assert rebase_stage(staged, other) is None
