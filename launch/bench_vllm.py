@@ -158,10 +158,11 @@ def _evict(model: Path) -> int:
     return left
 
 
-def run(model: Path, pp: int, tp: int, repeat: int, json_out: Path) -> None:
+def run(model: Path, pp: int, tp: int, repeat: int, json_out: Path,
+        caches: tuple[str, ...] = ("cold", "warm")) -> None:
     rows = []
     for rep in range(repeat):
-        for cache in ("cold", "warm"):
+        for cache in caches:
             for loader in (("default", "pploader") if rep % 2 == 0 else ("pploader", "default")):
                 out_dir = json_out.parent / f"trial-{rep}-{cache}-{loader}"
                 out_dir.mkdir(parents=True, exist_ok=True)
@@ -243,6 +244,7 @@ def main() -> None:
     r.add_argument("--tp", type=int, default=1)
     r.add_argument("--repeat", type=int, default=1)
     r.add_argument("--json", type=Path, required=True)
+    r.add_argument("--caches", default="cold,warm", help="which cells, in this order per repeat")
     sm = sub.add_parser("summary")
     sm.add_argument("json", type=Path)
     t = sub.add_parser("trial")
@@ -255,7 +257,7 @@ def main() -> None:
         print(summary(args.json))
     elif args.cmd == "run":
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        run(args.model, args.pp, args.tp, args.repeat, args.json)
+        run(args.model, args.pp, args.tp, args.repeat, args.json, tuple(args.caches.split(",")))
     else:
         trial(args.model, args.loader, int(args.pp), int(args.tp), args.out_dir)
 

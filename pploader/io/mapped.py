@@ -30,27 +30,26 @@ consumer writing into a view never changes the file.
 from __future__ import annotations
 
 import logging
-import mmap
 import os
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from functools import partial
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 
 from ..errors import ReadError
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
-from .mapped_split import Run, copy_stretch, run_bytes, split_resident, strided_runs, touched
-from .pagecache import (MADV_POPULATE_READ, PAGE_BYTES, advise, cached_pages,
-                        mapped_residency)
+from .mapped_file import MappedFile, map_file
+from .mapped_split import Run, copy_stretch, run_bytes, split_resident, strided_runs
+from .pagecache import MADV_POPULATE_READ, PAGE_BYTES, advise
 from .read import Reader
 from .readahead import Prefetch, advise_sequential, page_span, span_of
 
 __all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "COLD_MODES",
-           "READAHEAD_WINDOW", "resident_items", "strided_runs"]
+           "READAHEAD_WINDOW", "strided_runs"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,72 +67,6 @@ COLD_MODES = ("read", "readahead")
 READAHEAD_WINDOW = 256 << 20
 #: spans closer than this are populated in one call (the gap's pages are mapped too)
 _MERGE_GAP = 64 << 10
-
-
-@dataclass
-class _File:
-    """One open, identity-checked file: its descriptor and private mapping (as a uint8
-    tensor). Page residency is asked of the kernel only for the pages an item touches
-    (a whole-file ``mincore`` bitmap costs ~0.2 µs a page on a VM): ``cachestat`` counts a
-    run's span in one call, ``mincore`` lists its pages when some are missing."""
-
-    fd: int
-    base: torch.Tensor
-
-    def resident(self, first: int, last: int) -> bytes:
-        """One byte per page ``first..last`` (inclusive): 1 resident, 0 not (or unknown)."""
-        pages = last - first + 1
-        size = self.base.numel()
-        if pages <= 0 or first * PAGE_BYTES >= size:
-            return bytes(max(pages, 0))
-        length = min(pages * PAGE_BYTES, size - first * PAGE_BYTES)
-        bitmap = mapped_residency(self.base.data_ptr() + first * PAGE_BYTES, length)
-        if bitmap is None:
-            return bytes(pages)  # unknown residency: treat as cold
-        return bitmap + bytes(pages - len(bitmap))  # pages past the file's end: not resident
-
-    def missing(self, runs: Sequence[Run]) -> tuple[int, int]:
-        """(pages not resident, pages touched) of ``runs`` (:func:`strided_runs`): a run
-        whose gaps are shorter than a page touches every page it spans (one count); rows
-        further apart are counted row by row."""
-        missing = pages = 0
-        for off, n, count, stride in runs:
-            if n <= 0 or count <= 0:
-                continue
-            first = off // PAGE_BYTES
-            last = (off + (count - 1) * stride + n - 1) // PAGE_BYTES
-            cached = cached_pages(self.fd, first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
-            if cached is not None and cached >= last - first + 1:  # all resident: one call
-                pages += touched(off, n, count, stride)
-                continue
-            bitmap = self.resident(first, last)
-            if count == 1 or stride - n < PAGE_BYTES:
-                missing, pages = missing + bitmap.count(0), pages + len(bitmap)
-                continue
-            for row in range(off, off + count * stride, stride):
-                window = bitmap[row // PAGE_BYTES - first:(row + n - 1) // PAGE_BYTES - first + 1]
-                missing, pages = missing + window.count(0), pages + len(window)
-        return missing, pages
-
-    def fraction(self, ranges: tuple[tuple[int, int], ...]) -> float:
-        """Share of the pages ``ranges`` touch that are resident (1.0 for no bytes)."""
-        missing, pages = self.missing(strided_runs(ranges))
-        return 1.0 - missing / pages if pages else 1.0
-
-
-def _map(path: str, fd: int, file: str, plan: RankPlan, *, random: bool = False) -> _File:
-    """Map ``fd`` privately (no data is read); ``random``: a fault reads only its page."""
-    size = os.fstat(fd).st_size
-    if size == 0:
-        return _File(fd, torch.empty(0, dtype=torch.uint8))
-    try:
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
-    except (OSError, ValueError) as exc:
-        raise ReadError(f"cannot map {path}: {exc}", file=file,
-                        rank=plan.topology.rank) from exc
-    if random:
-        mm.madvise(mmap.MADV_RANDOM)
-    return _File(fd, torch.frombuffer(mm, dtype=torch.uint8))  # holds ``mm`` while views live
 
 
 class MappedBackend:
@@ -175,7 +108,7 @@ class MappedBackend:
     def _err(self, msg: str, item: ReadItem) -> ReadError:
         return ReadError(msg, file=item.file, tensor=item.name, rank=self.plan.topology.rank)
 
-    def _open(self, files: dict[str, _File], item: ReadItem) -> _File:
+    def _open(self, files: dict[str, MappedFile], item: ReadItem) -> MappedFile:
         f = files.get(item.file)
         if f is None:
             path = self.plan.paths[item.file]
@@ -185,7 +118,7 @@ class MappedBackend:
                 raise self._err(f"cannot open: {exc.strerror}", item) from exc
             try:
                 check_identity(self.plan, item.file, fd, item.name)
-                f = files[item.file] = _map(path, fd, item.file, self.plan,
+                f = files[item.file] = map_file(path, fd, item.file, self.plan,
                                             random=self.fault_budget is not None)
             except BaseException:
                 os.close(fd)
@@ -198,7 +131,7 @@ class MappedBackend:
             runs = self._runs[item.target] = strided_runs(item.ranges)
         return runs
 
-    def _warm(self, files: dict[str, _File]) -> list[bool]:
+    def _warm(self, files: dict[str, MappedFile]) -> list[bool]:
         """Per item (plan order): served from the mapping (its files opened and mapped)."""
         out = []
         for item in self.plan.items:
@@ -214,7 +147,7 @@ class MappedBackend:
                 out.append(not pages or 1.0 - missing / pages >= self.warm_fraction)
         return out
 
-    def _from_mapping(self, f: _File, item: ReadItem, dst: Optional[torch.Tensor]
+    def _from_mapping(self, f: MappedFile, item: ReadItem, dst: Optional[torch.Tensor]
                       ) -> torch.Tensor:
         """The item's tensor from the mapping: a view when it is one whole range (and no
         destination is given), else copied into ``dst`` or a fresh tensor (one strided copy
@@ -249,7 +182,7 @@ class MappedBackend:
         materialise(item, raw, out)
         return out
 
-    def _check_end(self, f: _File, item: ReadItem, end: int) -> None:
+    def _check_end(self, f: MappedFile, item: ReadItem, end: int) -> None:
         if end > f.base.numel():
             raise self._err(f"file changed during load: unexpected end of file (the item "
                             f"ends at byte {end}, the file has {f.base.numel()}; truncated "
@@ -264,7 +197,7 @@ class MappedBackend:
                       memory_budget_bytes=self.options.memory_budget_bytes)
 
     def _each(self) -> Iterator[tuple[str, torch.Tensor]]:
-        start, files = time.perf_counter(), dict[str, _File]()
+        start, files = time.perf_counter(), dict[str, MappedFile]()
         self.mapped_bytes = self.readahead_bytes = self.warm_items = self.mapped_items = 0
         reader: Optional[Reader] = None
         try:
@@ -306,7 +239,7 @@ class MappedBackend:
         ``fault_budget``, a partly resident item is split (io/mapped_split.py): its resident
         rows / pages copied, the rest read. Our own copy faults the pages in (the kernel maps
         the resident neighbours of each fault), so nothing is populated ahead."""
-        start, files = time.perf_counter(), dict[str, _File]()
+        start, files = time.perf_counter(), dict[str, MappedFile]()
         self.mapped_bytes = self.readahead_bytes = self.warm_items = self.mapped_items = 0
         reader: Optional[Reader] = None
         try:
@@ -350,7 +283,7 @@ class MappedBackend:
             self._finish(files, reader, start)
         return {i.target: destinations[i.target] for i in self.plan.items}
 
-    def _split(self, files: dict[str, _File], item: ReadItem, dst: torch.Tensor
+    def _split(self, files: dict[str, MappedFile], item: ReadItem, dst: torch.Tensor
                ) -> Optional[tuple[list[Callable[[], object]], dict[ReadItem, torch.Tensor]]]:
         """A partly resident item (``fault_budget`` set): copies of its resident stretches
         and read items of its missing bytes with their destination views; None to read it
@@ -402,7 +335,7 @@ class MappedBackend:
         if self.options.on_progress is not None:
             self.options.on_progress(nbytes)
 
-    def _finish(self, files: dict[str, _File], reader: Optional[Reader], start: float) -> None:
+    def _finish(self, files: dict[str, MappedFile], reader: Optional[Reader], start: float) -> None:
         for f in files.values():
             os.close(f.fd)
         if reader is not None:
@@ -414,12 +347,12 @@ class MappedBackend:
                      self.plan.topology.rank, self.warm_items, self.mapped_bytes,
                      len(self.plan.items) - self.warm_items, self.stats.read_bytes)
 
-    def _each_ahead(self, files: dict[str, _File],
+    def _each_ahead(self, files: dict[str, MappedFile],
                     destinations: Optional[Mapping[str, torch.Tensor]]
                     ) -> Iterator[tuple[str, torch.Tensor]]:
         """``cold="readahead"``: every item from the mapping, its pages (a ``whole`` item's
         own span only) brought in by a :class:`~pploader.io.readahead.Prefetch` thread in
-        plan order."""
+        plan order, unless every item is warm already."""
         items = self.plan.items
         spans: list[tuple[int, int]] = []
         slot: list[Optional[int]] = []   # plan position -> its span in ``spans``
@@ -436,18 +369,24 @@ class MappedBackend:
             spans.append(page_span(f.base.data_ptr(), lo, hi))
         for f in files.values():
             advise_sequential(f.base.data_ptr(), f.base.numel())
-        prefetch = Prefetch(spans, window=self.options.window_bytes or READAHEAD_WINDOW,
-                            warm_fraction=WARM_FRACTION)
+        # a warm stage needs no prefetch thread: the consumer's copy faults its pages in, 16
+        # at a time (cheaper than MADV_POPULATE_READ, and no thread beside every worker)
+        warm = all(files[i.file].fraction(i.ranges) >= WARM_FRACTION for i in items if i.ranges)
+        prefetch = None if warm else Prefetch(
+            spans, window=self.options.window_bytes or READAHEAD_WINDOW,
+            warm_fraction=WARM_FRACTION)
         try:
             for k, item in enumerate(items):
                 self._check_cancel(item)
                 at = slot[k]
-                if at is not None:
+                if at is not None and prefetch is not None:
                     prefetch.wait(at)
                     if prefetch.cold[at]:
                         self.readahead_bytes += sizes[k]
                     else:
                         self.warm_items += 1
+                elif at is not None:
+                    self.warm_items += 1
                 dst = destinations.get(item.target) if destinations is not None else None
                 tensor = self._from_mapping(files[item.file], item, dst)
                 self.mapped_bytes += sizes[k]
@@ -458,12 +397,13 @@ class MappedBackend:
                     self.options.on_progress(sizes[k])
                 yield item.target, tensor
         finally:
-            prefetch.close()
+            if prefetch is not None:
+                prefetch.close()
         for file, f in files.items():
             check_identity(self.plan, file, f.fd)
 
     @staticmethod
-    def _populate(files: dict[str, _File], items: list[tuple[str, tuple[int, int]]]) -> None:
+    def _populate(files: dict[str, MappedFile], items: list[tuple[str, tuple[int, int]]]) -> None:
         """Map the warm items' resident pages ((file, span of its ranges) each) into this
         process in one call per run of nearby spans (MADV_POPULATE_READ) instead of one page
         fault per 4 KiB during the consumer's copy."""
@@ -499,31 +439,6 @@ class MappedBackend:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._each()
-
-
-def resident_items(plan: RankPlan, ranges: Mapping[str, tuple[str, tuple[tuple[int, int], ...]]]
-                   ) -> set[str]:
-    """The keys of ``ranges`` (key -> (file, byte ranges)) whose pages are at least
-    ``WARM_FRACTION`` resident in the page cache (files as ``plan.paths`` names them; nothing
-    is read). Lets a caller choose what to ask the backend for (integrations/placed.py)."""
-    out: set[str] = set()
-    bitmaps: dict[str, _File] = {}
-    try:
-        for key, (file, rngs) in ranges.items():
-            f = bitmaps.get(file)
-            if f is None:
-                fd = os.open(plan.paths[file], os.O_RDONLY)
-                try:
-                    f = bitmaps[file] = _map(plan.paths[file], fd, file, plan)
-                except BaseException:
-                    os.close(fd)
-                    raise
-            if rngs and f.fraction(rngs) >= WARM_FRACTION:
-                out.add(key)
-    finally:
-        for f in bitmaps.values():
-            os.close(f.fd)
-    return out
 
 
 def open_mapped(plan: RankPlan, device: torch.device, options: ReadOptions, *,
