@@ -4,7 +4,8 @@ copy. Bytes that must come from the disk (``cold``): ``read`` (the registry's de
 threaded backend's large positional reads; ``readahead`` (the engine path,
 integrations/placed.py) hands views too, after a prefetch thread has faulted the item's pages
 in through the kernel's readahead (io/readahead.py, ahead of the consumer by at most a
-window), so a cold load is one copy too. ``whole`` items (target -> the full source tensor's
+window), so a cold load is one copy too; a stage that is warm throughout gets no prefetch
+thread (the consumer's copy faults its pages in, 16 at a time). ``whole`` items (target -> the full source tensor's
 byte range): handed as a view of the full tensor although only the item's own ranges are
 checked, populated and read ahead (a TP rank whose engine narrows full tensors itself touches
 only its part).
