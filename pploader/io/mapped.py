@@ -372,7 +372,9 @@ class MappedBackend:
             advise_sequential(f.base.data_ptr(), f.base.numel())
         # a warm stage needs no prefetch thread: the consumer's copy faults its pages in, 16
         # at a time (cheaper than MADV_POPULATE_READ, and no thread beside every worker)
-        warm = all(files[i.file].fraction(i.ranges) >= WARM_FRACTION for i in items if i.ranges)
+        whole_files = {name for name, f in files.items() if f.nearly_resident()}
+        warm = all(i.file in whole_files or files[i.file].fraction(i.ranges) >= WARM_FRACTION
+                   for i in items if i.ranges)
         prefetch = None if warm else Prefetch(
             spans, window=self.options.window_bytes or READAHEAD_WINDOW,
             warm_fraction=WARM_FRACTION)

@@ -63,6 +63,15 @@ class MappedFile:
                 missing, pages = missing + window.count(0), pages + len(window)
         return missing, pages
 
+    def nearly_resident(self, missing_share: float = 0.01) -> bool:
+        """At most ``missing_share`` of the file's pages are out of the page cache (one
+        ``cachestat`` call; False where the kernel cannot tell, so callers look item by
+        item). A few pages of a file just read can be missing; the copy faults them in."""
+        size = self.base.numel()
+        cached = cached_pages(self.fd, 0, size)
+        pages = -(-size // PAGE_BYTES)
+        return cached is not None and pages - cached <= missing_share * pages
+
     def fraction(self, ranges: tuple[tuple[int, int], ...]) -> float:
         """Share of the pages ``ranges`` touch that are resident (1.0 for no bytes)."""
         missing, pages = self.missing(strided_runs(ranges))

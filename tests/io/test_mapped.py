@@ -237,6 +237,32 @@ def test_readahead_cold_items_are_views_equal_to_threaded(llama: Path, tp: int) 
     assert backend.stats.syscalls == 0
 
 
+def test_readahead_starts_a_prefetch_thread_only_for_a_stage_with_cold_pages(
+        llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage resident throughout is handed as views with no prefetch thread (the consumer's
+    copy faults the pages in); one with cold pages gets the thread."""
+    import pploader.io.mapped as mapped_mod
+    made: list[object] = []
+    real = mapped_mod.Prefetch
+
+    def counting(*args: object, **kwargs: object) -> object:
+        made.append(args)
+        return real(*args, **kwargs)  # type: ignore[arg-type]
+    monkeypatch.setattr(mapped_mod, "Prefetch", counting)
+    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    for path in llama.glob("*.safetensors"):
+        path.read_bytes()  # warm
+    warm = MappedBackend(staged.plan, ReadOptions(), cold="readahead")
+    got = dict(warm)
+    assert not made and warm.readahead_bytes == 0
+    assert warm.warm_items == sum(1 for i in staged.plan.items if i.ranges)
+    del got, warm
+    _evicted(llama)
+    cold = MappedBackend(staged.plan, ReadOptions(), cold="readahead")
+    list(cold)
+    assert len(made) == 1 and cold.readahead_bytes > 0
+
+
 def test_whole_items_are_full_tensor_views_counting_only_their_ranges(llama: Path) -> None:
     """``whole``: a TP slice is handed as its full source tensor (a view of the mapping),
     while only the slice's bytes count as read; ``whole`` needs ``cold="readahead"``."""
