@@ -19,7 +19,6 @@ import torch
 
 from ..io.backend import ReadBackend, ReadOptions
 from ..io.transfer import open_transfer
-from ..io.backend import ReadOptions as _Options
 from ..io.mapped import MappedBackend, open_mapped  # noqa: F401 - the default backend
 #   imported now, so a load's rchar (/proc/self/io, vLLM's report) counts checkpoint reads,
 #   not module imports
@@ -135,7 +134,7 @@ def open_reader(staged: StagePlan, plan: RankPlan, backend: Optional[str] = None
     device windows), so the engine's ``copy_`` is device to device; ``backend`` applies only
     when it loads onto that device."""
     if _mapped_here(backend, device):
-        return MappedBackend(plan, options or _Options(), cold="readahead", whole=whole)
+        return MappedBackend(plan, options or ReadOptions(), cold="readahead", whole=whole)
     if torch.device(device).type == "cpu":
         return open_backend(plan, "cpu", options, name=backend or DEFAULT_BACKEND)
     from ..io.registry import select_backend

@@ -262,9 +262,16 @@ def check_all_loaded(model: nn.Module, loaded: Optional[Iterable[str]], staged: 
     return elsewhere
 
 
-def check_no_unread(model: nn.Module, rank: int) -> None:
-    """``placed``: a NaN in a parameter means the engine narrowed bytes pploader did not
-    read (its TP split differs from pploader's), or the checkpoint itself holds NaN."""
+def check_no_unread(model: nn.Module, staged: StagePlan, tp_mode: str, reader: ReadBackend
+                    ) -> None:
+    """``placed`` at TP>1 with some tensors placed in NaN (not every item handed as a view):
+    a NaN in a parameter means the engine narrowed bytes pploader did not read (its TP split
+    differs from pploader's), or the checkpoint itself holds NaN."""
+    topology = staged.plan.topology
+    if tp_mode != "placed" or topology.tp_size == 1 or \
+            getattr(reader, "mapped_items", 0) >= len(staged.plan.items):
+        return
+    rank = topology.rank
     bad = [name for name, p in model.named_parameters()
            if p.dtype in NAN_DTYPES and p.numel() and bool(torch.isnan(p.data).any())]
     if bad:
@@ -357,9 +364,7 @@ class PPLoaderModelLoader(BaseModelLoader):  # type: ignore[misc, valid-type]
             loaded = model.load_weights(weights)  # type: ignore[operator]
         rchar1, seconds = rchar_bytes(), time.perf_counter() - start
         check_all_loaded(model, loaded, staged)
-        if self.tp_mode == "placed" and topology.tp_size > 1 and \
-                getattr(reader, "mapped_items", 0) < len(staged.plan.items):
-            check_no_unread(model, topology.rank)  # some tensors were placed in NaN
+        check_no_unread(model, staged, self.tp_mode, reader)
         state = LoadState(model_dir, topology, partition, self.tp_mode, staged,
                           range_cost_bytes=self.range_cost_bytes, io_backend=self.io_backend,
                           local_experts=experts)

@@ -182,9 +182,7 @@ def reload_stage(worker: Any, checkpoint_dir: str, *, timeout_s: float = 300.0
         worker.model_runner.reload_weights(weights_iterator=replay(), is_checkpoint_format=True)
         del replay  # the held bytes go now
         from .vllm import check_no_unread
-        if state.tp_mode == "placed" and topology.tp_size > 1 and \
-                getattr(reader, "mapped_items", 0) < len(staged.plan.items):
-            check_no_unread(model, topology.rank)   # some tensors were placed in NaN
+        check_no_unread(model, staged, state.tp_mode, reader)
     except Exception as exc:  # noqa: BLE001
         failed = {"ok": False, "rank": topology.rank, "written": True,
                   "error": f"writing failed after agreement, weights may be partly updated: "

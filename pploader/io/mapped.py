@@ -373,11 +373,12 @@ class MappedBackend:
         # a warm stage needs no prefetch thread: the consumer's copy faults its pages in, 16
         # at a time (cheaper than MADV_POPULATE_READ, and no thread beside every worker)
         whole_files = {name for name, f in files.items() if f.nearly_resident()}
-        warm = all(i.file in whole_files or files[i.file].fraction(i.ranges) >= WARM_FRACTION
+        warm = all(i.file in whole_files or
+                   files[i.file].fraction(i.ranges) >= self.warm_fraction
                    for i in items if i.ranges)
         prefetch = None if warm else Prefetch(
             spans, window=self.options.window_bytes or READAHEAD_WINDOW,
-            warm_fraction=WARM_FRACTION)
+            warm_fraction=self.warm_fraction)
         try:
             for k, item in enumerate(items):
                 self._check_cancel(item)
@@ -408,8 +409,8 @@ class MappedBackend:
     @staticmethod
     def _populate(files: dict[str, MappedFile], items: list[tuple[str, tuple[int, int]]]) -> None:
         """Map the warm items' resident pages ((file, span of its ranges) each) into this
-        process in one call per run of nearby spans (MADV_POPULATE_READ) instead of one page
-        fault per 4 KiB during the consumer's copy."""
+        process in one call per run of nearby spans (MADV_POPULATE_READ) instead of faults
+        during the consumer's copy."""
         spans: dict[str, list[tuple[int, int]]] = {}
         for file, span in items:
             spans.setdefault(file, []).append(span)
