@@ -93,6 +93,7 @@ class Comm:
         it as ``LaunchEnv.store_host_rank`` (this module reads no environment);
         ``max_poll_s``: the longest pause between an agreement's store polls (the most a rank
         that posted early waits past the last post; a reload between requests wants it short);
+        the first pause is a fifth of it, at most 5 ms, each next one 1.5 times longer;
         ``groups`` False: no process subgroups (agreements only: they use the store; building
         gloo groups is a collective over every rank, seconds on a busy box)."""
         if not dist.is_initialized():
@@ -257,7 +258,7 @@ class Comm:
         health_every = max(1.0, world / 64)  # O(missing ranks) store reads per check
         next_health = time.monotonic() + health_every
         posted: set[int] = set()
-        poll = 0.005
+        poll = min(0.005, self.max_poll_s / 5)
         while True:
             if self.store.check([f"{key}/verdict"]):
                 return self._finish(key, self.store.get(f"{key}/verdict").decode())

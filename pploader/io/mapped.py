@@ -358,13 +358,16 @@ class MappedBackend:
         spans: list[tuple[int, int]] = []
         slot: list[Optional[int]] = []   # plan position -> its span in ``spans``
         sizes: list[int] = []
+        extent: dict[str, tuple[int, int]] = {}  # file -> the bytes its items span
         for item in items:
             f = self._open(files, item)
-            sizes.append(sum(n for _, n in item.ranges))
+            sizes.append(item.read_bytes)
             if not item.ranges:
                 slot.append(None)
                 continue
             lo, hi = span_of(item.ranges)
+            was = extent.get(item.file, (lo, hi))
+            extent[item.file] = (min(was[0], lo), max(was[1], hi))
             self._check_end(f, item, max(hi, sum(self.whole.get(item.target, (0, 0)))))
             slot.append(len(spans))
             spans.append(page_span(f.base.data_ptr(), lo, hi))
@@ -372,7 +375,8 @@ class MappedBackend:
             advise_sequential(f.base.data_ptr(), f.base.numel())
         # a warm stage needs no prefetch thread: the consumer's copy faults its pages in, 16
         # at a time (cheaper than MADV_POPULATE_READ, and no thread beside every worker)
-        whole_files = {name for name, f in files.items() if f.nearly_resident()}
+        whole_files = {name for name, (lo, hi) in extent.items()
+                       if files[name].nearly_resident(lo, hi)}
         warm = all(i.file in whole_files or
                    files[i.file].fraction(i.ranges) >= self.warm_fraction
                    for i in items if i.ranges)

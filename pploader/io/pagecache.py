@@ -10,7 +10,8 @@ import os
 from functools import lru_cache
 from typing import Iterable, Optional
 
-__all__ = ["resident_bytes_of_ranges", "cached_pages", "mapped_residency", "advise",
+__all__ = ["resident_bytes_of_ranges", "cached_pages", "sample_windows", "mapped_residency",
+           "advise",
            "PAGE_BYTES", "MADV_SEQUENTIAL", "MADV_WILLNEED", "MADV_POPULATE_READ"]
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -82,7 +83,7 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _windows(off: int, n: int, sample_bytes: int) -> list[tuple[int, int]]:
+def sample_windows(off: int, n: int, sample_bytes: int) -> list[tuple[int, int]]:
     """``(off, n)`` itself, or evenly spread windows of ``sample_bytes`` covering a sample."""
     if sample_bytes <= 0 or n <= 4 * sample_bytes:
         return [(off, n)]
@@ -118,7 +119,7 @@ def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
             resident = 0
             for off, n in ranges:
                 seen = hit = 0
-                for w_off, w_n in _windows(off, n, sample_bytes):
+                for w_off, w_n in sample_windows(off, n, sample_bytes):
                     first, last = w_off // PAGE_BYTES, (w_off + w_n - 1) // PAGE_BYTES
                     vec = (ctypes.c_ubyte * (last - first + 1))()
                     if libc.mincore(ctypes.c_void_p(addr + first * PAGE_BYTES),

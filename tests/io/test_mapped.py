@@ -144,6 +144,35 @@ def test_cached_pages_counts_resident_pages(tmp_path: Path) -> None:
         os.close(fd)
 
 
+def test_nearly_resident_samples_the_span_it_is_asked_about(tmp_path: Path) -> None:
+    """The whole-stage warm check (``MappedFile.nearly_resident``): true for a file just read;
+    false once its second half is evicted, sampled or page by page; a span inside the
+    resident half is still warm."""
+    from pploader.io.mapped_file import MappedFile
+    from pploader.io.pagecache import PAGE_BYTES, cached_pages
+    size = 1024 * PAGE_BYTES
+    path = tmp_path / "f.bin"
+    path.write_bytes(os.urandom(size))
+    path.read_bytes()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if cached_pages(fd, 0, PAGE_BYTES) is None:
+            pytest.skip("no cachestat on this kernel (callers look item by item)")
+        f = MappedFile(fd, torch.from_file(str(path), size=size, dtype=torch.uint8))
+        assert f.nearly_resident() and f.nearly_resident(sample_bytes=0)
+        os.fdatasync(fd)  # dirty pages stay until written back
+        os.posix_fadvise(fd, size // 2, size // 2, os.POSIX_FADV_DONTNEED)
+        if cached_pages(fd, size // 2, size // 2) > size // PAGE_BYTES // 20:
+            pytest.skip("this file system keeps the pages resident (no eviction)")
+        small = 4 * PAGE_BYTES  # windows spread over the file: some land in the cold half
+        assert not f.nearly_resident(sample_bytes=small)
+        assert not f.nearly_resident(sample_bytes=0)
+        assert f.nearly_resident(0, size // 2, sample_bytes=small)
+        assert not f.nearly_resident(size // 4, size, sample_bytes=0)
+    finally:
+        os.close(fd)
+
+
 def test_fault_budget_splits_a_partly_resident_item(tmp_path: Path) -> None:
     """Pages dropped from the middle of two items: their resident rows / pages are copied
     from the mapping and only the rest is read (some, not all, of their bytes; rchar = the
