@@ -9,9 +9,13 @@ Run with the vLLM venv's python (``.ci/vllm-suite.sh`` makes it):
 
 ``run`` starts one engine per trial, each in a fresh process, alternating the loaders, cold
 (the checkpoint's pages evicted with posix_fadvise DONTNEED first, checked with mincore) then
-warm. After the first generate each trial times vLLM's own reload API
-(``collective_rpc("reload_weights", weights_path=the same checkpoint)``, warm) and, for
-pploader, ``pploader.integrations.vllm.reload``. Every worker measures its own ``load_weights`` (wall, /proc/self/io rchar and
+warm. After the first generate each trial times ``RELOADS`` reloads of the same (warm)
+checkpoint, a generate after each: the default engine through vLLM's own reload API
+(``collective_rpc("reload_weights", weights_path=...)``) every time, the pploader engine
+alternating that API and ``pploader.integrations.vllm.reload``; ``summary`` compares each
+with the default engine's reload at the same position in the same repeat (an engine's later
+reloads run at another speed than its first, for both loaders). Every worker measures its
+own ``load_weights`` (wall, /proc/self/io rchar and
 read_bytes deltas, bytes handed to the model) through a thin wrapper loader registered in
 the workers (they re-import this file as ``__mp_main__``), and the script measures the
 ``LLM(...)`` constructor wall (the whole startup).
@@ -29,6 +33,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 OUT_ENV = "PPLOADER_BENCH_OUT"   # directory the workers write their measurements into
+RELOADS = 4   # per engine, after its first generate (trial)
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
               "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
@@ -127,19 +132,26 @@ def trial(model: str, loader: str, pp: int, tp: int, out_dir: str) -> None:
         return [list(o.outputs[0].token_ids) for o in llm.generate(
             [{"prompt_token_ids": [1, 5, 9, 200, 17]}], params, use_tqdm=False)]
     tokens = generate()
-    t1 = time.perf_counter()   # vLLM's own reload API, from the same (now warm) checkpoint
-    llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
-    vllm_reload = time.perf_counter() - t1
-    same_after_vllm_reload = generate() == tokens
-    own_reload = None
-    if loader == "pploader":
-        t2 = time.perf_counter()
-        reload(llm, model)
-        own_reload = time.perf_counter() - t2
+    # reloads from the same (now warm) checkpoint, position for position alike on both engines
+    # (an engine's n-th reload is slower or faster than its first for either loader): the
+    # default engine reloads through vLLM's API each time; the pploader engine alternates
+    # vLLM's API and pploader's reload, so each is compared with the default's at its position
+    reloads, kept = [], True
+    for k in range(RELOADS):
+        api = "pploader" if loader == "pploader" and k % 2 else "vllm"
+        t1 = time.perf_counter()
+        if api == "vllm":
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": model})
+        else:
+            reload(llm, model)
+        reloads.append({"api": api, "seconds": time.perf_counter() - t1})
+        kept = kept and generate() == tokens
+    first = {r["api"]: r["seconds"] for r in reversed(reloads)}
     Path(out_dir, f"engine-{loader}.json").write_text(
-        json.dumps({"startup_seconds": startup, "tokens": tokens,
-                    "vllm_reload_seconds": vllm_reload, "pploader_reload_seconds": own_reload,
-                    "tokens_kept_by_reloads": same_after_vllm_reload and generate() == tokens}))
+        json.dumps({"startup_seconds": startup, "tokens": tokens, "reloads": reloads,
+                    "vllm_reload_seconds": first["vllm"],
+                    "pploader_reload_seconds": first.get("pploader"),
+                    "tokens_kept_by_reloads": kept}))
 
 
 # ---- the driver -----------------------------------------------------------------------
@@ -194,9 +206,25 @@ def run(model: Path, pp: int, tp: int, repeat: int, json_out: Path,
     json_out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
+def _reload_pairs(rows: list[dict[str, Any]], cache: str) -> dict[str, list[float]]:
+    """Per API of the pploader engine: default reload s / pploader-engine reload s, each
+    against the default engine's reload at the same position in the same repeat."""
+    engines: dict[tuple[int, str], list[dict[str, Any]]] = {
+        (r["repeat"], r["loader"]): r.get("reloads", []) for r in rows if r["cache"] == cache}
+    ratios: dict[str, list[float]] = {"vllm": [], "pploader": []}
+    for (rep, loader), mine in engines.items():
+        base = engines.get((rep, "default"))
+        if loader != "pploader" or not base:
+            continue
+        for k, step in enumerate(mine[:len(base)]):
+            ratios[step["api"]].append(base[k]["seconds"] / step["seconds"])
+    return ratios
+
+
 def summary(path: Path) -> str:
     """Markdown: per cache and loader, the slowest worker's load_weights (median over trials,
-    with every trial's value) and the reload walls; pploader's speed relative to the default."""
+    with every trial's value) and the reload walls; pploader's speed relative to the default
+    (reloads: the median of the ratios to the default engine's reload at the same position)."""
     from statistics import median
     text = path.read_text()
     try:
@@ -207,25 +235,33 @@ def summary(path: Path) -> str:
                                        "date": "(log)", "machine": platform.node()}}
     cells: dict[tuple[str, str], dict[str, list[float]]] = {}
     for row in data["rows"]:
-        cell = cells.setdefault((row["cache"], row["loader"]), {"load": [], "vllm": [], "own": []})
+        cell = cells.setdefault((row["cache"], row["loader"]), {"load": [], "vllm": [],
+                                                                "pploader": []})
         cell["load"].append(max(w["load_weights_seconds"] for w in row["workers"]))
-        cell["vllm"].append(row["vllm_reload_seconds"])
-        if row.get("pploader_reload_seconds") is not None:
-            cell["own"].append(row["pploader_reload_seconds"])
+        steps = row.get("reloads") or [
+            {"api": api, "seconds": row[f"{api}_reload_seconds"]} for api in ("vllm", "pploader")
+            if row.get(f"{api}_reload_seconds") is not None]
+        for step in steps:
+            cell[step["api"]].append(step["seconds"])
     m = data["meta"]
     lines = [f"PP={m['pp']} TP={m['tp']}, {m['checkpoint_bytes'] / 1e9:.2f} GB, {m['date']}, "
              f"{m['machine']}", "",
              "| cache | loader | `load_weights` s, slowest worker (median; trials) | speed vs "
-             "default | vLLM `reload_weights` s (median) | pploader `reload` s (median) |",
-             "|---|---|---|---|---|---|"]
+             "default | vLLM `reload_weights` s (median) | pploader `reload` s (median) | "
+             "reload speed vs the default engine's at the same position (vLLM API / pploader's;"
+             " median of pairs) |",
+             "|---|---|---|---|---|---|---|"]
     for (cache, loader), cell in sorted(cells.items()):
         base_cell = cells.get((cache, "default"))
         mine = median(cell["load"])
         base = median(base_cell["load"]) if base_cell else float("nan")
         trials = ", ".join(f"{x:.2f}" for x in cell["load"])
-        own = f"{median(cell['own']):.2f}" if cell["own"] else "-"
+        walls = [f"{median(cell[api]):.2f}" if cell[api] else "-" for api in ("vllm", "pploader")]
+        ratios = _reload_pairs(data["rows"], cache) if loader == "pploader" else {}
+        speed = " / ".join(f"{median(r):.2f}x ({len(r)})" if r else "-"
+                           for r in ratios.values()) if any(ratios.values()) else "-"
         lines.append(f"| {cache} | {loader} | {mine:.2f} ({trials}) | {base / mine:.2f}x | "
-                     f"{median(cell['vllm']):.2f} | {own} |")
+                     f"{walls[0]} | {walls[1]} | {speed} |")
     return "\n".join(lines)
 
 
