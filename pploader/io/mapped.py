@@ -355,22 +355,16 @@ class MappedBackend:
         own span only) brought in by a :class:`~pploader.io.readahead.Prefetch` thread in
         plan order, unless every item is warm already."""
         items = self.plan.items
-        spans: list[tuple[int, int]] = []
-        slot: list[Optional[int]] = []   # plan position -> its span in ``spans``
-        sizes: list[int] = []
         extent: dict[str, tuple[int, int]] = {}  # file -> the bytes its items span
         for item in items:
             f = self._open(files, item)
-            sizes.append(item.read_bytes)
             if not item.ranges:
-                slot.append(None)
                 continue
-            lo, hi = span_of(item.ranges)
+            whole = self.whole.get(item.target)   # its full tensor: bounds without a scan
+            lo, hi = span_of(item.ranges) if whole is None else (whole[0], sum(whole))
+            self._check_end(f, item, hi)
             was = extent.get(item.file, (lo, hi))
             extent[item.file] = (min(was[0], lo), max(was[1], hi))
-            self._check_end(f, item, max(hi, sum(self.whole.get(item.target, (0, 0)))))
-            slot.append(len(spans))
-            spans.append(page_span(f.base.data_ptr(), lo, hi))
         for f in files.values():
             advise_sequential(f.base.data_ptr(), f.base.numel())
         # a warm stage needs no prefetch thread: the consumer's copy faults its pages in, 16
@@ -380,29 +374,37 @@ class MappedBackend:
         warm = all(i.file in whole_files or
                    files[i.file].fraction(i.ranges) >= self.warm_fraction
                    for i in items if i.ranges)
-        prefetch = None if warm else Prefetch(
-            spans, window=self.options.window_bytes or READAHEAD_WINDOW,
-            warm_fraction=self.warm_fraction)
+        slot: list[Optional[int]] = [None] * len(items)   # plan position -> its span's
+        prefetch = None
+        if not warm:
+            spans: list[tuple[int, int]] = []   # each item's own pages (not its whole tensor)
+            for k, item in enumerate(items):
+                if item.ranges:
+                    slot[k] = len(spans)
+                    spans.append(page_span(files[item.file].base.data_ptr(),
+                                           *span_of(item.ranges)))
+            prefetch = Prefetch(spans, window=self.options.window_bytes or READAHEAD_WINDOW,
+                                warm_fraction=self.warm_fraction)
         try:
             for k, item in enumerate(items):
                 self._check_cancel(item)
-                at = slot[k]
+                at, size = slot[k], item.read_bytes
                 if at is not None and prefetch is not None:
                     prefetch.wait(at)
                     if prefetch.cold[at]:
-                        self.readahead_bytes += sizes[k]
+                        self.readahead_bytes += size
                     else:
                         self.warm_items += 1
-                elif at is not None:
+                elif item.ranges:
                     self.warm_items += 1
                 dst = destinations.get(item.target) if destinations is not None else None
                 tensor = self._from_mapping(files[item.file], item, dst)
-                self.mapped_bytes += sizes[k]
-                self.stats.read_bytes += sizes[k]
+                self.mapped_bytes += size
+                self.stats.read_bytes += size
                 self.mapped_items += 1
                 self.stats.items += 1
                 if self.options.on_progress is not None:
-                    self.options.on_progress(sizes[k])
+                    self.options.on_progress(size)
                 yield item.target, tensor
         finally:
             if prefetch is not None:
