@@ -365,10 +365,9 @@ class MappedBackend:
             self._check_end(f, item, hi)
             was = extent.get(item.file, (lo, hi))
             extent[item.file] = (min(was[0], lo), max(was[1], hi))
-        for f in files.values():
-            advise_sequential(f.base.data_ptr(), f.base.numel())
-        # a warm stage needs no prefetch thread: the consumer's copy faults its pages in, 16
-        # at a time (cheaper than MADV_POPULATE_READ, and no thread beside every worker)
+        # a warm stage needs no prefetch thread nor readahead advice: the consumer's copy
+        # faults its pages in, 16 at a time (cheaper than MADV_POPULATE_READ, and no thread
+        # beside every worker)
         whole_files = {name for name, (lo, hi) in extent.items()
                        if files[name].nearly_resident(lo, hi)}
         warm = all(i.file in whole_files or
@@ -377,6 +376,8 @@ class MappedBackend:
         slot: list[Optional[int]] = [None] * len(items)   # plan position -> its span's
         prefetch = None
         if not warm:
+            for f in files.values():
+                advise_sequential(f.base.data_ptr(), f.base.numel())
             spans: list[tuple[int, int]] = []   # each item's own pages (not its whole tensor)
             for k, item in enumerate(items):
                 if item.ranges:

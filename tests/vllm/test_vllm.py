@@ -49,6 +49,31 @@ QWEN2_TIED = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hid
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "hidden_act": "silu",
               "tie_word_embeddings": True, "use_sliding_window": False, "dtype": "bfloat16",
               "bos_token_id": 1, "eos_token_id": 2}
+#: grouped routing (n_group 2): vLLM applies its round_robin expert placement only then
+GLM_MOE = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "dtype": "bfloat16",
+           "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 512,
+           "moe_intermediate_size": 128, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
+           "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+           "n_routed_experts": 8, "n_shared_experts": 1, "num_experts_per_tok": 2,
+           "n_group": 2, "topk_group": 1, "routed_scaling_factor": 1.0, "norm_topk_prob": True,
+           "num_nextn_predict_layers": 0, "hidden_act": "silu", "rms_norm_eps": 1e-5,
+           "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False,
+           "bos_token_id": 1, "eos_token_id": 2}
+#: vLLM's placements of 8 experts over an EP group of 2 (its TP group)
+EP_EXPERTS = {"linear": [[0, 1, 2, 3], [4, 5, 6, 7]], "round_robin": [[0, 2, 4, 6], [1, 3, 5, 7]]}
+
+
+def _ep_runs(model: Path) -> list[dict[str, Any]]:
+    """TP=2 with vLLM's expert parallelism, each placement, both loaders (the CPU MoE kernel
+    under tests/vllm/vllm_cpu_ep_shim.py for both)."""
+    runs = []
+    for placement in EP_EXPERTS:
+        engine = {"enable_expert_parallel": True, "expert_placement_strategy": placement}
+        for name, fmt in ((f"ep-{placement}", "pploader"), (f"ep-{placement}-default", "auto")):
+            runs.append({"name": name, "model": str(model), "load_format": fmt, "tp": 2,
+                         "engine": engine, "ep_shim": True})
+    return runs
 
 
 def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
@@ -81,7 +106,7 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
         {"name": "tied-qwen2-pp2", "model": str(d["qwen2_tied"]), "load_format": pp, "pp": 2},
         {"name": "tied-qwen2-pp2-default", "model": str(d["qwen2_tied"]), "load_format": "auto",
          "pp": 2},
-    ]
+    ] + _ep_runs(d["glm_moe"])
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +119,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
          "llama_tied": make_model(root / "llama_tied", dict(LLAMA, tie_word_embeddings=True),
                                   shard_bytes=1_500_000, seed=4),
          "qwen2_tied": make_model(root / "qwen2_tied", QWEN2_TIED, shard_bytes=1_500_000,
-                                  seed=5)}
+                                  seed=5),
+         "glm_moe": make_model(root / "glm_moe", GLM_MOE, shard_bytes=1_500_000, seed=6)}
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
     last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
@@ -241,6 +267,19 @@ def test_moe_pp2(results: dict, checkpoints: dict) -> None:
     _check_bytes(run)
     default = _default_bytes(checkpoints["mixtral"])
     assert all(x["read_bytes"] < 0.6 * default for x in _loads(run))
+
+
+@pytest.mark.parametrize("placement", sorted(EP_EXPERTS))
+def test_expert_parallel_reads_local_experts_same_tokens(results: dict, placement: str) -> None:
+    """vLLM's expert parallelism (TP=2, EP=2), ``linear`` and ``round_robin``: each worker
+    planned exactly vLLM's local experts for it (checked against the placement's definition,
+    not against the engine's own map) and read only its stage's bytes; greedy tokens equal the
+    default loader's under the same placement."""
+    run = results[f"ep-{placement}"]
+    assert run["tokens"] == results[f"ep-{placement}-default"]["tokens"]
+    loads = _loads(run)
+    assert [x["local_experts"] for x in loads] == EP_EXPERTS[placement]
+    _check_bytes(run, tp=2)
 
 
 def test_reload_truncated_refused_everywhere_then_good_reload_switches(
