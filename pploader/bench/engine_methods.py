@@ -105,6 +105,13 @@ def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
     return _copied(ctx, params, copied, extra)
 
 
+def prep_engine_format(ctx: Ctx) -> dict:
+    """:func:`prep_engine_staged`, with the load format's modules imported before the clock:
+    vLLM imports them when it registers the plugin, at engine start, never in a load."""
+    from ..integrations import placed  # noqa: F401
+    return prep_engine_staged(ctx)
+
+
 def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """What pploader's vLLM load format calls on a GPU worker: ``placed.stage_weights`` onto
     the model's device with the staging the loader started at creation, then the engine's
@@ -188,7 +195,7 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
-    "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_staged),
+    "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_format),
     # in-flight depth: readers x request size (default 16 x 16 MiB)
     "engine_pploader_q16x64m": (m_engine_pploader, _prep_engine_queue(16, 64 << 20)),
     "engine_pploader_q32x32m": (m_engine_pploader, _prep_engine_queue(32, 32 << 20)),
