@@ -176,8 +176,10 @@ def run(model: Path, pp: int, tp: int, repeat: int, json_out: Path,
     for rep in range(repeat):
         for cache in caches:
             for loader in (("default", "pploader") if rep % 2 == 0 else ("pploader", "default")):
-                out_dir = json_out.parent / f"trial-{rep}-{cache}-{loader}"
+                out_dir = json_out.parent / f"trial-pp{pp}-tp{tp}-{rep}-{cache}-{loader}"
                 out_dir.mkdir(parents=True, exist_ok=True)
+                for stale in out_dir.glob("*.json"):   # an earlier run's workers
+                    stale.unlink()
                 resident = _evict(model) if cache == "cold" else None
                 if cache == "warm":   # make sure every page is cached
                     for path in model.glob("*.safetensors"):
