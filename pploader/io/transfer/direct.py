@@ -39,19 +39,6 @@ def _device_bytes(item: ReadItem) -> int:
     return item.nbytes + (0 if item.direct else item.read_bytes)
 
 
-def _reserve(device: torch.device, windows: Sequence[tuple[ReadItem, ...]]) -> None:
-    """One ``cudaMalloc`` for the most the stream holds at once (two consecutive windows),
-    freed at once: the caching allocator keeps the block and splits it for the windows'
-    tensors, where a fresh process would otherwise pay a ``cudaMalloc`` per tensor. Best
-    effort: without the room the windows allocate as they go."""
-    sizes = [sum(_device_bytes(i) + 512 for i in w) for w in windows]  # the allocator's rounding
-    most = max((a + b for a, b in zip(sizes, sizes[1:])), default=sum(sizes))
-    try:
-        torch.empty(most + (2 << 20), dtype=torch.uint8, device=device)
-    except torch.cuda.OutOfMemoryError:
-        pass
-
-
 def device_windows(items: Sequence[ReadItem], window_bytes: int) -> list[tuple[ReadItem, ...]]:
     """``items`` in plan order, cut into consecutive windows of at most ``window_bytes``
     device bytes each (an item larger than that is a window of its own)."""
@@ -145,7 +132,6 @@ class DirectTransfer:
             except BaseException as exc:  # noqa: BLE001 - raised in the consumer
                 ready.put(exc)
 
-        _reserve(self.device, windows)
         with torch.cuda.device(self.device):
             loader = threading.Thread(target=load_windows, name="pploader-device-stream",
                                       daemon=True)
