@@ -5,10 +5,11 @@ threaded backend's large positional reads; ``readahead`` (the engine path,
 integrations/placed.py) hands views too, after a prefetch thread has faulted the item's pages
 in through the kernel's readahead (io/readahead.py, ahead of the consumer by at most a
 window), so a cold load is one copy too; a stage that is warm throughout gets no prefetch
-thread (the consumer's copy faults its pages in, 16 at a time). ``whole`` items (target -> the full source tensor's
-byte range): handed as a view of the full tensor although only the item's own ranges are
-checked, populated and read ahead (a TP rank whose engine narrows full tensors itself touches
-only its part).
+thread (the consumer's copy faults its pages in, 16 at a time; the whole-stage check samples
+each file's span, ``MappedFile.nearly_resident``). ``whole`` items (target -> the full source
+tensor's byte range): handed as a view of the full tensor although only the item's own ranges
+are checked and read ahead (a TP rank whose engine narrows full tensors itself touches only its
+part).
 
 Per item, before anything is handed out: the pages of its byte ranges are looked up (exact:
 ``cachestat`` on the span of each run of ranges, ``mincore`` on the mapping where some page is
@@ -16,10 +17,11 @@ missing). An item at least ``WARM_FRACTION`` resident (or, with ``fault_budget``
 missing pages hold at most that share of its bytes) is *warm*: a single-range item becomes a
 view of the mapping (no copy, no fresh buffer to fault in and zero); a strided TP slice or a
 padded item is gathered from the mapping into a fresh tensor (one copy: a run of equal rows at
-a constant stride, as a dim-1 shard's rows are, is one strided ``copy_``, not one per row). The other items are *cold* and go
-through one threaded :class:`~pploader.io.read.Reader` over just those items (its window reads
-ahead). With destinations (``load(destinations)``) warm items are copied from the mapping
-straight into them and cold ones read straight into them (``Reader.read_into``).
+a constant stride, as a dim-1 shard's rows are, is one strided ``copy_``, not one per row).
+The other items are *cold* and go through one threaded :class:`~pploader.io.read.Reader` over
+just those items (its window reads ahead). With destinations (``load(destinations)``) warm
+items are copied from the mapping straight into them and cold ones read straight into them
+(``Reader.read_into``).
 
 Views stay valid while referenced (each holds the mapping); like any file mapping (and the
 safetensors loaders engines use by default), a file truncated in place while a view is still
