@@ -312,6 +312,8 @@ def table(rows: list[dict]) -> str:
         extra = " ".join(f"{k.split('_s')[0]}={v:.3f}" for k, v in prof.items()) if prof else ""
         if "plan_s" in r:
             extra = f"plan={r['plan_s']:.3f} {extra}"
+        for k, v in (r.get("stream_timings") or {}).items():  # the device stream's phases
+            extra += f" {k.removesuffix('_s')}={v:.3f}"
         lines.append(f"{r['method']:24s} {r.get('cache', ''):5s} {r.get('seconds', 0):7.3f} "
                      f"{r.get('gbps', 0):7.2f} {(r.get('rss_peak') or 0) / GB:8.2f} "
                      f"{(r.get('gpu_peak') or 0) / GB:8.2f}  "

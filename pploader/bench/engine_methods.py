@@ -12,6 +12,9 @@ driver is bench/cuda.py: ``--methods engine_pploader,engine_vllm_default,...``).
 - ``engine_pploader_cold_ring``: the same with the staging made inside the clock;
   ``engine_pploader_built``: with a 2 s model build (the staging finishes page-locking
   before the load; each pploader row records whether it had: ``ring_ready_before_clock_s``);
+- ``engine_pploader_w256m`` / ``_w1g`` / ``_w4g`` / ``_w32g``: other device budgets;
+  ``engine_pploader_windowed``: the windowed stream the continuous one replaced (two windows
+  of 2 GiB, each a whole backend run), for comparison in one run;
 - ``engine_pploader_vllm``: what pploader's vLLM load format calls on a GPU worker
   (``integrations/placed.stage_weights`` onto the device);
 - ``engine_vllm_default``: vLLM's default shape: ``safe_open`` every shard, ``get_tensor``
@@ -109,6 +112,34 @@ def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
     return _copied(ctx, params, copied, extra)
 
 
+def m_engine_pploader_windowed(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """The windowed device stream (io/transfer/direct.py ``_windowed``, what a backend
+    without a stream of its own gets) with the pinned backend, 4 GiB: the pre-issue-28-round-7
+    default, measured beside the continuous stream."""
+    from .. import Topology, plan_stage
+    from ..io.backend import ReadOptions
+    from ..io.transfer.direct import DirectTransfer
+    params = prep["params"]
+    base = torch.cuda.memory_allocated(ctx.device)
+    torch.cuda.reset_peak_memory_stats(ctx.device)
+    t0 = time.perf_counter()
+    staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage))
+    ring = prep.get("ring")
+    if ring is not None:
+        ring.stop_preparing()
+    reader = DirectTransfer(staged, torch.device(ctx.device), ReadOptions(ring=ring,
+                                                            device_window_bytes=4 << 30))
+    t1 = time.perf_counter()
+    copied = 0
+    for name, tensor in reader._windowed():
+        params[name].copy_(tensor)
+        copied += 1
+    return _copied(ctx, params, copied, {
+        "logical_bytes": staged.plan.read_bytes, "plan_s": t1 - t0,
+        "extra_device_bytes": torch.cuda.max_memory_allocated(ctx.device) - base,
+        "window_bytes": 4 << 30, "api": "DirectTransfer._windowed (2 x 2 GiB) -> param.copy_"})
+
+
 def prep_engine_built(ctx: Ctx) -> dict:
     """:func:`prep_engine_staged` in an engine whose model build takes 2 s (vLLM's for an
     8B model on a GPU: ~1-3 s): the staging's page-locking has that long to finish."""
@@ -152,9 +183,11 @@ def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     for name, tensor in weights:
         params[name].copy_(tensor)
         copied += 1
+    timings = getattr(getattr(reader, "backend", None), "timings", {})
     return _copied(ctx, params, copied, {
         "logical_bytes": reader.stats.read_bytes, "plan_s": t1 - t0,
         "ring_ready_before_clock_s": ready_s,
+        "stream_timings": {k: round(v, 4) for k, v in timings.items()},
         "api": "plan_stage + placed.stage_weights(device=cuda) -> param.copy_ (vLLM format)"})
 
 
@@ -216,6 +249,8 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_cold_ring": (m_engine_pploader, prep_engine),
     "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
+    "engine_pploader_w4g": (_engine_pploader_window(4 << 30), prep_engine_staged),
+    "engine_pploader_windowed": (m_engine_pploader_windowed, prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_format),
     # an engine whose model build takes 2 s: the staging is page-locked before the load

@@ -11,11 +11,12 @@ The ``pinned`` read backend (io/registry.py, made by :func:`open_pinned`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
 import time
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from typing import Callable, Iterator, Mapping, Optional, Protocol, Sequence
 
 import torch
 
@@ -30,12 +31,88 @@ from .requests import chunks as _chunks
 from .requests import interleave_files as _interleave_files
 from .requests import pieces as _pieces
 
-__all__ = ["PinnedRing", "DeviceLoader", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS",
+__all__ = ["PinnedRing", "DeviceLoader", "Feed", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS",
            "fitted_ring", "open_pinned", "prepared_staging"]
 
 DIRECT_ALIGN = 4096          # O_DIRECT offset/length/address alignment
 _PAGE = 4096
 logger = logging.getLogger(__name__)
+
+
+class Feed(Protocol):
+    """What the readers of a :class:`DeviceLoader` run on: the chunks to read, in order, and
+    the device buffers their pieces land in (``load``: :class:`_WholeFeed`; ``stream``:
+    io/device_stream.py)."""
+
+    chunk_count: int
+
+    def take(self) -> Optional[_Chunk]:
+        """The next chunk to read (None: no more); its buffers exist or are being made."""
+
+    def before_copy(self, chunk: _Chunk, stream: torch.cuda.Stream) -> bool:
+        """Wait until ``chunk``'s buffers exist and order ``stream`` after their making;
+        False: stopped, read no further."""
+
+    def buffer(self, target: int) -> torch.Tensor:
+        """The byte buffer of item ``target`` (the pieces' ``pos`` index into it)."""
+
+    def after_copy(self, chunk: _Chunk, event: torch.cuda.Event) -> None:
+        """``chunk``'s copies are queued; ``event`` completes when they are done."""
+
+    def prepare(self, allocate: Callable[[], None]) -> None:
+        """Run ``allocate`` (the destinations) on the caller's thread, then release readers."""
+
+    def stop(self) -> None:
+        """Wake every waiter: a reader failed or the consumer left."""
+
+
+class _WholeFeed:
+    """``load()``'s feed: every destination allocated at once by :meth:`prepare`.
+
+    The caching allocator may hand out a block that another thread freed while its kernels
+    on the same stream still use it (safe for work on that stream, which runs after them).
+    The readers copy from their own streams, so each waits for the allocating stream's mark
+    first: without it, a reader overwrote a pipelined TP=4 exchange's piece that a queued copy
+    into its send buffer had still to read (found on 4 GPUs, tests/gpu/test_tp_gpu.py)."""
+
+    def __init__(self, chunks: list[_Chunk], buffers: list[Optional[torch.Tensor]],
+                 device: torch.device) -> None:
+        self.chunk_count, self._buffers, self._device = len(chunks), buffers, device
+        self._chunks, self._lock = iter(chunks), threading.Lock()
+        self._ready, self._stopped = threading.Event(), False
+        self._allocated: Optional[torch.cuda.Event] = None
+
+    def take(self) -> Optional[_Chunk]:
+        with self._lock:
+            return next(self._chunks, None)
+
+    def prepare(self, allocate: Callable[[], None]) -> None:
+        try:
+            allocate()
+            allocated = torch.cuda.Event()
+            allocated.record(torch.cuda.current_stream(self._device))
+            self._allocated = allocated
+        finally:
+            self._ready.set()
+
+    def before_copy(self, chunk: _Chunk, stream: torch.cuda.Stream) -> bool:
+        self._ready.wait()
+        if self._stopped or self._allocated is None:
+            return False
+        stream.wait_event(self._allocated)  # after the allocating stream's work
+        return True
+
+    def buffer(self, target: int) -> torch.Tensor:
+        buf = self._buffers[target]
+        assert buf is not None
+        return buf
+
+    def after_copy(self, chunk: _Chunk, event: torch.cuda.Event) -> None:
+        pass
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._ready.set()
 
 
 class DeviceLoader:
@@ -66,11 +143,6 @@ class DeviceLoader:
         self.timings: dict[str, float] = {}  # seconds per phase of the last load (profiling)
         self._first_h2d = 0.0
         self._lock = threading.Lock()
-        self._ready = threading.Event()
-        # recorded on the allocating thread's stream once the destinations exist: the readers'
-        # streams wait for it before their first copy (see _run)
-        self._allocated: Optional[torch.cuda.Event] = None
-        self._buffers: list[Optional[torch.Tensor]] = []
         # True: allocate the destinations while the readers' first reads run. Off by default:
         # cudaMalloc and the readers' cudaHostRegister serialise in the driver, and measured
         # on an H100 host it was slower than allocating first (docs/benchmarks-gpu.md)
@@ -95,16 +167,11 @@ class DeviceLoader:
         if destinations is not None:  # pending work on them (zero fills, a forward still
             torch.cuda.synchronize(self.device)  # reading them) ends before our streams write
         start = time.perf_counter()
-        self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        chunks = self._plan_chunks()
         t_resid = time.perf_counter()
-        pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx)]
-        chunks = _chunks(pieces, self.ring.slot_bytes, DIRECT_ALIGN if self.direct else 1,
-                         self.direct_gap_bytes if self.direct else 0)
-        if self.interleave_files:
-            chunks = _interleave_files(chunks)
         out: dict[str, torch.Tensor] = {}
         post: list[tuple[ReadItem, torch.Tensor, torch.Tensor]] = []
-        self._buffers = [None] * len(self.plan.items)
+        buffers: list[Optional[torch.Tensor]] = [None] * len(self.plan.items)
         times: dict[str, float] = {}
 
         def allocate() -> None:  # on this thread, while the readers' first reads run
@@ -123,22 +190,25 @@ class DeviceLoader:
                                     item.file)
                 out[item.target] = dst
                 if item.direct:
-                    self._buffers[idx] = dst.reshape(-1).view(torch.uint8)
+                    buffers[idx] = dst.reshape(-1).view(torch.uint8)
                     zero_padding(item, dst)
                 else:  # coalesced strided read: stage the box on the device, gather after
                     tmp = torch.empty(item.read_bytes, dtype=torch.uint8, device=self.device)
                     self.staging_device_bytes = max(self.staging_device_bytes, tmp.numel())
-                    self._buffers[idx] = tmp
+                    buffers[idx] = tmp
                     post.append((item, tmp, dst))
             times["destinations_s"] = time.perf_counter() - t0
 
         pin_before = self.ring.alloc_seconds
-        self._run(chunks, allocate)
+        feed = _WholeFeed(chunks, buffers, self.device)
+        if not self.overlap_alloc:
+            feed.prepare(allocate)  # before the readers start (see overlap_alloc)
+        threads, fds, errors = self._start(feed, allocate if self.overlap_alloc else None)
+        self._join(threads, fds, errors, feed)
         t_io = time.perf_counter()
         for item, tmp, dst in post:
             materialise(item, tmp, dst)
         torch.cuda.synchronize(self.device)
-        self._buffers = []
         self.stats.items = len(out)
         self.stats.seconds = time.perf_counter() - start
         self.timings = {"residency_s": t_resid - start, **times, "io_s": t_io - t_resid,
@@ -146,6 +216,36 @@ class DeviceLoader:
                         "pin_s_summed_over_threads": self.ring.alloc_seconds - pin_before,
                         "first_h2d_s": self._first_h2d - t_resid if self._first_h2d else 0.0}
         return out
+
+    def stream(self, budget_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(target, tensor)`` on the device in plan order, each handed over as soon as its
+        bytes have landed, with at most about ``budget_bytes`` of stream-owned device memory
+        alive (io/device_stream.py); the tensor is released when the consumer moves on."""
+        from .device_stream import DeviceStream
+        start = time.perf_counter()
+        feed = DeviceStream(self.plan, self._plan_chunks(), self.device, budget_bytes)
+        threads, fds, errors = self._start(feed, None)
+        try:
+            yield from feed.items(errors, lambda: not any(t.is_alive() for t in threads))
+        except BaseException:
+            feed.stop()
+            raise
+        finally:
+            self._join(threads, fds, errors, feed)
+            self.stats.items = feed.handed
+            self.stats.seconds = time.perf_counter() - start
+            self.stats.peak_inflight_bytes = feed.peak_bytes
+            self.staging_device_bytes = feed.peak_bytes
+            self.timings = {"first_h2d_s": self._first_h2d - start if self._first_h2d else 0.0,
+                            **feed.timings}
+
+    def _plan_chunks(self) -> list[_Chunk]:
+        """The plan's read requests for this load (O_DIRECT decided now, unless fixed)."""
+        self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx)]
+        chunks = _chunks(pieces, self.ring.slot_bytes, DIRECT_ALIGN if self.direct else 1,
+                         self.direct_gap_bytes if self.direct else 0)
+        return _interleave_files(chunks) if self.interleave_files else chunks
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         """``(target, tensor)`` in plan order: the whole plan is loaded at the first step."""
@@ -173,56 +273,55 @@ class DeviceLoader:
                 pass
         return os.open(path, os.O_RDONLY)
 
-    def _run(self, chunks: list[_Chunk], prepare: Callable[[], None]) -> None:
-        """Start the readers, run ``prepare`` (the destinations) here meanwhile, join."""
-        fds = {f: self._open(p) for f, p in self.plan.paths.items()}
+    def _start(self, feed: "Feed", allocate: Optional[Callable[[], None]]
+               ) -> tuple[list[threading.Thread], dict[str, int], list[BaseException]]:
+        """Open the files (checked against the plan) and start the readers on ``feed``;
+        ``allocate``: run by the feed meanwhile, on this thread (``overlap_alloc``)."""
+        fds: dict[str, int] = {}
         try:
-            for f, fd in fds.items():
-                if (os.fstat(fd).st_size, os.fstat(fd).st_ino) != (
-                        self.plan.identities[f].size, self.plan.identities[f].inode):
+            for f, p in self.plan.paths.items():
+                fds[f] = self._open(p)
+                st = os.fstat(fds[f])
+                if (st.st_size, st.st_ino) != (self.plan.identities[f].size,
+                                               self.plan.identities[f].inode):
                     raise self._err("file changed since planning", f)
-            queue = iter(chunks)
-            self._first_h2d = 0.0
-            errors: list[BaseException] = []
-            threads = [threading.Thread(target=self._worker, args=(i, queue, fds, errors),
-                                        name=f"pploader-h2d-{i}")
-                       for i in range(min(self.ring.threads, max(1, len(chunks))))]
-            self._ready, self._allocated = threading.Event(), None
-            if not self.overlap_alloc:
-                self._prepare(prepare)
-            for t in threads:
-                t.start()
+        except BaseException:
+            for fd in fds.values():
+                os.close(fd)
+            raise
+        self._first_h2d = 0.0
+        errors: list[BaseException] = []
+        threads = [threading.Thread(target=self._worker, args=(i, feed, fds, errors),
+                                    name=f"pploader-h2d-{i}")
+                   for i in range(min(self.ring.threads, max(1, feed.chunk_count)))]
+        for t in threads:
+            t.start()
+        if allocate is not None:
             try:
-                if self.overlap_alloc:
-                    self._prepare(prepare)
-            except BaseException as exc:  # noqa: BLE001 - stop the readers, then re-raise
+                feed.prepare(allocate)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller's join
                 errors.insert(0, exc)
-            finally:
-                self._ready.set()
-                for t in threads:
-                    t.join()
+                feed.stop()
+        return threads, fds, errors
+
+    def _join(self, threads: list[threading.Thread], fds: Mapping[str, int],
+              errors: list[BaseException], feed: "Feed") -> None:
+        """Wait for the readers, close the files, raise the first error."""
+        try:
             if errors:
-                raise errors[0]
+                feed.stop()
+            for t in threads:
+                t.join()
         finally:
             for fd in fds.values():
                 os.close(fd)
+        if errors:
+            raise errors[0]
 
-    def _prepare(self, prepare: Callable[[], None]) -> None:
-        """Allocate the destinations, then mark on this thread's stream that they exist.
-
-        The caching allocator may hand out a block that another thread freed while its kernels
-        on the same stream still use it (safe for work on that stream, which runs after them).
-        The readers copy from their own streams, so each waits for this mark first: without
-        it, a reader overwrote a pipelined TP=4 exchange's piece that a queued copy into its
-        send buffer had still to read (found on 4 GPUs, tests/gpu/test_tp_gpu.py)."""
-        prepare()
-        allocated = torch.cuda.Event()
-        allocated.record(torch.cuda.current_stream(self.device))
-        self._allocated = allocated
-        self._ready.set()
-
-    def _worker(self, index: int, queue, fds: Mapping[str, int],
+    def _worker(self, index: int, feed: "Feed", fds: Mapping[str, int],
                 errors: list[BaseException]) -> None:
+        """One reader: take a chunk, read it into a free slot, queue its H2D copies on this
+        thread's stream into the feed's buffers, tell the feed; until the chunks run out."""
         torch.cuda.set_device(self.device)  # every CUDA call of this thread on our GPU only
         slots = self.ring.slots(index)
         stream = torch.cuda.Stream(device=self.device)
@@ -230,8 +329,7 @@ class DeviceLoader:
         j = 0
         try:
             while not errors:
-                with self._lock:
-                    chunk = next(queue, None)
+                chunk = feed.take()
                 if chunk is None:
                     break
                 if self.cancel is not None and self.cancel.is_set():
@@ -243,22 +341,17 @@ class DeviceLoader:
                 pinned, view = slots[b]
                 nread = self._read_chunk(fds[chunk.file], view, chunk)
                 self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
-                if not self._ready.is_set():
-                    self._ready.wait()  # the destinations are being allocated
-                if errors:
+                if not feed.before_copy(chunk, stream) or errors:
                     break
-                if j == 0 and self._allocated is not None:
-                    stream.wait_event(self._allocated)  # after the allocating stream's work
                 with torch.cuda.stream(stream):
                     for p in chunk.pieces:
-                        dst = self._buffers[p.target]
-                        assert dst is not None
                         pos = p.offset - chunk.offset
-                        dst[p.pos:p.pos + p.length].copy_(pinned[pos:pos + p.length],
-                                                          non_blocking=True)
+                        feed.buffer(p.target)[p.pos:p.pos + p.length].copy_(
+                            pinned[pos:pos + p.length], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
                     events[b] = ev
+                feed.after_copy(chunk, ev)
                 if not self._first_h2d:
                     self._first_h2d = time.perf_counter()
                 with self._lock:
@@ -267,9 +360,12 @@ class DeviceLoader:
                 if self.on_progress is not None:
                     self.on_progress(sum(p.length for p in chunk.pieces))
                 j += 1
-            stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - re-raised by load()
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the loader's join
             errors.append(exc)
+            feed.stop()
+        finally:  # no copy of ours may still write a buffer once the load has returned
+            with contextlib.suppress(Exception):
+                stream.synchronize()
 
     def _read_chunk(self, fd: int, view: memoryview, chunk: _Chunk) -> int:
         """Read ``chunk`` into ``view`` (O_DIRECT: rounded up to whole aligned blocks; its

@@ -1,9 +1,12 @@
 """Transfer ``direct``: the rank reads its own plan through one read backend.
 
-Streamed onto a GPU (``iter``, what an engine's ``load_weights`` consumes) the plan is read in
-windows through a bounded device budget: a background thread loads window k+1 (pinned ring
--> device) while the consumer copies window k into its parameters (a device-to-device
-``copy_``), and at most two windows of stream-owned tensors exist at once.
+Streamed onto a GPU (``iter``, what an engine's ``load_weights`` consumes) the plan is read
+under a bounded device budget. The pinned backend streams it continuously
+(``DeviceLoader.stream``, io/device_stream.py): each tensor is handed over as soon as it has
+landed and released when the consumer moves on, so reads, host-to-device copies and the
+consumer's device-to-device ``copy_`` overlap throughout. Another backend on a GPU (``s3``)
+is read in windows: a background thread loads window k+1 while the consumer copies window k,
+at most two windows of half the budget alive.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ import torch
 
 from ...planning.plan import ReadItem
 from ..backend import ReadBackend, ReadOptions, ReadStats, sum_stats
+from ..device_stream import stream_device_bytes
 from ..registry import open_backend, shared_staging
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -25,18 +29,11 @@ if TYPE_CHECKING:  # pragma: no cover
 
 __all__ = ["DirectTransfer", "DEFAULT_DEVICE_WINDOW_BYTES", "device_windows"]
 
-#: Device bytes a streamed GPU load may hold at once (two windows of half this each). Measured
-#: on 2x H200 (docs/benchmarks-gpu.md, issue 28): an 8 GB stage streamed into engine
-#: parameters ran at 14 GB/s with 256 MiB, 21-22 GB/s with 1 GiB, 25-28 GB/s with 4 GiB and
-#: 25-29 GB/s with the whole stage as one window (raw ceiling 29-31): each window's backend
-#: run costs a few ms of start and drain, so fewer, larger windows win.
-DEFAULT_DEVICE_WINDOW_BYTES = 4 << 30
-
-
-def _device_bytes(item: ReadItem) -> int:
-    """Device bytes one item takes while streamed: the tensor (and the box a coalesced
-    strided read stages on the device before its gather)."""
-    return item.nbytes + (0 if item.direct else item.read_bytes)
+#: Device bytes a streamed GPU load may hold at once (stream-owned tensors not yet released).
+#: The windowed stream this replaced needed 4 GiB: on 2x H200 (docs/benchmarks-gpu.md, issue
+#: 28) it ran at 14 GB/s with 256 MiB, 21-22 GB/s with 1 GiB and 25-28 GB/s with 4 GiB, each
+#: window's run costing its start and drain. The continuous stream has no drain.
+DEFAULT_DEVICE_WINDOW_BYTES = 1 << 30
 
 
 def device_windows(items: Sequence[ReadItem], window_bytes: int) -> list[tuple[ReadItem, ...]]:
@@ -46,7 +43,7 @@ def device_windows(items: Sequence[ReadItem], window_bytes: int) -> list[tuple[R
     current: list[ReadItem] = []
     used = 0
     for item in items:
-        size = _device_bytes(item)
+        size = stream_device_bytes(item)
         if current and used + size > window_bytes:
             out.append(tuple(current))
             current, used = [], 0
@@ -59,8 +56,8 @@ def device_windows(items: Sequence[ReadItem], window_bytes: int) -> list[tuple[R
 
 class DirectTransfer:
     """The plan read by one backend (``open_backend``); ``load(destinations)`` fills the
-    caller's tensors in place, as the backend does. Iterated on a CUDA device: the windowed
-    device stream (module docstring; ``options.device_window_bytes``, default
+    caller's tensors in place, as the backend does. Iterated on a CUDA device: the device
+    stream (module docstring; ``options.device_window_bytes``, default
     ``DEFAULT_DEVICE_WINDOW_BYTES``); ``stats.peak_inflight_bytes`` is then the largest
     device bytes the stream held at once."""
 
@@ -86,17 +83,21 @@ class DirectTransfer:
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if self.device.type != "cuda":
             return iter(self.backend)
-        return self._stream()
+        stream = getattr(self.backend, "stream", None)
+        if stream is not None:  # the pinned backend: continuous, under the budget
+            self._stream_stats = self.backend.stats
+            return stream(self.window_bytes)  # type: ignore[no-any-return]
+        return self._windowed()
 
     def report(self) -> dict[str, Any]:
         if self._stream_stats is None:
             return {}
         return {"device_stream": {"window_bytes": self.window_bytes,
-                                  "windows": len(self._window_stats),
-                                  "peak_device_bytes": self._stream_stats.peak_inflight_bytes}}
+                                  "windows": len(self._window_stats) or None,
+                                  "peakstream_device_bytes": self._stream_stats.peak_inflight_bytes}}
 
-    # ---- the windowed device stream -------------------------------------------------------
-    def _stream(self) -> Iterator[tuple[str, torch.Tensor]]:
+    # ---- the windowed device stream (backends without a stream of their own) --------------
+    def _windowed(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Windows of half the budget loaded in a background thread, two alive at most; the
         loader waits, on its stream, for the consumer's work on a window before reusing its
         memory (the consumer may copy on another stream)."""
@@ -121,7 +122,7 @@ class DirectTransfer:
                         return
                     if done is not None:  # the consumer's copies out of a freed window
                         torch.cuda.current_stream(self.device).wait_event(done)
-                    size = sum(map(_device_bytes, window))
+                    size = sum(map(stream_device_bytes, window))
                     with lock:
                         alive[0] += size
                         peak[0] = max(peak[0], alive[0])
