@@ -12,7 +12,7 @@ driver is bench/cuda.py: ``--methods engine_pploader,engine_vllm_default,...``).
 - ``engine_pploader_cold_ring``: the same with the staging made inside the clock;
   ``engine_pploader_built``: with a 2 s model build (the staging finishes page-locking
   before the load; each pploader row records whether it had: ``ring_ready_before_clock_s``);
-- ``engine_pploader_w256m`` / ``_w1g`` / ``_w4g`` / ``_w32g``: other device budgets;
+- ``engine_pploader_w256m`` / ``_w1g`` / ``_w2g`` / ``_w4g`` / ``_w32g``: other device budgets;
   ``engine_pploader_windowed``: the windowed stream the continuous one replaced (two windows
   of 2 GiB, each a whole backend run), for comparison in one run;
 - ``engine_pploader_vllm``: what pploader's vLLM load format calls on a GPU worker
@@ -249,6 +249,7 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_cold_ring": (m_engine_pploader, prep_engine),
     "engine_pploader_w256m": (_engine_pploader_window(256 << 20), prep_engine_staged),
     "engine_pploader_w1g": (_engine_pploader_window(1 << 30), prep_engine_staged),
+    "engine_pploader_w2g": (_engine_pploader_window(2 << 30), prep_engine_staged),
     "engine_pploader_w4g": (_engine_pploader_window(4 << 30), prep_engine_staged),
     "engine_pploader_windowed": (m_engine_pploader_windowed, prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),

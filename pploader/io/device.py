@@ -141,7 +141,8 @@ class DeviceLoader:
         self.stats = ReadStats()
         self.staging_device_bytes = 0
         self.timings: dict[str, float] = {}  # seconds per phase of the last load (profiling)
-        self._first_h2d = 0.0
+        self._marks: dict[str, float] = {}  # first take / read / H2D of the last load
+        self.residency_s = 0.0  # the O_DIRECT decision's page-cache sampling, last load
         self._lock = threading.Lock()
         # True: allocate the destinations while the readers' first reads run. Off by default:
         # cudaMalloc and the readers' cudaHostRegister serialise in the driver, and measured
@@ -214,7 +215,7 @@ class DeviceLoader:
         self.timings = {"residency_s": t_resid - start, **times, "io_s": t_io - t_resid,
                         "gather_sync_s": start + self.stats.seconds - t_io,
                         "pin_s_summed_over_threads": self.ring.alloc_seconds - pin_before,
-                        "first_h2d_s": self._first_h2d - t_resid if self._first_h2d else 0.0}
+                        "first_h2d_s": self._marks.get("first_h2d", t_resid) - t_resid}
         return out
 
     def stream(self, budget_bytes: int) -> Iterator[tuple[str, torch.Tensor]]:
@@ -224,7 +225,9 @@ class DeviceLoader:
         from .device_stream import DeviceStream
         start = time.perf_counter()
         feed = DeviceStream(self.plan, self._plan_chunks(), self.device, budget_bytes)
+        t_chunks = time.perf_counter()
         threads, fds, errors = self._start(feed, None)
+        t_started = time.perf_counter()
         try:
             yield from feed.items(errors, lambda: not any(t.is_alive() for t in threads))
         except BaseException:
@@ -236,12 +239,16 @@ class DeviceLoader:
             self.stats.seconds = time.perf_counter() - start
             self.stats.peak_inflight_bytes = feed.peak_bytes
             self.staging_device_bytes = feed.peak_bytes
-            self.timings = {"first_h2d_s": self._first_h2d - start if self._first_h2d else 0.0,
+            self.timings = {"residency_s": self.residency_s, "chunks_s": t_chunks - start,
+                            "started_s": t_started - start,
+                            **{f"{k}_s": v - start for k, v in self._marks.items()},
                             **feed.timings}
 
     def _plan_chunks(self) -> list[_Chunk]:
         """The plan's read requests for this load (O_DIRECT decided now, unless fixed)."""
+        t0 = time.perf_counter()
         self.direct = self._use_direct() if self.direct_io is None else self.direct_io
+        self.residency_s = time.perf_counter() - t0
         pieces = [p for idx, item in enumerate(self.plan.items) for p in _pieces(item, idx)]
         chunks = _chunks(pieces, self.ring.slot_bytes, DIRECT_ALIGN if self.direct else 1,
                          self.direct_gap_bytes if self.direct else 0)
@@ -289,7 +296,7 @@ class DeviceLoader:
             for fd in fds.values():
                 os.close(fd)
             raise
-        self._first_h2d = 0.0
+        self._marks = {}
         errors: list[BaseException] = []
         threads = [threading.Thread(target=self._worker, args=(i, feed, fds, errors),
                                     name=f"pploader-h2d-{i}")
@@ -332,6 +339,7 @@ class DeviceLoader:
                 chunk = feed.take()
                 if chunk is None:
                     break
+                self._marks.setdefault("first_take", time.perf_counter())
                 if self.cancel is not None and self.cancel.is_set():
                     raise self._err("cancelled: another rank failed", chunk.file)
                 b = j % len(slots)
@@ -340,6 +348,7 @@ class DeviceLoader:
                     event.synchronize()
                 pinned, view = slots[b]
                 nread = self._read_chunk(fds[chunk.file], view, chunk)
+                self._marks.setdefault("first_read", time.perf_counter())
                 self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
                 if not feed.before_copy(chunk, stream) or errors:
                     break
@@ -352,8 +361,7 @@ class DeviceLoader:
                     ev.record(stream)
                     events[b] = ev
                 feed.after_copy(chunk, ev)
-                if not self._first_h2d:
-                    self._first_h2d = time.perf_counter()
+                self._marks.setdefault("first_h2d", time.perf_counter())
                 with self._lock:
                     self.stats.read_bytes += nread
                     self.stats.syscalls += 1

@@ -83,7 +83,8 @@ class DeviceStream:
         self._alloc_stream = torch.cuda.current_stream(device)
         self.peak_bytes = 0
         self.handed = 0
-        self.timings: dict[str, float] = {"consumer_wait_s": 0.0, "budget_wait_s": 0.0}
+        self.timings: dict[str, float] = {"consumer_wait_s": 0.0, "budget_wait_s": 0.0,
+                                          "allocate_s": 0.0}
 
     # ---- the readers' side (Feed) ---------------------------------------------------------
     def take(self) -> Optional[Chunk]:
@@ -117,6 +118,7 @@ class DeviceStream:
         """The items' device tensors, on the consumer's stream, then their event (set as
         made even on failure: the waiters then see the stop)."""
         made: Optional[torch.cuda.Event] = None
+        t0 = time.perf_counter()
         try:
             with torch.cuda.stream(self._alloc_stream):
                 for i in targets:
@@ -124,6 +126,7 @@ class DeviceStream:
                 made = torch.cuda.Event()
                 made.record(self._alloc_stream)
         finally:
+            self.timings["allocate_s"] += time.perf_counter() - t0
             for i in targets:
                 self._items[i].made = made
                 self._items[i].ready.set()

@@ -92,9 +92,11 @@ class DirectTransfer:
     def report(self) -> dict[str, Any]:
         if self._stream_stats is None:
             return {}
-        return {"device_stream": {"window_bytes": self.window_bytes,
-                                  "windows": len(self._window_stats) or None,
-                                  "peakstream_device_bytes": self._stream_stats.peak_inflight_bytes}}
+        out = {"budget_bytes": self.window_bytes,
+               "peak_device_bytes": self._stream_stats.peak_inflight_bytes}
+        if self._window_stats:  # the windowed stream
+            out["windows"] = len(self._window_stats)
+        return {"device_stream": out}
 
     # ---- the windowed device stream (backends without a stream of their own) --------------
     def _windowed(self) -> Iterator[tuple[str, torch.Tensor]]:
