@@ -163,7 +163,18 @@ def prep_engine_format(ctx: Ctx) -> dict:
     return prep_engine_staged(ctx)
 
 
-def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+def _engine_pploader_vllm_variant(window_bytes: Optional[int], prewarm: bool) -> Method:
+    """:func:`m_engine_pploader_vllm` with another device budget, or with the stream's
+    allocator prewarm (``DeviceStream.prewarm``) on."""
+    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+        from ..io.device_stream import DeviceStream
+        DeviceStream.prewarm = prewarm  # a fresh process per row: nothing else sees it
+        return m_engine_pploader_vllm(ctx, prep, window_bytes)
+    return run
+
+
+def m_engine_pploader_vllm(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
+                           ) -> tuple[dict, dict]:
     """What pploader's vLLM load format calls on a GPU worker: ``placed.stage_weights`` onto
     the model's device with the staging the loader started at creation, then the engine's
     ``copy_`` per tensor (vLLM itself does not install on the GPU host)."""
@@ -177,7 +188,8 @@ def m_engine_pploader_vllm(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     ring = prep.get("ring")
     if ring is not None:
         ring.stop_preparing()
-    reader, weights = stage_weights(staged, "placed", None, ReadOptions(ring=ring), ctx.device)
+    reader, weights = stage_weights(staged, "placed", None, ReadOptions(
+        ring=ring, device_window_bytes=window_bytes), ctx.device)
     t1 = time.perf_counter()
     copied = 0
     for name, tensor in weights:
@@ -254,6 +266,12 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_windowed": (m_engine_pploader_windowed, prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_format),
+    "engine_pploader_vllm_w2g": (_engine_pploader_vllm_variant(2 << 30, False),
+                                 prep_engine_format),
+    "engine_pploader_vllm_prewarm": (_engine_pploader_vllm_variant(None, True),
+                                     prep_engine_format),
+    "engine_pploader_vllm_w2g_prewarm": (_engine_pploader_vllm_variant(2 << 30, True),
+                                         prep_engine_format),
     # an engine whose model build takes 2 s: the staging is page-locked before the load
     "engine_pploader_built": (m_engine_pploader, prep_engine_built),
     # in-flight depth: readers x request size (default 16 x 16 MiB)

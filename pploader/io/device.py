@@ -224,11 +224,18 @@ class DeviceLoader:
         alive (io/device_stream.py); the tensor is released when the consumer moves on."""
         from .device_stream import DeviceStream
         start = time.perf_counter()
-        feed = DeviceStream(self.plan, self._plan_chunks(), self.device, budget_bytes)
-        t_chunks = time.perf_counter()
-        threads, fds, errors = self._start(feed, None)
-        t_started = time.perf_counter()
+        feed = DeviceStream(self.plan, self.device, budget_bytes)
+        fds: dict[str, int] = {}
+        errors: list[BaseException] = []
+        # the readers start now (thread, CUDA stream) and wait for the chunks planned here
+        threads = self._spawn(feed, fds, errors, self.ring.threads)
+        t_chunks = t_started = start
         try:
+            chunks = self._plan_chunks()
+            t_chunks = time.perf_counter()
+            self._open_files(fds)
+            feed.begin(chunks)
+            t_started = time.perf_counter()
             yield from feed.items(errors, lambda: not any(t.is_alive() for t in threads))
         except BaseException:
             feed.stop()
@@ -285,6 +292,21 @@ class DeviceLoader:
         """Open the files (checked against the plan) and start the readers on ``feed``;
         ``allocate``: run by the feed meanwhile, on this thread (``overlap_alloc``)."""
         fds: dict[str, int] = {}
+        self._open_files(fds)
+        errors: list[BaseException] = []
+        threads = self._spawn(feed, fds, errors, min(self.ring.threads,
+                                                     max(1, feed.chunk_count)))
+        if allocate is not None:
+            try:
+                feed.prepare(allocate)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller's join
+                errors.insert(0, exc)
+                feed.stop()
+        return threads, fds, errors
+
+    def _open_files(self, fds: dict[str, int]) -> None:
+        """Every plan file into ``fds``, checked against its planned identity (all closed
+        again on failure)."""
         try:
             for f, p in self.plan.paths.items():
                 fds[f] = self._open(p)
@@ -295,21 +317,19 @@ class DeviceLoader:
         except BaseException:
             for fd in fds.values():
                 os.close(fd)
+            fds.clear()
             raise
+
+    def _spawn(self, feed: "Feed", fds: Mapping[str, int], errors: list[BaseException],
+               count: int) -> list[threading.Thread]:
+        """``count`` reader threads on ``feed``, started (``fds`` may still be filling: a
+        reader opens nothing and takes its first chunk from the feed when it is ready)."""
         self._marks = {}
-        errors: list[BaseException] = []
         threads = [threading.Thread(target=self._worker, args=(i, feed, fds, errors),
-                                    name=f"pploader-h2d-{i}")
-                   for i in range(min(self.ring.threads, max(1, feed.chunk_count)))]
+                                    name=f"pploader-h2d-{i}") for i in range(count)]
         for t in threads:
             t.start()
-        if allocate is not None:
-            try:
-                feed.prepare(allocate)
-            except BaseException as exc:  # noqa: BLE001 - raised by the caller's join
-                errors.insert(0, exc)
-                feed.stop()
-        return threads, fds, errors
+        return threads
 
     def _join(self, threads: list[threading.Thread], fds: Mapping[str, int],
               errors: list[BaseException], feed: "Feed") -> None:
@@ -329,12 +349,14 @@ class DeviceLoader:
                 errors: list[BaseException]) -> None:
         """One reader: take a chunk, read it into a free slot, queue its H2D copies on this
         thread's stream into the feed's buffers, tell the feed; until the chunks run out."""
-        torch.cuda.set_device(self.device)  # every CUDA call of this thread on our GPU only
-        slots = self.ring.slots(index)
-        stream = torch.cuda.Stream(device=self.device)
-        events: list[Optional[torch.cuda.Event]] = [None] * len(slots)
+        stream: Optional[torch.cuda.Stream] = None
         j = 0
         try:
+            torch.cuda.set_device(self.device)  # every CUDA call of this thread on our GPU
+            slots = self.ring.slots(index)
+            stream = torch.cuda.Stream(device=self.device)
+            events: list[Optional[torch.cuda.Event]] = [None] * len(slots)
+            self._marks.setdefault("reader_ready", time.perf_counter())
             while not errors:
                 chunk = feed.take()
                 if chunk is None:
@@ -372,8 +394,9 @@ class DeviceLoader:
             errors.append(exc)
             feed.stop()
         finally:  # no copy of ours may still write a buffer once the load has returned
-            with contextlib.suppress(Exception):
-                stream.synchronize()
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.synchronize()
 
     def _read_chunk(self, fd: int, view: memoryview, chunk: _Chunk) -> int:
         """Read ``chunk`` into ``view`` (O_DIRECT: rounded up to whole aligned blocks; its

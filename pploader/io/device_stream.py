@@ -59,21 +59,16 @@ class DeviceStream:
     """A :class:`~pploader.io.device.Feed` that allocates per item under ``budget_bytes``
     and hands items over in plan order (:meth:`items`)."""
 
-    def __init__(self, plan: RankPlan, chunks: list[Chunk], device: torch.device,
-                 budget_bytes: int) -> None:
+    #: at :meth:`begin`, allocate and free one block of the budget (the caching allocator
+    #: keeps it and carves the items out of it: no cudaMalloc per item while reading)
+    prewarm = False
+
+    def __init__(self, plan: RankPlan, device: torch.device, budget_bytes: int) -> None:
         self.plan, self.device, self.budget_bytes = plan, device, max(1, budget_bytes)
-        self.chunk_count = len(chunks)
-        self._chunks = chunks
+        self.chunk_count = 0
+        self._chunks: Optional[list[Chunk]] = None  # set by begin(); readers wait for it
         self._items = [_Item(stream_device_bytes(item)) for item in plan.items]
-        self._new: list[list[int]] = [[] for _ in chunks]  # items whose first chunk this is
-        for c, chunk in enumerate(chunks):
-            for p in chunk.pieces:
-                state = self._items[p.target]
-                if state.first_chunk < 0:
-                    state.first_chunk = c
-                    self._new[c].append(p.target)
-                state.last_chunk = c
-                state.remaining += 1
+        self._new: list[list[int]] = []  # per chunk: the items whose first chunk it is
         self._cond = threading.Condition()
         self._take_lock = threading.Lock()  # chunks are taken one at a time, in order
         self._next = 0
@@ -86,12 +81,35 @@ class DeviceStream:
         self.timings: dict[str, float] = {"consumer_wait_s": 0.0, "budget_wait_s": 0.0,
                                           "allocate_s": 0.0}
 
+    def begin(self, chunks: list[Chunk]) -> None:
+        """The plan's read requests, in order: the readers start taking them."""
+        new: list[list[int]] = [[] for _ in chunks]
+        for c, chunk in enumerate(chunks):
+            for p in chunk.pieces:
+                state = self._items[p.target]
+                if state.first_chunk < 0:
+                    state.first_chunk = c
+                    new[c].append(p.target)
+                state.last_chunk = c
+                state.remaining += 1
+        if self.prewarm:
+            t0 = time.perf_counter()
+            total = sum(s.nbytes for s in self._items)
+            with torch.cuda.stream(self._alloc_stream):
+                torch.empty(min(self.budget_bytes, total), dtype=torch.uint8,
+                            device=self.device)
+            self.timings["prewarm_s"] = time.perf_counter() - t0
+        with self._cond:
+            self._new, self.chunk_count, self._chunks = new, len(chunks), chunks
+            self._cond.notify_all()
+
     # ---- the readers' side (Feed) ---------------------------------------------------------
     def take(self) -> Optional[Chunk]:
         with self._take_lock:
             with self._cond:
+                self._cond.wait_for(lambda: self._stopped or self._chunks is not None)
                 c = self._next
-                if c >= self.chunk_count or self._stopped:
+                if self._chunks is None or c >= self.chunk_count or self._stopped:
                     return None
                 new = self._new[c]
                 need = sum(self._items[i].nbytes for i in new)
@@ -103,9 +121,10 @@ class DeviceStream:
                 self._next = c + 1
                 self._alive += need
                 self.peak_bytes = max(self.peak_bytes, self._alive)
+                chunk = self._chunks[c]
         if new:
             self._allocate(new)
-        return self._chunks[c]
+        return chunk
 
     def _admits(self, c: int, need: int) -> bool:
         """Chunk ``c`` may be read: its new items fit the budget, nothing is alive, or the

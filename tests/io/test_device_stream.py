@@ -83,8 +83,9 @@ def _readers(feed: DeviceStream, plan: Any, stream: _Stream, n: int,
 
 def _run(plan: Any, reqs: list[Chunk], budget: int, stream: _Stream, n: int = 3
          ) -> Iterator[tuple[str, torch.Tensor, DeviceStream]]:
-    feed = DeviceStream(plan, reqs, torch.device("cpu"), budget)
-    threads, errors = _readers(feed, plan, stream, n)
+    feed = DeviceStream(plan, torch.device("cpu"), budget)
+    threads, errors = _readers(feed, plan, stream, n)  # they wait for begin()
+    feed.begin(reqs)
     try:
         for target, tensor in feed.items(errors):
             yield target, tensor, feed
@@ -145,7 +146,9 @@ def test_stream_stops_every_reader_when_the_consumer_leaves(
 def test_a_failing_reader_raises_in_the_consumer_and_stops_the_rest(
         tiny_llama: Path, fake_cuda: _Stream) -> None:
     plan, reqs, _ = _open(tiny_llama, 1, slot_bytes=4096)
-    feed = DeviceStream(plan, reqs, torch.device("cpu"), 1 << 20)
+    feed = DeviceStream(plan, torch.device("cpu"), 1 << 20)
+    feed.prewarm = True  # one block of the budget made and freed first
+    feed.begin(reqs)
     threads, errors = _readers(feed, plan, fake_cuda, 3, fail_at=5)
     with pytest.raises(OSError, match="read failed in"):
         for _ in feed.items(errors):
