@@ -52,10 +52,10 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
     """``(name, tensor)`` of this rank's stage, lazily, with bounded memory, on ``device``.
 
     On a GPU (``device="cuda:N"``) the tensors arrive already on the device, read through
-    the pinned ring in windows of a bounded device budget (``device_window_bytes``, default
-    4 GiB: at most that much of the stream's tensors exist at once; each is released once
-    the consumer moves on), so an engine's ``param.copy_(tensor)`` is a device-to-device
-    copy. ``ring``: staging made ahead (``io.registry.prepare_staging``, page-locked while
+    the pinned ring under a bounded device budget (``device_window_bytes``, default 2 GiB:
+    about that much of the stream's tensors exist at once), each handed over as soon as it
+    has landed and released once the consumer moves on, so an engine's
+    ``param.copy_(tensor)`` is a device-to-device copy that overlaps the reads. ``ring``: staging made ahead (``io.registry.prepare_staging``, page-locked while
     the engine builds its model), stopped before the first read.
 
     ``model`` is a ``StagePlan`` (from :func:`plan_stage`: an engine that needed the window

@@ -163,12 +163,9 @@ def prep_engine_format(ctx: Ctx) -> dict:
     return prep_engine_staged(ctx)
 
 
-def _engine_pploader_vllm_variant(window_bytes: Optional[int], prewarm: bool) -> Method:
-    """:func:`m_engine_pploader_vllm` with another device budget, or with the stream's
-    allocator prewarm (``DeviceStream.prewarm``) on."""
+def _engine_pploader_vllm_window(window_bytes: int) -> Method:
+    """:func:`m_engine_pploader_vllm` with another device budget."""
     def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-        from ..io.device_stream import DeviceStream
-        DeviceStream.prewarm = prewarm  # a fresh process per row: nothing else sees it
         return m_engine_pploader_vllm(ctx, prep, window_bytes)
     return run
 
@@ -266,12 +263,7 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_windowed": (m_engine_pploader_windowed, prep_engine_staged),
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_format),
-    "engine_pploader_vllm_w2g": (_engine_pploader_vllm_variant(2 << 30, False),
-                                 prep_engine_format),
-    "engine_pploader_vllm_prewarm": (_engine_pploader_vllm_variant(None, True),
-                                     prep_engine_format),
-    "engine_pploader_vllm_w2g_prewarm": (_engine_pploader_vllm_variant(2 << 30, True),
-                                         prep_engine_format),
+    "engine_pploader_vllm_w1g": (_engine_pploader_vllm_window(1 << 30), prep_engine_format),
     # an engine whose model build takes 2 s: the staging is page-locked before the load
     "engine_pploader_built": (m_engine_pploader, prep_engine_built),
     # in-flight depth: readers x request size (default 16 x 16 MiB)

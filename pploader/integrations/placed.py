@@ -131,8 +131,8 @@ def open_reader(staged: StagePlan, plan: RankPlan, backend: Optional[str] = None
     memory through ``backend`` (default ``mapped``, cold items read ahead into the page cache
     and handed as views too; ``whole``: targets handed as their full tensors, io/mapped.py).
     A GPU worker (``device`` cuda): the device stream (io/transfer/direct.py: pinned ring ->
-    device windows), so the engine's ``copy_`` is device to device; ``backend`` applies only
-    when it loads onto that device."""
+    device tensors under a budget, each handed over as it lands), so the engine's ``copy_``
+    is device to device; ``backend`` applies only when it loads onto that device."""
     if _mapped_here(backend, device):
         return MappedBackend(plan, options or ReadOptions(), cold="readahead", whole=whole)
     if torch.device(device).type == "cpu":

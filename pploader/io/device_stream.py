@@ -59,10 +59,6 @@ class DeviceStream:
     """A :class:`~pploader.io.device.Feed` that allocates per item under ``budget_bytes``
     and hands items over in plan order (:meth:`items`)."""
 
-    #: at :meth:`begin`, allocate and free one block of the budget (the caching allocator
-    #: keeps it and carves the items out of it: no cudaMalloc per item while reading)
-    prewarm = False
-
     def __init__(self, plan: RankPlan, device: torch.device, budget_bytes: int) -> None:
         self.plan, self.device, self.budget_bytes = plan, device, max(1, budget_bytes)
         self.chunk_count = 0
@@ -92,13 +88,6 @@ class DeviceStream:
                     new[c].append(p.target)
                 state.last_chunk = c
                 state.remaining += 1
-        if self.prewarm:
-            t0 = time.perf_counter()
-            total = sum(s.nbytes for s in self._items)
-            with torch.cuda.stream(self._alloc_stream):
-                torch.empty(min(self.budget_bytes, total), dtype=torch.uint8,
-                            device=self.device)
-            self.timings["prewarm_s"] = time.perf_counter() - t0
         with self._cond:
             self._new, self.chunk_count, self._chunks = new, len(chunks), chunks
             self._cond.notify_all()

@@ -92,12 +92,31 @@ def sample_windows(off: int, n: int, sample_bytes: int) -> list[tuple[int, int]]
     return [(off + i * step, sample_bytes) for i in range(count)]
 
 
+def _cached_of_ranges(fd: int, ranges: list[tuple[int, int]], sample_bytes: int
+                      ) -> Optional[int]:
+    """Resident bytes of ``ranges`` counted by ``cachestat`` (the same sample windows as the
+    mincore path, no mapping); None where the kernel has no cachestat."""
+    resident = 0
+    for off, n in ranges:
+        seen = hit = 0
+        for w_off, w_n in sample_windows(off, n, sample_bytes):
+            first, last = w_off // PAGE_BYTES, (w_off + w_n - 1) // PAGE_BYTES
+            pages = cached_pages(fd, first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
+            if pages is None:
+                return None
+            seen += last - first + 1
+            hit += pages
+        resident += round(n * hit / seen) if seen else 0
+    return resident
+
+
 def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
                              sample_bytes: int = 64 << 10,
                              strict: bool = False) -> tuple[int, int]:
     """(resident, total) bytes of ``ranges`` ((offset, length) pairs) in the page cache.
 
-    Maps the file without touching it (no data is read). Large ranges are sampled (windows of
+    Counted by ``cachestat`` where the kernel has it, else by ``mincore`` on a mapping of the
+    file (no data is read either way). Large ranges are sampled (windows of
     ``sample_bytes`` covering about 1/64 of them, scaled up), so checking gigabytes costs
     milliseconds; ``sample_bytes=0`` checks every page. Returns (0, total) when mincore is
     unavailable, so callers treat unknown residency as cold (``strict``: raise OSError instead).
@@ -107,9 +126,12 @@ def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
     size = os.path.getsize(path)
     if not ranges or size == 0:
         return 0, total
-    libc = _libc()
     fd = os.open(path, os.O_RDONLY)
     try:
+        counted = _cached_of_ranges(fd, ranges, sample_bytes)  # no mapping where it can
+        if counted is not None:
+            return counted, total
+        libc = _libc()
         addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr in (None, ctypes.c_void_p(-1).value):
             if strict:

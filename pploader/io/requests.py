@@ -4,16 +4,18 @@ bench/disk.py measures the patterns they make on the disk).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 from ..planning.plan import ReadItem
 
 __all__ = ["Piece", "Chunk", "pieces", "chunks", "interleave_files"]
 
 
-@dataclass(frozen=True)
-class Piece:
+class Piece(NamedTuple):
+    """One piece of one item: ``length`` bytes of ``file`` at ``offset``, landing at byte
+    ``pos`` of item ``target``'s buffer. (Named tuples: a stage has thousands, planned inside
+    the load's clock.)"""
+
     file: str
     offset: int
     length: int
@@ -21,10 +23,10 @@ class Piece:
     pos: int                 # byte offset in that buffer
 
 
-@dataclass(frozen=True)
-class Chunk:
+class Chunk(NamedTuple):
     """One read request: ``length`` bytes of ``file`` from ``offset`` into one slot, then the
     H2D copies of its ``pieces`` (each at ``piece.offset - offset`` in the slot)."""
+
     file: str
     offset: int
     length: int
@@ -50,26 +52,31 @@ def chunks(pieces: Sequence[Piece], slot_bytes: int, align: int = 1,
         else:
             runs.append((p.file, p.offset, p.offset + p.length, [p]))
     chunks: list[Chunk] = []
-    for file, start, end, members in runs:
+    for file, start, _end, members in runs:
         base = start - start % align
         windows: dict[int, list[Piece]] = {}
-        for p in members:
-            stop = p.offset + p.length
-            k = (p.offset - base) // slot_bytes
+        ends: dict[int, int] = {}
+        for p in members:  # in file order: a window's first piece starts it
+            off, stop = p.offset, p.offset + p.length
+            k = (off - base) // slot_bytes
             while True:
-                w0 = base + k * slot_bytes
-                a, z = max(p.offset, w0), min(stop, w0 + slot_bytes)
-                windows.setdefault(k, []).append(
-                    Piece(file, a, z - a, p.target, p.pos + a - p.offset))
+                w_end = base + (k + 1) * slot_bytes
+                z = stop if stop < w_end else w_end
+                if k in windows:
+                    windows[k].append(Piece(file, off, z - off, p.target, p.pos + off - p.offset))
+                    if z > ends[k]:
+                        ends[k] = z
+                else:
+                    windows[k] = [Piece(file, off, z - off, p.target, p.pos + off - p.offset)]
+                    ends[k] = z
                 if z >= stop:
                     break
-                k += 1
+                off, k = z, k + 1
         for k in sorted(windows):
-            w0 = base + k * slot_bytes
-            last = max(p.offset + p.length for p in windows[k])
-            first = min(p.offset for p in windows[k])
-            w0 = max(w0, first - first % align)  # a window starting in a gap starts at its data
-            chunks.append(Chunk(file, w0, last - w0, tuple(windows[k])))
+            ps = windows[k]
+            first = ps[0].offset
+            w0 = max(base + k * slot_bytes, first - first % align)  # a window starting in a
+            chunks.append(Chunk(file, w0, ends[k] - w0, tuple(ps)))  # gap starts at its data
     return chunks
 
 

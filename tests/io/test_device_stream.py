@@ -147,7 +147,6 @@ def test_a_failing_reader_raises_in_the_consumer_and_stops_the_rest(
         tiny_llama: Path, fake_cuda: _Stream) -> None:
     plan, reqs, _ = _open(tiny_llama, 1, slot_bytes=4096)
     feed = DeviceStream(plan, torch.device("cpu"), 1 << 20)
-    feed.prewarm = True  # one block of the budget made and freed first
     feed.begin(reqs)
     threads, errors = _readers(feed, plan, fake_cuda, 3, fail_at=5)
     with pytest.raises(OSError, match="read failed in"):

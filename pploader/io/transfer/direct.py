@@ -30,10 +30,11 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["DirectTransfer", "DEFAULT_DEVICE_WINDOW_BYTES", "device_windows"]
 
 #: Device bytes a streamed GPU load may hold at once (stream-owned tensors not yet released).
-#: The windowed stream this replaced needed 4 GiB: on 2x H200 (docs/benchmarks-gpu.md, issue
-#: 28) it ran at 14 GB/s with 256 MiB, 21-22 GB/s with 1 GiB and 25-28 GB/s with 4 GiB, each
-#: window's run costing its start and drain. The continuous stream has no drain.
-DEFAULT_DEVICE_WINDOW_BYTES = 1 << 30
+#: Measured on 2x H200 (docs/benchmarks-gpu.md, issue 28 round 7): with 1 GiB an 8 GB llama
+#: stage's readers stalled 7-9 ms at its 1.05 GB embedding (the next layer's tensors waited
+#: for it to be handed over), with 2 GiB 1 ms; 256 MiB ran at 0.6x. The windowed stream this
+#: replaced held two windows of 2 GiB, each run with its start and drain.
+DEFAULT_DEVICE_WINDOW_BYTES = 2 << 30
 
 
 def device_windows(items: Sequence[ReadItem], window_bytes: int) -> list[tuple[ReadItem, ...]]:
