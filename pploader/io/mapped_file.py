@@ -13,7 +13,7 @@ import torch
 from ..errors import ReadError
 from ..planning.plan import RankPlan
 from .mapped_split import Run, strided_runs, touched
-from .pagecache import PAGE_BYTES, cached_pages, mapped_residency, sample_windows
+from .pagecache import PAGE_BYTES, cached_pages, mapped_residency, sampled_pages
 
 __all__ = ["MappedFile", "map_file", "WARM_SAMPLE_BYTES"]
 
@@ -76,15 +76,11 @@ class MappedFile:
         so callers look item by item. A few pages of a file just read can be missing, and a
         missed cold patch only costs its faults: the copy brings them in."""
         hi = self.base.numel() if hi is None else min(hi, self.base.numel())
-        missing = pages = 0
-        for off, n in sample_windows(lo, hi - lo, sample_bytes) if hi > lo else ():
-            first, last = off // PAGE_BYTES, (off + n - 1) // PAGE_BYTES
-            cached = cached_pages(self.fd, first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
-            if cached is None:
-                return False
-            pages += last - first + 1
-            missing += max(0, last - first + 1 - cached)
-        return missing <= missing_share * pages
+        if hi <= lo:
+            return True
+        got = sampled_pages(lo, hi - lo, sample_bytes,
+                            lambda start, length: cached_pages(self.fd, start, length))
+        return got is not None and got[1] - got[0] <= missing_share * got[1]
 
     def fraction(self, ranges: tuple[tuple[int, int], ...]) -> float:
         """Share of the pages ``ranges`` touch that are resident (1.0 for no bytes)."""

@@ -8,10 +8,10 @@ import ctypes.util
 import mmap
 import os
 from functools import lru_cache
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
-__all__ = ["resident_bytes_of_ranges", "cached_pages", "sample_windows", "mapped_residency",
-           "advise",
+__all__ = ["resident_bytes_of_ranges", "cached_pages", "sample_windows", "sampled_pages",
+           "mapped_residency", "advise",
            "PAGE_BYTES", "MADV_SEQUENTIAL", "MADV_WILLNEED", "MADV_POPULATE_READ"]
 
 PAGE_BYTES = mmap.PAGESIZE
@@ -92,21 +92,30 @@ def sample_windows(off: int, n: int, sample_bytes: int) -> list[tuple[int, int]]
     return [(off + i * step, sample_bytes) for i in range(count)]
 
 
-def _cached_of_ranges(fd: int, ranges: list[tuple[int, int]], sample_bytes: int
-                      ) -> Optional[int]:
-    """Resident bytes of ``ranges`` counted by ``cachestat`` (the same sample windows as the
-    mincore path, no mapping); None where the kernel has no cachestat."""
+def sampled_pages(off: int, n: int, sample_bytes: int,
+                  count: Callable[[int, int], Optional[int]]) -> Optional[tuple[int, int]]:
+    """(resident, seen) pages over the sample windows of bytes ``[off, off + n)``;
+    ``count(start, length)``: resident pages of a page-aligned byte range, None when unknown
+    (then None)."""
+    hit = seen = 0
+    for w_off, w_n in sample_windows(off, n, sample_bytes):
+        first, last = w_off // PAGE_BYTES, (w_off + w_n - 1) // PAGE_BYTES
+        got = count(first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
+        if got is None:
+            return None
+        hit, seen = hit + got, seen + last - first + 1
+    return hit, seen
+
+
+def _resident_bytes(ranges: list[tuple[int, int]], sample_bytes: int,
+                    count: Callable[[int, int], Optional[int]]) -> Optional[int]:
+    """Resident bytes of ``ranges``, each scaled from its sampled pages (None: unknown)."""
     resident = 0
     for off, n in ranges:
-        seen = hit = 0
-        for w_off, w_n in sample_windows(off, n, sample_bytes):
-            first, last = w_off // PAGE_BYTES, (w_off + w_n - 1) // PAGE_BYTES
-            pages = cached_pages(fd, first * PAGE_BYTES, (last - first + 1) * PAGE_BYTES)
-            if pages is None:
-                return None
-            seen += last - first + 1
-            hit += pages
-        resident += round(n * hit / seen) if seen else 0
+        got = sampled_pages(off, n, sample_bytes, count)
+        if got is None:
+            return None
+        resident += round(n * got[0] / got[1]) if got[1] else 0
     return resident
 
 
@@ -128,7 +137,8 @@ def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
         return 0, total
     fd = os.open(path, os.O_RDONLY)
     try:
-        counted = _cached_of_ranges(fd, ranges, sample_bytes)  # no mapping where it can
+        counted = _resident_bytes(ranges, sample_bytes,  # no mapping where it can
+                                  lambda start, length: cached_pages(fd, start, length))
         if counted is not None:
             return counted, total
         libc = _libc()
@@ -137,22 +147,19 @@ def resident_bytes_of_ranges(path: str, ranges: Iterable[tuple[int, int]], *,
             if strict:
                 raise OSError(ctypes.get_errno(), f"mmap failed on {path}")
             return 0, total
+
+        def by_mincore(start: int, length: int) -> Optional[int]:
+            vec = (ctypes.c_ubyte * (length // PAGE_BYTES))()
+            if libc.mincore(ctypes.c_void_p(addr + start), length, vec) != 0:
+                return None
+            return len(vec) - bytes(vec).count(0)
         try:
-            resident = 0
-            for off, n in ranges:
-                seen = hit = 0
-                for w_off, w_n in sample_windows(off, n, sample_bytes):
-                    first, last = w_off // PAGE_BYTES, (w_off + w_n - 1) // PAGE_BYTES
-                    vec = (ctypes.c_ubyte * (last - first + 1))()
-                    if libc.mincore(ctypes.c_void_p(addr + first * PAGE_BYTES),
-                                    (last - first + 1) * PAGE_BYTES, vec) != 0:
-                        if strict:
-                            raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
-                        return 0, total
-                    seen += len(vec)
-                    hit += len(vec) - bytes(vec).count(0)
-                resident += round(n * hit / seen) if seen else 0
-            return resident, total
+            counted = _resident_bytes(ranges, sample_bytes, by_mincore)
+            if counted is None:
+                if strict:
+                    raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+                return 0, total
+            return counted, total
         finally:
             libc.munmap(ctypes.c_void_p(addr), size)
     finally:
