@@ -105,10 +105,7 @@ def make(out: Path, layers: int, hidden: int, inter: int, vocab: int) -> None:
            "vocab_size": vocab, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
            "rope_theta": 10000.0, "hidden_act": "silu", "tie_word_embeddings": False,
            "dtype": "bfloat16", "bos_token_id": 1, "eos_token_id": 2}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "_config.json").write_text(json.dumps(cfg))
-    make_tiny(out / "_config.json", out, shard_bytes=300 << 20, seed=0)
-    (out / "_config.json").unlink()
+    make_tiny(cfg, out, shard_bytes=300 << 20, seed=0, force=True)
     total = sum(p.stat().st_size for p in out.glob("*.safetensors"))
     print(f"wrote {out}: {total / 1e9:.2f} GB")
 

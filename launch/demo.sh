@@ -9,8 +9,12 @@ CONFIG="${MODEL:-configs/models/tiny-qwen3_5_moe.json}"
 [ -f "$CONFIG" ] || CONFIG=configs/models/tiny-llama.json
 NPROC="${NPROC:-4}"
 OUT="${OUT:-$ROOT/out/demo/$(basename "$CONFIG" .json)}"
-rm -rf "$OUT"
-pploader make-tiny "$CONFIG" "$OUT"
+# Never delete OUT: make-tiny writes only into a new or empty directory or one pploader made
+# (its .pploader-output marker), and --force replaces only pploader's own files there.
+if ! pploader make-tiny "$CONFIG" "$OUT" --force; then
+  echo "demo: OUT=$OUT was not written (see above); set OUT to a new directory" >&2
+  exit 2
+fi
 echo
 echo "== plan (one process, headers only) =="
 pploader plan --model "$OUT" --pp "$NPROC" "$@"

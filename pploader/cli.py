@@ -20,12 +20,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
 
 from . import EngineSplit, PlanError, PPLoaderError, RankFailure
-from .cli_args_checks import (ENV_BACKEND, check_engine_env, check_load_args, check_output_dir,
-                         publish_mode)
+from .cli_args_checks import ENV_BACKEND, check_engine_env, check_load_args
 from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
     from . import Comm, PoolOptions, StageLoad, StagePlan, StageResult
+    from .outputs import OutputDir
     from .testing.faults import Fault
 
 from .cli_args import (_DEFAULT_EXCHANGE_COST, _DEFAULT_WINDOW_MIB, _LOG_LEVELS,  # noqa: F401
@@ -238,7 +238,9 @@ def _cmd_load(args: argparse.Namespace) -> int:
     topo = Topology.for_world(launch.world_size, launch.rank, pp=args.pp, tp=args.tp, ep=args.ep)
     comm = Comm(topo, timeout_s=args.timeout, namespace="pploader-load",
                 store_host_rank=launch.store_host_rank)
-    comm.watch_failures(abort_after_s=min(10.0, args.timeout))  # a rank left behind exits
+    from .outputs import discard_pending
+    comm.watch_failures(abort_after_s=min(10.0, args.timeout),  # a rank left behind exits,
+                        before_exit=discard_pending)  # its temporary output removed
     try:
         loaded = _load(args, comm, launch.local_rank, fault)
     except RankFailure as exc:
@@ -290,27 +292,73 @@ def _load(args: argparse.Namespace, comm: "Comm", local_rank: int,
         progress_bar=not args.no_progress and (args.progress or sys.stderr.isatty()),
         **_tp_read_kwargs(args, "auto"))  # "auto": measured and agreed by load_pipeline_stage
 
+    saving = _SaveLoaded(args, topo.rank, topo.world_size) \
+        if args.save_loaded is not None else None
+
     def check_input(staged: "StagePlan") -> None:
         if pool_error is not None:
             raise pool_error
+        if saving is not None:  # checked again, agreed: a rank that cannot write refuses
+            saving.claim()
         largest = staged.plan.largest_item_bytes
         if args.window_bytes is not None and args.window_bytes < largest:
             raise UsageError(f"--window-bytes {args.window_bytes} is smaller than this stage's "
                              f"largest tensor ({largest} bytes): give --window-bytes {largest} "
                              "or more, or leave the option out")
 
-    def save_loaded(result: "StageResult") -> None:
-        from safetensors.torch import save_file
-        Path(args.save_loaded).mkdir(parents=True, exist_ok=True)
-        names = {i.target: i.name for i in result.plan.items}
-        path = Path(args.save_loaded) / f"rank-{topo.rank}.safetensors"
-        save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
-                  str(path))
-        publish_mode(path)
+    try:
+        loaded = load_pipeline_stage(args.model, comm, options, check_plan=check_input,
+                                     after_load=saving.write if saving else None,
+                                     on_progress=_fault_hook(fault, topo.rank))
+    except BaseException:
+        if saving is not None:
+            saving.abandon()  # a failed job leaves no rank file
+        raise
+    if saving is not None:
+        saving.commit()  # every rank succeeded: rename into place
+    return loaded
 
-    return load_pipeline_stage(args.model, comm, options, check_plan=check_input,
-                               after_load=save_loaded if args.save_loaded else None,
-                               on_progress=_fault_hook(fault, topo.rank))
+
+class _SaveLoaded:
+    """``--save-loaded DIR``: this rank's tensors written to a temporary name in the load
+    step, renamed to ``rank-<rank>.safetensors`` only once every rank succeeded, removed when
+    the job failed (pploader.outputs; the signal watcher removes it on Ctrl-C / SIGTERM)."""
+
+    def __init__(self, args: argparse.Namespace, rank: int, world_size: int) -> None:
+        self.path, self.model = args.save_loaded, args.model
+        self.target: Optional["OutputDir"] = None
+        self.rank = rank
+        self.tmp: Optional[Path] = None
+        self.name = f"rank-{rank}.safetensors"
+        self.names = [f"rank-{r}.safetensors" for r in range(world_size)]
+
+    def claim(self) -> None:
+        from .outputs import claim_output
+        self.target = claim_output(self.path, "--save-loaded", command="load --save-loaded",
+                                   reuse=True, models=[self.model])
+
+    def write(self, result: "StageResult") -> None:
+        from safetensors.torch import save_file
+        from .outputs import begin_file
+        assert self.target is not None  # claimed in the planning step
+        names = {i.target: i.name for i in result.plan.items}
+        self.tmp = begin_file(self.target, self.name)
+        save_file({names[k]: v.contiguous().cpu() for k, v in result.state_dict.items()},
+                  str(self.tmp))
+
+    def commit(self) -> None:
+        from .outputs import commit_file, retire_stale
+        if self.target is None:
+            return
+        if self.tmp is not None:
+            commit_file(self.target, self.tmp, self.name, self.names)
+        if self.rank == 0:
+            retire_stale(self.target, self.names)
+
+    def abandon(self) -> None:
+        from .outputs import abandon
+        if self.target is not None:
+            abandon(self.target, self.tmp)
 
 
 def _ranks_per_node(args: argparse.Namespace) -> Optional[int]:
@@ -326,8 +374,8 @@ def _ranks_per_node(args: argparse.Namespace) -> Optional[int]:
 def _make_tiny(args: argparse.Namespace) -> int:
     from .tiny import make_tiny, resolve_tiny_config
     config = resolve_tiny_config(args.config)
-    check_output_dir(args.out, "make-tiny OUT", force=args.force)
-    files = make_tiny(config, args.out, shard_bytes=args.shard_bytes, seed=args.seed)
+    files = make_tiny(config, args.out, shard_bytes=args.shard_bytes, seed=args.seed,
+                      force=args.force)
     print(f"wrote {len(files)} shard(s) to {args.out}")
     return 0
 

@@ -15,7 +15,7 @@ from typing import Mapping, Optional
 
 from .errors import UsageError
 
-__all__ = ["check_load_args", "check_output_dir", "check_writable_dir", "check_env",
+__all__ = ["check_load_args", "check_writable_dir", "check_env",
            "check_engine_env", "publish_mode", "FILE_MODE", "ENV_BACKEND"]
 
 #: mode of every file pploader writes (readable by the group and others, as `cp` would)
@@ -43,27 +43,6 @@ def check_writable_dir(path: os.PathLike | str, flag: str) -> Path:
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a "
                          "writable directory") from None
-    return out
-
-
-def check_output_dir(path: os.PathLike | str, flag: str, *, force: bool) -> Path:
-    """An output directory that is new or empty, unless ``force`` (then it is replaced);
-    its parent must be writable."""
-    out = Path(path)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"{flag} {path}: exists and is not a directory; give a new directory")
-    if out.is_dir() and not force:
-        try:
-            held = sorted(p.name for p in out.iterdir())
-        except OSError as exc:
-            raise UsageError(f"{flag} {path}: cannot list it ({exc.strerror}); give a new "
-                             "directory") from None
-        if held:
-            raise UsageError(f"{flag} {path}: not empty (holds {len(held)} entries, e.g. "
-                             f"{held[0]}); give a new directory or pass --force to replace "
-                             "the checkpoint in it")
-    parent = next((p for p in [out.parent, *out.parent.parents] if p.exists()), Path("/"))
-    check_writable_dir(parent, flag)
     return out
 
 
@@ -134,5 +113,7 @@ def check_load_args(args: argparse.Namespace) -> None:
             raise UsageError(f"--io-backend {args.io_backend} loads onto "
                              f"{'/'.join(info.devices)}, not {device}{chosen}; use --io-backend "
                              f"{' or '.join(['auto', *fits])}, or --device {info.devices[0]}")
-    if args.save_loaded:
-        check_writable_dir(args.save_loaded, "--save-loaded")
+    if args.save_loaded is not None:  # pploader.outputs: new, empty or pploader's own
+        from .outputs import claim_output
+        claim_output(args.save_loaded, "--save-loaded", command="load --save-loaded",
+                     reuse=True, models=[args.model])

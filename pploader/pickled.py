@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -124,32 +123,29 @@ def convert_to_safetensors(model_dir: os.PathLike | str, out_dir: os.PathLike | 
                            allowed_roots: Sequence[os.PathLike | str] = ()) -> list[str]:
     """Convert a pickle checkpoint to safetensors shards + index in a new ``out_dir``.
 
-    Only with ``allow_pickle=True``. The output is written to a temporary sibling directory
-    and renamed into place, so a failure leaves no half-written ``out_dir``. config.json,
-    tokenizer and other small text files are copied. Returns the shard names.
+    Only with ``allow_pickle=True``. ``out_dir`` must be new or empty and outside
+    ``model_dir`` (:func:`pploader.outputs.claim_output`). The output is written to a
+    temporary directory and renamed into place, so a failure or a signal leaves no
+    half-written ``out_dir``. config.json, tokenizer and other small text files are copied.
+    Returns the shard names.
     """
-    from .tiny import write_checkpoint
+    from .outputs import claim_output, staged_output
+    from .tiny import INDEX, _group, write_shards
 
-    src, dst = Path(model_dir), Path(out_dir)
-    if dst.exists():
-        raise CheckpointError("output directory already exists; pick a new one", file=str(dst))
-    tensors = load_pickled(src, allow_pickle=allow_pickle, allowed_roots=allowed_roots)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", dir=dst.parent))
-    try:
-        config: Optional[dict] = None
-        if (src / "config.json").is_file():
-            from .planning.config_limits import read_json_limited
-            config = read_json_limited(src / "config.json")  # type: ignore[assignment]
-        files = write_checkpoint(tmp, _unshared(tensors), config, shard_bytes=shard_bytes)
+    src = Path(model_dir)
+    target = claim_output(out_dir, "convert DST", command="convert", models=[src])
+    tensors = _unshared(load_pickled(src, allow_pickle=allow_pickle,
+                                     allowed_roots=allowed_roots))
+    config: Optional[dict] = None
+    if (src / "config.json").is_file():
+        from .planning.config_limits import read_json_limited
+        config = read_json_limited(src / "config.json")  # type: ignore[assignment]
+    nbytes = {n: t.numel() * t.element_size() for n, t in tensors.items()}
+    groups = _group(list(tensors), nbytes, shard_bytes)
+    with staged_output(target, last=("config.json", INDEX)) as tmp:
+        files = write_shards(tmp, groups, lambda name: tensors[name], config)
         for extra in sorted(src.iterdir()):
             if (extra.is_file() and extra.suffix in _COPY_SUFFIXES and extra.name
                     not in ("config.json", PICKLE_INDEX)):
                 shutil.copyfile(extra, tmp / extra.name)
-                os.chmod(tmp / extra.name, 0o644)
-        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would keep the group out
-        os.rename(tmp, dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return files

@@ -11,19 +11,18 @@ import json
 import math
 import os
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Callable, Mapping, Optional
 
 import torch
 from safetensors.torch import save_file
 
-from .cli_args_checks import FILE_MODE
 from .errors import ConfigError
+from .outputs import OutputDir, claim_output, staged_output
 from .planning.config_limits import read_json_limited
 from .planning.spec import ModelSpec, spec_from_config
 
-__all__ = ["make_tiny", "write_checkpoint", "publish_checkpoint", "model_order", "TINY_CONFIGS",
+__all__ = ["make_tiny", "write_checkpoint", "write_shards", "model_order", "TINY_CONFIGS",
            "tiny_families", "resolve_tiny_config", "MAX_TINY_TENSORS"]
 
 #: the bundled tiny configs (package data; ``configs/models`` in the repository)
@@ -52,11 +51,13 @@ def resolve_tiny_config(name_or_path: os.PathLike | str) -> Path:
 
 def write_checkpoint(out_dir: os.PathLike | str, tensors: Mapping[str, torch.Tensor],
                      config: Optional[Mapping] = None, *, shard_bytes: int = 0) -> list[str]:
-    """Write ``tensors`` as shards of about ``shard_bytes`` (0 = one file) plus an index,
-    atomically (:func:`publish_checkpoint`); files mode 0644."""
+    """Write ``tensors`` as shards of about ``shard_bytes`` (0 = one file) plus an index into
+    ``out_dir`` (new, empty or an earlier pploader output: :mod:`pploader.outputs`),
+    atomically; files mode 0644."""
+    target = claim_output(out_dir, "output", command="write_checkpoint", reuse=True)
     sizes = {n: (tuple(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()}
     groups = _group(list(sizes), {n: b for n, (_, b) in sizes.items()}, shard_bytes)
-    return _write(out_dir, groups, lambda name: tensors[name].contiguous(), config)
+    return _write(target, groups, lambda name: tensors[name].contiguous(), config)
 
 
 def _group(names: list[str], nbytes: Mapping[str, int], shard_bytes: int) -> list[list[str]]:
@@ -72,63 +73,39 @@ def _group(names: list[str], nbytes: Mapping[str, int], shard_bytes: int) -> lis
     return groups
 
 
-def _write(out_dir: os.PathLike | str, groups: list[list[str]],
+def _write(target: OutputDir, groups: list[list[str]],
            make: Callable[[str], torch.Tensor], config: Optional[Mapping]) -> list[str]:
-    """Write the shards (``make`` gives each tensor, one shard in memory at a time), the
-    index and config.json into a temporary sibling of ``out_dir``, then publish it."""
-    out = Path(out_dir)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
-        if config is not None:
-            (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        names = ["model.safetensors"] if len(groups) == 1 else [
-            f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
-        weight_map, total = {}, 0
-        for fname, group in zip(names, groups):
-            shard = {name: make(name) for name in group}
-            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-            for name, t in shard.items():
-                weight_map[name] = fname
-                total += t.numel() * t.element_size()
-            del shard
-        if len(groups) > 1:
-            index = {"metadata": {"total_size": total},
-                     "weight_map": dict(sorted(weight_map.items()))}
-            (tmp / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        for path in tmp.iterdir():
-            os.chmod(path, FILE_MODE)
-        publish_checkpoint(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    """Write the checkpoint into a temporary directory, then publish it to ``target``
+    (:func:`pploader.outputs.staged_output`: config.json and the index renamed last)."""
+    with staged_output(target, last=("config.json", INDEX)) as tmp:
+        return write_shards(tmp, groups, make, config)
+
+
+def write_shards(folder: Path, groups: list[list[str]], make: Callable[[str], torch.Tensor],
+                 config: Optional[Mapping]) -> list[str]:
+    """The shards (``make`` gives each tensor, one shard in memory at a time), the index and
+    config.json, written into ``folder``; returns the shard names."""
+    if config is not None:
+        (folder / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    names = ["model.safetensors"] if len(groups) == 1 else [
+        f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    weight_map, total = {}, 0
+    for fname, group in zip(names, groups):
+        shard = {name: make(name) for name in group}
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        for name, t in shard.items():
+            weight_map[name] = fname
+            total += t.numel() * t.element_size()
+        del shard
+    if len(groups) > 1:
+        index = {"metadata": {"total_size": total},
+                 "weight_map": dict(sorted(weight_map.items()))}
+        (folder / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return names
 
 
-#: the files that make a checkpoint (replaced together by :func:`publish_checkpoint`)
+#: the index file of a sharded checkpoint
 INDEX = "model.safetensors.index.json"
-
-
-def _checkpoint_files(folder: Path) -> list[Path]:
-    return [p for p in folder.iterdir() if p.name in ("config.json", INDEX)
-            or p.name.endswith(".safetensors")]
-
-
-def publish_checkpoint(tmp: Path, out: Path) -> None:
-    """Move the checkpoint written in ``tmp`` to ``out``: a rename when ``out`` is new or
-    empty (atomic); otherwise its old config.json, index and shards are removed first (no
-    mixing of two models) and the new files renamed in, config and index last, so a reader
-    never sees an index naming missing shards. ``tmp`` is removed."""
-    os.chmod(tmp, 0o755)
-    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
-        os.replace(tmp, out)
-        return
-    for old in _checkpoint_files(out):
-        old.unlink()
-    last = ("config.json", INDEX)
-    for path in sorted(tmp.iterdir(), key=lambda p: (p.name in last, p.name == INDEX)):
-        os.replace(path, out / path.name)
-    tmp.rmdir()
 
 
 def _random(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
@@ -148,15 +125,23 @@ def model_order(spec: "ModelSpec", name: str) -> tuple[int, int]:
     return (1, role.layer or 0)
 
 
-def make_tiny(config_path: os.PathLike | str, out_dir: os.PathLike | str, *,
-              shard_bytes: Optional[int] = None, seed: Optional[int] = None) -> list[str]:
-    """Write the checkpoint described by ``config_path`` into ``out_dir``; returns shard names.
+def make_tiny(config_path: os.PathLike | str | Mapping, out_dir: os.PathLike | str, *,
+              shard_bytes: Optional[int] = None, seed: Optional[int] = None,
+              force: bool = False) -> list[str]:
+    """Write the checkpoint described by ``config_path`` (a config.json, or its contents) into
+    ``out_dir``; returns shard names.
 
-    Checked before anything is allocated or written: the config's limits (size, depth,
-    counts), the template's tensor count, the memory one shard needs and the free space on
-    ``out_dir``'s file system. Written shard by shard into a temporary directory, then
-    renamed into place (:func:`publish_checkpoint`)."""
-    raw = read_json_limited(config_path, what=Path(config_path).name)
+    ``out_dir`` must be new, empty or (with ``force``) an earlier pploader output, whose files
+    alone are replaced (:func:`pploader.outputs.claim_output`). Checked before anything is
+    allocated or written: the config's limits (size, depth, counts), the template's tensor
+    count, the memory one shard needs and the free space on ``out_dir``'s file system.
+    Written shard by shard into a temporary directory, then renamed into place."""
+    target = claim_output(out_dir, "make-tiny OUT", command="make-tiny", force=force)
+    if isinstance(config_path, Mapping):
+        raw = json.loads(json.dumps(config_path))  # a copy, as JSON would give it
+        config_path = "config"
+    else:
+        raw = read_json_limited(config_path, what=Path(config_path).name)
     if not isinstance(raw, dict):
         raise ConfigError("not a JSON object", file=str(config_path))
     opts = raw.pop("pploader_tiny", {}) or {}
@@ -177,7 +162,7 @@ def make_tiny(config_path: os.PathLike | str, out_dir: os.PathLike | str, *,
         opts, "shard_bytes", total // 3 + 1, config_path)
     groups = _group(order, nbytes, shard)
     _check_resources(out_dir, total, max(sum(nbytes[n] for n in g) for g in groups))
-    return _write(out_dir, groups, lambda n: _random(tuple(template[n]), spec.dtype, gen), raw)
+    return _write(target, groups, lambda n: _random(tuple(template[n]), spec.dtype, gen), raw)
 
 
 #: the most tensors make-tiny generates (a real DeepSeek-V3 has ~92 k)

@@ -33,11 +33,7 @@ def make_model(out: Path, config: Optional[Mapping] = None, *, shard_bytes: int 
     """Write a tiny random checkpoint for ``config`` (default tiny-llama) into ``out``."""
     from pploader.tiny import make_tiny
     cfg = dict(config or tiny_config())
-    path = out / "_config.json"
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cfg))
-    make_tiny(path, out, shard_bytes=shard_bytes, seed=seed)
-    path.unlink()
+    make_tiny(cfg, out, shard_bytes=shard_bytes, seed=seed)
     return out
 
 

@@ -101,10 +101,12 @@ def check_bench_plan(args: argparse.Namespace) -> None:
                              ) from None
     if Path(args.dir).resolve() == Path("/"):
         raise UsageError("--dir /: give a directory of its own (the run deletes what it writes)")
-    root = check_writable_dir(args.dir, "--dir")
-    reused = sum(p.stat().st_size for p in root.glob("llama-*/*.safetensors") if p.is_file())
+    from ..outputs import claim_output  # new, empty or an earlier bench's: nothing else touched
+    root = claim_output(args.dir, "--dir", command="bench", reuse=True).path
+    reused = sum(p.stat().st_size for p in root.glob("llama-*/*.safetensors") if p.is_file()) \
+        if root.is_dir() else 0
     needed = int(sum(sizes) * GB) - reused
-    free = shutil.disk_usage(root).free
+    free = shutil.disk_usage(next(p for p in [root, *root.parents] if p.exists())).free
     if needed > free:
         raise UsageError(f"--dir {root}: the checkpoints need {needed / GB:.2f} GB more and "
                          f"{free / GB:.2f} GB is free; give a smaller --size-gb, --rss-scale 0 "

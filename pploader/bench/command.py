@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import platform
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -290,7 +289,10 @@ def run_bench(args: argparse.Namespace) -> int:
     caches = _csv(args.caches, ["warm", "cold"], "cache state")
     modes = _csv(args.modes, ["alone", "together"], "mode")
     check_bench_plan(args)
-    root = Path(args.dir)
+    from ..outputs import claim_output, own_entries, release_entries
+    target = claim_output(args.dir, "--dir", command="bench", reuse=True)
+    root = target.path
+    own_entries(target, [])  # made now and marked pploader's
     made: list[Path] = []
     started = time.monotonic()
     machine = machine_info(root)  # before measuring: its date is the run's start
@@ -303,6 +305,7 @@ def run_bench(args: argparse.Namespace) -> int:
         for tag, size_gb in sizes:
             directory = root / f"llama-{size_gb:g}GB-{args.layers}L-{args.shards}s"
             made.append(directory)
+            own_entries(target, [directory.name])  # marked pploader's before it is written
             log(f"checkpoint {tag}: {directory} ({size_gb:g} GB) ...")
             info = write_synthetic(directory, int(size_gb * GB), args.layers,
                                    shards=args.shards, seed=args.seed)
@@ -322,6 +325,7 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.plan_tensors:
             wide = root / f"wide-{args.plan_tensors}"
             made.append(wide)
+            own_entries(target, [wide.name])
             plan = _plan_timing(wide, args.plan_tensors, args.pp, args.timeout, log)
         doc = {"command": "pploader bench " + " ".join(_argv_of(args)),
                "machine": machine, "config": _config_of(args, methods, caches, modes),
@@ -329,9 +333,8 @@ def run_bench(args: argparse.Namespace) -> int:
                "elapsed_s": round(time.monotonic() - started, 1)}
         code = render(doc, as_json=args.json, markdown=args.markdown, plot_path=args.plot)
     finally:
-        if not args.keep:
-            for directory in made:
-                shutil.rmtree(directory, ignore_errors=True)
+        if not args.keep:  # only what this run marked as its own
+            release_entries(target, [d.name for d in made])
     return code
 
 

@@ -78,11 +78,7 @@ def _make_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> Path:
     cfg.update(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
                vocab_size=vocab, head_dim=64)
-    path = out / "_config.json"
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(cfg))
-    make_tiny(path, out, shard_bytes=64 << 20, seed=0)
-    path.unlink()
+    make_tiny(cfg, out, shard_bytes=64 << 20, seed=0)
     return out
 
 

@@ -118,6 +118,7 @@ class Comm:
         self._expected_closers = topology.world_size
         self._concluded_failure = False
         self._abort_after_s: Optional[float] = None
+        self._before_exit: Optional[Callable[[], None]] = None
         self.store_host_rank = store_host_rank
         self.max_poll_s = float(max_poll_s)
         self.cancel = threading.Event()
@@ -188,16 +189,21 @@ class Comm:
                                  f"was still busy for {self._abort_after_s:.0f} s (hung?); "
                                  "exiting\n")
                 sys.stderr.flush()
+                if self._before_exit is not None:
+                    self._before_exit()
                 os._exit(1)
 
-    def watch_failures(self, *, abort_after_s: Optional[float] = None) -> threading.Event:
+    def watch_failures(self, *, abort_after_s: Optional[float] = None,
+                       before_exit: Optional[Callable[[], None]] = None) -> threading.Event:
         """The event set as soon as any rank reports a failure (pass it to the Reader).
 
         With ``abort_after_s``, a rank still busy that long after the others concluded the
         job failed exits the process with status 1 (for command-line use: no orphans even
-        under launchers that do not kill a job's remaining ranks).
+        under launchers that do not kill a job's remaining ranks), after ``before_exit``
+        (e.g. removing its temporary output files).
         """
         self._abort_after_s = abort_after_s
+        self._before_exit = before_exit
         return self.cancel
 
     # ---- agreement ---------------------------------------------------------------------

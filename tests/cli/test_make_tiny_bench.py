@@ -62,7 +62,8 @@ def test_make_tiny_refuses_a_non_empty_dir_and_force_replaces_without_mixing(
                         capsys)
     assert code == 0, err
     left = sorted(p.name for p in out.iterdir())
-    assert left == ["README.md", "config.json", "model.safetensors"], left  # no old shard
+    assert left == [".pploader-output", "README.md", "config.json", "model.safetensors"], \
+        left  # no old shard; README.md (not pploader's) kept
     assert json.loads((out / "config.json").read_text())["architectures"] == \
         ["LlamaForCausalLM"]
     from pploader import Topology, plan_stage
