@@ -12,7 +12,9 @@
 #   RDZV_ID         rendezvous id shared by all nodes (default: pploader-$HEAD_ADDR-$HEAD_PORT)
 #   PPLOADER_ENTRY  what each rank runs (default "-m pploader load"), e.g. "serve.py"
 #   PYTHON          interpreter (default python3)
-# Exit status: torchrun's, non-zero when any rank failed (docs/launch.md).
+# Runs torchrun through `python -m pploader.torchrun`: Ctrl-C / SIGTERM end every rank within
+# a few seconds with one line and exit 130 / 143 (plain torchrun: a traceback and 1).
+# Exit status: otherwise torchrun's, non-zero when any rank failed (docs/launch.md).
 set -euo pipefail
 
 PYTHON=${PYTHON:-python3}
@@ -31,5 +33,5 @@ else
           --rdzv_id="${RDZV_ID:-pploader-$HEAD_ADDR-$HEAD_PORT}")
 fi
 # shellcheck disable=SC2086 # ENTRY is deliberately split into words
-exec "$PYTHON" -m torch.distributed.run "${RDZV[@]}" --nnodes="$NNODES" \
+exec "$PYTHON" -m pploader.torchrun "${RDZV[@]}" --nnodes="$NNODES" \
     --nproc_per_node="$NPROC_PER_NODE" $ENTRY "$@"

@@ -9,18 +9,16 @@ Imports are lazy: ``pploader --help`` and argument mistakes never import torch.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
 import os
-import signal
 import sys
-import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, Union
 
 from . import EngineSplit, PlanError, PPLoaderError, RankFailure
 from .cli_args_checks import ENV_BACKEND, check_engine_env, check_load_args
+from .cli_signals import exit_on_signals
 from .errors import UsageError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -181,45 +179,13 @@ def cmd_load(args: argparse.Namespace) -> int:
     """
     check_load_args(args)  # conflicts, output paths, GPUs, environment: before any rank starts
     _pool_options(args)  # an unknown --kv-dtype / --ssm-dtype: refused here too
-    with _ctrl_c_exits_130():
+    with exit_on_signals(_rank_prefix()):  # Ctrl-C / SIGTERM: one line, 130 / 143, at once
         return _cmd_load(args)
 
 
-def _interrupted() -> None:
-    """Ctrl-C on a rank: one line and exit 130 (never hang in teardown: threads, store)."""
+def _rank_prefix() -> str:
     rank = _env_rank()
-    sys.stderr.write(f"{f'[rank {rank}] ' if rank else ''}pploader: interrupted (Ctrl-C)\n")
-    sys.stderr.flush()
-    os._exit(130)
-
-
-@contextlib.contextmanager
-def _ctrl_c_exits_130() -> Iterator[None]:
-    """SIGINT handled by a thread of its own: blocked here before any thread starts (torch's,
-    the readers', the heartbeat), so every thread inherits the block and a Ctrl-C reaches
-    the watcher even while the main thread waits on a lock (where Python's own handler
-    would not run until the wait ended: a hung load could not be interrupted)."""
-    if threading.current_thread() is not threading.main_thread() or not hasattr(
-            signal, "pthread_sigmask"):
-        yield
-        return
-    stop = threading.Event()
-
-    def watch() -> None:
-        while not stop.is_set():
-            if signal.sigtimedwait({signal.SIGINT}, 0.2) is not None:
-                _interrupted()
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    watcher = threading.Thread(target=watch, name="pploader-ctrl-c", daemon=True)
-    watcher.start()
-    try:
-        yield
-    except KeyboardInterrupt:  # raised before the block took effect
-        _interrupted()
-    finally:
-        stop.set()
-        watcher.join()
-        signal.pthread_sigmask(signal.SIG_SETMASK, old)
+    return f"[rank {rank}] " if rank else ""
 
 
 def _cmd_load(args: argparse.Namespace) -> int:
@@ -453,11 +419,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "files":
         return cmd_files(args)
     if args.command == "make-tiny":
-        return _make_tiny(args)
+        with exit_on_signals():  # no temporary output left, 130 / 143 at once
+            return _make_tiny(args)
     if args.command == "convert":
-        from .pickled import convert_to_safetensors
-        files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
-                                       shard_bytes=args.shard_bytes)
+        with exit_on_signals():
+            from .pickled import convert_to_safetensors
+            files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
+                                           shard_bytes=args.shard_bytes)
         print(f"wrote {len(files)} safetensors shard(s) to {args.dst}")
         return 0
     if args.command == "bench":

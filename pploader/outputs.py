@@ -149,6 +149,7 @@ def _check_writable(out: Path, flag: str, text: str) -> None:
 
 _lock = threading.RLock()
 _pending: set[Path] = set()
+_made_dirs: list[Path] = []  # made by begin_file (outermost first), removed when left empty
 
 
 def pending() -> tuple[Path, ...]:
@@ -177,6 +178,8 @@ def discard_pending() -> None:
         for path in list(_pending):
             _remove(path)
         _pending.clear()
+        _undo_parents(_made_dirs)  # the directories made for them, when left empty
+        _made_dirs.clear()
 
 
 @contextlib.contextmanager
@@ -269,10 +272,12 @@ def begin_file(target: OutputDir, name: str) -> Path:
     """A temporary path in ``target`` (made if needed) to write the file ``name`` into,
     registered for removal on a signal; :func:`commit_file` publishes it, :func:`abandon`
     removes it."""
+    made = _missing_parents(target.path) + ([] if target.path.exists() else [target.path])
     target.path.mkdir(parents=True, exist_ok=True)
     tmp = target.path / f"{TEMP_PREFIX}{name}-{os.getpid()}"
     with _lock:
         _pending.add(tmp)
+        _made_dirs.extend(made)
     return tmp
 
 
@@ -284,6 +289,7 @@ def commit_file(target: OutputDir, tmp: Path, name: str, all_names: Sequence[str
         _write_marker(target.path, target, all_names, target.owned)
         os.replace(tmp, target.path / name)
         _pending.discard(tmp)
+        _made_dirs.clear()  # published: they hold pploader's output now
 
 
 def retire_stale(target: OutputDir, keep: Sequence[str]) -> None:
@@ -304,6 +310,8 @@ def abandon(target: OutputDir, tmp: Optional[Path]) -> None:
         if tmp is not None:
             _remove(tmp)
             _pending.discard(tmp)
+        _undo_parents(_made_dirs)  # what this process made, when left empty
+        _made_dirs.clear()
         if not target.existed:
             with contextlib.suppress(OSError):
                 target.path.rmdir()
