@@ -29,3 +29,7 @@ if [ $((NPROC % 2)) -eq 0 ] && grep -q -E '"num_(local_)?experts"|"n_routed_expe
   OMP_NUM_THREADS=1 torchrun --standalone --nproc_per_node="$NPROC" -m pploader load \
     --model "$OUT" --pp $((NPROC / 2)) --ep 2 --no-pools "$@" 2> >(quiet)
 fi
+echo
+echo "== next: use this venv's pploader (README) =="
+echo "  source $VENV/bin/activate    # or call $VENV/bin/pploader"
+echo "  pploader plan --model $OUT --pp $NPROC"

@@ -227,14 +227,19 @@ def staged_output(target: OutputDir, last: Sequence[str] = ()) -> Iterator[Path]
     made = _missing_parents(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     base = out if out.is_dir() else out.parent  # inside an existing one: same file system
+    with _lock:
+        _made_dirs.extend(made)  # removed, when left empty, by a signal's discard_pending
     try:
         tmp = Path(tempfile.mkdtemp(prefix=f"{TEMP_PREFIX}{out.name}-", dir=base))
         with _registered(tmp):
             yield tmp
             with _lock:
                 publish_files(target, tmp, last=last)
+                _made_dirs.clear()  # they hold the output now
     except BaseException:
-        _undo_parents(made)
+        with _lock:
+            _undo_parents(made)
+            _made_dirs.clear()
         raise
 
 

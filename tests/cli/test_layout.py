@@ -111,7 +111,8 @@ def test_bench_listed_the_same_without_importing_it() -> None:
 
 #: the modules that implement a command (besides the public API, the CLI may import these)
 COMMAND_MODULES = ("pploader.cli_args", "pploader.errors", "pploader.tiny", "pploader.pickled",
-                   "pploader.planning.files", "pploader.bench.command", "pploader.testing.faults")
+                   "pploader.planning.files", "pploader.bench.command", "pploader.testing.faults",
+                   "pploader.outputs", "pploader.cli_signals")
 
 
 def test_cli_imports_only_the_public_api_and_command_modules() -> None:

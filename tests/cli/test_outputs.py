@@ -248,8 +248,9 @@ def test_staged_output_failure_leaves_nothing(tmp_path: Path) -> None:
 
 
 def test_discard_pending_removes_temporaries_in_progress(tmp_path: Path) -> None:
-    """What the signal watcher calls before exiting: the temporary output is gone."""
-    target = outputs.claim_output(tmp_path / "out", "OUT", command="test")
+    """What the signal watcher calls before exiting: the temporary output is gone, with the
+    parent directory made for it."""
+    target = outputs.claim_output(tmp_path / "a" / "out", "OUT", command="test")
     staged = outputs.staged_output(target)
     tmp = staged.__enter__()
     (tmp / "part.safetensors").write_bytes(b"x")

@@ -240,3 +240,16 @@ def test_timeout_ends_a_job_whose_peer_hangs(tiny_llama: Path, tmp_path: Path) -
     assert lines[-1] == ("pploader: the job failed: rank 0 exited with status 1 (the ranks' "
                          "messages above say why)"), lines[-5:]
     assert not save.exists()
+
+
+@pytest.mark.slow
+def test_launch_torchrun_sh_passes_a_failed_ranks_status(tiny_llama: Path) -> None:
+    """launch/torchrun.sh runs pploader.torchrun: a mistake in the input (--pp 3 on 2 ranks)
+    exits 2, the ranks' status, with one closing line and no traceback (plain torchrun: 1)."""
+    proc = subprocess.run([str(ROOT / "launch" / "torchrun.sh"), "--model", str(tiny_llama),
+                           "--pp", "3"], capture_output=True, text=True, timeout=240,
+                          env=_env(NPROC_PER_NODE="2", PYTHON=sys.executable))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("pploader: the job failed: rank ") and "status 2" in last, last
