@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -196,14 +197,18 @@ def test_bench_dir_refuses_a_users_directory(tmp_path: Path) -> None:
 # ---- the demo ------------------------------------------------------------------------------
 
 def _fake_venv(tmp_path: Path) -> Path:
-    """A venv for launch/_venv.sh that installs nothing: this interpreter, a `pploader` that
-    runs this tree, and the install stamp (newer than setup.cfg)."""
+    """A venv for launch/_venv.sh that installs nothing: this interpreter, `pploader` and
+    `torchrun` that run this tree, `activate` (PATH, as a venv's does), and the install stamp
+    (newer than setup.cfg)."""
     venv = tmp_path / "venv"
     (venv / "bin").mkdir(parents=True)
     (venv / "bin" / "python").symlink_to(sys.executable)
-    tool = venv / "bin" / "pploader"
-    tool.write_text(f'#!/bin/sh\nPYTHONPATH="{ROOT}" exec "{sys.executable}" -m pploader "$@"\n')
-    tool.chmod(0o755)
+    for name, module in (("pploader", "pploader"), ("torchrun", "torch.distributed.run")):
+        tool = venv / "bin" / name
+        tool.write_text(f'#!/bin/sh\nPYTHONPATH="{ROOT}" exec "{sys.executable}" -m {module} '
+                        '"$@"\n')
+        tool.chmod(0o755)
+    (venv / "bin" / "activate").write_text(f'export PATH="{venv}/bin:$PATH"\n')
     stamp = venv / ".pploader-installed-base"
     stamp.touch()
     future = (ROOT / "setup.cfg").stat().st_mtime + 3600
@@ -222,6 +227,35 @@ def test_demo_script_never_deletes_a_users_out(tmp_path: Path, user_dir: Path) -
     assert "not written by pploader" in out.stderr and "OUT=" in out.stderr
     assert "== plan" not in out.stdout and "torchrun" not in out.stdout
     assert _tree(user_dir) == before
+
+
+@pytest.mark.slow
+def test_readme_next_step_after_the_demo_works(tmp_path: Path) -> None:
+    """The demo (2 ranks), then the README's next lines as written (activate .venv, `pploader
+    plan` on the demo's model) in a shell whose PATH has no pploader: the plan prints. A
+    second demo run replaces its own model (no `rm`, no refusal)."""
+    venv = _fake_venv(tmp_path)
+    out = tmp_path / "demo"
+    env = {"OUT": str(out), "PPLOADER_VENV": str(venv), "NPROC": "2",
+           "MODEL": "configs/models/tiny-llama.json"}
+    for _ in range(2):
+        demo = run(["bash", str(ROOT / "launch" / "demo.sh")], timeout=400,
+                   env=env)
+        assert demo.returncode == 0, (demo.stdout[-2000:], demo.stderr[-3000:])
+        assert "pploader plan --model" in demo.stdout.splitlines()[-1]
+    readme = (ROOT / "README.md").read_text()
+    block = readme.split("Next, activate it", 1)[1].split("```bash\n", 1)[1].split("```")[0]
+    steps = [ln.split("#")[0].strip() for ln in block.splitlines() if ln.strip()]
+    assert steps[0] == "source .venv/bin/activate" and steps[1].startswith("pploader plan ")
+    model = steps[1].split("--model ", 1)[1].split()[0]
+    assert model == "out/demo/tiny-qwen3_5_moe"  # demo.sh's default OUT for its default MODEL
+    script = "\n".join([steps[0].replace(".venv", str(venv)),
+                        steps[1].replace(model, str(out))])
+    proc = subprocess.run(["bash", "-c", "set -e\n" + script], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rank" in proc.stdout and "layers" in proc.stdout, proc.stdout[-2000:]
 
 
 def test_launch_scripts_delete_no_directory() -> None:
