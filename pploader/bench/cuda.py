@@ -66,20 +66,23 @@ def write_checkpoint(ckdir: str, scale: str) -> None:
     from concurrent.futures import ThreadPoolExecutor
     from .data import _groups, _header, _ordered_template, _random_chunks, llama_config
     import random
+    from ..outputs import claim_output, own_entries, retire_stale
     shape, shard_bytes = _shapes(scale)
-    out = Path(ckdir)
+    # new, empty or written here before (pploader.outputs): never a user's files
+    target = claim_output(ckdir, "--ckdir", command="bench.cuda", reuse=True)
+    out = target.path
     stamp = out / "gpubench.json"
     want = {"scale": scale, "shape": list(shape.__dict__.values())}
     if stamp.exists() and json.loads(stamp.read_text()) == want:
         return
-    out.mkdir(parents=True, exist_ok=True)
-    stamp.unlink(missing_ok=True)
-    for old in out.glob("*.safetensors"):
-        old.unlink()
     config = llama_config(shape)
     groups = _groups(_ordered_template(config), shard_bytes)
     pool = random.Random(1234).randbytes(64 * MIB)
     names = [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
+    files = [*names, "config.json", "model.safetensors.index.json", stamp.name]
+    own_entries(target, files)  # listed (with the old ones) before anything is written
+    retire_stale(target, files)  # the old checkpoint's files that this one does not rewrite
+    stamp.unlink(missing_ok=True)
 
     def write(i: int) -> None:
         rng = random.Random(1234 + i)

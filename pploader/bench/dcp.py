@@ -269,8 +269,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     caches = [c for c in args.caches.split(",") if c]
     if not set(readers) <= set(READERS) or not set(caches) <= {"warm", "cold"}:
         raise SystemExit(f"bench --dcp: readers from {', '.join(READERS)}, caches warm,cold")
-    if args.model is None:
-        out = Path(args.dir) / f"llama-{args.size_gb:g}GB-{args.layers}L-{args.shards}s"
+    if args.model is None:  # under --dir: new, empty or an earlier bench's (pploader.outputs)
+        from ..outputs import claim_output, own_entries
+        target = claim_output(args.dir, "--dir", command="bench --dcp", reuse=True)
+        out = target.path / f"llama-{args.size_gb:g}GB-{args.layers}L-{args.shards}s"
+        own_entries(target, [out.name])
         write_synthetic(out, int(args.size_gb * GB), args.layers, shards=args.shards)
         model = str(out)
     else:

@@ -269,7 +269,10 @@ def main(argv: list[str] | None = None) -> None:
         _child(Path(args.child), args.device, args.methods.split(","), args.start_at)
         return
     gpus = args.gpus or torch.cuda.device_count()
-    root = Path(args.dir)
+    from ..outputs import claim_output, own_entries  # never into a directory of the user's
+    target = claim_output(args.dir, "--dir", command="bench.page_cache_dma", reuse=True)
+    root = target.path
+    own_entries(target, [str(stage) for stage in range(gpus)])
     t0 = time.perf_counter()
     _write_stages(root, gpus, args.mib)
     rows: list[dict] = [{"setup": "write", "seconds": round(time.perf_counter() - t0, 1),

@@ -194,6 +194,21 @@ def test_bench_dir_refuses_a_users_directory(tmp_path: Path) -> None:
     assert _tree(mine) == before
 
 
+def test_gpu_bench_ckdir_refuses_a_users_directory(user_dir: Path, tmp_path: Path) -> None:
+    """`pploader bench --device cuda -- --ckdir DIR` rewrites its checkpoint there: never in a
+    directory of the user's (it used to delete every *.safetensors in it)."""
+    from pploader.bench.cuda import write_checkpoint
+    (user_dir / "model.safetensors").write_bytes(b"the user's model")
+    before = _tree(user_dir)
+    with pytest.raises(UsageError, match="not written by pploader"):
+        write_checkpoint(str(user_dir), "tiny")
+    assert _tree(user_dir) == before
+    ck = tmp_path / "ck"
+    write_checkpoint(str(ck), "tiny")
+    listed = json.loads((ck / outputs.MARKER).read_text())["files"]
+    assert set(listed) == {p.name for p in ck.iterdir()} - {outputs.MARKER}
+
+
 # ---- the demo ------------------------------------------------------------------------------
 
 def _fake_venv(tmp_path: Path) -> Path:
