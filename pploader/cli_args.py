@@ -338,7 +338,9 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--backend", type=_backend, default=None, help="torch.distributed backend (default: "
                    "$PPLOADER_BACKEND, else nccl when each rank has a GPU, else gloo)")
     p.add_argument("--save-loaded", metavar="DIR", default=None,
-                   help="write each rank's tensors to DIR/rank-<rank>.safetensors")
+                   help="write each rank's tensors to DIR/rank-<rank>.safetensors once every "
+                   "rank succeeded (DIR new, empty or an earlier --save-loaded's; not inside "
+                   "the model)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     p.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
     p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
@@ -378,20 +380,21 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                        epilog="bundled families: " + ", ".join(_tiny_names()))
     p.add_argument("config", help="a family name (one of the bundled tiny configs listed "
                    "below) or a config.json path")
-    p.add_argument("out", help="output directory (new or empty; --force replaces the "
-                   "checkpoint in a non-empty one)")
+    p.add_argument("out", help="output directory: new, empty, or an earlier pploader output "
+                   "(with --force); never a directory holding other files, never s3://")
     p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
     p.add_argument("--seed", type=_seed, default=None, help="random seed (default: the "
                    "config's pploader_tiny.seed, else 0)")
-    p.add_argument("--force", action="store_true", help="write into a non-empty OUT: its "
-                   "config.json, index and *.safetensors are replaced, other files kept")
+    p.add_argument("--force", action="store_true", help="replace an earlier pploader output "
+                   "in OUT: only the files its .pploader-output marker lists are replaced, "
+                   "other files kept")
 
     p = sub.add_parser("convert", help="convert a trusted .bin/.pt checkpoint to safetensors",
                        description="pploader never unpickles by default. With --allow-pickle, "
                        "read SRC's pickle files with torch.load(weights_only=True) and write "
                        "safetensors shards + index to the new directory DST.")
     p.add_argument("src", help="directory with pytorch_model*.bin / *.pt / *.pth")
-    p.add_argument("dst", help="new output directory (must not exist)")
+    p.add_argument("dst", help="output directory: new or empty, outside SRC")
     p.add_argument("--allow-pickle", action="store_true",
                    help="required: you trust these pickle files")
     p.add_argument("--shard-bytes", type=_size, default=4 << 30, help="target shard size")
