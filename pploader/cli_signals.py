@@ -29,6 +29,9 @@ QUIET_ENV = "PPLOADER_SIGNAL_QUIET"
 
 _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
+#: where launchers put a rank's index on its node (torchrun, Slurm, Open MPI)
+_LOCAL_RANK_ENV = ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK")
+
 
 def exit_status(signum: int) -> int:
     """The shell's status of a job ended by ``signum``: 128 + its number (130, 143)."""
@@ -53,7 +56,8 @@ def _speaks(signum: int, env: Mapping[str, str], sender: Optional[int]) -> bool:
     launched = "TORCHELASTIC_RUN_ID" in env  # a torchrun rank: its parent is the launcher
     if launched and signum == signal.SIGTERM and sender == os.getppid():
         return False
-    return env.get("LOCAL_RANK", "0") in ("", "0")
+    local = next((env[k] for k in _LOCAL_RANK_ENV if env.get(k, "").strip()), "0")
+    return local.strip() == "0"
 
 
 def _end(signum: int, sender: Optional[int], prefix: str) -> None:

@@ -253,3 +253,22 @@ def test_launch_torchrun_sh_passes_a_failed_ranks_status(tiny_llama: Path) -> No
     assert "Traceback" not in proc.stderr and "ChildFailedError" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("pploader: the job failed: rank ") and "status 2" in last, last
+
+
+def test_one_line_per_node_and_none_for_torchruns_stop() -> None:
+    """Who writes the signal's line: local rank 0 under any launcher, nobody under
+    pploader.torchrun (it writes the job's line), nobody for torchrun's SIGTERM to the ranks
+    left after a failure."""
+    from pploader.cli_signals import QUIET_ENV, _speaks, exit_status, signal_line
+    parent = os.getppid()
+    assert _speaks(signal.SIGINT, {}, None) and _speaks(signal.SIGTERM, {}, parent)
+    for key in ("LOCAL_RANK", "SLURM_LOCALID", "OMPI_COMM_WORLD_LOCAL_RANK"):
+        assert _speaks(signal.SIGTERM, {key: "0"}, 12345)
+        assert not _speaks(signal.SIGTERM, {key: "3"}, 12345)
+    torchrun = {"TORCHELASTIC_RUN_ID": "x", "LOCAL_RANK": "0"}
+    assert _speaks(signal.SIGINT, torchrun, parent)  # torchrun forwarding a Ctrl-C
+    assert not _speaks(signal.SIGTERM, torchrun, parent)  # torchrun stopping the rest
+    assert _speaks(signal.SIGTERM, torchrun, parent + 1)  # someone else's kill
+    assert not _speaks(signal.SIGINT, {**torchrun, QUIET_ENV: "1"}, None)
+    assert (exit_status(signal.SIGINT), exit_status(signal.SIGTERM)) == (130, 143)
+    assert signal_line(signal.SIGTERM, "[rank 3] ") == "[rank 3] pploader: terminated (SIGTERM)\n"
