@@ -301,7 +301,7 @@ class _SaveLoaded:
     def claim(self) -> None:
         from .outputs import claim_output
         self.target = claim_output(self.path, "--save-loaded", command="load --save-loaded",
-                                   reuse=True, models=[self.model])
+                                   reuse=True, models=[self.model], expect=self.names)
 
     def write(self, result: "StageResult") -> None:
         from safetensors.torch import save_file

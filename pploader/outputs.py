@@ -88,13 +88,15 @@ def _own_entries(names: Iterable[str]) -> list[str]:
 
 
 def claim_output(path: os.PathLike | str, flag: str, *, command: str, force: bool = False,
-                 reuse: bool = False, models: Sequence[os.PathLike | str] = ()) -> OutputDir:
+                 reuse: bool = False, models: Sequence[os.PathLike | str] = (),
+                 expect: Sequence[str] = ()) -> OutputDir:
     """Check that pploader may write the output directory ``path`` (named ``flag`` in errors),
     before anything is written; a :class:`UsageError` (exit 2) naming the fix otherwise.
 
     ``force``: an earlier pploader output there may be replaced (its listed files only);
     ``reuse``: the same without asking (``--save-loaded``, ``bench --dir``). ``models``: the
-    model directories the output must stay out of. Nothing is created here."""
+    model directories the output must stay out of. ``expect``: names the command will write
+    (one that exists there and is not pploader's is refused). Nothing is created here."""
     text = os.fspath(path)
     if not str(text).strip():
         raise UsageError(f"{flag} {text!r}: empty path; give a directory")
@@ -127,6 +129,11 @@ def claim_output(path: os.PathLike | str, flag: str, *, command: str, force: boo
             raise UsageError(f"{flag} {text}: not empty (an earlier pploader output); give a new "
                              "directory or pass --force to replace pploader's files in it")
         owned = marked or ()
+        taken = sorted(n for n in expect if os.path.lexists(out / n) and n not in owned)
+        if taken:
+            raise UsageError(f"{flag} {text}: {taken[0]} there is not pploader's (not in its "
+                             f"{MARKER}) and would be replaced; move it or give another "
+                             "directory")
     _check_writable(out, flag, text)
     return OutputDir(out, text, flag, command, out.is_dir(), owned)
 
@@ -260,7 +267,7 @@ def publish_files(target: OutputDir, tmp: Path, last: Sequence[str] = ()) -> lis
         os.chmod(tmp, DIR_MODE)
         os.rename(tmp, out)
         return names
-    again = claim_output(out, target.flag, command=target.command, reuse=True)
+    again = claim_output(out, target.flag, command=target.command, reuse=True, expect=names)
     _write_marker(out, target, names, again.owned)
     for old in again.owned:
         if old not in names:
@@ -290,6 +297,10 @@ def commit_file(target: OutputDir, tmp: Path, name: str, all_names: Sequence[str
     """Rename a staged file to ``name`` and mark ``target`` as pploader's, listing
     ``all_names`` (every file of this output, e.g. one per rank)."""
     with _lock:
+        owned = set(target.owned) | set(_read_marker(target.path) or ())
+        if os.path.lexists(target.path / name) and name not in owned:
+            raise UsageError(f"{target.flag} {target.shown}: {name} there is not pploader's "
+                             f"(not in its {MARKER}); move it or give another directory")
         os.chmod(tmp, FILE_MODE)
         _write_marker(target.path, target, all_names, target.owned)
         os.replace(tmp, target.path / name)

@@ -320,3 +320,21 @@ def test_marker_must_be_pploaders(tmp_path: Path) -> None:
             outputs.claim_output(out, "OUT", command="test", force=True)
     (out / outputs.MARKER).write_text(json.dumps({"by": "pploader", "files": ["data.bin"]}))
     assert outputs.claim_output(out, "OUT", command="test", force=True).owned == ("data.bin",)
+
+
+def test_a_users_file_with_an_output_name_is_never_replaced(tmp_path: Path) -> None:
+    """A file the user put into pploader's own directory under a name the new output would
+    use: refused before anything moves (the marker does not list it)."""
+    out = tmp_path / "out"
+    target = outputs.claim_output(out, "OUT", command="test")
+    with outputs.staged_output(target) as tmp:
+        (tmp / "a.bin").write_bytes(b"pploader's")
+    (out / "b.bin").write_bytes(b"the user's")
+    with pytest.raises(UsageError, match="b.bin there is not pploader's"):
+        outputs.claim_output(out, "OUT", command="test", reuse=True, expect=["b.bin"])
+    again = outputs.claim_output(out, "OUT", command="test", force=True)
+    with pytest.raises(UsageError, match="b.bin there is not pploader's"):
+        with outputs.staged_output(again) as tmp:
+            (tmp / "b.bin").write_bytes(b"new")
+    assert (out / "b.bin").read_bytes() == b"the user's" and (out / "a.bin").exists()
+    assert sorted(os.listdir(out)) == [outputs.MARKER, "a.bin", "b.bin"]  # no temporary left
