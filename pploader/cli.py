@@ -317,7 +317,11 @@ class _SaveLoaded:
         if self.target is None:
             return
         if self.tmp is not None:
-            commit_file(self.target, self.tmp, self.name, self.names)
+            try:
+                commit_file(self.target, self.tmp, self.name, self.names)
+            except BaseException:
+                self.abandon()  # e.g. a user's file appeared under this name: keep it
+                raise
         if self.rank == 0:
             retire_stale(self.target, self.names)
 
