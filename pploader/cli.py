@@ -179,8 +179,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     """
     check_load_args(args)  # conflicts, output paths, GPUs, environment: before any rank starts
     _pool_options(args)  # an unknown --kv-dtype / --ssm-dtype: refused here too
-    with exit_on_signals(_rank_prefix()):  # Ctrl-C / SIGTERM: one line, 130 / 143, at once
-        return _cmd_load(args)
+    return _cmd_load(args)  # Ctrl-C / SIGTERM: main's exit_on_signals (one line, 130 / 143)
 
 
 def _rank_prefix() -> str:
@@ -356,8 +355,21 @@ def _is_bench(argv: Optional[Sequence[str]]) -> bool:
     return words[:1] == ["bench"]
 
 
+#: the commands that write files or start ranks: SIGINT / SIGTERM end them at once, from
+#: the start of main (before the parser, torch or any thread), with no temporary output left
+_ENDED_BY_SIGNALS = ("load", "make-tiny", "convert")
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The ``pploader`` command; returns the exit code (see the module docstring)."""
+    words = list(sys.argv[1:] if argv is None else argv)
+    if words[:1] and words[0] in _ENDED_BY_SIGNALS:
+        with exit_on_signals(_rank_prefix()):  # one line, 130 / 143 (cli_signals)
+            return _main(argv)
+    return _main(argv)
+
+
+def _main(argv: Optional[Sequence[str]]) -> int:
     rank = _env_rank()
     prefix = f"[rank {rank}] " if rank else ""
     _quiet_torch_logs()
@@ -423,13 +435,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "files":
         return cmd_files(args)
     if args.command == "make-tiny":
-        with exit_on_signals():  # no temporary output left, 130 / 143 at once
-            return _make_tiny(args)
+        return _make_tiny(args)
     if args.command == "convert":
-        with exit_on_signals():
-            from .pickled import convert_to_safetensors
-            files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
-                                           shard_bytes=args.shard_bytes)
+        from .pickled import convert_to_safetensors
+        files = convert_to_safetensors(args.src, args.dst, allow_pickle=args.allow_pickle,
+                                       shard_bytes=args.shard_bytes)
         print(f"wrote {len(files)} safetensors shard(s) to {args.dst}")
         return 0
     if args.command == "bench":

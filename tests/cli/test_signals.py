@@ -38,11 +38,11 @@ def _env(**extra: str) -> dict[str, str]:
 
 
 def _big_config(folder: Path) -> Path:
-    """A llama of ~600 MB: make-tiny takes seconds, so a signal lands mid-write."""
+    """A llama of ~1.2 GB: make-tiny takes seconds, so a signal lands mid-write."""
     cfg = json.loads((ROOT / "configs" / "models" / "tiny-llama.json").read_text())
     cfg.pop("pploader_tiny", None)
-    cfg.update(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16,
-               num_attention_heads=16, num_key_value_heads=4, head_dim=64, vocab_size=32000)
+    cfg.update(hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+               num_attention_heads=24, num_key_value_heads=4, head_dim=64, vocab_size=32000)
     folder.mkdir()
     path = folder / "big.json"
     path.write_text(json.dumps(cfg))
@@ -87,7 +87,8 @@ def _signal_trials(tmp_path: Path, argv: list[str], trials: int) -> None:
         for signum, status, line in ((signal.SIGINT, 130, "pploader: interrupted (Ctrl-C)"),
                                      (signal.SIGTERM, 143, "pploader: terminated (SIGTERM)")):
             out = tmp_path / f"out-{signum}-{trial}"
-            code, took, err = _interrupt(argv + [str(out)], signum, rng.uniform(0.4, 2.5))
+            # after the interpreter's start (Python's own default before pploader runs)
+            code, took, err = _interrupt(argv + [str(out)], signum, rng.uniform(0.8, 2.5))
             left = [p.name for p in tmp_path.iterdir() if p.name.startswith(TEMP_PREFIX)]
             assert left == [], (trial, signum, left)
             if code == 0:  # finished before the signal: a complete, marked output
