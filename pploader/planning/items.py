@@ -166,12 +166,14 @@ def tensor_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo
                             f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
                             file=entry.file, tensor=entry.name, rank=topo.rank)
         wcomp = scheme.weight_of(role.component)  # the family's naming, not string cutting
-        wrole = role._replace(component=wcomp[0] if wcomp is not None else role.component)
+        wrole = role._replace(component=scheme.naming.logical_of(wcomp[0]) if wcomp is not None
+                              else role.component)  # the TP rules are the logical weight's
         wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
         return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
     if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
         logical = scheme.logical_shape(entry.shape)
-        wsel = _logical_selection(spec, role, entry.name, logical, topo, experts)
+        wrole = role._replace(component=scheme.naming.logical_of(role.component))
+        wsel = _logical_selection(spec, wrole, entry.name, logical, topo, experts)
         return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
     return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
 
