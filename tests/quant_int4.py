@@ -82,23 +82,29 @@ CONFIGS: dict[str, dict] = {
 }
 
 #: per method and stored suffix: each dim as (logical dim "out" / "in", entries per value:
-#: the pack or group; None = one entry), and whether act-order keeps it whole
-_ONE = None
-LAYOUTS: dict[str, dict[str, tuple[tuple[str, Optional[int]], ...]]] = {
-    "awq": {"qweight": (("in", 1), ("out", 8)), "qzeros": (("in", GROUP), ("out", 8)),
-            "scales": (("in", GROUP), ("out", 1))},
-    "gptq": {"qweight": (("in", 8), ("out", 1)), "qzeros": (("in", GROUP), ("out", 8)),
-             "scales": (("in", GROUP), ("out", 1)), "g_idx": (("in", 1),)},
-    "w4a16": {"weight_packed": (("out", 1), ("in", 8)), "weight_scale": (("out", 1), ("in", GROUP)),
-              "weight_zero_point": (("out", 8), ("in", GROUP)), "weight_g_idx": (("in", 1),),
-              "weight_shape": ()},
-    "w8a8": {"weight": (("out", 1), ("in", 1)), "weight_scale": (("out", 1), ("in", _ONE)),
-             "input_scale": ()},
-    "nvfp4": {"weight_packed": (("out", 1), ("in", 2)), "weight_scale": (("out", 1), ("in", 16)),
-              "weight_global_scale": (), "input_global_scale": ()},
-}
-LAYOUTS["gptq-desc-act"] = LAYOUTS["gptq"]
-LAYOUTS["w4a16-asym-actorder"] = LAYOUTS["w4a16"]
+#: the pack or group; None = one entry)
+def layouts(method: str, group: int = GROUP) -> dict[str, tuple[tuple[str, Optional[int]], ...]]:
+    if method == "awq":
+        return {"qweight": (("in", 1), ("out", 8)), "qzeros": (("in", group), ("out", 8)),
+                "scales": (("in", group), ("out", 1))}
+    if method.startswith("gptq"):
+        return {"qweight": (("in", 8), ("out", 1)), "qzeros": (("in", group), ("out", 8)),
+                "scales": (("in", group), ("out", 1)), "g_idx": (("in", 1),)}
+    if method.startswith("w4a16"):
+        return {"weight_packed": (("out", 1), ("in", 8)),
+                "weight_scale": (("out", 1), ("in", group)),
+                "weight_zero_point": (("out", 8), ("in", group)), "weight_g_idx": (("in", 1),),
+                "weight_shape": ()}
+    if method == "w8a8":
+        return {"weight": (("out", 1), ("in", 1)), "weight_scale": (("out", 1), ("in", None)),
+                "input_scale": ()}
+    if method == "nvfp4":
+        return {"weight_packed": (("out", 1), ("in", 2)),
+                "weight_scale": (("out", 1), ("in", 16)),
+                "weight_global_scale": (), "input_global_scale": ()}
+    raise ValueError(method)
+
+
 #: methods whose group scales (and zeros) every rank of a row-parallel layer holds whole
 ACT_ORDER = {"gptq-desc-act": ("qzeros", "scales"),
              "w4a16-asym-actorder": ("weight_scale", "weight_zero_point")}
@@ -215,7 +221,7 @@ def _interval(units: Optional[int], size: int, tp: int, rank: int) -> tuple[int,
 
 
 def engine_slices(name: str, shape: tuple[int, ...], cfg: Mapping[str, Any], method: str,
-                  tp: int, rank: int) -> tuple[tuple[slice, ...], int]:
+                  tp: int, rank: int, group: int = GROUP) -> tuple[tuple[slice, ...], int]:
     """``(slices of the stored tensor, zero rows padded)`` that TP rank ``rank`` holds."""
     whole = tuple(slice(0, n) for n in shape)
     if tp == 1:
@@ -229,10 +235,11 @@ def engine_slices(name: str, shape: tuple[int, ...], cfg: Mapping[str, Any], met
     split, units, size = _linear(module, cfg)
     if split is None:
         return whole, 0  # norms, router
-    if suffix == "bias" or suffix not in LAYOUTS[method] and suffix == "weight":
+    layout = layouts(method, group)
+    if suffix == "bias" or suffix not in layout and suffix == "weight":
         dims: tuple = (("out", 1), ("in", 1))  # an unquantized linear
     else:
-        dims = LAYOUTS[method][suffix]
+        dims = layout[suffix]
     start, stop = _interval(units, size, tp, rank)
     out = list(whole)
     for at, (logical, per) in enumerate(dims):
