@@ -186,3 +186,15 @@ def test_missing_companion_is_named(tmp_path: Path) -> None:
 def test_unsupported_variants_are_config_errors(qc: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         scheme_from_config({"quantization_config": qc})
+
+
+def test_public_load_keeps_float16_scales_of_a_bfloat16_model(tmp_path: Path) -> None:
+    """GPTQ / AWQ store ``scales`` as float16 whatever the model dtype (the tiny configs are
+    bfloat16): kept as stored through plan_stage / load_stage, packed int32 too."""
+    from pploader import Topology, load_stage, plan_stage
+    model, _ = write_int4(tmp_path / "gptq", "gptq")
+    ref = reference_tensors(model)
+    result = load_stage(plan_stage(model, Topology(2, 2, rank=3)))
+    for target, tensor in result.state_dict.items():
+        assert tensor.dtype == ref[target].dtype, target
+    assert any(t.endswith(".scales") for t in result.state_dict)
