@@ -90,7 +90,8 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
     native = spec.family.native_dtypes
     scheme = quant_scheme(spec) if quantized else None
     casts: dict[str, torch.dtype] = {}
-    rejected, kept = [], []
+    rejected: list = []
+    kept: list = []
     for item in plan.items:
         action = dtype_action(item.dtype, expected, quantized=quantized,
                               native=native.get(item.name))
