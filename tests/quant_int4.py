@@ -136,19 +136,21 @@ def quantized_linear(name: str) -> bool:
     return re.fullmatch(r"model\.layers\.\d+\..*_proj\.weight", name) is not None
 
 
-def quantize(method: str, n: int, k: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
-    """Random stored tensors of ``method`` for an [n, k] linear (real dtypes and shapes)."""
+def quantize(method: str, n: int, k: int, gen: torch.Generator, group: int = GROUP,
+             scale: float = 1.0) -> dict[str, torch.Tensor]:
+    """Random stored tensors of ``method`` for an [n, k] linear (real dtypes and shapes; the
+    scales about ``scale``)."""
     def codes(*shape: int) -> torch.Tensor:
         return torch.randint(0, 16, shape, generator=gen)
 
     def half(*shape: int, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-        return (torch.rand(shape, generator=gen) + 0.5).to(dtype)
-    groups = k // GROUP
+        return ((torch.rand(shape, generator=gen) + 0.5) * scale).to(dtype)
+    groups = k // group
     if method == "awq":
         return {"qweight": pack_int32(codes(k, n), 1, AWQ_ORDER),
                 "qzeros": pack_int32(codes(groups, n), 1, AWQ_ORDER), "scales": half(groups, n)}
     if method.startswith("gptq"):
-        g_idx = torch.arange(k) // GROUP
+        g_idx = torch.arange(k) // group
         if method == "gptq-desc-act":
             g_idx = g_idx[torch.randperm(k, generator=gen)]
         return {"qweight": pack_int32(codes(k, n), 0), "qzeros": pack_int32(codes(groups, n), 1),
@@ -159,7 +161,7 @@ def quantize(method: str, n: int, k: int, gen: torch.Generator) -> dict[str, tor
                "weight_shape": torch.tensor([n, k], dtype=torch.int64)}
         if method == "w4a16-asym-actorder":
             out["weight_zero_point"] = pack_int32(codes(n, groups), 0)
-            out["weight_g_idx"] = (torch.arange(k) // GROUP)[torch.randperm(k, generator=gen)
+            out["weight_g_idx"] = (torch.arange(k) // group)[torch.randperm(k, generator=gen)
                                                              ].to(torch.int32)
         return out
     if method == "w8a8":
@@ -173,21 +175,28 @@ def quantize(method: str, n: int, k: int, gen: torch.Generator) -> dict[str, tor
     raise ValueError(method)
 
 
-def write_int4(out: Path, method: str, model: str = "tiny-llama", seed: int = 0,
-               **overrides: Any) -> tuple[Path, dict]:
-    """A tiny ``model`` checkpoint whose decoder linears are stored as ``method`` does."""
-    cfg = tiny_config(model, quantization_config=CONFIGS[method], **overrides)
+def write_int4(out: Path, method: str, model: "str | Mapping[str, Any]" = "tiny-llama",
+               seed: int = 0, group: int = GROUP, scale: float = 1.0,
+               shard_bytes: int = 50_000) -> tuple[Path, dict]:
+    """A tiny ``model`` checkpoint (a bundled tiny config's name, or a config) whose decoder
+    linears are stored as ``method`` does, with group size ``group``."""
+    qc = dict(CONFIGS[method])
+    if "group_size" in qc:
+        qc["group_size"] = group
+    cfg = dict(model, quantization_config=qc) if not isinstance(model, str) else \
+        tiny_config(model, quantization_config=qc)
     spec = spec_from_config(cfg)
     gen = torch.Generator().manual_seed(seed)
+    plain = getattr(torch, str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16"))
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in spec.family.template(spec).items():  # type: ignore[misc]
         if not quantized_linear(name):
-            tensors[name] = (torch.randn(tuple(shape), generator=gen) * 0.02).to(torch.bfloat16)
+            tensors[name] = (torch.randn(tuple(shape), generator=gen) * 0.02).to(plain)
             continue
         stem = name[:-len("weight")]
-        for suffix, t in quantize(method, shape[0], shape[1], gen).items():
+        for suffix, t in quantize(method, shape[0], shape[1], gen, group, scale).items():
             tensors[stem + suffix] = t
-    write_checkpoint(out, tensors, cfg, shard_bytes=50_000)
+    write_checkpoint(out, tensors, cfg, shard_bytes=shard_bytes)
     return out, cfg
 
 
