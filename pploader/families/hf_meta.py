@@ -437,8 +437,8 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
                 if comps.get(comp) != shape:
                     raise ConfigError(f"expert tensor {key} is merged with others on save")
                 if expert_keys[rel] < 0 and len(out) == 1 and shape == tuple(state[key].shape):
-                    if expert_keys[rel] == -1:  # -2 (extra rows): a layer tensor, not split
-                        fused.add(comp)
+                    fused.add(comp)  # -2 (rows past the routed experts, LongCat's zero
+                    # experts): split too, each EP rank its routed block (planning/items.py)
                 else:
                     expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
         components_of[rep] = comps

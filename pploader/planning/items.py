@@ -137,11 +137,14 @@ def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tupl
     rule = spec.family.shard_rule(role.component)
     sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
     if role.fused_experts and experts is not None:
-        # dim 0 = the experts, or the experts flattened (E x rows each: DBRX's [E x I, H])
-        if not shape or not spec.num_experts or shape[0] % spec.num_experts:
+        # dim 0 = the experts, or the experts flattened (E x rows each: DBRX's [E x I, H]),
+        # or (>= 3-d) the routed experts then rows no compute uses, which no EP rank reads
+        # (LongCat-Flash's gate_up_proj [E + zero experts, 2I, H])
+        extra = len(shape) >= 3 and spec.num_experts and shape[0] > spec.num_experts
+        if not shape or not spec.num_experts or shape[0] % spec.num_experts and not extra:
             raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
                             f"num_experts {spec.num_experts}", tensor=name)
-        rows = shape[0] // spec.num_experts
+        rows = 1 if extra else shape[0] // spec.num_experts
         if experts != (0, spec.num_experts):
             sel = Selection(((0, ((experts[0] * rows, (experts[1] - experts[0]) * rows),)),)
                             ).merged(sel)
