@@ -25,7 +25,7 @@ import json
 import math
 import re
 from dataclasses import replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
@@ -226,9 +226,39 @@ def shard_rules(naming: Naming, meta: MetaModel,
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
         rule = mtp_rule(pattern, comp, shape, text) if comp in mtp_only else None
         rules.append(rule or (engine[comp](pattern) if comp in engine else
+                              _halved_rule(pattern, comp, comps, meta.halved) or
                               _rule(pattern, comp, shape, naming, text, meta.num_experts,
                                     encoders, meta.architecture)))
     return tuple(rules)
+
+
+def _halved_rule(pattern: str, comp: str, comps: Mapping[str, tuple[int, ...]],
+                 halved: frozenset[str]) -> Optional[ShardRule]:
+    """The TP rule of a stacked experts' ``gate_up_proj`` / ``down_proj`` whose module splits
+    the fused gate/up output in halves, gate first (``MetaModel.halved``): each half's
+    intermediate rows split evenly, ``down_proj`` on its intermediate dim, as vLLM shards
+    w13 / w2 (intermediate / tp a rank). Both orientations: transformers' ``[E, 2I, H]`` /
+    ``[E, H, I]`` and Llama-4's ``[E, H, 2I]`` / ``[E, I, H]``, told apart by the pair's
+    shapes. None: not such a tensor (the generic rule decides)."""
+    if comp not in halved:
+        return None
+    stem, _, kind = comp.rpartition(".")
+    gate_up, down = comps.get(stem + ".gate_up_proj"), comps.get(stem + ".down_proj")
+    if gate_up is None or down is None or len(gate_up) != 3 or len(down) != 3:
+        return None
+    if gate_up[1] == 2 * down[2] and gate_up[2] == down[1]:
+        dims, inter = (1, 2), down[2]            # [E, 2I, H], [E, H, I]
+    elif gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
+        dims, inter = (2, 1), down[1]            # [E, H, 2I], [E, I, H]
+    else:
+        return None
+    if kind == "gate_up_proj":
+        return ShardRule(pattern, dims[0], segments=partial(_halves, inter))
+    return ShardRule(pattern, dims[1])
+
+
+def _halves(inter: int, _spec: SpecView) -> tuple[int, ...]:
+    return (inter, inter)
 
 
 #: how vLLM holds a QK norm spanning the whole projection (width heads x head_dim) under TP:

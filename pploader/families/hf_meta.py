@@ -72,6 +72,9 @@ class MetaModel:
     dtypes: Mapping[str, str] = field(default_factory=dict)  # original name -> torch dtype
     tied: tuple[tuple[str, str], ...] = ()      # (target, source) removed as tied
     text_config: Mapping[str, Any] = field(default_factory=dict)
+    #: stacked experts' ``gate_up_proj`` / ``down_proj`` (relative to a layer) whose module
+    #: splits the fused gate/up output in halves, gate first (``halved_experts``)
+    halved: frozenset[str] = frozenset()
 
 
 def hf_config(config: Mapping[str, Any]) -> Any:
@@ -148,6 +151,31 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
         return found[0]
     raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
                       "embedding (not a decoder-only layout the generic family understands)")
+
+
+def halved_experts(layer: Any) -> set[str]:
+    """``{path.gate_up_proj, path.down_proj}`` of the stacked-expert modules of ``layer`` whose
+    code splits the fused gate/up output in halves, gate first (``chunk(2, dim=-1)`` in its
+    ``forward`` or gate function: transformers' experts but gpt-oss's, which interleaves), so
+    a TP split of the intermediate dim takes the same rows of each half."""
+    import inspect
+    out = set()
+    for path, module in layer.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        gate_up, down = own.get("gate_up_proj"), own.get("down_proj")
+        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+            continue
+        code = []
+        for attr in ("forward", "_apply_gate"):
+            fn = getattr(type(module), attr, None)
+            try:
+                code.append(inspect.getsource(fn) if fn is not None else "")
+            except (OSError, TypeError):
+                continue
+        text = "\n".join(code)
+        if "chunk(2, dim=-1)" in text and "::2]" not in text:
+            out |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
+    return out
 
 
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
@@ -288,6 +316,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         raise ConfigError(f"layers have different expert counts {sorted(counts)}")
     num_experts = counts.pop() if counts else 0
     moe_layers = frozenset(i for i, (c, _) in enumerate(per_layer_experts) if c)
+    halved = frozenset().union(*(halved_experts(layer) for layer in layers))
 
     # provenance: per key of one representative layer per structure, plus every global
     reps: dict[tuple, int] = {}
@@ -360,7 +389,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     layer_params = tuple(tuple(ran[i]) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
                      num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
-                     _text_values(text))
+                     _text_values(text), halved)
 
 
 #: Standard config names, read through transformers' aliases (``attribute_map``: n_head...).
