@@ -11,10 +11,13 @@ weight: the scales follow the weights, act-order scales included.
 """
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from helpers import reference_tensors
 from pploader import ConfigError, PlanError
@@ -198,3 +201,83 @@ def test_public_load_keeps_float16_scales_of_a_bfloat16_model(tmp_path: Path) ->
     for target, tensor in result.state_dict.items():
         assert tensor.dtype == ref[target].dtype, target
     assert any(t.endswith(".scales") for t in result.state_dict)
+
+
+# ---- stored layouts of any orientation, stacked experts too: property-tested -----------------
+@st.composite
+def layout_cases(draw: st.DrawFn) -> dict:
+    """A logical [E?, N, K] weight, a TP rule on N or K, and a stored tensor whose dims follow
+    N and K in either order with a block (a pack, a group) or one entry, maybe held whole."""
+    from pploader.planning.quant_layout import Axis
+    tp = draw(st.sampled_from([1, 2, 4]))
+    experts = draw(st.sampled_from([0, 3]))
+    n = draw(st.integers(1, 4)) * 8
+    k = draw(st.integers(1, 4)) * 8
+    axes = [Axis(of, draw(st.sampled_from([1, 2, 4, 8, None])), draw(st.booleans()))
+            for of in (0, 1)]
+    if draw(st.booleans()):
+        axes.reverse()  # transposed (AWQ / GPTQ store [K, N])
+    if draw(st.booleans()):
+        axes = axes[:1]  # one dim only (g_idx [K])
+    return dict(tp=tp, experts=experts, logical=((experts,) if experts else ()) + (n, k),
+                axes=tuple(axes), dim=draw(st.sampled_from([0, 1])),
+                units=draw(st.sampled_from([None, 1, 2, 4])),
+                first_expert=draw(st.integers(0, 2)))
+
+
+@settings(max_examples=150, deadline=None)
+@given(layout_cases())
+def test_stored_slices_cover_exactly_the_ranks_blocks(case: dict) -> None:
+    """Each stored entry stands for the block of logical indices it covers; a rank's stored
+    selection must be exactly the entries whose blocks meet its logical slice, in order
+    (whole along an unsplit or one-entry dim), experts passing through."""
+    from pploader.families.base import ShardRule
+    from pploader.planning.quant_layout import PLAIN, Companion, QuantScheme
+    from pploader.planning.shard import Selection, tp_selection
+    logical, tp, axes = case["logical"], case["tp"], case["axes"]
+    lead = len(logical) - 2
+    part = Companion("t", "I32", axes)
+    scheme = QuantScheme("test", Companion("weight", "I32", PLAIN), (part,))
+    stored = torch.arange(math.prod(part.shape(logical))).reshape(part.shape(logical))
+    units = case["units"]
+    rule = ShardRule("w", lead + case["dim"], units=(lambda s, u=units: u) if units else None)
+    for r in range(tp):
+        try:
+            sel = tp_selection(rule, logical, None, r, tp, "w")  # type: ignore[arg-type]
+        except PlanError:
+            return  # indivisible shapes: tests/planning/test_tp.py
+        if case["experts"]:
+            e0 = min(case["first_expert"], case["experts"] - 1)
+            sel = Selection(((0, ((e0, case["experts"] - e0),)),)).merged(sel)
+        picked = dict(sel.dims)
+        want = stored
+        for d in range(lead):
+            if d in picked:
+                want = want.index_select(d, torch.cat([torch.arange(a, a + m)
+                                                       for a, m in picked[d]]))
+        cut = False
+        for at, a in enumerate(axes):
+            d = lead + a.of
+            idx = torch.cat([torch.arange(s, s + m) for s, m in picked[d]]) if d in picked \
+                else torch.arange(logical[d])
+            if a.block is None:
+                continue
+            blocks = list(dict.fromkeys((idx // a.block).tolist()))
+            whole_blocks = all(
+                s % a.block == 0 and (m % a.block == 0 or s + m == logical[d])
+                for s, m in picked.get(d, ()))
+            cut |= not whole_blocks
+            if a.split:
+                want = want.index_select(lead + at, torch.tensor(blocks, dtype=torch.long))
+        if cut:
+            with pytest.raises(PlanError, match="cuts"):
+                scheme.companion_selection(part, sel, logical, "w", tp)
+            return
+        got = scheme.companion_selection(part, sel, logical, "w", tp)
+        assert torch.equal(_take(stored, got), want), (case, r, got)
+
+
+def _take(t: torch.Tensor, sel) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    for d, intervals in sel.dims:
+        t = torch.cat([t.narrow(d, a, n) for a, n in intervals], d)
+    return t
