@@ -281,3 +281,18 @@ def _take(t: torch.Tensor, sel) -> torch.Tensor:  # type: ignore[no-untyped-def]
     for d, intervals in sel.dims:
         t = torch.cat([t.narrow(d, a, n) for a, n in intervals], d)
     return t
+
+
+def test_expected_tensors_match_what_each_layout_holds(llama_int4: tuple[Path, dict, str]
+                                                       ) -> None:
+    """``quant.expected_tensors`` (the family template with the scheme applied, no headers)
+    names every stored tensor with its shape: qweight / weight_packed, zeros, scales, g_idx,
+    weight_shape, global scales."""
+    from pploader.planning.quant import expected_tensors
+    model, _, method = llama_int4
+    held = {k: tuple(v.shape) for k, v in reference_tensors(model).items()}
+    expected = expected_tensors(load_spec(model))
+    assert set(expected) == set(held), (method, sorted(set(expected) ^ set(held))[:6])
+    for name, shape in expected.items():
+        assert shape == held[name] or (shape == () and math.prod(held[name]) == 1), \
+            (method, name, shape, held[name])
