@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
-from .hf_experts import declared_experts, ids_below, routed_count
+from .hf_experts import declared_experts, halved_experts, ids_below, routed_count
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
@@ -151,31 +151,6 @@ def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
         return found[0]
     raise ConfigError(f"{type(model).__name__}: no single list of decoder layers beside the input "
                       "embedding (not a decoder-only layout the generic family understands)")
-
-
-def halved_experts(layer: Any) -> set[str]:
-    """``{path.gate_up_proj, path.down_proj}`` of the stacked-expert modules of ``layer`` whose
-    code splits the fused gate/up output in halves, gate first (``chunk(2, dim=-1)`` in its
-    ``forward`` or gate function: transformers' experts but gpt-oss's, which interleaves), so
-    a TP split of the intermediate dim takes the same rows of each half."""
-    import inspect
-    out = set()
-    for path, module in layer.named_modules():
-        own = dict(module.named_parameters(recurse=False))
-        gate_up, down = own.get("gate_up_proj"), own.get("down_proj")
-        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
-            continue
-        code = []
-        for attr in ("forward", "_apply_gate"):
-            fn = getattr(type(module), attr, None)
-            try:
-                code.append(inspect.getsource(fn) if fn is not None else "")
-            except (OSError, TypeError):
-                continue
-        text = "\n".join(code)
-        if "chunk(2, dim=-1)" in text and "::2]" not in text:
-            out |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
-    return out
 
 
 def _experts_of(layer: Any) -> tuple[int, dict[str, int]]:
