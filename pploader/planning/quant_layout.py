@@ -147,8 +147,9 @@ class QuantScheme:
         blocks too: a split that cuts a scale group is refused on the weight)."""
         for c in self.companions:
             self.companion_selection(c, sel, logical, name, tp_size)
+        stored = list(self.weight.shape(logical))
         return self.companion_selection(self.weight, sel, logical, name, tp_size,
-                                        "a packed word")
+                                        f"a packed word of {self.weight.suffix} {stored}")
 
     def companion_selection(self, c: Companion, sel: Selection, logical: tuple[int, ...],
                             name: str, tp_size: int, what: str = "") -> Selection:
@@ -184,12 +185,13 @@ def _blockwise(intervals: tuple[Interval, ...], size: int, block: int, scheme: Q
     """Intervals in units of ``block``; an interval must start on a block boundary and end on
     one (or at the end of the dim, where the last block may be partial)."""
     out = []
+    side = ("outputs", "inputs")[dim - len(logical) + 2] if dim >= len(logical) - 2 else "experts"
     for start, n in intervals:
         if start % block or (n % block and start + n != size):
             raise PlanError(
                 f"TP split cuts a quantization block: shape {list(logical)} split on dim {dim} "
-                f"over tp={tp_size} gives a rank the slice [{start}, {start + n}), which cuts "
-                f"{what} (block {block}, {scheme.name}); use a tp whose slices are multiples "
-                f"of {block}", tensor=name)
+                f"({side}) over tp={tp_size} gives a rank the slice [{start}, {start + n}), "
+                f"which cuts {what} (block {block}, {scheme.name}); use a tp whose slices are "
+                f"multiples of {block}", tensor=name)
         out.append((start // block, -(-n // block)))
     return out
