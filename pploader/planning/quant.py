@@ -211,6 +211,9 @@ def _compressed_wna16(w: Mapping, static: bool) -> QuantScheme:
                           "supported (group, channel; weight-only)", file="config.json")
     pack = 32 // _bits(w, "compressed-tensors pack-quantized", (4, 8))
     group = _group(w, "compressed-tensors") if strategy == "group" else None
+    if w.get("actorder") not in (None, False, "group", "weight", "static"):
+        raise ConfigError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported "
+                          "(group, weight / static, none)", file="config.json")
     g_idx = w.get("actorder") == "group" and group is not None
     split = not g_idx  # act-order by group: scales held whole on row-parallel layers
     comps = [Companion("weight_scale", "BF16", (Axis(OUT), Axis(IN, group, split))),

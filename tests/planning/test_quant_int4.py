@@ -178,6 +178,9 @@ def test_missing_companion_is_named(tmp_path: Path) -> None:
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"},
      "checkpoint_format 'marlin'"),
     ({"quant_method": "awq", "bits": 4, "group_size": -1}, "awq group_size"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
+        "a": {"weights": {"type": "int", "num_bits": 4, "strategy": "group", "group_size": 8,
+                          "actorder": "dynamic"}}}}, "actorder .dynamic."),
     ({"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
         "a": {**CONFIGS["w4a16"]["config_groups"]["group_0"], "format": "pack-quantized"},
         "b": {**CONFIGS["w8a8"]["config_groups"]["group_0"], "format": "int-quantized"}}},
