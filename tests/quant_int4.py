@@ -25,6 +25,7 @@ on the inputs; the router and norms whole; vocab rows ``ceil(V / tp)`` with padd
 """
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -180,9 +181,12 @@ def write_int4(out: Path, method: str, model: "str | Mapping[str, Any]" = "tiny-
                shard_bytes: int = 50_000) -> tuple[Path, dict]:
     """A tiny ``model`` checkpoint (a bundled tiny config's name, or a config) whose decoder
     linears are stored as ``method`` does, with group size ``group``."""
-    qc = dict(CONFIGS[method])
+    qc = json.loads(json.dumps(CONFIGS[method]))  # a deep copy
     if "group_size" in qc:
         qc["group_size"] = group
+    for g in (qc.get("config_groups") or {}).values():  # compressed-tensors' groups
+        if g["weights"].get("strategy") == "group":
+            g["weights"]["group_size"] = group
     cfg = dict(model, quantization_config=qc) if not isinstance(model, str) else \
         tiny_config(model, quantization_config=qc)
     spec = spec_from_config(cfg)
