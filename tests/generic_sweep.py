@@ -91,7 +91,9 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
             want = ref[item.name]
             if plan.experts is not None and item.shape != tuple(want.shape):
                 e0, e1 = plan.experts
-                rows = want.shape[0] // spec.num_experts  # 1, or E x rows flattened (DBRX)
+                # 3-d: one row per expert (LongCat's zero experts' rows after the routed
+                # ones, read by no rank); 2-d: E x rows flattened (DBRX)
+                rows = 1 if want.dim() >= 3 else want.shape[0] // spec.num_experts
                 want = want[e0 * rows:e1 * rows]
             tensor = got[item.target]
             if tensor.dtype != want.dtype or not torch.equal(

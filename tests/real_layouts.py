@@ -42,9 +42,16 @@ _UNQUANTIZED = ("mlp.gate.weight", "eh_proj.weight", "embed_tokens.weight",
                 "shared_head.head.weight")
 
 
+#: quantized (int4) published configs: planned like the others, kept apart from ``MODELS``
+QUANT_CONFIGS = Path(__file__).resolve().parent / "data" / "real_configs_quant"
+QUANT_MODELS = tuple(sorted(p.stem for p in QUANT_CONFIGS.glob("*.json")))
+
+
 def real_config(model: str) -> dict:
-    """The published config.json of ``model`` (a file stem under tests/data/real_configs)."""
-    return json.loads((CONFIGS / f"{model}.json").read_text())
+    """The published config.json of ``model`` (a file stem under tests/data/real_configs or
+    real_configs_quant)."""
+    folder = QUANT_CONFIGS if model in QUANT_MODELS else CONFIGS
+    return json.loads((folder / f"{model}.json").read_text())
 
 
 def real_tensors(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -56,7 +63,8 @@ def real_tensors(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
         stored: Mapping[str, tuple[int, ...]] = template
         dtypes = {n: model_dtype for n in template}
     else:
-        def dtype_of(name: str) -> Optional[str]:
+        def dtype_of(stored: str) -> Optional[str]:  # by the stored name (x.qweight...)
+            name = scheme.naming.logical_of(stored)
             role = spec.family.classify(name, spec.num_layers, spec.num_mtp_layers)
             quantized = (role is not None and role.placement in ("layer", "mtp")
                          and len(template[name]) >= 2 and name.endswith(".weight")
@@ -65,10 +73,13 @@ def real_tensors(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
         stored = expand_template(scheme, template, dtype_of=dtype_of)
         dtypes = {}
         for name in template:
-            dtypes[name] = dtype_of(name) or model_dtype
-            if dtypes[name] == scheme.weight_dtype:
-                for cname, comp in scheme.companion_names(name).items():
-                    dtypes[cname] = comp.dtype
+            weight = scheme.naming.stored(name)
+            dtypes[weight] = dtype_of(weight) or model_dtype
+            if dtypes[weight] != scheme.weight_dtype:
+                dtypes[name] = dtypes.pop(weight)
+                continue
+            for cname, comp in scheme.companion_names(weight).items():
+                dtypes[cname] = comp.dtype
     names = sorted(stored, key=lambda n: model_order(spec, n))  # stable: template order inside
     return {n: (dtypes[n], tuple(stored[n])) for n in names}
 

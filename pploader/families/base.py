@@ -206,9 +206,27 @@ class QuantNaming:
     """How a quantized weight's companions are named: a weight ``<module>.<weight>`` travels
     with ``<module>.<suffix>`` for each companion suffix (``weight_scale_inv``, ``input_scale``...;
     the suffixes come from the quantization scheme, planning/quant.py). The planner asks the
-    family's naming instead of cutting names itself."""
+    family's naming instead of cutting names itself. ``weight`` is the stored weight's last
+    name part (``qweight`` for AWQ / GPTQ, ``weight_packed`` for compressed-tensors int4: the
+    scheme sets it), ``logical`` the one templates and TP rules use."""
 
     weight: str = "weight"
+    logical: str = "weight"
+
+    def stored(self, logical_name: str) -> str:
+        """The stored weight's name (or component) for a logical one (``x.weight`` ->
+        ``x.qweight``); names that are not weights unchanged."""
+        if self.weight == self.logical or not (
+                logical_name == self.logical or logical_name.endswith("." + self.logical)):
+            return logical_name
+        return logical_name[:len(logical_name) - len(self.logical)] + self.weight
+
+    def logical_of(self, name: str) -> str:
+        """The logical weight's name (or component) for a stored one (inverse of
+        :meth:`stored`): what the family's TP rules and templates are written for."""
+        if self.weight == self.logical or not self.is_weight(name):
+            return name
+        return name[:len(name) - len(self.weight)] + self.logical
 
     def is_weight(self, name: str) -> bool:
         return name == self.weight or name.endswith("." + self.weight)
@@ -238,8 +256,12 @@ class QuantNaming:
         return companion_component[:len(companion_component) - len(tail)] + self.weight
 
     def module_of(self, name: str) -> str:
-        """The module of weight ``name`` (``a.b.weight`` -> ``a.b``); other names unchanged."""
-        return name[:-len(self.weight) - 1] if name.endswith("." + self.weight) else name
+        """The module of weight ``name`` (``a.b.weight`` / ``a.b.qweight`` -> ``a.b``); other
+        names unchanged."""
+        for last in (self.weight, self.logical):
+            if name.endswith("." + last):
+                return name[:-len(last) - 1]
+        return name
 
 
 def _config_cache_dims() -> "CacheDims":

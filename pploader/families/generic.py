@@ -25,7 +25,7 @@ import json
 import math
 import re
 from dataclasses import replace
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
@@ -226,14 +226,70 @@ def shard_rules(naming: Naming, meta: MetaModel,
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
         rule = mtp_rule(pattern, comp, shape, text) if comp in mtp_only else None
         rules.append(rule or (engine[comp](pattern) if comp in engine else
+                              _halved_rule(pattern, comp, comps, meta.halved) or
                               _rule(pattern, comp, shape, naming, text, meta.num_experts,
-                                    encoders)))
+                                    encoders, meta.architecture)))
     return tuple(rules)
+
+
+def _halved_rule(pattern: str, comp: str, comps: Mapping[str, tuple[int, ...]],
+                 halved: frozenset[str]) -> Optional[ShardRule]:
+    """The TP rule of a stacked experts' ``gate_up_proj`` / ``down_proj`` whose module splits
+    the fused gate/up output in halves, gate first (``MetaModel.halved``): each half's
+    intermediate rows split evenly, ``down_proj`` on its intermediate dim, as vLLM shards
+    w13 / w2 (intermediate / tp a rank). Both orientations: transformers' ``[E, 2I, H]`` /
+    ``[E, H, I]`` and Llama-4's ``[E, H, 2I]`` / ``[E, I, H]``, told apart by the pair's
+    shapes. None: not such a tensor (the generic rule decides)."""
+    if comp not in halved:
+        return None
+    stem, _, kind = comp.rpartition(".")
+    gate_up, down = comps.get(stem + ".gate_up_proj"), comps.get(stem + ".down_proj")
+    if gate_up is None or down is None or len(gate_up) != 3 or len(down) != 3:
+        return None
+    if gate_up[1] == 2 * down[2] and gate_up[2] == down[1]:
+        dims, inter = (1, 2), down[2]            # [E, 2I, H], [E, H, I]
+    elif gate_up[2] == 2 * down[1] and gate_up[1] == down[2]:
+        dims, inter = (2, 1), down[1]            # [E, H, 2I], [E, I, H]
+    else:
+        return None
+    if kind == "gate_up_proj":
+        return ShardRule(pattern, dims[0], segments=partial(_halves, inter))
+    return ShardRule(pattern, dims[1])
+
+
+def _halves(inter: int, _spec: SpecView) -> tuple[int, ...]:
+    return (inter, inter)
+
+
+#: how vLLM holds a QK norm spanning the whole projection (width heads x head_dim) under TP:
+#: "heads" = split with the heads (MiniMax-M2's ``MiniMaxText01RMSNormTP``: q by heads, k by kv
+#: heads, a replicated kv head's slice on its replicas); "replicated" = whole on every rank
+#: (OLMoE's ``_apply_qk_norm`` gathers q / k first; Olmo2 / Olmo3 run on vLLM's transformers
+#: backend, whose tp_plan gathers the projections' outputs: ``colwise_gather_output``)
+PROJECTION_NORMS = {"MiniMaxM2ForCausalLM": "heads", "OlmoeForCausalLM": "replicated",
+                    "Olmo2ForCausalLM": "replicated", "Olmo3ForCausalLM": "replicated"}
+_Q_NORMS, _K_NORMS = ("q_norm", "query_layernorm"), ("k_norm", "key_layernorm")
+
+
+def _projection_norm(pattern: str, role: str, width: int, heads: int, kv: int, head_dim: int,
+                     architecture: str
+                     ) -> Optional[ShardRule]:
+    """The rule of a per-projection (QK) norm of ``width``: per head (replicated), or the
+    whole projection as the engine holds it (PROJECTION_NORMS); None when neither applies
+    (refused)."""
+    if width == head_dim:
+        return ShardRule(pattern, None)
+    how = PROJECTION_NORMS.get(architecture)
+    units = _heads if role in _Q_NORMS and width == heads * head_dim else \
+        _kv_heads if role in _K_NORMS and width == kv * head_dim else None
+    if how is None or units is None:
+        return None
+    return ShardRule(pattern, None) if how == "replicated" else ShardRule(pattern, 0, units=units)
 
 
 def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
           text: Mapping[str, Any], num_experts: int,
-          encoders: frozenset[str] = frozenset()) -> ShardRule:
+          encoders: frozenset[str] = frozenset(), architecture: str = "") -> ShardRule:
     """The TP rule of one component (see the module docstring); ``encoders``: the names of
     vision / audio encoders and projectors (``Naming.encoder``), replicated."""
     hidden = _int(text, "hidden_size")
@@ -256,14 +312,19 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
         return ShardRule(pattern, None)  # router weight / bias / score correction: replicated
     if len(shape) == 0 or math.prod(shape) == 1:
         return ShardRule(pattern, None)  # a scalar: nothing to split
+    if "indexer" in tokens[:-1] and _int(text, "index_head_dim"):
+        return ShardRule(pattern, None)  # DeepSeek sparse attention's indexer (V3.2, GLM-5):
+        # vLLM's ``Indexer`` is replicated ("no tensor parallel"), its k_norm included
     if len(shape) == 2 and shape[0] == 1 and role.endswith("gate"):
         return ShardRule(pattern, None)  # a one-output gate (``shared_expert_gate``)
     if kind not in ("weight", "bias"):
         return refuse(f"{list(shape)} is not a weight or bias of a known projection")
     if len(shape) == 1 and re.search(r"norm", role):
-        if role in ("q_norm", "k_norm", "query_layernorm", "key_layernorm"):
-            return ShardRule(pattern, None) if shape[0] == head_dim else \
-                refuse(f"per-projection norm of width {shape[0]} (head_dim {head_dim})")
+        if role in _Q_NORMS + _K_NORMS:
+            return _projection_norm(pattern, role, shape[0], heads or 0, kv, head_dim or 0,
+                                    architecture) or \
+                refuse(f"per-projection norm of width {shape[0]} (head_dim {head_dim}): "
+                       "no engine rule for this architecture")
         return ShardRule(pattern, None) if shape[0] == hidden else \
             refuse(f"norm of width {shape[0]} (hidden_size {hidden})")
     if kind.endswith(("_blocks", "_scales")) and len(shape) > 2:

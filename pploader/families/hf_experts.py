@@ -1,11 +1,12 @@
 """Experts of a decoder layer built on ``meta``, for ``hf_meta.derive``: the count an expert
 module declares (JetMoE's ``ParallelExperts``, DBRX's ``ExpertGLU``, LongCat-Flash's routed
-count next to its zero-compute experts) and the regex of expert ids below that count."""
+count next to its zero-compute experts), the regex of expert ids below that count, and which
+stacked experts split their fused gate/up output in halves (their TP split)."""
 from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COUNT_ATTRS", "declared_experts", "routed_count", "ids_below"]
+__all__ = ["COUNT_ATTRS", "declared_experts", "routed_count", "ids_below", "halved_experts"]
 
 
 #: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,
@@ -61,3 +62,28 @@ def ids_below(n: int) -> str:
             rest = len(top) - i - 1
             alts.append(top[:i] + f"[{low}-{int(digit) - 1}]" + (f"[0-9]{{{rest}}}" if rest else ""))
     return "|".join(alts + [top])
+
+
+def halved_experts(layer: Any) -> set[str]:
+    """``{path.gate_up_proj, path.down_proj}`` of the stacked-expert modules of ``layer`` whose
+    code splits the fused gate/up output in halves, gate first (``chunk(2, dim=-1)`` in its
+    ``forward`` or gate function: transformers' experts but gpt-oss's, which interleaves), so
+    a TP split of the intermediate dim takes the same rows of each half."""
+    import inspect
+    out = set()
+    for path, module in layer.named_modules():
+        own = dict(module.named_parameters(recurse=False))
+        gate_up, down = own.get("gate_up_proj"), own.get("down_proj")
+        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+            continue
+        code = []
+        for attr in ("forward", "_apply_gate"):
+            fn = getattr(type(module), attr, None)
+            try:
+                code.append(inspect.getsource(fn) if fn is not None else "")
+            except (OSError, TypeError):
+                continue
+        text = "\n".join(code)
+        if "chunk(2, dim=-1)" in text and "::2]" not in text:
+            out |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
+    return out

@@ -24,7 +24,7 @@ from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
-from .hf_experts import declared_experts, ids_below, routed_count
+from .hf_experts import declared_experts, halved_experts, ids_below, routed_count
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
 from .hf_ties import loop_uses, saved_pairs, tied_copies
 
@@ -72,6 +72,9 @@ class MetaModel:
     dtypes: Mapping[str, str] = field(default_factory=dict)  # original name -> torch dtype
     tied: tuple[tuple[str, str], ...] = ()      # (target, source) removed as tied
     text_config: Mapping[str, Any] = field(default_factory=dict)
+    #: stacked experts' ``gate_up_proj`` / ``down_proj`` (relative to a layer) whose module
+    #: splits the fused gate/up output in halves, gate first (``halved_experts``)
+    halved: frozenset[str] = frozenset()
 
 
 def hf_config(config: Mapping[str, Any]) -> Any:
@@ -288,6 +291,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
         raise ConfigError(f"layers have different expert counts {sorted(counts)}")
     num_experts = counts.pop() if counts else 0
     moe_layers = frozenset(i for i, (c, _) in enumerate(per_layer_experts) if c)
+    halved = frozenset().union(*(halved_experts(layer) for layer in layers))
 
     # provenance: per key of one representative layer per structure, plus every global
     reps: dict[tuple, int] = {}
@@ -360,7 +364,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     layer_params = tuple(tuple(ran[i]) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
                      num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
-                     _text_values(text))
+                     _text_values(text), halved)
 
 
 #: Standard config names, read through transformers' aliases (``attribute_map``: n_head...).
@@ -437,8 +441,8 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
                 if comps.get(comp) != shape:
                     raise ConfigError(f"expert tensor {key} is merged with others on save")
                 if expert_keys[rel] < 0 and len(out) == 1 and shape == tuple(state[key].shape):
-                    if expert_keys[rel] == -1:  # -2 (extra rows): a layer tensor, not split
-                        fused.add(comp)
+                    fused.add(comp)  # -2 (rows past the routed experts, LongCat's zero
+                    # experts): split too, each EP rank its routed block (planning/items.py)
                 else:
                     expert_names[comp] = expert_keys[rel] if expert_keys[rel] >= 0 else None
         components_of[rep] = comps

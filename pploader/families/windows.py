@@ -57,9 +57,11 @@ def _size(value: Any, key: str) -> Optional[int]:
 def typed_windows(types: Sequence[Any], sliding_window: Any,
                   chunk_size: Any = None) -> Windows:
     """Windows from a ``layer_types`` list: sliding layers get ``sliding_window``, chunked
-    layers ``chunk_size``, every other layer None."""
-    sliding = _size(sliding_window, "sliding_window")
-    chunk = _size(chunk_size, "attention_chunk_size")
+    layers ``chunk_size``, every other layer None. A size is read only when some layer uses
+    it (Qwen2-MoE's saved config carries ``sliding_window: 0`` with every layer full)."""
+    names = {str(t) for t in types}
+    sliding = _size(sliding_window, "sliding_window") if names & SLIDING_TYPES else None
+    chunk = _size(chunk_size, "attention_chunk_size") if names & CHUNKED_TYPES else None
     return tuple(sliding if str(t) in SLIDING_TYPES else chunk if str(t) in CHUNKED_TYPES
                  else None for t in types)
 

@@ -236,11 +236,19 @@ def _other_stage(name: str, staged: StagePlan) -> bool:
     return role.placement == "layer" and not window.owns(role.layer)  # type: ignore[arg-type]
 
 
+#: attention parameters vLLM builds for a quantized model (``BaseKVCacheMethod``: KV-cache and
+#: attention scales, zero points), set to its defaults after loading when the checkpoint
+#: stores none (compressed-tensors checkpoints without a ``kv_cache_scheme``)
+ENGINE_DEFAULTED = frozenset({"k_scale", "v_scale", "q_scale", "prob_scale", "k_zero_point",
+                              "v_zero_point", "q_zero_point"})
+
+
 def check_all_loaded(model: nn.Module, loaded: Optional[Iterable[str]], staged: StagePlan
                      ) -> tuple[str, ...]:
     """Strict: every parameter of the stage was written by ``load_weights``. Parameters the
     engine builds for tensors another stage owns are zeroed (never read on this rank) and
-    returned; anything else missing is an error listing it."""
+    returned; attention scales the engine defaults (ENGINE_DEFAULTED) pass when the
+    checkpoint stores no tensor of that kind; anything else missing is an error listing it."""
     rank = staged.plan.topology.rank
     if loaded is None:
         raise PlanError(f"{type(model).__name__}.load_weights returned no set of loaded "
@@ -248,7 +256,9 @@ def check_all_loaded(model: nn.Module, loaded: Optional[Iterable[str]], staged: 
     params = dict(model.named_parameters())
     unloaded = sorted(set(params) - set(loaded))
     elsewhere = tuple(n for n in unloaded if _other_stage(n, staged))
-    missing = [n for n in unloaded if n not in elsewhere]
+    stored = {t.rpartition(".")[2] for t in staged.plan.tensors}
+    missing = [n for n in unloaded if n not in elsewhere and not (
+        n.rpartition(".")[2] in ENGINE_DEFAULTED and n.rpartition(".")[2] not in stored)]
     if missing:
         raise PlanError(f"{len(missing)} parameter(s) of this stage were not loaded from the "
                         f"checkpoint: {', '.join(missing[:12])}" + (" ..." if len(missing) > 12

@@ -196,13 +196,15 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     is themselves alone (not quantized) copied, in C passes; only quantized names are
     expanded one by one (the result's order is immaterial: it is looked up and diffed)."""
     names = list(expected)
-    weight = "weight"
+    weight = scheme.naming.logical  # the template's weight name (stored: naming.weight)
     if weight in expected:  # a bare "weight" is weight-named too
         weighty: list[bool] = [n == weight or n.endswith("." + weight) for n in names]
     else:
         weighty = list(map(str.endswith, names, repeat("." + weight)))
+    stored = names if scheme.naming.weight == weight else \
+        list(map(scheme.naming.stored, names))  # AWQ / GPTQ: x.weight stored as x.qweight
     keys = list(zip(expected.values(),
-                    map(_dtype_of, map(entries.get, names, repeat(_ABSENT))), weighty))
+                    map(_dtype_of, map(entries.get, stored, repeat(_ABSENT))), weighty))
     made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
     for key in set(keys):  # the expansion of a stand-in name "x.weight" / "x", relative to it
         probe = "x." + weight if key[2] else "x"

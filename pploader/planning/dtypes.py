@@ -10,7 +10,8 @@ One small table decides, before anything is allocated or read:
   that checkpoints store in full precision on purpose: passed through, the consumer decides)
 - a quantized model (config has ``quantization_config`` / ``compression_config``) and a stored
   dtype in :data:`QUANT_STORAGE` (fp8, integers, float32 scales) -> kept: the quantization
-  method owns those dtypes
+  method owns those dtypes; so are a quantization companion's 16-bit floats (GPTQ / AWQ
+  ``scales`` are float16 in bfloat16 models too: the engine converts them)
 - anything else (float16 in a bfloat16 model, integers in a plain model, float64 ...) ->
   :class:`PlanError` naming file, tensor, rank and both dtypes.
 
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequenc
 import torch
 
 from .checkpoint import DTYPES, dtype_code
+from .quant import quant_scheme
 from ..errors import PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -86,12 +88,16 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
     expected = dtype_code(spec.dtype)
     quantized = is_quantized(spec)
     native = spec.family.native_dtypes
+    scheme = quant_scheme(spec) if quantized else None
     casts: dict[str, torch.dtype] = {}
-    rejected, kept = [], []
+    rejected: list = []
+    kept: list = []
     for item in plan.items:
         action = dtype_action(item.dtype, expected, quantized=quantized,
                               native=native.get(item.name))
-        if action is None:
+        if action is None and scheme is not None and item.dtype in _MODEL_DTYPES \
+                and scheme.weight_of(item.name) is not None:
+            continue  # a quantization companion's own float dtype (scales): kept
             rejected.append(item)
         elif action == "cast":
             casts[item.target] = DTYPES[expected][0]

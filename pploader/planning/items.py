@@ -137,11 +137,14 @@ def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tupl
     rule = spec.family.shard_rule(role.component)
     sel = tp_selection(rule, shape, spec, topo.tp_rank, topo.tp_size, name)
     if role.fused_experts and experts is not None:
-        # dim 0 = the experts, or the experts flattened (E x rows each: DBRX's [E x I, H])
-        if not shape or not spec.num_experts or shape[0] % spec.num_experts:
+        # dim 0 = the experts, or the experts flattened (E x rows each: DBRX's [E x I, H]),
+        # or (>= 3-d) the routed experts then rows no compute uses, which no EP rank reads
+        # (LongCat-Flash's gate_up_proj [E + zero experts, 2I, H])
+        extra = len(shape) >= 3 and spec.num_experts and shape[0] > spec.num_experts
+        if not shape or not spec.num_experts or shape[0] % spec.num_experts and not extra:
             raise PlanError(f"fused expert tensor has shape {list(shape)}, expected dim 0 = "
                             f"num_experts {spec.num_experts}", tensor=name)
-        rows = shape[0] // spec.num_experts
+        rows = 1 if extra else shape[0] // spec.num_experts
         if experts != (0, spec.num_experts):
             sel = Selection(((0, ((experts[0] * rows, (experts[1] - experts[0]) * rows),)),)
                             ).merged(sel)
@@ -166,12 +169,14 @@ def tensor_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo
                             f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
                             file=entry.file, tensor=entry.name, rank=topo.rank)
         wcomp = scheme.weight_of(role.component)  # the family's naming, not string cutting
-        wrole = role._replace(component=wcomp[0] if wcomp is not None else role.component)
+        wrole = role._replace(component=scheme.naming.logical_of(wcomp[0]) if wcomp is not None
+                              else role.component)  # the TP rules are the logical weight's
         wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
         return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
     if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
         logical = scheme.logical_shape(entry.shape)
-        wsel = _logical_selection(spec, role, entry.name, logical, topo, experts)
+        wrole = role._replace(component=scheme.naming.logical_of(role.component))
+        wsel = _logical_selection(spec, wrole, entry.name, logical, topo, experts)
         return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
     return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
 

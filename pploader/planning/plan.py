@@ -327,12 +327,15 @@ def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     """One tensor's read at offset 0 and its exchange choice (None: read directly)."""
     if weight is None:  # the selection depends on the TP rule, not on the name: tensors
         # with one rule, shape and dtype share it (e.g. all experts)
-        key: tuple = (rule_index(role.component), role.fused_experts, entry.shape,
-                      entry.dtype, entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
-                          name, entry.dtype, len(entry.shape)))
+        quantized = entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
+            name, entry.dtype, len(entry.shape))
+        component = scheme.naming.logical_of(  # type: ignore[union-attr]
+            role.component) if quantized else role.component
+        key: tuple = (rule_index(component), role.fused_experts, entry.shape, entry.dtype,
+                      quantized)
     else:  # a quantization companion: sliced from its weight's logical selection
-        naming = spec.family.quant_naming  # the weight's component, by the family's naming
-        wcomp = naming.weight_component(role.component, name, weight)
+        naming = scheme.naming  # type: ignore[union-attr]  # the family's, weight as stored
+        wcomp = naming.logical_of(naming.weight_component(role.component, name, weight))
         key = (rule_index(wcomp), role.fused_experts, entry.shape, entry.dtype,
                name[len(weight) - len(naming.weight):], wentry.shape, wentry.dtype)  # type: ignore[union-attr]
     sel = selections.get(key)

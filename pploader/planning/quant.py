@@ -1,168 +1,51 @@
-"""Quantized checkpoints: the scheme from config.json and the companion tensors of weights.
+"""Quantized checkpoints: the scheme from config.json, and templates as quantized
+checkpoints store them.
 
-A quantized weight ``<module>.weight`` travels with companions: ``weight_scale_inv`` (FP8
-block-scaled, DeepSeek-V3 style), ``weight_scale`` (FP8 per-tensor / per-channel, NVFP4 group
-scales), ``weight_scale_2`` and ``input_scale`` (scalars). The scheme gives the companions'
-suffixes, dtypes and blocks; how they are *named* next to a weight is the family's
-(``Family.quant_naming``, families/base.py: by default the final ``weight`` replaced by the
-suffix), so this module never cuts or glues a tensor name itself.
+A quantized weight ``<module>.weight`` is stored as ``<module>.<suffix>`` (``weight`` for FP8
+and int8, ``qweight`` for AWQ / GPTQ, ``weight_packed`` for compressed-tensors int4 and NVFP4)
+with companions (scales, zero points, group indices, global scales). The scheme gives their
+suffixes, dtypes and layouts (planning/quant_layout.py); how they are *named* next to a
+weight is the family's (``Family.quant_naming``, families/base.py), so this module never cuts
+or glues a tensor name itself.
 
-Families' templates give the *logical* weight shape ``[..., N, K]``; this module derives the
-stored weight shape (NVFP4 packs two values per byte: ``[N, K/2]``) and every companion's
-shape. Which weights are quantized is read from the
-checkpoint's headers (a weight stored in the scheme's dtype is quantized and *must* have its
-companions; one stored in the model dtype, e.g. a router gate, is not), or, without headers,
-from the config's ignore list.
+Which weights are quantized is read from the checkpoint's headers (a weight stored under the
+scheme's suffix and dtype is quantized and *must* have its companions; one stored in the
+model dtype, e.g. a router gate, is not), or, without headers, from the config's ignore list.
 
-Sharding follows the weight: the TP selection is computed on the logical shape, then mapped
-to the packed weight (intervals / pack) and to each companion (block rows/cols follow the
-weight's slice; scalars are replicated; leading expert dims pass through). A split that cuts a
-quantization block or a packed byte is a PlanError naming tensor, shape, dim, tp and block.
+Layouts, by source (each method's on-disk format as its library writes it and vLLM's loaders
+read it: ``awq.py``, ``gptq.py`` / ``gptq_marlin.py``, ``compressed_tensors`` schemes):
+
+- AWQ GEMM: ``qweight`` int32 ``[K, N/8]``, ``qzeros`` int32 ``[K/g, N/8]``, ``scales``
+  ``[K/g, N]``.
+- GPTQ: ``qweight`` int32 ``[K*bits/32, N]``, ``qzeros`` ``[K/g, N*bits/32]``, ``scales``
+  ``[K/g, N]``, ``g_idx`` ``[K]``; with ``desc_act`` the scales and zeros are held whole by
+  every rank of a row-parallel layer (the group of an input is ``g_idx``'s, not its
+  position), only ``qweight`` and ``g_idx`` are split.
+- compressed-tensors ``pack-quantized`` (W4A16 / W8A16): ``weight_packed`` int32
+  ``[N, K*bits/32]``, ``weight_scale`` ``[N, K/g]`` (``[N, 1]`` per channel),
+  ``weight_zero_point`` ``[N*bits/32, K/g]`` (asymmetric), ``weight_g_idx`` ``[K]`` (actorder
+  "group": scales held whole as above), ``weight_shape`` ``[2]``; ``int-quantized`` (W8A8):
+  int8 ``weight``, ``weight_scale`` ``[N, 1]`` or a scalar, static ``input_scale``;
+  ``nvfp4-pack-quantized``: ``weight_packed`` uint8 ``[N, K/2]``, FP8 ``weight_scale``
+  ``[N, K/16]``, ``weight_global_scale`` and ``input_global_scale`` scalars.
 """
 from __future__ import annotations
 
-import fnmatch
 import math
-import re
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
-from ..errors import ConfigError, PlanError
-from ..families.base import QuantNaming
-from .shard import Interval, Selection
+from ..errors import ConfigError
+from .quant_layout import IN, OUT, PLAIN, Axis, Companion, QuantScheme, blocks
 
 if TYPE_CHECKING:  # pragma: no cover
     from .spec import ModelSpec
 
-__all__ = ["Companion", "QuantScheme", "scheme_from_config", "quant_scheme", "expand_template",
-           "expected_tensors", "same_shape", "QUANT_CONFIG_KEYS"]
+__all__ = ["Axis", "Companion", "QuantScheme", "blocks", "scheme_from_config", "quant_scheme",
+           "expand_template", "expected_tensors", "same_shape", "QUANT_CONFIG_KEYS"]
 
 QUANT_CONFIG_KEYS = ("quantization_config", "compression_config")
-Block = Optional[int]  # elements per scale entry along a dim; None = one entry for the dim
-
-
-@dataclass(frozen=True)
-class Companion:
-    """A tensor stored next to a quantized weight. ``block`` = (rows, cols) of the weight's
-    last two dims covered by one entry (None = the whole dim); ``block`` None = a scalar per
-    weight (per expert for stacked [E, N, K] weights)."""
-
-    suffix: str
-    dtype: str
-    block: Optional[tuple[Block, Block]] = None
-
-    def shape(self, logical: tuple[int, ...]) -> tuple[int, ...]:
-        """Shape of this companion for a weight of logical shape ``[..., N, K]``."""
-        if self.block is None:
-            return tuple(logical[:-2])
-        return tuple(logical[:-2]) + tuple(1 if b is None else -(-x // b)
-                                           for x, b in zip(logical[-2:], self.block))
-
-
-@dataclass(frozen=True)
-class QuantScheme:
-    """One quantization method as data: the stored weight dtype, packing and companions."""
-
-    name: str                          # "fp8-block" | "fp8-tensor" | "fp8-channel" | "nvfp4"
-    weight_dtype: str                  # safetensors dtype of a quantized weight
-    companions: tuple[Companion, ...]
-    pack: int = 1                      # logical values per stored element along the last dim
-    ignore: tuple[str, ...] = ()       # config's modules kept unquantized (names, globs, re:)
-    naming: QuantNaming = QuantNaming()  # the family's companion naming (quant_scheme(spec))
-
-    # ---- names ---------------------------------------------------------------------------
-    def companion_names(self, weight: str) -> dict[str, Companion]:
-        """``{name: companion}`` of a quantized weight named ``weight``."""
-        return {self.naming.companion(weight, c.suffix): c for c in self.companions}
-
-    def weight_of(self, name: str) -> Optional[tuple[str, Companion]]:
-        """``(weight name, companion)`` when ``name`` is a companion's name, else None."""
-        found = self.naming.weight_of(name, [c.suffix for c in self.companions])
-        if found is None:
-            return None
-        return found[0], next(c for c in self.companions if c.suffix == found[1])
-
-    def is_quantized(self, name: str, dtype: Optional[str], ndim: int) -> bool:
-        """A weight (name ends in ``weight``, >= 2 dims) stored in the scheme's dtype."""
-        return dtype == self.weight_dtype and ndim >= 2 and self.naming.is_weight(name)
-
-    def ignored(self, name: str) -> bool:
-        """True when the config's ignore list names the module of weight ``name``."""
-        module = self.naming.module_of(name)
-        for pat in self.ignore:
-            if pat.startswith("re:"):
-                if re.fullmatch(pat[3:], module) or re.fullmatch(pat[3:], name):
-                    return True
-            elif any(ch in pat for ch in "*?["):
-                if fnmatch.fnmatchcase(module, pat) or fnmatch.fnmatchcase(name, pat):
-                    return True
-            elif module == pat or module.endswith("." + pat) or name == pat:
-                return True
-        return False
-
-    # ---- shapes --------------------------------------------------------------------------
-    def logical_shape(self, stored: tuple[int, ...]) -> tuple[int, ...]:
-        return tuple(stored[:-1]) + (stored[-1] * self.pack,)
-
-    def stored_shape(self, logical: tuple[int, ...], name: str = "") -> tuple[int, ...]:
-        if logical[-1] % self.pack:
-            raise PlanError(f"{self.name}: last dim {logical[-1]} of {list(logical)} is not a "
-                            f"multiple of the packing ({self.pack} values per byte)", tensor=name)
-        return tuple(logical[:-1]) + (logical[-1] // self.pack,)
-
-    # ---- selections ----------------------------------------------------------------------
-    def weight_selection(self, sel: Selection, logical: tuple[int, ...], name: str,
-                         tp_size: int) -> Selection:
-        """The stored weight's selection for a logical selection (checks every block)."""
-        for c in self.companions:
-            self.companion_selection(c, sel, logical, name, tp_size)
-        last = len(logical) - 1
-        dims = []
-        for d, intervals in sel.dims:
-            if d == last and self.pack > 1:
-                packed = f"a byte packing {self.pack} values"
-                intervals = tuple(_blockwise(intervals, logical[d], self.pack, self, name,
-                                             logical, d, tp_size, packed))
-            dims.append((d, intervals))
-        return Selection(tuple(dims), sel.pad_rows)
-
-    def companion_selection(self, c: Companion, sel: Selection, logical: tuple[int, ...],
-                            name: str, tp_size: int) -> Selection:
-        """The companion's selection that matches the weight's logical selection ``sel``."""
-        lead = len(logical) - 2
-        dims = []
-        pad = sel.pad_rows if lead > 0 else 0  # padded leading dim passes through
-        for d, intervals in sel.dims:
-            if d < lead:
-                dims.append((d, intervals))
-                continue
-            block = None if c.block is None else c.block[d - lead]
-            if block is None:
-                continue  # scalar / whole-dim scale: replicated along this dim
-            what = f"the {block}-element blocks of {c.suffix} {list(c.shape(logical))}"
-            dims.append((d, tuple(_blockwise(intervals, logical[d], block, self, name, logical,
-                                             d, tp_size, what))))
-            if d == 0 and sel.pad_rows:  # padded rows of a 2-d weight: whole padded blocks
-                rows = sum(n for _, n in intervals)
-                pad = -(-(rows + sel.pad_rows) // block) - -(-rows // block)
-        return Selection(tuple(dims), pad)
-
-
-def _blockwise(intervals: tuple[Interval, ...], size: int, block: int, scheme: QuantScheme,
-               name: str, logical: tuple[int, ...], dim: int, tp_size: int,
-               what: str) -> list[Interval]:
-    """Intervals in units of ``block``; an interval must start on a block boundary and end on
-    one (or at the end of the dim, where the last block may be partial)."""
-    out = []
-    for start, n in intervals:
-        if start % block or (n % block and start + n != size):
-            raise PlanError(
-                f"TP split cuts a quantization block: shape {list(logical)} split on dim {dim} "
-                f"over tp={tp_size} gives a rank the slice [{start}, {start + n}), which cuts "
-                f"{what} (block {block}, {scheme.name}); use a tp whose slices are multiples "
-                f"of {block}", tensor=name)
-        out.append((start // block, -(-n // block)))
-    return out
+FP8 = Companion("weight", "F8_E4M3", PLAIN)
 
 
 # ---- config.json --------------------------------------------------------------------------
@@ -176,10 +59,11 @@ def _fp8(qc: Mapping) -> QuantScheme:
                 or not all(isinstance(b, int) and b > 0 for b in block)):
             raise ConfigError(f"quantization_config.weight_block_size must be two positive "
                               f"integers, got {block!r}", file="config.json")
-        return QuantScheme("fp8-block", "F8_E4M3",
-                           (Companion("weight_scale_inv", "F32", (block[0], block[1])),) + inputs,
+        return QuantScheme("fp8-block",
+                           FP8, (Companion("weight_scale_inv", "F32", blocks(block[0], block[1])),)
+                           + inputs,
                            ignore=ignore)
-    return QuantScheme("fp8-tensor", "F8_E4M3", (Companion("weight_scale", "F32"),) + inputs,
+    return QuantScheme("fp8-tensor", FP8, (Companion("weight_scale", "F32"),) + inputs,
                        ignore=ignore)
 
 
@@ -188,46 +72,180 @@ def _modelopt(qc: Mapping) -> QuantScheme:
     algo = str(inner.get("quant_algo") or qc.get("quant_algo") or "").upper()
     ignore = tuple(inner.get("exclude_modules") or qc.get("ignore") or ())
     if algo == "FP8":
-        return QuantScheme("fp8-tensor", "F8_E4M3", (Companion("weight_scale", "F32"),
-                                                     Companion("input_scale", "F32")),
-                           ignore=ignore)
+        return QuantScheme("fp8-tensor", FP8, (Companion("weight_scale", "F32"),
+                                               Companion("input_scale", "F32")), ignore=ignore)
     if algo == "NVFP4":
         group = int(inner.get("group_size") or qc.get("group_size") or 16)
-        return QuantScheme("nvfp4", "U8", (Companion("weight_scale", "F8_E4M3", (1, group)),
-                                           Companion("weight_scale_2", "F32"),
-                                           Companion("input_scale", "F32")),
-                           pack=2, ignore=ignore)
+        return QuantScheme("nvfp4", Companion("weight", "U8", blocks(1, 2)),
+                           (Companion("weight_scale", "F8_E4M3", blocks(1, group)),
+                            Companion("weight_scale_2", "F32"), Companion("input_scale", "F32")),
+                           ignore=ignore)
     raise ConfigError(f"modelopt quant_algo {algo or None!r} is not supported (FP8, NVFP4)",
                       file="config.json")
 
 
-def _compressed(qc: Mapping) -> QuantScheme:
-    groups = list((qc.get("config_groups") or {}).values())
-    if not groups or any(g != groups[0] for g in groups):
-        raise ConfigError("compressed-tensors: exactly one kind of config group is supported",
+def _group(qc: Mapping, method: str, channel_ok: bool = True) -> Optional[int]:
+    """A positive group size, or None for -1 (one group per output: per-channel scales)."""
+    group = qc.get("group_size", qc.get("q_group_size"))
+    if group == -1 and channel_ok:
+        return None
+    if not isinstance(group, int) or isinstance(group, bool) or group <= 0:
+        raise ConfigError(f"{method} group_size must be a positive integer"
+                          f"{' or -1' if channel_ok else ''}, got {group!r}", file="config.json")
+    return group
+
+
+def _bits(qc: Mapping, method: str, allowed: tuple[int, ...]) -> int:
+    bits = qc.get("bits", qc.get("w_bit", qc.get("num_bits")))
+    if bits not in allowed:
+        raise ConfigError(f"{method} with {bits!r}-bit weights is not supported (bits "
+                          f"{', '.join(map(str, allowed))}: whole values per int32)",
                           file="config.json")
-    w, a = groups[0].get("weights") or {}, groups[0].get("input_activations")
-    if w.get("type") != "float" or w.get("num_bits") != 8:
-        raise ConfigError(f"compressed-tensors weights {w.get('type')}/{w.get('num_bits')} bits "
-                          "are not supported (fp8 float/8 only)", file="config.json")
-    inputs = (Companion("input_scale", "F32"),) if a and not a.get("dynamic", False) else ()
+    return int(bits)  # type: ignore[arg-type]
+
+
+def _awq(qc: Mapping) -> QuantScheme:
+    """AutoAWQ's GEMM layout: the int4 values packed 8 per int32 along the outputs."""
+    version = str(qc.get("version", "gemm")).lower()
+    if version != "gemm":
+        raise ConfigError(f"awq version {version!r} is not supported (gemm: qweight [in, out/8])",
+                          file="config.json")
+    pack = 32 // _bits(qc, "awq", (4,))
+    group = _group(qc, "awq", channel_ok=False)
+    return QuantScheme("awq", Companion("qweight", "I32", (Axis(IN), Axis(OUT, pack))),
+                       (Companion("qzeros", "I32", (Axis(IN, group), Axis(OUT, pack))),
+                        Companion("scales", "F16", (Axis(IN, group), Axis(OUT)))),
+                       ignore=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _gptq(qc: Mapping) -> QuantScheme:
+    """GPTQ (AutoGPTQ / GPTQModel ``gptq`` and ``gptq_v2`` formats): packed on the inputs."""
+    fmt = str(qc.get("checkpoint_format") or "gptq").lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise ConfigError(f"gptq checkpoint_format {fmt!r} is not supported (gptq, gptq_v2)",
+                          file="config.json")
+    if qc.get("lm_head"):
+        raise ConfigError("gptq with a quantized lm_head (lm_head: true) is not supported",
+                          file="config.json")
+    if qc.get("dynamic"):
+        raise ConfigError("gptq per-module overrides (dynamic) are not supported",
+                          file="config.json")
+    pack = 32 // _bits(qc, "gptq", (2, 4, 8))
+    group = _group(qc, "gptq")
+    split = not qc.get("desc_act")  # act-order: scales held whole on row-parallel layers
+    return QuantScheme("gptq" if split else "gptq-desc-act",
+                       Companion("qweight", "I32", (Axis(IN, pack), Axis(OUT))),
+                       (Companion("qzeros", "I32", (Axis(IN, group, split), Axis(OUT, pack))),
+                        Companion("scales", "F16", (Axis(IN, group, split), Axis(OUT))),
+                        Companion("g_idx", "I32", (Axis(IN),))),
+                       ignore=tuple(qc.get("modules_to_not_convert") or ()))
+
+
+def _compressed(qc: Mapping) -> QuantScheme:
+    """compressed-tensors (llm-compressor): one scheme for every config group (groups that
+    differ only in their targets are one scheme; different schemes are refused)."""
+    groups = dict(qc.get("config_groups") or {})
+    if not groups:
+        raise ConfigError("compressed-tensors config has no config_groups", file="config.json")
+    sparsity = qc.get("sparsity_config") or {}
+    if sparsity.get("format") not in (None, "dense"):
+        raise ConfigError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is "
+                          "not supported", file="config.json")
+    schemes = {name: _compressed_group(g, qc.get("format")) for name, g in groups.items()}
+    first = next(iter(schemes.values()))
+    if any(s != first for s in schemes.values()):
+        raise ConfigError("compressed-tensors config groups with different schemes are not "
+                          "supported: " + ", ".join(f"{n} {s.name}" for n, s in schemes.items()),
+                          file="config.json")
+    return replace(first, ignore=tuple(qc.get("ignore") or ()))
+
+
+def _compressed_group(group: Mapping, top_format: Optional[str]) -> QuantScheme:
+    fmt = group.get("format") or top_format
+    w, a = group.get("weights") or {}, group.get("input_activations")
+    kind, bits, strategy = w.get("type"), w.get("num_bits"), w.get("strategy")
+    static = bool(a) and not a.get("dynamic", False)  # type: ignore[union-attr]
+    if kind == "float" and bits == 8:
+        return _compressed_fp8(w, static)
+    if kind == "float" and bits == 4:
+        if fmt != "nvfp4-pack-quantized" or strategy != "tensor_group":
+            raise ConfigError(f"compressed-tensors fp4 weights in format {fmt!r}, strategy "
+                              f"{strategy!r} are not supported (nvfp4-pack-quantized, "
+                              "tensor_group)", file="config.json")
+        group_size = _group(w, "compressed-tensors nvfp4")
+        inputs = (Companion("input_global_scale", "F32"),) if a else ()
+        return QuantScheme("nvfp4", Companion("weight_packed", "U8", blocks(1, 2)),
+                           (Companion("weight_scale", "F8_E4M3", blocks(1, group_size)),
+                            Companion("weight_global_scale", "F32")) + inputs)
+    if kind == "int" and fmt == "pack-quantized":
+        return _compressed_wna16(w, static)
+    if kind == "int" and bits == 8 and fmt in ("int-quantized", None):
+        return _compressed_int8(w, a, static)
+    raise ConfigError(f"compressed-tensors {kind}/{bits}-bit weights in format {fmt!r} are "
+                      "not supported (float 8; int4 / int8 pack-quantized; int8 int-quantized; "
+                      "nvfp4-pack-quantized)", file="config.json")
+
+
+def _compressed_fp8(w: Mapping, static: bool) -> QuantScheme:
+    inputs = (Companion("input_scale", "F32"),) if static else ()
     strategy = w.get("strategy")
-    ignore = tuple(qc.get("ignore") or ())
     if strategy == "tensor":
         scale = Companion("weight_scale", "F32")
     elif strategy == "channel":
-        scale = Companion("weight_scale", "F32", (1, None))
+        scale = Companion("weight_scale", "F32", blocks(1, None))
     elif strategy == "block":
         b = w.get("block_structure") or [128, 128]
-        scale = Companion("weight_scale", "F32", (int(b[0]), int(b[1])))
+        scale = Companion("weight_scale", "F32", blocks(int(b[0]), int(b[1])))
     else:
-        raise ConfigError(f"compressed-tensors strategy {strategy!r} is not supported "
+        raise ConfigError(f"compressed-tensors fp8 strategy {strategy!r} is not supported "
                           "(tensor, channel, block)", file="config.json")
-    return QuantScheme(f"fp8-{strategy}", "F8_E4M3", (scale,) + inputs, ignore=ignore)
+    return QuantScheme(f"fp8-{strategy}", FP8, (scale,) + inputs)
+
+
+def _compressed_wna16(w: Mapping, static: bool) -> QuantScheme:
+    """W4A16 / W8A16 ``pack-quantized``: vLLM's CompressedTensorsWNA16 parameters."""
+    strategy = w.get("strategy")
+    if strategy not in ("group", "channel") or static:
+        raise ConfigError(f"compressed-tensors pack-quantized with strategy {strategy!r}"
+                          f"{' and static input activations' if static else ''} is not "
+                          "supported (group, channel; weight-only)", file="config.json")
+    pack = 32 // _bits(w, "compressed-tensors pack-quantized", (4, 8))
+    group = _group(w, "compressed-tensors") if strategy == "group" else None
+    if w.get("actorder") not in (None, False, "group", "weight", "static"):
+        raise ConfigError(f"compressed-tensors actorder {w.get('actorder')!r} is not supported "
+                          "(group, weight / static, none)", file="config.json")
+    g_idx = w.get("actorder") == "group" and group is not None
+    split = not g_idx  # act-order by group: scales held whole on row-parallel layers
+    comps = [Companion("weight_scale", "BF16", (Axis(OUT), Axis(IN, group, split))),
+             Companion("weight_shape", "I64", tail=(2,))]
+    if not w.get("symmetric", True):
+        comps.append(Companion("weight_zero_point", "I32", (Axis(OUT, pack),
+                                                            Axis(IN, group, split))))
+    if g_idx:
+        comps.append(Companion("weight_g_idx", "I32", (Axis(IN),)))
+    name = f"w{32 // pack}a16-{strategy}" + ("-asym" if not w.get("symmetric", True) else "")
+    return QuantScheme(name, Companion("weight_packed", "I32", (Axis(OUT), Axis(IN, pack))),
+                       tuple(comps))
+
+
+def _compressed_int8(w: Mapping, a: Optional[Mapping], static: bool) -> QuantScheme:
+    """W8A8 int8 (``int-quantized``): vLLM's CompressedTensorsW8A8Int8 parameters."""
+    strategy = w.get("strategy")
+    if strategy not in ("channel", "tensor") or not w.get("symmetric", True):
+        raise ConfigError(f"compressed-tensors int8 weights with strategy {strategy!r}"
+                          f"{'' if w.get('symmetric', True) else ', asymmetric'} are not "
+                          "supported (symmetric channel, tensor)", file="config.json")
+    axes = blocks(1, None) if strategy == "channel" else None
+    comps: tuple[Companion, ...] = (Companion("weight_scale", "F32", axes),)
+    if static:
+        comps += (Companion("input_scale", "F32"),)
+        if not (a or {}).get("symmetric", True):
+            comps += (Companion("input_zero_point", "I32"),)
+    return QuantScheme(f"int8-{strategy}", Companion("weight", "I8", PLAIN), comps)
 
 
 def _fbgemm(qc: Mapping) -> QuantScheme:
-    return QuantScheme("fp8-channel", "F8_E4M3", (Companion("weight_scale", "F32", (1, None)),),
+    return QuantScheme("fp8-channel", FP8, (Companion("weight_scale", "F32", blocks(1, None)),),
                        ignore=tuple(qc.get("modules_to_not_convert") or ()))
 
 
@@ -235,12 +253,13 @@ def _mxfp4(qc: Mapping) -> QuantScheme:
     """MXFP4 (gpt-oss): the quantized tensors are their own names (``<w>_blocks`` and
     ``<w>_scales``, uint8, stacked experts), which the family's template spells out
     (families/mxfp4.py); no ``weight`` has companions, so nothing is expanded here."""
-    return QuantScheme("mxfp4", "U8", (), ignore=tuple(qc.get("modules_to_not_convert") or ()))
+    return QuantScheme("mxfp4", Companion("weight", "U8", PLAIN), (),
+                       ignore=tuple(qc.get("modules_to_not_convert") or ()))
 
 
 _METHODS: Mapping[str, Callable[[Mapping], QuantScheme]] = {
     "fp8": _fp8, "modelopt": _modelopt, "compressed-tensors": _compressed,
-    "fbgemm_fp8": _fbgemm, "mxfp4": _mxfp4}
+    "fbgemm_fp8": _fbgemm, "mxfp4": _mxfp4, "awq": _awq, "gptq": _gptq}
 
 
 def scheme_from_config(config: Mapping) -> Optional[QuantScheme]:
@@ -261,11 +280,14 @@ def scheme_from_config(config: Mapping) -> Optional[QuantScheme]:
 
 def quant_scheme(spec: "ModelSpec") -> Optional[QuantScheme]:
     """The scheme of a ModelSpec (config.json top level first, then the text config), naming
-    companions as the spec's family does."""
+    companions as the spec's family does (its weight name stored under the scheme's)."""
     scheme = scheme_from_config(spec.full_config) or scheme_from_config(spec.config)
-    if scheme is None or scheme.naming == spec.family.quant_naming:
-        return scheme
-    return replace(scheme, naming=spec.family.quant_naming)
+    if scheme is None:
+        return None
+    family = spec.family.quant_naming
+    naming = family if scheme.weight.suffix == "weight" else replace(
+        family, weight=scheme.weight.suffix, logical=family.weight)
+    return scheme if scheme.naming == naming else replace(scheme, naming=naming)
 
 
 # ---- templates ----------------------------------------------------------------------------
@@ -277,23 +299,25 @@ def expand_template(scheme: QuantScheme, template: Mapping[str, tuple[int, ...]]
     get their stored shape and their companions are added (scalars have shape ``()``).
 
     With ``dtype_of`` (the checkpoint's stored dtype per name, None if absent) a weight is
-    quantized iff stored in the scheme's dtype. Without it, every >= 2-d weight for which
+    quantized iff stored (under the scheme's weight name) in the scheme's dtype. Without it, every >= 2-d weight for which
     ``layer_names`` is true (default: all) and that the config does not ignore is.
     """
     out: dict[str, tuple[int, ...]] = {}
+    stored_name = scheme.naming.stored
     for name, shape in template.items():
         shape = tuple(shape)
+        stored = stored_name(name)  # x.weight -> x.qweight (AWQ / GPTQ), else itself
         if dtype_of is not None:
-            quantized = scheme.is_quantized(name, dtype_of(name), len(shape))
+            quantized = scheme.is_quantized(stored, dtype_of(stored), len(shape))
         else:
-            quantized = (scheme.is_quantized(name, scheme.weight_dtype, len(shape))
+            quantized = (scheme.is_quantized(stored, scheme.weight_dtype, len(shape))
                          and not scheme.ignored(name)
                          and (layer_names is None or layer_names(name)))
         if not quantized:
             out[name] = shape
             continue
-        out[name] = scheme.stored_shape(shape, name)
-        for cname, c in scheme.companion_names(name).items():
+        out[stored] = scheme.stored_shape(shape, name)
+        for cname, c in scheme.companion_names(stored).items():
             out[cname] = c.shape(shape)
     return out
 

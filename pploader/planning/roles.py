@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Mapping, Optional, Sequence
 
 from ..errors import PlanError
-from ..families.base import TensorRole
+from ..families.base import QuantNaming, TensorRole
 from .checkpoint import CheckpointIndex
 from .gcpause import without_gc
 from .partition import StageWindow
@@ -78,6 +78,9 @@ class CheckpointRoles:
     #: (DeepSeek-V3: 46 k companions, of which a PP16 stage needs 3 k)
     _unlinked: dict[int, tuple[str, list[int], list[str]]] = field(
         default_factory=dict, compare=False, repr=False)
+    #: quantization companions' naming: the family's, its weight stored under the scheme's
+    #: suffix (``qweight``...; planning/quant.py)
+    naming: QuantNaming = QuantNaming()
 
     def _link_layer(self, layer: int) -> None:
         """Add ``layer``'s companions to ``links`` (those whose weight the checkpoint holds)."""
@@ -91,7 +94,7 @@ class CheckpointRoles:
         self._link_layer(layer)  # a no-op once the layer is linked
         weight = self.links.get(name)
         if weight is not None:
-            naming = self.spec.family.quant_naming  # the family's naming, no string cutting
+            naming = self.naming  # the family's naming, no string cutting
             wcomp = naming.weight_component(component, name, weight)
             base = self._plain(weight, layer, wcomp)
             return TensorRole(base.placement,
@@ -130,7 +133,7 @@ class CheckpointRoles:
             if base is None:
                 role = out[name] = self.role(name, layer, component)
                 weight = component if not key[1] else \
-                    component[:len(component) - len(name) + len(links[name])]
+                    self.naming.weight_component(component, name, links[name])
                 if known.get(weight) is not None and role.layer == layer \
                         and role.placement == placement:
                     memo[key] = role
@@ -298,6 +301,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     spec = spec.for_checkpoint(index.weight_map)
     fam, n, m = spec.family, spec.num_layers, spec.num_mtp_layers
     scheme = quant_scheme(spec)
+    naming = scheme.naming if scheme is not None else fam.quant_naming
     match = re.compile(fam.layer_prefix).match
     layers: dict[int, list[str]] = {}
     components: dict[str, Optional[TensorRole]] = {}
@@ -358,7 +362,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         weight = links.get(name, name)
         role = fam.classify(weight, n, m)
         if role is not None and weight != name:
-            role = role._replace(component=fam.quant_naming.companion_component(
+            role = role._replace(component=naming.companion_component(
                 role.component, weight, name))
         if role is None:
             unknown.append(name)
@@ -377,7 +381,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
     return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
                            links, template, only, layered, _index_names=index.weight_map.keys(),
-                           _unlinked=unlinked)
+                           _unlinked=unlinked, naming=naming)
 
 
 def _link(links: dict[str, str], names: Sequence[str], prefix: str, at: list[int],

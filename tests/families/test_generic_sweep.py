@@ -24,7 +24,7 @@ SUBSET = {
     "gpt_oss": "MoE, stacked 3-D experts with biases, attention sinks, sliding window",
     "qwen2_moe": "MoE, per-expert tensors + shared expert",
     "granitemoe": "MoE, 3-D experts renamed on save (input_linear / output_linear)",
-    "olmo2": "q/k norms over the full projection width (TP refused)",
+    "olmo2": "q/k norms over the full projection width (replicated under TP, as vLLM)",
     "starcoder2": "dense with biases, plain MLP",
     "gpt2": "GPT-2 layout: transformer.h, learned positions on the first stage",
     "bart": "decoder of an encoder-decoder: layernorm_embedding registered after the layers",

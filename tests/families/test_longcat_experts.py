@@ -15,10 +15,12 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import generic_sweep
 from helpers import reference_tensors
 from pploader.families.hf_experts import ids_below
+from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
@@ -71,8 +73,9 @@ def test_longcat_flash_ep_over_the_routed_experts(tmp_path: Path, quiet: None, e
 
 
 def test_longcat_flash_transformers_naming_under_ep(tmp_path: Path, quiet: None) -> None:
-    """``save_original_format=False``: ``down_proj`` ``[E, ...]`` is split by EP; the
-    ``gate_up_proj`` ``[E + Z, ...]`` (zero experts' rows inside) is read whole by each rank."""
+    """``save_original_format=False``: ``down_proj`` ``[E, ...]`` and ``gate_up_proj``
+    ``[E + Z, ...]`` are both split by EP, each rank its routed block (vLLM's linear
+    placement); the zero experts' rows past ``E`` are read by no rank (no compute uses them)."""
     model = generic_sweep._checkpoint("longcat_flash", "LongcatFlashForCausalLM",
                                       tmp_path / "orig")
     model.save_pretrained(tmp_path / "tf", save_original_format=False, max_shard_size="40KB")
@@ -81,12 +84,15 @@ def test_longcat_flash_transformers_naming_under_ep(tmp_path: Path, quiet: None)
     assert spec.num_experts == routed
     ref = reference_tensors(tmp_path / "tf")
     generic_sweep._load_check(spec, index, ref, 2, 2)
+    stacked = [n for n in ref if n.endswith(("experts.down_proj", "experts.gate_up_proj"))]
+    assert any(ref[n].shape[0] > routed for n in stacked)  # the zero experts' rows are stored
     for plan in plan_all(spec, index, 2, 1, 2):
+        got = dict(Reader(plan))
+        mine = _linear(routed, 2, plan.topology.ep_rank)
         for item in plan.items:
-            if item.name.endswith("experts.down_proj"):
-                assert item.shape[0] == routed // 2, item
-            if item.name.endswith("experts.gate_up_proj"):
-                assert item.shape == tuple(ref[item.name].shape), item
+            if item.name in stacked:
+                want = ref[item.name][mine.start:mine.stop]
+                assert torch.equal(got[item.target], want), (item.name, plan.topology.rank)
 
 
 @pytest.mark.parametrize("model_type", [

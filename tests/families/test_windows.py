@@ -115,6 +115,23 @@ def test_chunked_attention_window_is_the_chunk() -> None:
     assert got.count(64) == 6 and got.count(None) == 2
 
 
+def test_unused_zero_window_is_no_window() -> None:
+    """Qwen2-MoE as transformers saves it: ``sliding_window: 0``, ``use_sliding_window``
+    false, every layer ``full_attention``: pools with no window, not a refusal."""
+    text = transformers.Qwen2MoeConfig(
+        num_hidden_layers=3, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, num_attention_heads=4, num_key_value_heads=2,
+        num_experts=4, num_experts_per_tok=2, vocab_size=128).to_dict()
+    assert text["sliding_window"] == 0 and set(text["layer_types"]) == {"full_attention"}
+    spec = spec_from_config({**text, "architectures": ["Qwen2MoeForCausalLM"],
+                             "dtype": "bfloat16"})
+    caches = model_cache(spec)
+    assert len(caches) == 3 and all(c.window is None and c.kind == "full_attention"
+                                    for c in caches)
+    with pytest.raises(ConfigError, match="sliding_window = 0"):
+        typed_windows(["full_attention", "sliding_attention"], 0)
+
+
 def test_bad_window_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="sliding_window = 0"):
         typed_windows(["sliding_attention"], 0)

@@ -322,21 +322,25 @@ def test_exchange_reads_through_the_chosen_backend(llama: Path,
                          io_backend="nope")
 
 
-def _quantized_llama(tmp: Path) -> Path:
-    from quant_checkpoints import write_quantized
-    return write_quantized(tmp / "fp8", "fp8-block")[0]
+def _quantized_llama(tmp: Path, method: str = "fp8-block") -> Path:
+    if method == "fp8-block":
+        from quant_checkpoints import write_quantized
+        return write_quantized(tmp / "fp8", "fp8-block")[0]
+    from quant_int4 import write_int4  # AWQ / GPTQ layouts (packed int32, group scales)
+    return write_int4(tmp / method, method, "tiny-qwen3_moe")[0]
 
 
 @pytest.mark.parametrize("family, tp, ep", [
-    ("tiny-llama", 4, 1), ("fp8-block", 2, 1), ("tiny-deepseek_v3", 2, 2),
+    ("tiny-llama", 4, 1), ("fp8-block", 2, 1), ("awq", 2, 2), ("gptq-desc-act", 2, 1),
+    ("tiny-deepseek_v3", 2, 2),
     ("tiny-qwen3_moe", 2, 1), ("tiny-nemotron_h", 2, 1), ("tiny-qwen3_next", 2, 1)])
 def test_exchange_equals_direct_reads_across_families(tmp_path: Path, family: str, tp: int,
                                                       ep: int) -> None:
     """Every TP group of every stage, exchanging everything strided (exchange_cost 0, tiny
     batches: row chunks and multi-tensor batches), yields bitwise the direct reads."""
     from pploader.io.read import Reader
-    model = _quantized_llama(tmp_path) if family == "fp8-block" else \
-        make_model(tmp_path / family, tiny_config(family))
+    model = make_model(tmp_path / family, tiny_config(family)) if family.startswith("tiny-") \
+        else _quantized_llama(tmp_path, family)
     spec, index = load_spec(model), open_checkpoint(model)
     plans = plan_all(spec, index, pp=1, tp=tp, ep=ep, exchange_cost=0.0,
                      exchange_batch_bytes=2048)

@@ -155,8 +155,14 @@ def test_scale_of_an_unquantized_weight_or_wrong_shape_is_an_error(tmp_path: Pat
 
 
 def test_unsupported_quantization_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="quant_method 'gptq' is not supported"):
-        scheme_from_config({"quantization_config": {"quant_method": "gptq", "bits": 4}})
+    with pytest.raises(ConfigError, match="quant_method 'bitsandbytes' is not supported"):
+        scheme_from_config({"quantization_config": {"quant_method": "bitsandbytes"}})
+    with pytest.raises(ConfigError, match="gptq with 3-bit"):
+        scheme_from_config({"quantization_config": {"quant_method": "gptq", "bits": 3,
+                                                    "group_size": 128}})
+    with pytest.raises(ConfigError, match="awq version 'gemv'"):
+        scheme_from_config({"quantization_config": {"quant_method": "awq", "bits": 4,
+                                                    "group_size": 128, "version": "gemv"}})
     with pytest.raises(ConfigError, match="weight_block_size"):
         scheme_from_config({"quantization_config": {"quant_method": "fp8",
                                                     "weight_block_size": [128]}})
@@ -201,11 +207,11 @@ def mapping_cases(draw: st.DrawFn) -> dict:
 @given(mapping_cases())
 def test_companion_slices_follow_the_weight(case: dict) -> None:
     from pploader.families.base import ShardRule
-    from pploader.planning.quant import Companion, QuantScheme
+    from pploader.planning.quant import Companion, QuantScheme, blocks
     from pploader.planning.shard import Selection, tp_selection
     logical, (bn, bk), tp = case["logical"], case["block"], case["tp"]
-    comp = Companion("weight_scale", "F32", (bn, bk))
-    scheme = QuantScheme("test", "F8_E4M3", (comp,))
+    comp = Companion("weight_scale", "F32", blocks(bn, bk))
+    scheme = QuantScheme("test", Companion("weight", "F8_E4M3", blocks(1, 1)), (comp,))
     dim = len(logical) + case["dim"]
     units = case["units"]
     rule = ShardRule("w", dim, units=(lambda s, u=units: u) if units else None)

@@ -74,6 +74,29 @@ def test_strict_check_lists_missing_and_zeroes_other_stages_params(llama: Path) 
         check_all_loaded(stage, {"lm_head.weight"}, staged)
 
 
+def test_strict_check_passes_attention_scales_the_engine_defaults(llama: Path) -> None:
+    """vLLM builds ``attn.k_scale`` / ``q_scale`` / zero points for quantized models
+    (compressed-tensors) and defaults them after loading when the checkpoint has none: not
+    "missing" then; missing when the checkpoint stores such scales and they were not loaded."""
+    from dataclasses import replace
+    from pploader import PlanError, Topology, plan_stage
+    from pploader.integrations.vllm import check_all_loaded
+    staged = plan_stage(llama, Topology(1))
+
+    class Attn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.k_scale = nn.Parameter(torch.tensor(-1.0), requires_grad=False)
+            self.k_zero_point = nn.Parameter(torch.tensor(0.0), requires_grad=False)
+    stage = nn.Module()
+    stage.attn = Attn()
+    assert check_all_loaded(stage, set(), staged) == ()
+    with_scales = replace(staged, plan=replace(
+        staged.plan, tensors=staged.plan.tensors + ("model.layers.0.self_attn.k_scale",)))
+    with pytest.raises(PlanError, match="attn.k_scale"):
+        check_all_loaded(stage, set(), with_scales)
+
+
 @pytest.mark.parametrize("placement", ["linear", "round_robin"])
 def test_expert_placements_are_vllms_determine_expert_map(placement: str) -> None:
     """pploader's view of vLLM's EP placements (and pploader's own --ep split, linear) equal
