@@ -92,6 +92,19 @@ class StageLoadOptions:
     pool_memory_from_device: bool = False
     progress_bar: bool = False
 
+    def __post_init__(self) -> None:
+        """The CLI's ranges for every field (arguments.py): an ArgumentError naming it."""
+        from .arguments import OPTIONS, check, check_paths
+        object.__setattr__(self, "allowed_roots", check_paths("allowed_roots",
+                                                              self.allowed_roots))
+        check(range_cost_bytes=self.range_cost_bytes,
+              exchange_batch_bytes=self.exchange_batch_bytes, window_bytes=self.window_bytes,
+              threads=self.threads, memory_budget_bytes=self.memory_budget_bytes,
+              io_backend=self.io_backend, ranks_per_node=self.ranks_per_node)
+        if self.exchange_cost != "auto":
+            check(exchange_cost=self.exchange_cost)
+        OPTIONS["node"].check(self.local_rank, label="local_rank")
+
 
 @dataclass
 class StageLoad:

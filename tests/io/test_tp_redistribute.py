@@ -347,7 +347,7 @@ def test_exchange_reads_through_the_chosen_backend(llama: Path,
         assert out.keys() == ref.keys()
         assert all(_bytes(out[k]) == _bytes(ref[k]) for k in ref), plan.topology.rank
         assert reader.stats.read_bytes == plan.planned_read_bytes
-    with pytest.raises(ValueError, match="unknown read backend 'nope'"):
+    with pytest.raises(ValueError, match="io_backend='nope' is not a read backend"):
         ExchangeTransfer(plans[0], torch.device("cpu"), ReadOptions(),
                          _ThreadComm(_ThreadGroup(2), plans[0].topology),  # type: ignore[arg-type]
                          io_backend="nope")
