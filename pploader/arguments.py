@@ -234,9 +234,9 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
     return Spec(name, None, "choice", choices=tuple(choices)).check(value)
 
 
-def _backend_names() -> tuple[str, ...]:
-    from .io.registry import backend_names
-    return tuple(dict.fromkeys(("auto", *backend_names())))
+#: io/registry.py's backend_names() (a literal: this module imports nothing of pploader but
+#: its errors, so every folder may use it; tests/cli/test_option_table.py checks the two agree)
+IO_BACKENDS = ("auto", "threaded", "pinned", "buffered", "mapped", "s3")
 
 
 _RAM = "this machine's memory"
@@ -265,7 +265,7 @@ OPTIONS: dict[str, Spec] = {s.name: s for s in (
     Spec("threads", "--threads", "count", 1, 1024),
     Spec("device_window_bytes", None, "bytes", 1, MAX_BYTES),
     Spec("timeout_s", "--timeout", "seconds", 1, 7 * 86400, why="a week"),
-    Spec("io_backend", "--io-backend", "choice", choices=_backend_names(),
+    Spec("io_backend", "--io-backend", "choice", choices=IO_BACKENDS,
          noun="a read backend"),
     Spec("backend", "--backend", "choice", choices=("gloo", "nccl", "mpi"),
          noun="a torch.distributed backend"),

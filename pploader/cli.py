@@ -318,9 +318,8 @@ def _ranks_per_node(args: argparse.Namespace) -> Optional[int]:
     Slurm's / Open MPI's), 0 when none says (the load then refuses it on every rank)."""
     if not args.read_once_node:
         return None
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") \
-        or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    return int(local) if local and local.isdigit() else 0
+    from .cli_args_checks import env_ranks_per_node
+    return env_ranks_per_node(os.environ) or 0  # found and checked by check_load_args
 
 
 def _make_tiny(args: argparse.Namespace) -> int:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capacity, plan_pools
-from .errors import ConfigError, PlanError
+from .errors import ConfigError, PlanError, UsageError
 from .planning.checkpoint import open_checkpoint
 from .planning.dtypes import dtype_casts
 from .planning.stage import OpenedModel, open_model
@@ -288,7 +288,36 @@ def _plan(model_dir: os.PathLike | str, opened: _OpenOnce, topology: Any,
         check_plan(staged)
     if pools is not None:  # the cache geometry is input too: refused here, before reading
         _check_geometry(staged, topology.tp_size, topology.rank)
+        _check_pool_memory(staged, pools, pools_on, topology.rank)
     return _Planned(staged, device, pools_on, pools)
+
+
+def _check_pool_memory(staged: "StagePlan", pools: PoolOptions, device: "torch.device",
+                       rank: int) -> None:
+    """The pools these options would allocate fit the pool device (its total memory; the
+    host's for CPU pools): checked from the geometry before anything is read or allocated,
+    naming the option that sized them (``--requests 16777216`` asked 64 GiB of a host)."""
+    import torch
+
+    from .arguments import format_size, host_memory_bytes
+    from .cache.sizing import rank_pools
+    have = (int(torch.cuda.get_device_properties(device).total_memory)
+            if device.type == "cuda" else host_memory_bytes())
+    where = f"the pool device {device} has {format_size(have)}"
+    if pools.device_bytes is not None and pools.device_bytes > have:
+        raise UsageError(f"--device-memory {pools.device_bytes} (PoolOptions.device_bytes): "
+                         f"{where}; give at most {have} or leave it out", rank=rank)
+    if pools.budget_bytes is not None and pools.budget_bytes > have:
+        raise UsageError(f"--cache-budget {pools.budget_bytes} (PoolOptions.budget_bytes): "
+                         f"{where}; give at most {have}", rank=rank)
+    _, cap = rank_pools(staged.spec, staged.plan, pools)
+    need = cap.kv_pool_bytes + cap.state_pool_bytes
+    if need > have:
+        flag = ("--tokens (PoolOptions.tokens)" if cap.kv_pool_bytes >= cap.state_pool_bytes
+                else "--requests (PoolOptions.requests)")
+        raise UsageError(f"{flag}: this rank's cache pools would take {format_size(need)} and "
+                         f"{where}; give a smaller {flag.split()[0]}, a --cache-budget, or "
+                         "--no-pools", rank=rank)
 
 
 def _check_geometry(staged: "StagePlan", tp: int, rank: int) -> None:
