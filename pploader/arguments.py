@@ -21,13 +21,16 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import ArgumentError
 
 __all__ = ["Spec", "OPTIONS", "BY_FLAG", "check", "check_paths", "check_choice", "spec",
-           "host_memory_bytes", "MAX_BYTES", "MAX_RANKS", "CACHE_DTYPES", "format_size"]
+           "host_memory_bytes", "MAX_BYTES", "MAX_RANKS", "MAX_LAYERS", "IO_BACKENDS", "CACHE_DTYPES", "format_size"]
 
 #: the most bytes any byte option takes (1 PiB: past any device, disk or shard)
 MAX_BYTES = 1 << 50
 
 #: the most ranks one layout dimension, and a whole job, may have (plan builds every rank)
 MAX_RANKS = 1 << 16
+
+#: the most layers a model may have (planning/config_limits.py's num_hidden_layers cap)
+MAX_LAYERS = 10_000
 
 #: cache dtypes the pools can hold (a torch dtype name; ``int3`` and friends are not caches)
 CACHE_DTYPES = ("bfloat16", "float16", "float32", "float8_e4m3fn", "float8_e5m2",
@@ -288,6 +291,11 @@ OPTIONS: dict[str, Spec] = {s.name: s for s in (
     Spec("shard_bytes", "--shard-bytes", "bytes", 1 << 16, 1 << 40,
          why="a shard past 1 TiB is no shard", example="4G"),
     Spec("seed", "--seed", "count", 0, (1 << 63) - 1),
+    # bench (the synthetic checkpoint and the measurement)
+    Spec("layers", "--layers", "count", 1, 10_000),
+    Spec("shards", "--shards", "count", 1, 10_000),
+    Spec("repeat", "--repeat", "count", 1, 1_000),
+    Spec("torch_threads", "--torch-threads", "count", 1, 1024),
 )}
 
 #: CLI flag -> Spec

@@ -397,6 +397,11 @@ def _run(args: argparse.Namespace) -> int:
         if world > MAX_RANKS:
             raise UsageError(f"--pp x --tp x --ep = {world} ranks, more than {MAX_RANKS}: give "
                              "smaller layout sizes")
+        counts = args.partition
+        if isinstance(counts, list) and args.pp is not None and len(counts) != args.pp:
+            raise UsageError(f"--partition {','.join(map(str, counts))} has {len(counts)} "
+                             f"stage(s) but --pp is {args.pp}: give {args.pp} layer counts, "
+                             f"or --pp {len(counts)}")
     if args.command == "plan":
         return cmd_plan(args)
     if args.command == "load":

@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
-from .arguments import BY_FLAG, MAX_BYTES, MAX_RANKS, Spec
+from .arguments import BY_FLAG, MAX_LAYERS, MAX_RANKS, Spec
+from .arguments import OPTIONS as BY_NAME
 from .errors import ArgumentError
 from .io.registry import AUTO, backends_help
 from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
@@ -31,7 +32,7 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 #: torch.distributed backends pploader runs on
-_BACKENDS = ("gloo", "nccl", "mpi")
+_BACKENDS = ("gloo", "nccl", "mpi")  # == arguments.OPTIONS["backend"].choices (a test checks)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -76,6 +77,10 @@ def _partition(text: str) -> object:
         if any(n < 1 for n in sizes):  # known without the model: refused before any start
             raise argparse.ArgumentTypeError(f"partition {sizes}: every stage needs at least "
                                              "one layer; give counts of 1 or more")
+        if any(n > MAX_LAYERS for n in sizes):
+            raise argparse.ArgumentTypeError(f"{text[:40]}: a stage of more than {MAX_LAYERS} "
+                                             "layers (no model has that many); give layer "
+                                             "counts such as 8,8,9,7")
         return sizes
     except PlanError as exc:
         raise argparse.ArgumentTypeError(f"{exc.detail}; or use even / balanced / "
@@ -107,14 +112,6 @@ def _parse(text: str, kind: Callable[[str], Any], what: str) -> Any:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
-#: generic types other parsers (bench) use: positive sizes and counts, seconds, a seed
-_size = _typed("size", Spec("size", None, "bytes", 1, MAX_BYTES))
-_count = _typed("count", Spec("count", None, "count", 1, 1 << 32))
-_seconds = _typed("--timeout")
-_seed = _typed("--seed")
-_threads = _typed("--threads")
-
-
 def _text(what: str) -> Callable[[str], str]:
     """A non-empty value (a path or a name; whether it exists is checked by its command)."""
     def parse(text: str) -> str:
@@ -132,6 +129,9 @@ def _model(text: str) -> str:
         return check_model_location(text, "--model")
     except ArgumentError as exc:
         raise argparse.ArgumentTypeError(exc.detail.removeprefix("--model: ")) from None
+
+
+_model.spec = BY_FLAG["--model"]  # type: ignore[attr-defined]  # its table row
 
 
 def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
@@ -156,16 +156,14 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
 
 
 def _exchange_cost(text: str) -> Optional[float | str]:
-    if text == "off":
-        return None
-    if text == "auto":
-        return "auto"
-    value = _parse(text, float, "a cost: give a number >= 0 (bytes read per byte exchanged), "
-                   "auto or off")
-    if not 0 <= value < float("inf"):  # NaN fails both comparisons
-        raise argparse.ArgumentTypeError(f"{text}: the cost must be a finite number >= 0, "
-                                         "auto or off")
-    return value
+    """A cost in the table's range (arguments.OPTIONS["exchange_cost"]), auto or off."""
+    if text.strip() in ("off", "auto"):
+        return None if text.strip() == "off" else "auto"
+    try:
+        return BY_NAME["exchange_cost"].parse(text)  # type: ignore[no-any-return]
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.detail.removeprefix("exchange_cost=")
+                                         + ", auto or off") from None
 
 
 def _tiny_names() -> list[str]:

@@ -201,6 +201,10 @@ def _check_io_backend_storage(args: argparse.Namespace) -> None:
 def check_load_args(args: argparse.Namespace) -> None:
     """Every conflict `pploader load` can find before torch.distributed starts."""
     check_env(args=args)
+    from .planning.checkpoint import check_model_dir
+    from .storage import is_remote
+    if not is_remote(args.model):
+        check_model_dir(args.model)  # a missing --model: one line, before any rank starts
     world = check_launch_env()
     _check_together(args, world)
     _check_io_backend_storage(args)
