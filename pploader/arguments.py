@@ -99,13 +99,15 @@ class Spec:
         return "a non-empty value"
 
     # ---- the API side: Python values -----------------------------------------------------
-    def check(self, value: Any, *, label: Optional[str] = None, text: Optional[str] = None
-              ) -> Any:
-        """``value`` when it is in range (None passes: "default"); else an ArgumentError
-        naming ``label`` (default: the argument name) and ``text`` (default: the value)."""
-        if value is None:
-            return None
+    def check(self, value: Any, *, label: Optional[str] = None, text: Optional[str] = None,
+              required: bool = False) -> Any:
+        """``value`` when it is in range (None passes: "default", unless ``required``); else
+        an ArgumentError naming ``label`` (default: the argument name) and ``text``."""
         label = label or self.name
+        if value is None:
+            if required:
+                raise self._error(label, value, "is required")
+            return None
         try:
             return self._checked(value, label)
         except ArgumentError as exc:
