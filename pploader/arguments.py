@@ -21,6 +21,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 from .errors import ArgumentError
 
 __all__ = ["Spec", "OPTIONS", "BY_FLAG", "check", "check_paths", "check_choice", "spec",
+           "check_type", "check_callable", "check_event", "check_device",
            "host_memory_bytes", "MAX_BYTES", "MAX_RANKS", "MAX_LAYERS", "IO_BACKENDS", "CACHE_DTYPES", "format_size"]
 
 #: the most bytes any byte option takes (1 PiB: past any device, disk or shard)
@@ -232,6 +233,47 @@ def check_paths(name: str, value: Any, *, exist: bool = True) -> tuple[str, ...]
                                 "allowed)", argument=name)
         out.append(path)
     return tuple(out)
+
+
+def check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], what: str, *,
+               optional: bool = True) -> Any:
+    """``value`` when it is an instance of ``types`` (or None when ``optional``); else an
+    ArgumentError naming ``name`` and saying what it must be (never an AttributeError deep
+    inside)."""
+    if (value is None and optional) or isinstance(value, types):
+        return value
+    raise ArgumentError(f"{name}={value!r:.60}: not {what}", argument=name)
+
+
+def check_callable(name: str, value: Any) -> Any:
+    """``value`` when it is callable (or None)."""
+    if value is None or callable(value):
+        return value
+    raise ArgumentError(f"{name}={value!r:.60}: not callable; give a function or None",
+                        argument=name)
+
+
+def check_event(name: str, value: Any) -> Any:
+    """A cancel event: None or an object with ``is_set()`` (a threading.Event)."""
+    if value is None or callable(getattr(value, "is_set", None)):
+        return value
+    raise ArgumentError(f"{name}={value!r:.60}: not an event; give a threading.Event or None",
+                        argument=name)
+
+
+def check_device(name: str, value: Any, *, required: bool = False) -> Any:
+    """A torch device (``"cpu"``, ``"cuda:1"``, a ``torch.device``); None passes unless
+    ``required``."""
+    if value is None and not required:
+        return value
+    import torch
+    try:
+        if isinstance(value, (str, torch.device)):
+            return torch.device(value)
+    except (RuntimeError, ValueError, TypeError):
+        pass
+    raise ArgumentError(f"{name}={value!r:.60}: not a device; give cpu, cuda or cuda:N",
+                        argument=name)
 
 
 def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:

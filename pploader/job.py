@@ -418,6 +418,10 @@ def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
     """``--exchange-cost auto``: (exchange cost, resident fraction) for this checkpoint on a
     device kind (``"cpu"`` / ``"cuda"``), from its shards' sampled page-cache residency
     (``mincore``; no data is read) and the rates measured in docs/benchmarks-gpu.md."""
+    from .arguments import check_choice
+    from .storage import check_model_location
+    check_model_location(model_dir, "model_dir")
+    check_choice("device", str(device).partition(":")[0], ("cpu", "cuda"))
     return auto_exchange_cost_of(open_checkpoint(model_dir, allowed_roots=allowed_roots),
                                  str(device))
 
@@ -437,6 +441,13 @@ def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
     cache pools (``pools``: how to size them, default ``PoolOptions()``), for a job of ``pp``
     x ``ep`` x ``tp`` ranks; ``plan_options``:
     ``range_cost_bytes``, ``exchange_cost``, ``exchange_batch_bytes``. Pure: headers only."""
+    from .arguments import check_type
+    from .planning.partition import EngineSplit
+    from .planning.topology import Topology
+    Topology(pp, tp, ep)  # sizes checked (TopologyError naming each) before any planning
+    check_type("pools", pools, PoolOptions, "a PoolOptions")
+    check_type("partition", partition, (str, list, tuple, EngineSplit),
+               "even, balanced, vllm, sglang, an EngineSplit or layer counts", optional=False)
     pools = pools if pools is not None else PoolOptions()
     spec = load_spec(model_dir, allowed_roots=allowed_roots)
     index = open_checkpoint(model_dir, allowed_roots=allowed_roots)

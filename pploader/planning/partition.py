@@ -248,6 +248,9 @@ def check_engine_window(window: StageWindow, start_layer: int, end_layer: int, *
     """Raise PlanError unless the engine's stage ``[start_layer, end_layer)`` is pploader's
     ``window``: an engine's ``load_weights`` skips layers outside its window silently, so a
     disagreement would leave layers unloaded instead of failing."""
+    from ..arguments import check_type
+    check_type("window", window, StageWindow, "a StageWindow (StagePlan.plan.window)",
+               optional=False)
     if (window.start_layer, window.end_layer) != (start_layer, end_layer):
         raise PlanError(
             f"stage {window.pp_rank}: {engine} built layers [{start_layer}, {end_layer}) but "

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -116,3 +117,62 @@ def test_good_values_pass(model: Path) -> None:
     PoolOptions(tokens=4096, requests=16, memory_fraction=0.9, mamba_ratio=0.0)
     PPLoaderStorageReader(model, threads=1, window_bytes=1 << 20, io_backend="threaded",
                           allowed_roots=(str(model),))
+
+
+def _misuses(model: Path) -> list[tuple[str, Any, str]]:
+    """(what, a call with one bad argument, the name the error must give)."""
+    import threading
+
+    import torch
+
+    from pploader import (check_engine_window, get_pp_indices, load_stage_into,
+                          measure_exchange_cost, pipeline_window, plan_job)
+    staged = plan_stage(model, _one())
+    window = staged.plan.window
+    return [
+        ("for_world tp=0", lambda: Topology.for_world(4, 0, tp=0), "tp"),   # ZeroDivisionError
+        ("for_world ep=0", lambda: Topology.for_world(4, 0, ep=0), "ep"),
+        ("for_world rank None", lambda: Topology.for_world(1, None), "rank"),  # type: ignore
+        ("Topology huge", lambda: Topology(1 << 20), "pp_size"),
+        ("plan_job tp huge", lambda: plan_job(model, 1, tp=10**30), "tp_size"),  # MemoryError
+        ("plan_job pools", lambda: plan_job(model, 1, pools=""), "pools"),  # type: ignore
+        ("plan_job partition", lambda: plan_job(model, 1, partition=None), "partition"),  # type: ignore
+        ("plan_stage topology", lambda: plan_stage(model, "0"), "topology"),  # type: ignore
+        ("plan_stage opened", lambda: plan_stage(model, _one(), opened=""), "opened"),  # type: ignore
+        ("plan_stage node_ranks", lambda: plan_stage(model, _one(), node_ranks=0), "node_ranks"),  # type: ignore
+        ("load_stage staged", lambda: load_stage(None), "staged"),  # type: ignore  # AttributeError
+        ("load_stage device", lambda: load_stage(staged, device=""), "device"),
+        ("load_stage cancel", lambda: load_stage(staged, cancel=""), "cancel"),  # type: ignore
+        ("load_stage on_progress", lambda: load_stage(staged, on_progress=""), "on_progress"),  # type: ignore
+        ("iter topology", lambda: list(iter_stage_weights(staged, topology="")), "topology"),  # type: ignore
+        ("iter mode", lambda: list(iter_stage_weights(staged, mode=None)), "mode"),  # type: ignore
+        ("reader names", lambda: PPLoaderStorageReader(model, names=""), "names"),  # type: ignore
+        ("reader staging_device", lambda: PPLoaderStorageReader(model, staging_device=""),
+         "staging_device"),
+        ("check_engine_window", lambda: check_engine_window(None, 0, 8), "window"),  # type: ignore
+        ("get_pp_indices", lambda: get_pp_indices(3, 3, 4), "no layer"),
+        ("pipeline_window", lambda: pipeline_window(None, [0]), "stage"),
+        ("pipeline_window layers", lambda: pipeline_window(0, None, 1), "layers"),  # type: ignore
+        ("measure_exchange_cost", lambda: measure_exchange_cost(None), "model_dir"),  # type: ignore
+        ("measure_exchange_cost device", lambda: measure_exchange_cost(model, "tpu"), "device"),
+        ("load_stage_into module", lambda: load_stage_into(None, staged), "module"),  # type: ignore
+        ("load_stage_into device", lambda: load_stage_into(torch.nn.Linear(1, 1), staged,
+                                                           device="gpu0"), "device"),
+        ("ReadOptions cancel", lambda: StageLoadOptions(threads=threading.Event()), "threads"),  # type: ignore
+    ]
+
+
+def test_every_public_misuse_is_a_named_pploader_error(model: Path) -> None:
+    """Issue 44: no ZeroDivisionError, AttributeError, TypeError or MemoryError from a bad
+    argument of a public function: a pploader.errors type whose message names it."""
+    failed = []
+    for what, call, name in _misuses(model):
+        try:
+            call()
+            failed.append(f"{what}: accepted")
+        except PPLoaderError as exc:
+            if name not in str(exc):
+                failed.append(f"{what}: {exc} (does not name {name})")
+        except Exception as exc:  # noqa: BLE001 - what the test is about
+            failed.append(f"{what}: {type(exc).__name__}: {exc}")
+    assert not failed, "\n".join(failed)
