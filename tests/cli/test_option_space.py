@@ -283,3 +283,23 @@ def test_subprocess_one_line_no_traceback(argv: list[str], needle: str,
     assert proc.returncode == 2, proc.stderr
     assert needle in _one_line(proc.stderr, argv)
     assert not out.exists()
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"PPLOADER_TEST_WORKERS": "abc"}, "PPLOADER_TEST_WORKERS='abc'"),
+    ({"PPLOADER_TEST_WORKERS": "0"}, "PPLOADER_TEST_WORKERS='0'"),
+    ({"PPLOADER_TORCH": "numpy"}, "PPLOADER_TORCH='numpy' is not a torch requirement"),
+    ({"PPLOADER_TORCH": "torch==2.13.0; rm -rf ~"}, "is not a torch requirement"),
+])
+def test_launch_script_variables_refused_before_any_setup(env: dict, needle: str,
+                                                          tmp_path: Path) -> None:
+    """launch/test.sh's variables: one line, exit 2, before a venv is made or pip runs."""
+    root = Path(pploader.__file__).resolve().parents[1]
+    venv = tmp_path / "venv"
+    proc = subprocess.run(["bash", str(root / "launch" / "test.sh")], capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "PPLOADER_VENV": str(venv), **env})
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not venv.exists()
