@@ -184,6 +184,39 @@ def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int
         k for k in ref if "o_proj" in k or "down_proj" in k}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", ["1", "64", str(2 ** 40)])
+def test_cli_tp2_load_with_any_exchange_batch_completes_or_is_refused(llama: Path,
+                                                                      batch: str) -> None:
+    """Issue 44's acceptance: a TP=2 `pploader load` with --exchange-batch 1 or 64 hung until
+    the timeout; now each completes with every tensor exchanged, and 2**40 (more than this
+    machine's memory) is refused at the door in one line, before torch.distributed starts."""
+    import json
+    import time
+
+    from helpers import run, torchrun_cmd
+    from pploader.arguments import host_memory_bytes
+    start = time.monotonic()
+    out = run(torchrun_cmd(2, "load", "--model", str(llama), "--pp", "1", "--tp", "2",
+                           "--exchange-cost", "0", "--exchange-batch", batch, "--timeout", "30",
+                           "--no-pools", "--json"), timeout=120)
+    took = time.monotonic() - start
+    if int(batch) > host_memory_bytes():
+        assert out.returncode != 0, out.stderr[-2000:]
+        for r in range(2):  # each rank: one line from the argument check (torchrun then
+            # reports its failed children its own way)
+            assert f"[rank {r}] pploader load: error: argument --exchange-batch: " \
+                f"{batch} is too large" in out.stderr, out.stderr[-2000:]
+        assert took < 30, took
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    for rank in doc["ranks"]:
+        ex = rank["extra"]["redistribute"] if "extra" in rank else rank["redistribute"]
+        assert ex["tensors"] > 0 and ex["all_to_alls"] > 1, ex
+    assert took < 60, took  # was: hung until --timeout, then a gloo timeout
+
+
 def _failing_rank(rank: int, world: int, model: str) -> dict:
     import time
     from pploader import RankFailure, ReadError, load_stage, plan_stage
