@@ -108,7 +108,7 @@ def parse_json_limited(raw: bytes, name: str, *, what: str = "config.json",
                        max_depth: int = MAX_CONFIG_DEPTH) -> object:
     """The JSON value of ``raw`` (fetched from any storage, at most ``max_bytes + 1``
     bytes), strictly: size and nesting depth checked before parsing; a repeated key, NaN,
-    Infinity or a number too large for a float refused naming the key. A ConfigError naming
+    an infinity (``Infinity``, ``1e999``; but ``INFINITY_OK``) refused naming the key. A ConfigError naming
     ``name`` otherwise. Every storage's config.json goes through here (spec.read_config)."""
     if len(raw) > max_bytes:
         raise ConfigError(f"{what} is over the {max_bytes >> 20} MiB limit: not a model "
@@ -121,12 +121,15 @@ def parse_json_limited(raw: bytes, name: str, *, what: str = "config.json",
         raise ConfigError(f"{what} nests objects / arrays more than {max_depth} levels deep: "
                           "not a model config", file=name)
     try:
-        return json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                          parse_float=_finite_float)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except _ValueRefused as exc:
         raise ConfigError(f"{what}: {exc}", file=name) from None
     except (ValueError, RecursionError) as exc:
         raise ConfigError(f"not valid JSON: {exc}", file=name) from None
+    bad = _non_finite(value, "")
+    if bad is not None:
+        raise ConfigError(f"{what}: {bad[0]} is {bad[1]}: give a finite number", file=name)
+    return value
 
 
 def read_json_limited(path: os.PathLike | str, *, what: str = "config.json",
@@ -154,15 +157,28 @@ def _unique_keys(pairs: list) -> dict:
     return obj
 
 
-def _no_constant(name: str) -> object:
-    raise _ValueRefused(f"{name} is not a JSON number: give a finite value")
+#: keys whose values may be infinite: transformers writes ``Infinity`` there for "no limit"
+#: (Mamba2 / Bamba / Nemotron-H / FalconH1 / GraniteMoeHybrid ``time_step_limit``)
+INFINITY_OK = frozenset({"time_step_limit"})
 
 
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if value in (float("inf"), float("-inf")):
-        raise _ValueRefused(f"{text[:40]} is too large for a float: give a finite value")
-    return value
+def _non_finite(value: object, path: str) -> Optional[tuple[str, float]]:
+    """The first (key path, value) holding NaN (``NaN``) or an infinity (``Infinity``,
+    ``1e999``) outside ``INFINITY_OK``; None when every number is finite. The nesting is
+    already bounded (MAX_CONFIG_DEPTH), so the recursion is too."""
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and path.rpartition(".")[2].split("[")[0]
+                                 not in INFINITY_OK):
+            return path or "the value", value
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for key, inner in items:
+        found = _non_finite(inner, f"{path}[{key}]" if isinstance(key, int)
+                            else f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 #: keys whose value must be a JSON boolean (``"false"`` as a string is true in Python)
@@ -181,7 +197,8 @@ def check_config_types(config: Mapping) -> None:
     where a bool or an object belongs is refused naming the key; null means absent)."""
     def check(where: str, inner: Mapping) -> None:
         for key, value in inner.items():
-            if isinstance(value, float) and not math.isfinite(value):
+            if isinstance(value, float) and (math.isnan(value) or (
+                    math.isinf(value) and key not in INFINITY_OK)):
                 raise ConfigError(f"{where}{key} is {value}: give a finite number",
                                   file="config.json")
         for key in BOOL_KEYS & inner.keys():

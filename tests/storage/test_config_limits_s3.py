@@ -32,8 +32,11 @@ def _hostile(cfg: dict) -> dict[str, tuple[str, str]]:
         "over_16_mib": (good[:-1] + ', "pad": "' + "x" * (MAX_CONFIG_BYTES + 1) + '"}',
                         "over the 16 MiB limit"),
         "layers_1e9": (_text(cfg, num_hidden_layers=10**9), "num_hidden_layers"),
-        "nan_eps": (good[:-1] + ', "rms_norm_eps": NaN}', "NaN is not a JSON number"),
-        "inf_eps": (good[:-1] + ', "rms_norm_eps": 1e999}', "too large for a float"),
+        "nan_eps": (_text(cfg, rms_norm_eps=float("nan")), "rms_norm_eps is nan"),  # NaN
+        "inf_eps": (_text(cfg, rms_norm_eps=12345.5).replace("12345.5", "1e999"),
+                    "rms_norm_eps is inf"),
+        "inf_nested": (_text(cfg, rope_scaling={"factors": [1.0, float("inf")]}),
+                       "rope_scaling.factors[1] is inf"),
         "duplicate_layers": (good[:-1] + f', "num_hidden_layers": {cfg["num_hidden_layers"]}}}',
                              "key 'num_hidden_layers' appears twice"),
         "tie_as_string": (_text(cfg, tie_word_embeddings="false"),
