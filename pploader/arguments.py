@@ -5,7 +5,7 @@ unit and accepted range, with the CLI flag and the API argument name. ``cli_args
 each flag's argparse ``type`` from it (text -> value; a bad value is one line naming the flag
 and the accepted range, exit 2); the public API checks the same values with :func:`check`
 (an :class:`~pploader.errors.ArgumentError` naming the argument). A new option gets a row
-here, or ``tests/cli/test_option_table.py`` fails.
+here, or ``tests/cli/test_option_space.py`` fails.
 
 Bytes are integers (``0.5`` bytes is a mistake, ``1e30`` too); memory budgets stop at what
 this machine has. Imports nothing heavy (``pploader --help`` never imports torch).
@@ -282,14 +282,15 @@ def check_choice(name: str, value: Any, choices: Sequence[str]) -> str:
 
 
 #: io/registry.py's backend_names() (a literal: this module imports nothing of pploader but
-#: its errors, so every folder may use it; tests/cli/test_option_table.py checks the two agree)
+#: its errors, so every folder may use it; tests/cli/test_option_space.py checks the two agree)
 IO_BACKENDS = ("auto", "threaded", "pinned", "buffered", "mapped", "s3")
 
 
 _RAM = "this machine's memory"
 
-#: every option with a value: API name -> Spec (flags that only switch something on/off, and
-#: the few options with their own parser in cli_args.py, are listed in ``OWN_PARSERS``)
+#: every option with a value: API name -> Spec (the few CLI options with a parser of their own,
+#: such as --partition, --exchange-cost or output paths, are listed in the generated test's
+#: ``OWN`` with the values they accept)
 OPTIONS: dict[str, Spec] = {s.name: s for s in (
     # layout
     Spec("pp", "--pp", "count", 1, MAX_RANKS),
