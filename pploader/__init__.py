@@ -74,6 +74,7 @@ _EXPORTS: dict[str, str] = {
     "ReadError": "errors",
     "MemoryBudgetError": "errors",
     "TopologyError": "errors",
+    "ArgumentError": "errors",
     "NotReadyError": "errors",
     "RankFailure": "errors",
 }
@@ -89,7 +90,7 @@ __all__ = [
     "PoolOptions", "CacheDtypes", "CachePools", "build_rank_pools", "PPLoaderStorageReader",
     "mesh_topology", "pipeline_window", "PPLoaderError",
     "ConfigError", "CheckpointError", "PlanError", "ReadError", "MemoryBudgetError",
-    "TopologyError", "NotReadyError", "RankFailure",
+    "TopologyError", "ArgumentError", "NotReadyError", "RankFailure",
 ]  # == ["__version__", *_EXPORTS] (tests/cli/test_public_api.py checks)
 
 
@@ -129,4 +130,5 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .integrations.dcp import PPLoaderStorageReader
     from .planning.mesh import mesh_topology, pipeline_window
     from .errors import (CheckpointError, ConfigError, MemoryBudgetError, NotReadyError,
-                         PlanError, PPLoaderError, RankFailure, ReadError, TopologyError)
+                         PlanError, PPLoaderError, RankFailure, ReadError, TopologyError,
+                         ArgumentError)

@@ -335,9 +335,8 @@ def _ranks_per_node(args: argparse.Namespace) -> Optional[int]:
     Slurm's / Open MPI's), 0 when none says (the load then refuses it on every rank)."""
     if not args.read_once_node:
         return None
-    local = os.environ.get("LOCAL_WORLD_SIZE") or os.environ.get("SLURM_NTASKS_PER_NODE") \
-        or os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE")
-    return int(local) if local and local.isdigit() else 0
+    from .cli_args_checks import env_ranks_per_node
+    return env_ranks_per_node(os.environ) or 0  # found and checked by check_load_args
 
 
 def _make_tiny(args: argparse.Namespace) -> int:
@@ -428,6 +427,11 @@ def _run(args: argparse.Namespace) -> int:
         if world > MAX_RANKS:
             raise UsageError(f"--pp x --tp x --ep = {world} ranks, more than {MAX_RANKS}: give "
                              "smaller layout sizes")
+        counts = args.partition
+        if isinstance(counts, list) and args.pp is not None and len(counts) != args.pp:
+            raise UsageError(f"--partition {','.join(map(str, counts))} has {len(counts)} "
+                             f"stage(s) but --pp is {args.pp}: give {args.pp} layer counts, "
+                             f"or --pp {len(counts)}")
     if args.command == "plan":
         return cmd_plan(args)
     if args.command == "load":

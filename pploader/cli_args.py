@@ -10,10 +10,13 @@ import os
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
-from .io.registry import AUTO, backend_names, backends_help
+from .arguments import BY_FLAG, MAX_LAYERS, MAX_RANKS, Spec
+from .arguments import OPTIONS as BY_NAME
+from .errors import ArgumentError
+from .io.registry import AUTO, backends_help
 from .planning.partition import ENGINE_PARTITION_ENV, ENGINES, parse_partition  # noqa: F401
 
-__all__ = ["build_parser"]
+__all__ = ["build_parser", "MAX_RANKS"]
 
 
 #: read.DEFAULT_WINDOW_BYTES in MiB (a literal: --help must not import torch; a test checks it)
@@ -29,7 +32,7 @@ _LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
 #: torch.distributed backends pploader runs on
-_BACKENDS = ("gloo", "nccl", "mpi")
+_BACKENDS = ("gloo", "nccl", "mpi")  # == arguments.OPTIONS["backend"].choices (a test checks)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -74,30 +77,31 @@ def _partition(text: str) -> object:
         if any(n < 1 for n in sizes):  # known without the model: refused before any start
             raise argparse.ArgumentTypeError(f"partition {sizes}: every stage needs at least "
                                              "one layer; give counts of 1 or more")
+        if any(n > MAX_LAYERS for n in sizes):
+            raise argparse.ArgumentTypeError(f"{text[:40]}: a stage of more than {MAX_LAYERS} "
+                                             "layers (no model has that many); give layer "
+                                             "counts such as 8,8,9,7")
         return sizes
     except PlanError as exc:
         raise argparse.ArgumentTypeError(f"{exc.detail}; or use even / balanced / "
                                          "vllm / sglang") from None
 
 
-def _size(text: str) -> int:
-    """Bytes from ``512M``, ``1G``, ``64KiB``, ``1048576``; positive."""
-    units = {"k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
-    t = text.strip().lower()
-    t = t[:-2] if t.endswith("ib") else t[:-1] if t.endswith("b") else t
-    try:
-        value = float(t[:-1]) * units[t[-1]] if t and t[-1] in units else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size: give bytes like 512M, 1G "
-                                         "or 1048576") from None
-    if value != value or value <= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the size must be positive, e.g. 512M")
-    return int(value)
+def _typed(flag: str, row: Optional[Spec] = None) -> Callable[[str], Any]:
+    """The argparse ``type`` of ``flag`` from the option table (pploader/arguments.py): the
+    text parsed and range-checked there; a bad value is one line naming the accepted range."""
+    row = row or BY_FLAG[flag]
 
-
-def _size0(text: str) -> int:
-    """A size that may be 0 (``--range-cost 0``)."""
-    return 0 if text.strip() == "0" else _size(text)
+    def parse(text: str) -> Any:
+        try:
+            return row.parse(text)  # type: ignore[union-attr]
+        except ArgumentError as exc:
+            detail = exc.detail.removeprefix(f"{flag}=").removeprefix(f"{flag}: ")
+            detail = detail.removeprefix(f"{row.name}=")  # type: ignore[union-attr]
+            raise argparse.ArgumentTypeError(detail) from None
+    parse.__name__ = row.name
+    parse.spec = row  # type: ignore[attr-defined]  # the generated option test reads it
+    return parse
 
 
 def _parse(text: str, kind: Callable[[str], Any], what: str) -> Any:
@@ -108,73 +112,35 @@ def _parse(text: str, kind: Callable[[str], Any], what: str) -> Any:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
 
 
-def _count(text: str) -> int:
-    """A positive integer (ranks, threads, tokens)."""
-    value = _parse(text, int, "an integer")
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value}: must be 1 or more")
-    return value
-
-
-#: the most ranks one layout dimension, and a whole job, may have (plan builds every rank)
-MAX_RANKS = 1 << 16
-
-
-def _ranks(text: str) -> int:
-    """A layout size (--pp, --tp, --ep): 1 to MAX_RANKS."""
-    value = _count(text)
-    if value > MAX_RANKS:
-        raise argparse.ArgumentTypeError(f"{value}: more than {MAX_RANKS} ranks")
-    return value
-
-
-def _at_most(limit: int, what: str) -> Callable[[str], int]:
-    """A positive integer up to ``limit`` (a sanity cap: past it the value is a mistake)."""
-    def parse(text: str) -> int:
-        value = _count(text)
-        if value > limit:
-            raise argparse.ArgumentTypeError(f"{value}: more than {limit} {what}")
-        return value
-    parse.__name__ = f"at_most_{limit}"
+def _text(what: str) -> Callable[[str], str]:
+    """A non-empty value (a path or a name; whether it exists is checked by its command)."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"{text!r}: empty; give {what}")
+        return text
+    parse.__name__ = "text"
     return parse
 
 
-#: reader threads per rank; KV tokens / state requests per stage; tokens per KV page
-_threads = _at_most(1024, "threads")
-_tokens = _at_most(1 << 32, "tokens (a pool that size fits no device)")
-_requests = _at_most(1 << 24, "requests")
-_page = _at_most(1 << 20, "tokens per page")
+def _model(text: str) -> str:
+    """--model: a local directory (checked when planning) or a well-formed s3:// URL."""
+    from .storage import check_model_location
+    try:
+        return check_model_location(text, "--model")
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.detail.removeprefix("--model: ")) from None
 
 
-def _seconds(text: str) -> float:
-    value = _parse(text, float, "a number of seconds")
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"{text}: the timeout must be positive seconds, "
-                                         "e.g. 60")
-    return value
-
-
-def _fraction(text: str) -> float:
-    value = _parse(text, float, "a number")
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be in (0, 1], e.g. 0.9")
-    return value
-
-
-def _ratio(text: str) -> float:
-    value = _parse(text, float, "a number")
-    if not 0 <= value <= 1:
-        raise argparse.ArgumentTypeError(f"{text}: must be in [0, 1], e.g. 0.5")
-    return value
+_model.spec = BY_FLAG["--model"]  # type: ignore[attr-defined]  # its table row
 
 
 def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
-    p.add_argument("--model", required=True, help="model directory or s3://bucket/prefix: "
+    p.add_argument("--model", type=_model, required=True, help="model directory or s3://bucket/prefix: "
                    "config.json + safetensors shards (+ model.safetensors.index.json)")
-    p.add_argument("--pp", type=_ranks, required=pp_required, default=None,
+    p.add_argument("--pp", type=_typed("--pp"), required=pp_required, default=None,
                    help="pipeline stages (default for load: world size / (tp*ep))")
-    p.add_argument("--tp", type=_ranks, default=1, help="tensor-parallel ranks per stage")
-    p.add_argument("--ep", type=_ranks, default=1, help="expert-parallel ranks per stage "
+    p.add_argument("--tp", type=_typed("--tp"), default=1, help="tensor-parallel ranks per stage")
+    p.add_argument("--ep", type=_typed("--ep"), default=1, help="expert-parallel ranks per stage "
                    "(experts split in contiguous blocks)")
     p.add_argument("--partition", type=_partition, default="even",
                    help="even (default; remainder to middle stages), balanced (by bytes from the "
@@ -182,39 +148,22 @@ def _layout_args(p: argparse.ArgumentParser, pp_required: bool = False) -> None:
                    "VLLM_PP_LAYER_PARTITION / SGLANG_PP_LAYER_PARTITION when set), or layer "
                    "counts per stage such as 8,8,9,7")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of a table")
-    p.add_argument("--allow-root", action="append", default=[], metavar="DIR",
+    p.add_argument("--allow-root", type=_typed("--allow-root"), action="append", default=[],
+                   metavar="DIR",
                    help="also accept config.json, the index and shards that are symlinks into "
                    "DIR (repeatable; default: the model directory and its Hugging Face cache "
                    "repo only)")
 
 
 def _exchange_cost(text: str) -> Optional[float | str]:
-    if text == "off":
-        return None
-    if text == "auto":
-        return "auto"
-    value = _parse(text, float, "a cost: give a number >= 0 (bytes read per byte exchanged), "
-                   "auto or off")
-    if not 0 <= value < float("inf"):  # NaN fails both comparisons
-        raise argparse.ArgumentTypeError(f"{text}: the cost must be a finite number >= 0, "
-                                         "auto or off")
-    return value
-
-
-def _index(text: str) -> int:
-    """A non-negative integer (a node number)."""
-    value = _parse(text, int, "an integer")
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value}: must be 0 or more")
-    return value
-
-
-def _seed(text: str) -> int:
-    """A random seed torch accepts: 0 <= seed < 2**63."""
-    value = _index(text)
-    if value >= 1 << 63:
-        raise argparse.ArgumentTypeError(f"{value}: must be below 2**63")
-    return value
+    """A cost in the table's range (arguments.OPTIONS["exchange_cost"]), auto or off."""
+    if text.strip() in ("off", "auto"):
+        return None if text.strip() == "off" else "auto"
+    try:
+        return BY_NAME["exchange_cost"].parse(text)  # type: ignore[no-any-return]
+    except ArgumentError as exc:
+        raise argparse.ArgumentTypeError(exc.detail.removeprefix("exchange_cost=")
+                                         + ", auto or off") from None
 
 
 def _tiny_names() -> list[str]:
@@ -226,7 +175,7 @@ def _tiny_names() -> list[str]:
 def _tp_read_args(p: argparse.ArgumentParser) -> None:
     """Options that change how TP slices are read (so `plan` shows what `load` does)."""
     g = p.add_argument_group("TP slice reads (docs/tensor-parallel.md)")
-    g.add_argument("--range-cost", type=_size0, default=None, metavar="BYTES",
+    g.add_argument("--range-cost", type=_typed("--range-cost"), default=None, metavar="BYTES",
                    help="cost of one extra positional read in bytes: strided (dim-1) TP slices "
                    "are read row by row when cheaper than the covering box; 0 = always row by "
                    "row (default 64K)")
@@ -238,7 +187,7 @@ def _tp_read_args(p: argparse.ArgumentParser) -> None:
                    "docs/tensor-parallel.md)")
     g.add_argument("--no-redistribute", dest="exchange_cost", action="store_const", const=None,
                    help="same as --exchange-cost off: read strided slices directly")
-    g.add_argument("--exchange-batch", type=_size, default=None, metavar="BYTES",
+    g.add_argument("--exchange-batch", type=_typed("--exchange-batch"), default=None, metavar="BYTES",
                    help="tensor bytes per all-to-all (default 64M; larger tensors are cut "
                    "into row chunks)")
 
@@ -246,39 +195,33 @@ def _tp_read_args(p: argparse.ArgumentParser) -> None:
 def _pool_args(p: argparse.ArgumentParser) -> None:
     """Options sizing each stage's KV / Mamba cache pools (docs/pools.md)."""
     g = p.add_argument_group("cache pools (docs/pools.md)")
-    g.add_argument("--tokens", type=_tokens, default=None, help="target KV tokens per stage "
+    g.add_argument("--tokens", type=_typed("--tokens"), default=None, help="target KV tokens per stage "
                    "(sizes the pools when no budget is given; with --partition balanced, the "
                    "cache load layers are weighed at); default 4096")
-    g.add_argument("--requests", type=_requests, default=None,
+    g.add_argument("--requests", type=_typed("--requests"), default=None,
                    help="target concurrent requests (Mamba / linear-attention state slots); "
                    "default 16")
-    g.add_argument("--cache-budget", type=_size, default=None, metavar="BYTES",
+    g.add_argument("--cache-budget", type=_typed("--cache-budget"), default=None, metavar="BYTES",
                    help="cache bytes per rank (e.g. 20G): report max tokens / requests it holds")
     g.add_argument("--device-memory", type=_memory, default=None, metavar="BYTES|auto",
                    help="device memory per rank; budget = this x --memory-fraction - the rank's "
                    "weight bytes (load: 'auto' = the pool device's total memory)")
-    g.add_argument("--memory-fraction", type=_fraction, default=0.9, help="default 0.9")
-    g.add_argument("--mamba-ratio", type=_ratio, default=0.5,
+    g.add_argument("--memory-fraction", type=_typed("--memory-fraction"), default=0.9, help="default 0.9")
+    g.add_argument("--mamba-ratio", type=_typed("--mamba-ratio"), default=0.5,
                    help="share of a stage's budget for the state pool when it has both "
                    "attention and state layers (default 0.5)")
-    g.add_argument("--page-size", type=_page, default=16, help="tokens per KV page (default 16)")
-    g.add_argument("--max-context", type=_tokens, default=None, metavar="TOKENS",
+    g.add_argument("--page-size", type=_typed("--page-size"), default=16, help="tokens per KV page (default 16)")
+    g.add_argument("--max-context", type=_typed("--max-context"), default=None, metavar="TOKENS",
                    help="tokens one request may reach: sliding-window layers keep min(window, "
                    "this) per request (default: the window)")
-    g.add_argument("--kv-dtype", default=None, help="KV cache dtype (default: model dtype)")
-    g.add_argument("--ssm-dtype", default=None,
+    g.add_argument("--kv-dtype", type=_typed("--kv-dtype"), default=None, help="KV cache dtype (default: model dtype)")
+    g.add_argument("--ssm-dtype", type=_typed("--ssm-dtype"), default=None,
                    help="ssm / temporal state dtype (default float32)")
 
 
 def _memory(text: str) -> int:
-    return -1 if text == "auto" else _size(text)
-
-
-def _backend(text: str) -> str:
-    if text not in _BACKENDS:
-        raise argparse.ArgumentTypeError(f"unknown backend {text!r}: use gloo (CPU), nccl "
-                                         "(GPUs) or mpi")
-    return text
+    """--device-memory: bytes (the table's range), or auto (-1: the pool device's memory)."""
+    return -1 if text.strip() == "auto" else _typed("--device-memory")(text)
 
 
 def _device_name(text: str) -> str:
@@ -318,32 +261,34 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--no-pools", action="store_true", help="do not allocate cache pools")
     p.add_argument("--pool-device", type=_device_name, default=None,
                    help="device of the cache pools (default cuda:LOCAL_RANK with GPUs, else cpu)")
-    p.add_argument("--window-bytes", type=_size, default=None,
+    p.add_argument("--window-bytes", type=_typed("--window-bytes"), default=None,
                    help=f"host memory in flight per rank (default max({_DEFAULT_WINDOW_MIB}"
                    " MiB, 2x largest tensor)); accepts 512M, 1G")
-    p.add_argument("--threads", type=_threads, default=None,
+    p.add_argument("--threads", type=_typed("--threads"), default=None,
                    help="reader threads per rank (default 1 on CPU, 16 on a GPU)")
     p.add_argument("--device", type=_device_name, default=None,
                    help="where the weights go: cpu, cuda, cuda:N (default cuda:LOCAL_RANK when "
                    "this rank has a GPU, else cpu). On a GPU bytes go through a pinned ring "
                    "straight into device memory (O_DIRECT when the files are not cached)")
-    p.add_argument("--io-backend", choices=backend_names(), default=AUTO,
+    p.add_argument("--io-backend", type=_typed("--io-backend"), default=AUTO,
+                   metavar="{" + ",".join(BY_FLAG["--io-backend"].choices) + "}",
                    help="read backend of every read: direct, --read-once, the TP exchange's row "
                    "shares, --read-once-node (default auto: the first that loads onto --device). "
                    + backends_help())
-    p.add_argument("--timeout", type=_seconds, default=60.0,
+    p.add_argument("--timeout", type=_typed("--timeout"), default=60.0,
                    help="load timeout: a rank making no progress this long while others wait is "
                    "named silent (hung), one whose heartbeat stops for min(10, timeout) s is "
                    "named dead; every rank then exits 1 (default 60)")
-    p.add_argument("--backend", type=_backend, default=None, help="torch.distributed backend (default: "
+    p.add_argument("--backend", type=_typed("--backend"), default=None, help="torch.distributed backend (default: "
                    "$PPLOADER_BACKEND, else nccl when each rank has a GPU, else gloo)")
-    p.add_argument("--save-loaded", metavar="DIR", default=None,
+    p.add_argument("--save-loaded", type=_text("an output directory"), metavar="DIR",
+                   default=None,
                    help="write each rank's tensors to DIR/rank-<rank>.safetensors once every "
                    "rank succeeded (DIR new, empty or an earlier --save-loaded's; not inside "
                    "the model)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on rank 0")
     p.add_argument("--progress", action="store_true", help="progress bar even when not a TTY")
-    p.add_argument("--memory-budget", type=_size, default=None, metavar="BYTES",
+    p.add_argument("--memory-budget", type=_typed("--memory-budget"), default=None, metavar="BYTES",
                    help="fail with a structured out-of-memory error (tensor, bytes) when a rank "
                    "would allocate more than this; accepts 512M, 1G (default: no cap)")
     p.add_argument("--read-once", action="store_true",
@@ -362,11 +307,11 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     _layout_args(p, pp_required=True)
     _tp_read_args(p)
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--nodes", type=_ranks, default=None,
+    g.add_argument("--nodes", type=_typed("--nodes"), default=None,
                    help="number of nodes (ranks split evenly)")
-    g.add_argument("--ranks-per-node", type=_ranks, default=None,
+    g.add_argument("--ranks-per-node", type=_typed("--ranks-per-node"), default=None,
                    help="ranks per node (default 1: one entry per rank)")
-    p.add_argument("--node", type=_index, default=None,
+    p.add_argument("--node", type=_typed("--node"), default=None,
                    help="print only this node's files, without comments (e.g. $SLURM_NODEID)")
     p.add_argument("--format", choices=("list", "rsync", "include", "sbcast", "json"),
                    default="list", help="list / rsync (a --files-from list), include (download "
@@ -378,12 +323,14 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                        "configs ship with pploader: name a family. The checkpoint is written to "
                        "a temporary directory and renamed into place, files mode 0644.",
                        epilog="bundled families: " + ", ".join(_tiny_names()))
-    p.add_argument("config", help="a family name (one of the bundled tiny configs listed "
+    p.add_argument("config", type=_text("a family name or a config.json path"), help="a family name (one of the bundled tiny configs listed "
                    "below) or a config.json path")
-    p.add_argument("out", help="output directory: new, empty, or an earlier pploader output "
+    p.add_argument("out", type=_text("an output directory"),
+                   help="output directory: new, empty, or an earlier pploader output "
                    "(with --force); never a directory holding other files, never s3://")
-    p.add_argument("--shard-bytes", type=_size, default=None, help="target shard size")
-    p.add_argument("--seed", type=_seed, default=None, help="random seed (default: the "
+    p.add_argument("--shard-bytes", type=_typed("--shard-bytes"), default=None,
+                   help="target shard size")
+    p.add_argument("--seed", type=_typed("--seed"), default=None, help="random seed (default: the "
                    "config's pploader_tiny.seed, else 0)")
     p.add_argument("--force", action="store_true", help="replace an earlier pploader output "
                    "in OUT: only the files its .pploader-output marker lists are replaced, "
@@ -393,11 +340,13 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
                        description="pploader never unpickles by default. With --allow-pickle, "
                        "read SRC's pickle files with torch.load(weights_only=True) and write "
                        "safetensors shards + index to the new directory DST.")
-    p.add_argument("src", help="directory with pytorch_model*.bin / *.pt / *.pth")
-    p.add_argument("dst", help="output directory: new or empty, outside SRC")
+    p.add_argument("src", type=_text("the directory of the pickle files"),
+                   help="directory with pytorch_model*.bin / *.pt / *.pth")
+    p.add_argument("dst", type=_text("a new output directory"),
+                   help="output directory: new or empty, outside SRC")
     p.add_argument("--allow-pickle", action="store_true",
                    help="required: you trust these pickle files")
-    p.add_argument("--shard-bytes", type=_size, default=4 << 30, help="target shard size")
+    p.add_argument("--shard-bytes", type=_typed("--shard-bytes"), default=4 << 30, help="target shard size")
 
     if bench:  # the benchmark package, imported only for `pploader bench`
         from .bench.command import add_bench_parser

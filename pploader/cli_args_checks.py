@@ -16,6 +16,7 @@ from typing import Mapping, Optional
 from .errors import UsageError
 
 __all__ = ["check_load_args", "check_writable_dir", "check_env",
+           "check_launch_env", "env_ranks_per_node",
            "check_engine_env", "publish_mode", "FILE_MODE", "ENV_BACKEND"]
 
 #: mode of every file pploader writes (readable by the group and others, as `cp` would)
@@ -78,25 +79,114 @@ def check_engine_env(engine: str, env: Optional[Mapping[str, str]] = None) -> Op
     return text
 
 
-def check_env(env: Optional[Mapping[str, str]] = None) -> None:
-    """The environment variables docs/launch.md names, as strictly as their flags."""
+def check_env(env: Optional[Mapping[str, str]] = None,
+              args: Optional[argparse.Namespace] = None) -> None:
+    """The environment variables docs/launch.md names, as strictly as their flags, each only
+    where it applies (``args``: the command's options; None = every variable): a broken
+    VLLM_PP_LAYER_PARTITION never breaks ``--partition even``."""
     from .cli_args import _BACKENDS, ENGINE_PARTITION_ENV
     env = os.environ if env is None else env
     backend = env.get(ENV_BACKEND)
-    if backend is not None and backend not in _BACKENDS:
+    if backend is not None and backend not in _BACKENDS and (
+            args is None or getattr(args, "backend", None) is None):
         raise UsageError(f"{ENV_BACKEND}={backend!r}: unknown backend; use one of "
                          f"{', '.join(_BACKENDS)} or unset it")
     for engine in ENGINE_PARTITION_ENV:
-        check_engine_env(engine, env)
+        if args is None or getattr(args, "partition", None) == engine:
+            check_engine_env(engine, env)
     local = env.get("LOCAL_WORLD_SIZE")
-    if local is not None and not (local.strip().isdigit() and int(local) > 0):
+    if local is not None and not (local.strip().isdigit() and int(local) > 0) and (
+            args is None or getattr(args, "read_once_node", False)):
         raise UsageError(f"LOCAL_WORLD_SIZE={local!r}: must be a positive integer (ranks on "
                          "this node); fix the launcher's environment or unset it")
 
 
+def check_launch_env(env: Optional[Mapping[str, str]] = None) -> int:
+    """The launcher's rank variables make sense together (before torch.distributed starts);
+    returns the world size they give. RANK without WORLD_SIZE (or the reverse) is a launch
+    mistake, not a single process; a torchrun-style world needs MASTER_ADDR."""
+    from .distributed.bootstrap import detect_launch
+    from .errors import TopologyError
+    env = os.environ if env is None else env
+    given = [k for k in ("RANK", "WORLD_SIZE") if k in env]
+    if len(given) == 1:
+        other = ({"RANK", "WORLD_SIZE"} - set(given)).pop()
+        raise UsageError(f"{given[0]}={env[given[0]]!r} is set but {other} is not: a launcher "
+                         "sets both (torchrun, or RANK, WORLD_SIZE, MASTER_ADDR and "
+                         "MASTER_PORT by hand); set both, or unset it for one process")
+    try:
+        launch = detect_launch(env)
+    except TopologyError as exc:
+        raise UsageError(f"{exc.detail}: fix the launcher's environment") from None
+    if launch.source == "torchrun":
+        if not 0 <= launch.rank < launch.world_size:
+            raise UsageError(f"RANK={launch.rank} is outside WORLD_SIZE={launch.world_size}: "
+                             "fix the launcher's environment")
+        if launch.world_size > 1 and not env.get("MASTER_ADDR") and env.get(
+                "TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+            raise UsageError(f"WORLD_SIZE={launch.world_size} but MASTER_ADDR is not set: "
+                             "launch with torchrun, or export MASTER_ADDR and MASTER_PORT")
+    return launch.world_size
+
+
+def _check_together(args: argparse.Namespace, world: int) -> None:
+    """Options that make no sense together, or on this launch."""
+    if args.window_bytes is not None and args.memory_budget is not None \
+            and args.window_bytes > args.memory_budget:
+        raise UsageError(f"--window-bytes {args.window_bytes} is larger than --memory-budget "
+                         f"{args.memory_budget}: the window must fit the budget; give a "
+                         "smaller window or a larger budget")
+    if args.cache_budget is not None and args.device_memory is not None:
+        raise UsageError("--cache-budget and --device-memory both size the pools (the budget "
+                         "would win): give one of them")
+    if getattr(args, "read_once_node", False):
+        if world == 1:
+            raise UsageError("--read-once-node on one rank: there is no other rank to share "
+                             "with; leave it out, or launch several ranks (torchrun)")
+        local = env_ranks_per_node(os.environ)
+        if local is None:
+            raise UsageError("--read-once-node needs the ranks per node from the launcher: "
+                             "set LOCAL_WORLD_SIZE (torchrun sets it; Slurm "
+                             "SLURM_NTASKS_PER_NODE, Open MPI OMPI_COMM_WORLD_LOCAL_SIZE)")
+        if world % local:
+            raise UsageError(f"--read-once-node: {local} ranks per node do not divide the "
+                             f"world of {world} ranks; fix LOCAL_WORLD_SIZE or the launch")
+
+
+def env_ranks_per_node(env: Mapping[str, str]) -> Optional[int]:
+    """The ranks per node a launcher exported (LOCAL_WORLD_SIZE, Slurm's, Open MPI's)."""
+    for key in ("LOCAL_WORLD_SIZE", "SLURM_NTASKS_PER_NODE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        value = env.get(key, "").strip()
+        if value.isdigit() and int(value) > 0:
+            return int(value)
+    return None
+
+
+def _check_io_backend_storage(args: argparse.Namespace) -> None:
+    """``--io-backend`` reads the storage ``--model`` is on (s3 only for s3://, and back)."""
+    from .io.registry import BACKENDS
+    from .storage import is_remote
+    if args.io_backend in (None, "auto"):
+        return
+    info = next(b for b in BACKENDS if b.name == args.io_backend)
+    storage = "s3" if is_remote(args.model) else "file"
+    if info.storage != storage:
+        fits = [b.name for b in BACKENDS if b.storage == storage]
+        where = "an s3:// model" if storage == "s3" else "a local model"
+        raise UsageError(f"--io-backend {args.io_backend} reads {info.storage} storage and "
+                         f"--model is {where}; use --io-backend {' or '.join(['auto', *fits])}")
+
+
 def check_load_args(args: argparse.Namespace) -> None:
     """Every conflict `pploader load` can find before torch.distributed starts."""
-    check_env()
+    check_env(args=args)
+    from .planning.checkpoint import check_model_dir
+    from .storage import is_remote
+    if not is_remote(args.model):
+        check_model_dir(args.model)  # a missing --model: one line, before any rank starts
+    world = check_launch_env()
+    _check_together(args, world)
+    _check_io_backend_storage(args)
     gpus = _gpu_count() if any(str(v or "").startswith("cuda") for v in (
         args.device, args.pool_device)) or args.io_backend not in (None, "auto") else 0
     _check_gpu_option(args.device, "--device", gpus, " or leave --device out")

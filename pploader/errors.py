@@ -4,7 +4,8 @@ from __future__ import annotations
 from typing import Mapping, Optional
 
 __all__ = ["PPLoaderError", "CheckpointError", "ConfigError", "PlanError", "ReadError",
-           "TopologyError", "UsageError", "RankFailure", "NotReadyError", "MemoryBudgetError"]
+           "TopologyError", "UsageError", "ArgumentError", "RankFailure", "NotReadyError",
+           "MemoryBudgetError"]
 
 
 class PPLoaderError(Exception):
@@ -68,6 +69,16 @@ class UsageError(PPLoaderError):
     """A command-line option or environment setting is invalid (``pploader`` exits 2)."""
 
 
+class ArgumentError(UsageError, ValueError):
+    """An argument of the public API, or its command-line option, has the wrong type or is
+    out of range (pploader/arguments.py); ``argument`` names it. Also a ValueError, as a
+    bad argument is in Python."""
+
+    def __init__(self, message: str, *, argument: str, rank: Optional[int] = None) -> None:
+        self.argument = argument
+        super().__init__(message, rank=rank)
+
+
 class NotReadyError(PPLoaderError):
     """A model whose reload failed midway is not safe to use until restored."""
 
@@ -101,4 +112,4 @@ class RankFailure(PPLoaderError):
 #: Error types that mean "the input is wrong" (CLI exit code 2), as Comm.agree names them;
 #: a PermissionError (a file this user may not read) is the user's to fix too.
 INPUT_ERRORS = frozenset({"ConfigError", "CheckpointError", "PlanError", "TopologyError",
-                          "UsageError", "PermissionError"})
+                          "UsageError", "ArgumentError", "PermissionError"})

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capacity, plan_pools
-from .errors import ConfigError, PlanError
+from .errors import ConfigError, PlanError, UsageError
 from .planning.checkpoint import open_checkpoint
 from .planning.dtypes import dtype_casts
 from .planning.stage import OpenedModel, open_model
@@ -91,6 +91,19 @@ class StageLoadOptions:
     pool_device: Device = None
     pool_memory_from_device: bool = False
     progress_bar: bool = False
+
+    def __post_init__(self) -> None:
+        """The CLI's ranges for every field (arguments.py): an ArgumentError naming it."""
+        from .arguments import OPTIONS, check, check_paths
+        object.__setattr__(self, "allowed_roots", check_paths("allowed_roots",
+                                                              self.allowed_roots))
+        check(range_cost_bytes=self.range_cost_bytes,
+              exchange_batch_bytes=self.exchange_batch_bytes, window_bytes=self.window_bytes,
+              threads=self.threads, memory_budget_bytes=self.memory_budget_bytes,
+              io_backend=self.io_backend, ranks_per_node=self.ranks_per_node)
+        if self.exchange_cost != "auto":
+            check(exchange_cost=self.exchange_cost)
+        OPTIONS["node"].check(self.local_rank, label="local_rank")
 
 
 @dataclass
@@ -275,7 +288,36 @@ def _plan(model_dir: os.PathLike | str, opened: _OpenOnce, topology: Any,
         check_plan(staged)
     if pools is not None:  # the cache geometry is input too: refused here, before reading
         _check_geometry(staged, topology.tp_size, topology.rank)
+        _check_pool_memory(staged, pools, pools_on, topology.rank)
     return _Planned(staged, device, pools_on, pools)
+
+
+def _check_pool_memory(staged: "StagePlan", pools: PoolOptions, device: "torch.device",
+                       rank: int) -> None:
+    """The pools these options would allocate fit the pool device (its total memory; the
+    host's for CPU pools): checked from the geometry before anything is read or allocated,
+    naming the option that sized them (``--requests 16777216`` asked 64 GiB of a host)."""
+    import torch
+
+    from .arguments import format_size, host_memory_bytes
+    from .cache.sizing import rank_pools
+    have = (int(torch.cuda.get_device_properties(device).total_memory)
+            if device.type == "cuda" else host_memory_bytes())
+    where = f"the pool device {device} has {format_size(have)}"
+    if pools.device_bytes is not None and pools.device_bytes > have:
+        raise UsageError(f"--device-memory {pools.device_bytes} (PoolOptions.device_bytes): "
+                         f"{where}; give at most {have} or leave it out", rank=rank)
+    if pools.budget_bytes is not None and pools.budget_bytes > have:
+        raise UsageError(f"--cache-budget {pools.budget_bytes} (PoolOptions.budget_bytes): "
+                         f"{where}; give at most {have}", rank=rank)
+    _, cap = rank_pools(staged.spec, staged.plan, pools)
+    need = cap.kv_pool_bytes + cap.state_pool_bytes
+    if need > have:
+        flag = ("--tokens (PoolOptions.tokens)" if cap.kv_pool_bytes >= cap.state_pool_bytes
+                else "--requests (PoolOptions.requests)")
+        raise UsageError(f"{flag}: this rank's cache pools would take {format_size(need)} and "
+                         f"{where}; give a smaller {flag.split()[0]}, a --cache-budget, or "
+                         "--no-pools", rank=rank)
 
 
 def _check_geometry(staged: "StagePlan", tp: int, rank: int) -> None:
@@ -376,6 +418,10 @@ def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
     """``--exchange-cost auto``: (exchange cost, resident fraction) for this checkpoint on a
     device kind (``"cpu"`` / ``"cuda"``), from its shards' sampled page-cache residency
     (``mincore``; no data is read) and the rates measured in docs/benchmarks-gpu.md."""
+    from .arguments import check_choice
+    from .storage import check_model_location
+    check_model_location(model_dir, "model_dir")
+    check_choice("device", str(device).partition(":")[0], ("cpu", "cuda"))
     return auto_exchange_cost_of(open_checkpoint(model_dir, allowed_roots=allowed_roots),
                                  str(device))
 
@@ -395,6 +441,13 @@ def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
     cache pools (``pools``: how to size them, default ``PoolOptions()``), for a job of ``pp``
     x ``ep`` x ``tp`` ranks; ``plan_options``:
     ``range_cost_bytes``, ``exchange_cost``, ``exchange_batch_bytes``. Pure: headers only."""
+    from .arguments import check_type
+    from .planning.partition import EngineSplit
+    from .planning.topology import Topology
+    Topology(pp, tp, ep)  # sizes checked (TopologyError naming each) before any planning
+    check_type("pools", pools, PoolOptions, "a PoolOptions")
+    check_type("partition", partition, (str, list, tuple, EngineSplit),
+               "even, balanced, vllm, sglang, an EngineSplit or layer counts", optional=False)
     pools = pools if pools is not None else PoolOptions()
     spec = load_spec(model_dir, allowed_roots=allowed_roots)
     index = open_checkpoint(model_dir, allowed_roots=allowed_roots)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -54,13 +56,27 @@ def _refuse(files: Sequence[str], root: Path) -> CheckpointError:
                            "torch.load(weights_only=True)", file=str(root))
 
 
+def _reason(exc: Exception) -> str:
+    """The useful line of torch's error (its restricted unpickler's reason, such as
+    "Unsupported operand 149" for a pickle protocol above 2), not its advice to unpickle
+    without restrictions."""
+    text = str(exc).strip()
+    if "WeightsUnpickler error:" in text:
+        reason = text.split("WeightsUnpickler error:", 1)[1].strip().split("\n\n")[0]
+        hint = "; save it with pickle_protocol=2 (torch.save's default)" \
+            if "Unsupported operand" in reason else ""
+        return f"{' '.join(reason.split())[:200]}{hint}"
+    return text.splitlines()[0][:300] if text else ""
+
+
 def _load_one(path: Path, file: str) -> dict[str, torch.Tensor]:
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
+        with warnings.catch_warnings():  # torch's note on a pickle protocol other than 2:
+            warnings.filterwarnings("ignore", message="Detected pickle protocol")  # not ours
+            obj = torch.load(path, map_location="cpu", weights_only=True, mmap=False)
     except Exception as exc:  # noqa: BLE001 - any failure of the restricted unpickler
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointError(f"torch.load(weights_only=True) refused or failed: "
-                              f"{type(exc).__name__}: {first[:300]}", file=file) from None
+                              f"{type(exc).__name__}: {_reason(exc)}", file=file) from None
     if not isinstance(obj, dict):
         raise CheckpointError(f"holds a {type(obj).__name__}, not a state dict of tensors",
                               file=file)

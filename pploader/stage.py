@@ -23,6 +23,7 @@ from .planning.topology import Topology
 from .io.backend import ReadOptions, ReadStats
 from .io.registry import open_backend
 from .io.transfer import open_transfer
+from .errors import ArgumentError
 from .report import RankReport, current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -66,16 +67,20 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
     ranks (every rank of the group must iterate); without one, exchanged slices are read
     directly.
     """
+    from .arguments import check_type
+    check_type("topology", topology, Topology, "a Topology")
     if isinstance(model, StagePlan):
         if topology is not None and topology != model.plan.topology:
-            raise ValueError(f"iter_stage_weights: topology {topology.describe()} differs from "
-                             f"the StagePlan's {model.plan.topology.describe()}")
+            raise ArgumentError(f"iter_stage_weights: topology {topology.describe()} differs "
+                                f"from the StagePlan's {model.plan.topology.describe()}",
+                                argument="topology")
         if read_once and model.kind != "stage_read_once":
-            raise ValueError("read_once is planned: pass plan_stage(..., read_once=True)'s plan")
+            raise ArgumentError("read_once is planned: pass plan_stage(..., read_once=True)'s "
+                                "plan", argument="read_once")
         staged = model
     elif topology is None:
-        raise ValueError("iter_stage_weights(model_dir, topology): topology missing "
-                         "(or pass a StagePlan from plan_stage)")
+        raise ArgumentError("iter_stage_weights(model_dir, topology): topology missing "
+                            "(or pass a StagePlan from plan_stage)", argument="topology")
     else:
         staged = plan_stage(model, topology, partition=partition, read_once=read_once,
                             range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost)
@@ -127,6 +132,8 @@ def load_stage(staged: StagePlan, *, window_bytes: Optional[int] = None,
     tensors; ``ring`` may be passed in to reuse one across loads), on CPU ``threaded`` (the
     windowed Reader); ``buffered`` is the plain-``read()`` reference.
     """
+    from .arguments import check_type
+    check_type("staged", staged, StagePlan, "a StagePlan (from plan_stage)", optional=False)
     plan = staged.plan
     rss_before = current_rss_bytes()
     reset_peak_rss()

@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..cli_args import _count, _seconds, _seed, _size, _threads
+from ..cli_args import _text, _typed
 from ..errors import UsageError
 from .checks import (_gigabytes, _scale, _tensors, check_bench_outputs, check_bench_plan,
                      read_rendered)
@@ -48,10 +48,10 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
         "and together, each measurement in a fresh process. GB = 1e9 bytes.")
     p.add_argument("--size-gb", type=_gigabytes, default=4.3,
                    help="checkpoint size in GB (default 4.3, about 4 GiB)")
-    p.add_argument("--layers", type=_count, default=32, help="decoder layers (default 32)")
-    p.add_argument("--shards", type=_count, default=5,
+    p.add_argument("--layers", type=_typed("--layers"), default=32, help="decoder layers (default 32)")
+    p.add_argument("--shards", type=_typed("--shards"), default=5,
                    help="about this many shard files, split by size (default 5)")
-    p.add_argument("--pp", type=_count, default=4, help="pipeline stages = ranks (default 4)")
+    p.add_argument("--pp", type=_typed("--pp"), default=4, help="pipeline stages = ranks (default 4)")
     p.add_argument("--device", default="cpu",
                    choices=sorted({m.device for m in METHODS.values()} | {"cuda"}),
                    help="where tensors land (default cpu). cuda runs pploader.bench.cuda: the "
@@ -62,13 +62,13 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
                    help=f"comma list from {', '.join(METHODS)} (default: %(default)s)")
     p.add_argument("--caches", default="warm,cold", help="warm,cold (default both)")
     p.add_argument("--modes", default="alone,together", help="alone,together (default both)")
-    p.add_argument("--repeat", type=_count, default=1,
+    p.add_argument("--repeat", type=_typed("--repeat"), default=1,
                    help="repetitions; each table cell keeps the repetition with the best wall")
-    p.add_argument("--threads", type=_threads, default=1,
+    p.add_argument("--threads", type=_typed("--threads"), default=1,
                    help="reader threads per rank for pploader and raw (default 1)")
-    p.add_argument("--torch-threads", type=_threads, default=1,
+    p.add_argument("--torch-threads", type=_typed("--torch-threads"), default=1,
                    help="torch intra-op threads in each rank (default 1, as under torchrun)")
-    p.add_argument("--window-bytes", type=_size, default=None,
+    p.add_argument("--window-bytes", type=_typed("--window-bytes"), default=None,
                    help="pploader's window (default: the Reader's default)")
     p.add_argument("--rss-scale", type=_scale, default=4,
                    help="also load a checkpoint this many times smaller (warm, alone) to show "
@@ -76,32 +76,32 @@ def add_bench_parser(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("--plan-tensors", type=_tensors, default=100_000,
                    help="time `plan --pp P` on a headers-only checkpoint with this many "
                    "tensors; 0 = skip (default 100000)")
-    p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ppbench"),
+    p.add_argument("--dir", type=_text("a directory"), default=os.path.join(tempfile.gettempdir(), "ppbench"),
                    help="where checkpoints are written (default: %(default)s)")
     p.add_argument("--keep", action="store_true",
                    help="keep the generated checkpoints (reused by the next run with the same "
                    "sizes); default: delete them at the end")
-    p.add_argument("--seed", type=_seed, default=0)
-    p.add_argument("--timeout", type=_seconds, default=600.0,
+    p.add_argument("--seed", type=_typed("--seed"), default=0)
+    p.add_argument("--timeout", type=_typed("--timeout"), default=600.0,
                    help="seconds per measured process")
     p.add_argument("--json", action="store_true", help="print one JSON document, not tables")
-    p.add_argument("--markdown", metavar="FILE", default=None, help="write a Markdown report")
-    p.add_argument("--plot", metavar="FILE.png", default=None,
+    p.add_argument("--markdown", type=_text("a file name"), metavar="FILE", default=None, help="write a Markdown report")
+    p.add_argument("--plot", type=_text("a file name"), metavar="FILE.png", default=None,
                    help="write a PNG: GB/s and bytes read / ideal per rank per method")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.add_argument("--render", metavar="JSON", default=None,
+    p.add_argument("--render", type=_text("a JSON file saved with --json"), metavar="JSON", default=None,
                    help="measure nothing: re-render a document saved with --json")
     p.add_argument("--dcp", action="store_true", help="dcp.load: pploader's storage reader vs "
                    "torch's HuggingFaceStorageReader (pploader.bench.dcp; its options after --)")
     p.add_argument("passthrough", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
 
 
-def _csv(text: str, allowed: Sequence[str], what: str) -> list[str]:
+def _csv(text: str, allowed: Sequence[str], what: str, flag: str) -> list[str]:
     items = [x.strip() for x in text.split(",") if x.strip()]
     bad = [x for x in items if x not in allowed]
     if bad or not items:
-        raise UsageError(f"bench: unknown {what} {', '.join(bad) or repr(text)}; choose from "
-                         f"{', '.join(allowed)}")
+        raise UsageError(f"bench {flag}: unknown {what} {', '.join(bad) or repr(text)}; "
+                         f"choose from {', '.join(allowed)}")
     return items
 
 
@@ -285,9 +285,10 @@ def run_bench(args: argparse.Namespace) -> int:
         return render(read_rendered(args.render), as_json=args.json, markdown=args.markdown,
                       plot_path=args.plot)
     log = _Log(args.quiet)
-    methods = _csv(args.methods, [m.name for m in methods_for(args.device)], "method")
-    caches = _csv(args.caches, ["warm", "cold"], "cache state")
-    modes = _csv(args.modes, ["alone", "together"], "mode")
+    methods = _csv(args.methods, [m.name for m in methods_for(args.device)], "method",
+                   "--methods")
+    caches = _csv(args.caches, ["warm", "cold"], "cache state", "--caches")
+    modes = _csv(args.modes, ["alone", "together"], "mode", "--modes")
     check_bench_plan(args)
     from ..outputs import claim_output, own_entries, release_entries
     target = claim_output(args.dir, "--dir", command="bench", reuse=True)

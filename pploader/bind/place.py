@@ -415,6 +415,11 @@ def load_stage_into(module: nn.Module, model: Union[StagePlan, os.PathLike, str]
     module tensor, raises PlanError naming them before a byte is read. ``io_backend``: the
     read backend of the writes (io/registry.py; None = the device's default).
     """
+    from ..arguments import check_device, check_type
+    check_type("module", module, nn.Module, "a torch.nn.Module", optional=False)
+    check_type("topology", topology, Topology, "a Topology")
+    check_type("names", names, NameMap, "a NameMap", optional=False)
+    check_device("device", device)
     rank: Optional[int] = comm.rank if comm is not None else (
         model.plan.topology.rank if isinstance(model, StagePlan)
         else topology.rank if topology is not None else None)

@@ -243,6 +243,14 @@ class PoolOptions:
     #: tokens one request may reach (bounds windowed layers' pages: ``min(window, this)``)
     max_context: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        """The CLI's ranges (arguments.py): an ArgumentError naming the field."""
+        from ..arguments import check
+        check(tokens=self.tokens, requests=self.requests, budget_bytes=self.budget_bytes,
+              device_bytes=self.device_bytes, memory_fraction=self.memory_fraction,
+              mamba_ratio=self.mamba_ratio, page_size=self.page_size,
+              max_context=self.max_context)
+
 
 def stage_capacity(geom: StageCacheGeometry, opts: PoolOptions, weight_bytes: int) -> PoolCapacity:
     """Capacity of one rank's pools under ``opts`` (``weight_bytes``: the rank's plan bytes)."""

@@ -138,9 +138,17 @@ class PPLoaderStorageReader(StorageReader):
         super().__init__()
         if names is not None and rename is not None:
             raise ValueError("give names= (a NameMap) or rename= (a callable), not both")
-        if range_cost_bytes < 0:
-            raise ValueError(f"range_cost_bytes must be >= 0, got {range_cost_bytes}")
-        self.path = Path(path)
+        from ..arguments import (check, check_callable, check_device, check_paths,
+                                 check_type)
+        from ..storage import check_model_location
+        check(io_backend=io_backend, threads=threads, window_bytes=window_bytes,
+              range_cost_bytes=range_cost_bytes)  # the CLI's ranges (arguments.py)
+        check_type("names", names, NameMap, "a NameMap")
+        check_callable("rename", rename)
+        check_type("topology", topology, Topology, "a Topology")
+        check_device("staging_device", staging_device)
+        allowed_roots = check_paths("allowed_roots", allowed_roots)
+        self.path = Path(check_model_location(path, "path"))
         self._rename: Callable[[str], Optional[str]] = (
             rename if rename is not None else names.to_module if names is not None
             else _same)

@@ -96,6 +96,17 @@ class ReadOptions:
     fit_staging: bool = False
     device_window_bytes: Optional[int] = None
 
+    def __post_init__(self) -> None:
+        """Every public read path passes here: the option table's ranges (arguments.py), an
+        ArgumentError naming the argument (``threads=0``, ``window_bytes=nan`` ...)."""
+        from ..arguments import check, check_callable, check_choice, check_event
+        check(window_bytes=self.window_bytes, threads=self.threads,
+              memory_budget_bytes=self.memory_budget_bytes,
+              device_window_bytes=self.device_window_bytes)
+        check_choice("mode", self.mode, ("owned", "borrowed"))
+        check_event("cancel", self.cancel)
+        check_callable("on_progress", self.on_progress)
+
 
 @runtime_checkable
 class ReadBackend(Protocol):

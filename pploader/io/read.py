@@ -26,7 +26,7 @@ from typing import Any, Callable, Iterator, Mapping, Optional
 import torch
 
 from ..planning.checkpoint import DTYPES
-from ..errors import MemoryBudgetError, ReadError
+from ..errors import ArgumentError, MemoryBudgetError, ReadError
 from ..planning.plan import RankPlan, ReadItem
 from .backend import ReadOptions, ReadStats, check_identity, materialise, zero_padding
 
@@ -127,7 +127,7 @@ class Reader:
                  on_progress: Optional[Callable[[int], None]] = None,
                  memory_budget_bytes: Optional[int] = None) -> None:
         if mode not in ("owned", "borrowed"):
-            raise ValueError(f"mode must be 'owned' or 'borrowed', got {mode!r}")
+            raise ArgumentError(f"mode={mode!r}: must be 'owned' or 'borrowed'", argument="mode")
         self.plan, self.threads, self.mode = plan, max(1, threads), mode
         self.window_bytes = window_bytes or default_window_bytes(plan)
         if self.window_bytes < plan.largest_item_bytes:

@@ -10,6 +10,8 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from ..errors import ArgumentError
+
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
@@ -92,14 +94,16 @@ def select_backend(device: "str | torch.device", name: Optional[str] = None,
         for b in backends:
             if b.name == name:
                 if kind not in b.devices:
-                    raise ValueError(f"read backend {name!r} loads onto {'/'.join(b.devices)}, "
-                                     f"not {device}")
+                    raise ArgumentError(f"io_backend={name!r} loads onto "
+                                        f"{'/'.join(b.devices)}, not {device}",
+                                        argument="io_backend")
                 if b.storage != storage:
-                    raise ValueError(f"read backend {name!r} reads {b.storage} storage, not "
-                                     f"{storage} (use --io-backend auto)")
+                    raise ArgumentError(f"io_backend={name!r} reads {b.storage} storage, not "
+                                        f"{storage} (use --io-backend auto)",
+                                        argument="io_backend")
                 return b
-        raise ValueError(f"unknown read backend {name!r}: use one of "
-                         + ", ".join(backend_names(backends)))
+        raise ArgumentError(f"io_backend={name!r} is not a read backend; give one of "
+                            + ", ".join(backend_names(backends)), argument="io_backend")
     for b in backends:
         if kind in b.devices and b.storage == storage:
             return b

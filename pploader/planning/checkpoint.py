@@ -83,7 +83,11 @@ def inside_roots(root: Path, path: Path, extra: Sequence[os.PathLike | str], nam
 
 
 def _allowed_roots(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
-    """The model directory, its HF-cache repo folder when it is a snapshot, and ``extra``."""
+    """The model directory, its HF-cache repo folder when it is a snapshot, and ``extra``
+    (a sequence of existing directories: a single string is refused, never taken for its
+    characters, each of which would admit every path under ``/``)."""
+    from ..arguments import check_paths
+    extra = check_paths("allowed_roots", extra)
     roots = [root.resolve()]
     # Hugging Face cache: <repo>/snapshots/<rev>/file -> ../../blobs/<sha>
     for snap in (Path(os.path.abspath(root)), root.resolve()):

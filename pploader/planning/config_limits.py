@@ -18,6 +18,7 @@ Every refusal is a ``ConfigError`` naming ``config.json`` and the key.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from itertools import accumulate
@@ -29,6 +30,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .spec import ModelSpec
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_CONFIG_DEPTH", "COUNT_LIMITS", "read_json_limited",
+           "read_bytes_limited", "parse_json_limited", "check_config_types", "BOOL_KEYS",
+           "OBJECT_KEYS",
            "check_config_counts", "check_counts_against_checkpoint", "too_deep"]
 
 #: the largest config.json accepted (real ones are under 100 KB; VL configs a few hundred)
@@ -79,22 +82,34 @@ def too_deep(text: str, max_depth: int) -> bool:
     return bool(bare) and ("[]" in bare or "{}" in bare)
 
 
-def read_json_limited(path: os.PathLike | str, *, what: str = "config.json",
-                      max_bytes: int = MAX_CONFIG_BYTES,
-                      max_depth: int = MAX_CONFIG_DEPTH) -> object:
-    """Parse the JSON file ``path`` after checking its size (before reading) and depth
-    (before parsing); a ConfigError naming the file otherwise."""
+def too_large(what: str, size: int, max_bytes: int, name: str) -> ConfigError:
+    """The error for a config of ``size`` bytes over ``max_bytes`` (any storage)."""
+    return ConfigError(f"{what} is {size} bytes, over the {max_bytes >> 20} MiB limit: not a "
+                       "model config (a real one is a few KB)", file=name)
+
+
+def read_bytes_limited(path: os.PathLike | str, max_bytes: int = MAX_CONFIG_BYTES, *,
+                       what: str = "config.json") -> bytes:
+    """A local file's bytes, its size checked (``fstat``) before reading and at most
+    ``max_bytes + 1`` read (a FIFO or /proc file reports size 0)."""
     name = str(path)
     try:
         with open(path, "rb") as fh:
             size = os.fstat(fh.fileno()).st_size
             if size > max_bytes:
-                raise ConfigError(f"{what} is {size} bytes, over the {max_bytes >> 20} MiB "
-                                  f"limit: not a model config (a real one is a few KB)",
-                                  file=name)
-            raw = fh.read(max_bytes + 1)  # a FIFO or /proc file reports size 0
+                raise too_large(what, size, max_bytes, name)
+            return fh.read(max_bytes + 1)
     except OSError as exc:
         raise ConfigError(f"cannot read: {exc.strerror or exc}", file=name) from None
+
+
+def parse_json_limited(raw: bytes, name: str, *, what: str = "config.json",
+                       max_bytes: int = MAX_CONFIG_BYTES,
+                       max_depth: int = MAX_CONFIG_DEPTH) -> object:
+    """The JSON value of ``raw`` (fetched from any storage, at most ``max_bytes + 1``
+    bytes), strictly: size and nesting depth checked before parsing; a repeated key, NaN,
+    an infinity (``Infinity``, ``1e999``; but ``INFINITY_OK``) refused naming the key. A ConfigError naming
+    ``name`` otherwise. Every storage's config.json goes through here (spec.read_config)."""
     if len(raw) > max_bytes:
         raise ConfigError(f"{what} is over the {max_bytes >> 20} MiB limit: not a model "
                           "config (a real one is a few KB)", file=name)
@@ -106,9 +121,98 @@ def read_json_limited(path: os.PathLike | str, *, what: str = "config.json",
         raise ConfigError(f"{what} nests objects / arrays more than {max_depth} levels deep: "
                           "not a model config", file=name)
     try:
-        return json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
+    except _ValueRefused as exc:
+        raise ConfigError(f"{what}: {exc}", file=name) from None
     except (ValueError, RecursionError) as exc:
         raise ConfigError(f"not valid JSON: {exc}", file=name) from None
+    bad = _non_finite(value, "")
+    if bad is not None:
+        raise ConfigError(f"{what}: {bad[0]} is {bad[1]}: give a finite number", file=name)
+    return value
+
+
+def read_json_limited(path: os.PathLike | str, *, what: str = "config.json",
+                      max_bytes: int = MAX_CONFIG_BYTES,
+                      max_depth: int = MAX_CONFIG_DEPTH) -> object:
+    """Parse the local JSON file ``path`` (:func:`read_bytes_limited`, then
+    :func:`parse_json_limited`)."""
+    return parse_json_limited(read_bytes_limited(path, max_bytes, what=what), str(path),
+                              what=what, max_bytes=max_bytes, max_depth=max_depth)
+
+
+class _ValueRefused(ValueError):
+    """A JSON value pploader refuses (raised inside the parser's hooks)."""
+
+
+def _unique_keys(pairs: list) -> dict:
+    obj = dict(pairs)
+    if len(obj) != len(pairs):
+        seen: set = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise _ValueRefused(f"key {key!r} appears twice in one object (JSON readers "
+                                    "disagree on which value wins): keep one")
+            seen.add(key)
+    return obj
+
+
+#: keys whose values may be infinite: transformers writes ``Infinity`` there for "no limit"
+#: (Mamba2 / Bamba / Nemotron-H / FalconH1 / GraniteMoeHybrid ``time_step_limit``)
+INFINITY_OK = frozenset({"time_step_limit"})
+
+
+def _non_finite(value: object, path: str) -> Optional[tuple[str, float]]:
+    """The first (key path, value) holding NaN (``NaN``) or an infinity (``Infinity``,
+    ``1e999``) outside ``INFINITY_OK``; None when every number is finite. The nesting is
+    already bounded (MAX_CONFIG_DEPTH), so the recursion is too."""
+    if isinstance(value, float):
+        if math.isnan(value) or (math.isinf(value) and path.rpartition(".")[2].split("[")[0]
+                                 not in INFINITY_OK):
+            return path or "the value", value
+        return None
+    items = value.items() if isinstance(value, dict) else enumerate(value) \
+        if isinstance(value, list) else ()
+    for key, inner in items:
+        found = _non_finite(inner, f"{path}[{key}]" if isinstance(key, int)
+                            else f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
+
+
+#: keys whose value must be a JSON boolean (``"false"`` as a string is true in Python)
+BOOL_KEYS = frozenset({"tie_word_embeddings", "use_sliding_window", "attention_bias",
+                       "mlp_bias", "use_qk_norm", "is_encoder_decoder", "use_mla",
+                       "norm_topk_prob", "tie_encoder_decoder"})
+
+#: keys whose value must be a JSON object (or null)
+OBJECT_KEYS = frozenset({"quantization_config", "rope_scaling", "rope_parameters",
+                         "text_config", "vision_config", "audio_config", "compression_config",
+                         "pploader_tiny"})
+
+
+def check_config_types(config: Mapping) -> None:
+    """Well-known keys have their JSON type, at the top level and one level down (a string
+    where a bool or an object belongs is refused naming the key; null means absent)."""
+    def check(where: str, inner: Mapping) -> None:
+        for key, value in inner.items():
+            if isinstance(value, float) and (math.isnan(value) or (
+                    math.isinf(value) and key not in INFINITY_OK)):
+                raise ConfigError(f"{where}{key} is {value}: give a finite number",
+                                  file="config.json")
+        for key in BOOL_KEYS & inner.keys():
+            if inner[key] is not None and not isinstance(inner[key], bool):
+                raise ConfigError(f"{where}{key} is {_short(inner[key])}, not true / false: "
+                                  f"fix {key}", file="config.json")
+        for key in OBJECT_KEYS & inner.keys():
+            if inner[key] is not None and not isinstance(inner[key], Mapping):
+                raise ConfigError(f"{where}{key} is {_short(inner[key])}, not an object: "
+                                  f"fix {key}", file="config.json")
+    check("", config)
+    for outer, inner in config.items():
+        if isinstance(inner, Mapping):
+            check(f"{outer}.", inner)
 
 
 #: keys some configs give per layer (Gemma 3n's intermediate_size): a list of values in range

@@ -67,8 +67,10 @@ def node_files(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, 
                                 f"evenly over {nodes} nodes")
         ranks_per_node = world // nodes
     per_node = ranks_per_node or 1
-    if per_node < 1:
-        raise TopologyError(f"--ranks-per-node must be positive, got {per_node}")
+    if per_node < 1 or world % per_node:
+        raise TopologyError(f"--ranks-per-node {per_node} does not divide the {world} ranks "
+                            f"(pp {pp} x ep {ep} x tp {tp}): give a divisor of {world}, or "
+                            "--nodes")
     spec, index = load_spec(model_dir), open_checkpoint(model_dir)
     plans: list[RankPlan] = plan_all(spec, index, pp, tp, ep, partition=partition,
                                      **read_options)

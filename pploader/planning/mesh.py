@@ -65,9 +65,16 @@ def pipeline_window(stage: Any, layers: Iterable[int], num_stages: Optional[int]
         if num_stages is None:
             raise TopologyError("pipeline_window(index, layers) needs num_stages=")
         index, count = stage, num_stages
-    else:
+    elif hasattr(stage, "stage_index") and hasattr(stage, "num_stages"):
         index, count = int(stage.stage_index), int(stage.num_stages)
-    owned = sorted(layers)
+    else:
+        raise TopologyError(f"stage={stage!r:.60}: give a PipelineStage or the stage index "
+                            "with num_stages=")
+    try:
+        owned = sorted(int(n) for n in layers)
+    except (TypeError, ValueError):
+        raise TopologyError(f"layers={layers!r:.60}: give the stage's layer indices (a range "
+                            "or a sequence of integers)") from None
     if not owned or owned != list(range(owned[0], owned[0] + len(owned))):
         raise TopologyError(f"stage {index} owns layers {owned}: a stage's layers must be a "
                             "non-empty contiguous range")

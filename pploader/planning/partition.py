@@ -212,12 +212,34 @@ def get_pp_indices(num_layers: int, pp_rank: int, pp_size: int, *, style: str = 
     (the signature of the engines' own ``get_pp_indices``, without their environment read).
 
     ``partition``: explicit layer counts (a sequence, or the text of the engine's partition
-    variable such as ``"15,16,15,15"``) instead of the engine's formula."""
+    variable such as ``"15,16,15,15"``) instead of the engine's formula.
+
+    A split that leaves any stage without a layer (fewer layers than stages, or a 0 in the
+    partition) is refused (PlanError), as pploader refuses to plan one: the engine would
+    build a stage with nothing to run (:func:`engine_layer_counts` still reports it)."""
+    from ..arguments import OPTIONS, check_choice
+    from ..errors import ArgumentError
+    for name, value, low in (("num_layers", num_layers, 1), ("pp_rank", pp_rank, 0),
+                             ("pp_size", pp_size, 1)):
+        OPTIONS["node" if low == 0 else "pp"].check(value, label=name, required=True)
+    check_choice("style", style, ENGINES)
+    if partition is not None and not isinstance(partition, str) and (
+            not isinstance(partition, (list, tuple, range))
+            or not all(isinstance(n, int) and not isinstance(n, bool) for n in partition)):
+        raise ArgumentError(f"partition={partition!r}: give layer counts (a sequence of "
+                            "integers, or their text such as '15,16,15,15')",
+                            argument="partition")
     if not 0 <= pp_rank < pp_size:
         raise PlanError(f"pp_rank {pp_rank} is not in [0, {pp_size})")
     text = partition if partition is None or isinstance(partition, str) \
         else ",".join(str(n) for n in partition)
-    window = engine_windows(style, num_layers, pp_size, text)[pp_rank]
+    counts = engine_layer_counts(style, num_layers, pp_size, text)
+    if 0 in counts:
+        empty = counts.index(0)
+        raise PlanError(f"{style}'s split of {num_layers} layers over {pp_size} stages "
+                        f"{counts} gives stage {empty} no layer: use at most {num_layers} "
+                        "stages" + (", and layer counts of 1 or more" if text else ""))
+    window = windows_from_sizes(counts)[pp_rank]
     return window.start_layer, window.end_layer
 
 
@@ -226,6 +248,9 @@ def check_engine_window(window: StageWindow, start_layer: int, end_layer: int, *
     """Raise PlanError unless the engine's stage ``[start_layer, end_layer)`` is pploader's
     ``window``: an engine's ``load_weights`` skips layers outside its window silently, so a
     disagreement would leave layers unloaded instead of failing."""
+    from ..arguments import check_type
+    check_type("window", window, StageWindow, "a StageWindow (StagePlan.plan.window)",
+               optional=False)
     if (window.start_layer, window.end_layer) != (start_layer, end_layer):
         raise PlanError(
             f"stage {window.pp_rank}: {engine} built layers [{start_layer}, {end_layer}) but "

@@ -7,7 +7,6 @@ Pure in the planning sense: reads only config, index and headers, no collectives
 """
 from __future__ import annotations
 
-import json
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Optional
@@ -21,7 +20,7 @@ from .header import (MAX_HEADER_BYTES, MAX_TENSORS, ObjectIdentity, ShardHeader,
 if TYPE_CHECKING:  # pragma: no cover
     from .checkpoint import CheckpointIndex
 
-__all__ = ["remote_config", "open_remote_checkpoint", "remote_header", "planning_error"]
+__all__ = ["remote_bytes", "open_remote_checkpoint", "remote_header", "planning_error"]
 
 #: config.json and the index are fetched whole, up to this size (as a local index is limited)
 MAX_METADATA_BYTES = MAX_HEADER_BYTES
@@ -35,8 +34,7 @@ def planning_error(exc: ObjectStoreError, kind: type[PPLoaderError] = Checkpoint
     return cls(exc.detail, file=exc.uri if name is None else f"{name} ({exc.uri})")
 
 
-def _fetch_whole(storage: ObjectStorage, name: str,
-                 kind: type[PPLoaderError]) -> bytes:
+def _fetch_whole(storage: ObjectStorage, name: str, kind: type[PPLoaderError]) -> bytes:
     try:
         data, info = storage.read(name, 0, MAX_METADATA_BYTES + 1)
     except ObjectStoreError as exc:
@@ -47,15 +45,18 @@ def _fetch_whole(storage: ObjectStorage, name: str,
     return data
 
 
-def remote_config(uri: str) -> object:
-    """The parsed ``config.json`` under ``uri`` (ConfigError naming the object)."""
+def remote_bytes(uri: str, name: str, max_bytes: int) -> tuple[bytes, str]:
+    """(the object ``name`` under ``uri``, fetched whole up to ``max_bytes``; its URI): what
+    ``spec.read_config`` parses with the limits every storage shares."""
+    from .config_limits import too_large
     storage = open_storage(uri)
-    name = storage.uri("config.json")
-    raw = _fetch_whole(storage, "config.json", ConfigError)
     try:
-        return json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as exc:
-        raise ConfigError(f"not valid JSON: {exc}", file=name) from None
+        data, info = storage.read(name, 0, max_bytes + 1)
+    except ObjectStoreError as exc:
+        raise planning_error(exc, ConfigError) from None
+    if info.size > max_bytes:
+        raise too_large(name, info.size, max_bytes, storage.uri(name))
+    return data, storage.uri(name)
 
 
 def _listing(storage: ObjectStorage, kind: type[PPLoaderError]) -> dict:

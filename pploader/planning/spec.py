@@ -13,7 +13,9 @@ import torch
 from ..errors import ConfigError
 from ..families import FAMILIES, Family, find_family
 from ..families.base import cfg
-from .config_limits import check_config_counts, check_counts_against_checkpoint, read_json_limited
+from .config_limits import (MAX_CONFIG_BYTES, check_config_counts, check_config_types,
+                            check_counts_against_checkpoint, parse_json_limited,
+                            read_bytes_limited)
 
 __all__ = ["ModelSpec", "load_spec", "read_config", "spec_from_config"]
 
@@ -113,6 +115,7 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
     if not isinstance(config, Mapping):
         raise ConfigError("config.json is not a JSON object", file="config.json")
     check_config_counts(config)  # before a family (or transformers) loops over any count
+    check_config_types(config)  # "false" as a string, a quantization_config that is text
     archs: Any = config.get("architectures")
     fam, arch = (family, (archs or [family.name])[0]) if family \
         else _find_family(config)
@@ -161,10 +164,13 @@ def read_config(model_dir: os.PathLike | str, *,
     Like the shards, config.json may be a symlink only into the allowed roots (the model
     directory, its Hugging Face cache repo, ``allowed_roots``). An ``s3://bucket/prefix``
     fetches it from the object store (planning/remote.py)."""
+    from ..storage import check_model_location
     from .checkpoint import check_model_dir, inside_roots, is_remote
-    if is_remote(model_dir):
-        from .remote import remote_config
-        return remote_config(str(model_dir))
+    check_model_location(model_dir, "model_dir")
+    if is_remote(model_dir):  # the same limits for every storage: fetched bounded, one parse
+        from .remote import remote_bytes
+        raw, name = remote_bytes(str(model_dir), "config.json", MAX_CONFIG_BYTES)
+        return parse_json_limited(raw, name)
     root = check_model_dir(model_dir)
     if not os.access(root, os.R_OK | os.X_OK):
         raise ConfigError("cannot read the model directory (permission denied): give this "
@@ -177,7 +183,7 @@ def read_config(model_dir: os.PathLike | str, *,
                           "directory holding config.json and the *.safetensors shards",
                           file=str(path))
     inside_roots(root, path, allowed_roots, "config.json")
-    return read_json_limited(path)  # size and depth limited (planning/config_limits.py)
+    return parse_json_limited(read_bytes_limited(path, MAX_CONFIG_BYTES), str(path))
 
 
 def load_spec(model_dir: os.PathLike | str, *,

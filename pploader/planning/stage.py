@@ -11,9 +11,9 @@ import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, Optional, Sequence
 
-from ..errors import PPLoaderError
+from ..errors import ArgumentError, PPLoaderError
 from .checkpoint import CheckpointIndex, open_checkpoint
-from .partition import StageWindow
+from .partition import EngineSplit, StageWindow
 from .plan import DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_rank
 from .roles import CheckpointRoles, checkpoint_roles
 from .shard import DEFAULT_RANGE_COST_BYTES
@@ -103,7 +103,21 @@ def plan_stage(model_dir: os.PathLike | str, topology: Topology, *,
     ranks of the node need once and sends them; else the exchange when planned, else direct.
     The peers' plans these need are made here, once. ``opened``: the model already opened
     by this rank (:func:`open_model`), so the directory is not parsed again."""
+    from ..arguments import check, check_type
     from .dtypes import dtype_casts
+    if not isinstance(topology, Topology):
+        raise ArgumentError(f"topology={topology!r}: not a Topology; give "
+                            "Topology.for_world(world_size, rank, pp=..., tp=...)",
+                            argument="topology")
+    check(range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
+          exchange_batch_bytes=exchange_batch_bytes)
+    check_type("opened", opened, OpenedModel, "an OpenedModel (from open_model)")
+    check_type("partition", partition, (str, list, tuple, EngineSplit),
+               "even, balanced, vllm, sglang, an EngineSplit or layer counts", optional=False)
+    if node_ranks is not None and not (isinstance(node_ranks, (list, tuple, range)) and all(
+            isinstance(r, int) and not isinstance(r, bool) for r in node_ranks)):
+        raise ArgumentError(f"node_ranks={node_ranks!r:.60}: give this node's ranks (a "
+                            "sequence of integers) or None", argument="node_ranks")
     try:
         opened = opened if opened is not None else open_model(model_dir,
                                                               allowed_roots=allowed_roots)

@@ -12,7 +12,18 @@ from dataclasses import dataclass
 
 from ..errors import TopologyError
 
-__all__ = ["Topology"]
+__all__ = ["Topology", "MAX_RANKS"]
+
+#: the most ranks a job may have (arguments.MAX_RANKS; plan builds every rank)
+MAX_RANKS = 1 << 16
+
+
+def _check_count(name: str, value: object, low: int = 1) -> None:
+    """An integer from ``low`` to MAX_RANKS, else a TopologyError naming ``name`` (never a
+    ZeroDivisionError or TypeError later)."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= MAX_RANKS:
+        what = "a positive integer" if low else "an integer >= 0"
+        raise TopologyError(f"{name} must be {what} up to {MAX_RANKS}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -26,9 +37,11 @@ class Topology:
 
     def __post_init__(self) -> None:
         for field_name in ("pp_size", "tp_size", "ep_size"):
-            value = getattr(self, field_name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise TopologyError(f"{field_name} must be a positive integer, got {value!r}")
+            _check_count(field_name, getattr(self, field_name))
+        _check_count("rank", self.rank, low=0)
+        if self.world_size > MAX_RANKS:
+            raise TopologyError(f"pp {self.pp_size} x ep {self.ep_size} x tp {self.tp_size} = "
+                                f"{self.world_size} ranks, more than {MAX_RANKS}")
         if not 0 <= self.rank < self.world_size:
             raise TopologyError(f"rank {self.rank} outside world of {self.world_size} "
                                 f"(pp {self.pp_size} x ep {self.ep_size} x tp {self.tp_size})")
@@ -37,6 +50,10 @@ class Topology:
     def for_world(cls, world_size: int, rank: int, *, pp: int | None = None, tp: int = 1,
                   ep: int = 1) -> "Topology":
         """Topology of a launched job; ``pp`` defaults to world / (tp * ep)."""
+        for name, value in (("world_size", world_size), ("tp", tp), ("ep", ep)) + (
+                (("pp", pp),) if pp is not None else ()):
+            _check_count(name, value)
+        _check_count("rank", rank, low=0)
         if pp is None:
             if world_size % (tp * ep):
                 raise TopologyError(f"world size {world_size} is not divisible by tp {tp} x ep {ep}: "

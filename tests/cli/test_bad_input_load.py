@@ -297,3 +297,21 @@ def test_config_without_dtype_takes_the_stored_dtype(model: Path) -> None:
     assert load_spec(model).dtype in stored
     got = load_stage(plan_stage(model, Topology(1))).state_dict
     assert {t.dtype for t in got.values()} == stored
+
+
+def test_convert_prints_no_torch_pickle_protocol_warning(tmp_path: Path) -> None:
+    """Issue 43: torch's "Detected pickle protocol 4" UserWarning is not pploader's to print;
+    the refusal is one line with the restricted unpickler's reason and the fix."""
+    src = tmp_path / "src"
+    src.mkdir()
+    torch.save({"w": torch.ones(2, 2)}, src / "pytorch_model.bin", pickle_protocol=4)
+    out = run(pploader_cmd("convert", str(src), str(tmp_path / "dst"), "--allow-pickle"))
+    assert "UserWarning" not in out.stderr and "Detected pickle protocol" not in out.stderr
+    lines = [ln for ln in out.stderr.splitlines() if ln.strip()]
+    if out.returncode == 0:  # a torch whose restricted unpickler reads protocol 4
+        assert not lines, out.stderr
+        return
+    assert out.returncode == 2 and len(lines) == 1, out.stderr
+    assert "Unsupported operand" in lines[0] and "pickle_protocol=2" in lines[0], lines[0]
+    assert "weights_only` set to `False`" not in lines[0]  # never advise unrestricted loads
+    assert not (tmp_path / "dst").exists()

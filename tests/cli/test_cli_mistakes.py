@@ -163,13 +163,13 @@ MISTAKES = {
                                problem="outside the allowed roots", fix="--allow-root DIR"),
     # layout
     "pp_missing": M(*PLAN, problem="required: --pp", fix="pploader plan --help"),
-    "pp_zero": M(*PLAN, "--pp", "0", problem="argument --pp: 0", fix="1 or more"),
-    "pp_negative": M(*PLAN, "--pp", "-2", problem="argument --pp: -2", fix="1 or more"),
+    "pp_zero": M(*PLAN, "--pp", "0", problem="argument --pp: 0 is below 1", fix="from 1 to 65536"),
+    "pp_negative": M(*PLAN, "--pp", "-2", problem="argument --pp: -2 is below 1", fix="from 1 to"),
     "pp_not_int": M(*PLAN, "--pp", "two", problem="'two' is not an integer",
                     fix="pploader plan --help"),
     "pp_over_layers": M(*PLAN, "--pp", "9", problem="cannot split 8 layers into 9 stages",
                         fix="use --pp 8 or fewer"),
-    "tp_zero": M(*PLAN, "--pp", "1", "--tp", "0", problem="argument --tp: 0", fix="1 or more"),
+    "tp_zero": M(*PLAN, "--pp", "1", "--tp", "0", problem="argument --tp: 0", fix="from 1 to"),
     "tp_3_heads": M(*PLAN, "--pp", "1", "--tp", "3", problem="does not divide the 4 query heads",
                     fix="use --tp in [1, 2, 4]"),
     "tp_8_heads": M(*PLAN, "--pp", "1", "--tp", "8", problem="does not divide the 4 query heads",
@@ -178,29 +178,30 @@ MISTAKES = {
                      fix="use --tp in"),
     "ep_without_experts": M(*PLAN, "--pp", "1", "--ep", "2", problem="has no experts",
                             fix="leave --ep at 1"),
-    "ep_zero": M(*PLAN, "--pp", "1", "--ep", "0", problem="argument --ep", fix="1 or more"),
+    "ep_zero": M(*PLAN, "--pp", "1", "--ep", "0", problem="argument --ep", fix="from 1 to"),
     "partition_letters": M(*PLAN, "--pp", "2", "--partition", "a,b",
                            problem="comma-separated layer counts", fix="even / balanced"),
     "partition_sum": M(*PLAN, "--pp", "2", "--partition", "3,3", problem="sums to 6",
                        fix="sum to 8"),
-    "partition_stages": M(*PLAN, "--pp", "3", "--partition", "4,4", problem="has 2 stages",
+    "partition_stages": M(*PLAN, "--pp", "3", "--partition", "4,4",
+                          problem="--partition 4,4 has 2 stage(s)",
                           fix="give 3 layer counts"),
     "partition_zero": M(*PLAN, "--pp", "3", "--partition", "4,4,0",
                         problem="at least one layer", fix="counts of 1 or more"),
     # cache pool options
     "cache_budget_negative": M(*PLAN, "--pp", "1", "--cache-budget", "-5",
-                               problem="must be positive", fix="512M"),
+                               problem="-5 is below 1", fix="20G"),
     "cache_budget_unit": M(*PLAN, "--pp", "1", "--cache-budget", "12Q",
-                           problem="'12Q' is not a size", fix="512M, 1G"),
+                           problem="'12Q' is not a size", fix="whole number of bytes"),
     "memory_fraction": M(*PLAN, "--pp", "1", "--memory-fraction", "2",
-                         problem="--memory-fraction: 2", fix="(0, 1]"),
+                         problem="--memory-fraction: 2", fix="[0.01, 1]"),
     "mamba_ratio": M(*PLAN, "--pp", "1", "--mamba-ratio", "1.5", problem="--mamba-ratio: 1.5",
                      fix="[0, 1]"),
     "page_size_zero": M(*PLAN, "--pp", "1", "--page-size", "0", problem="--page-size: 0",
-                        fix="1 or more"),
+                        fix="from 1 to"),
     "tokens_negative": M(*PLAN, "--pp", "1", "--tokens", "-1", problem="--tokens: -1",
-                         fix="1 or more"),
-    "kv_dtype": M(*PLAN, "--pp", "1", "--kv-dtype", "floaty", problem="unknown cache dtype",
+                         fix="from 1 to"),
+    "kv_dtype": M(*PLAN, "--pp", "1", "--kv-dtype", "floaty", problem="is not a cache dtype",
                   fix="bfloat16"),
     "device_memory_auto_plan": M(*PLAN, "--pp", "1", "--device-memory", "auto",
                                  problem="applies to `pploader load`", fix="--device-memory 80G"),
@@ -213,25 +214,25 @@ MISTAKES = {
                                   "config", fix="one of: bamba"),
     # load: refused before torch.distributed starts
     "load_timeout_zero": M(*LOAD, "--timeout", "0", problem="argument --timeout: 0",
-                           fix="positive seconds"),
+                           fix="[1, 604800] seconds"),
     "load_timeout_negative": M(*LOAD, "--timeout", "-5", problem="argument --timeout: -5",
-                               fix="positive seconds"),
+                               fix="[1, 604800] seconds"),
     "load_window_zero": M(*LOAD, "--window-bytes", "0", problem="argument --window-bytes",
                           fix="512M"),
     "load_window_text": M(*LOAD, "--window-bytes", "lots", problem="'lots' is not a size",
                           fix="512M"),
     "load_threads_zero": M(*LOAD, "--threads", "0", problem="argument --threads: 0",
-                           fix="1 or more"),
+                           fix="from 1 to 1024"),
     "load_device_string": M(*LOAD, "--device", "gpu0", problem="unknown device 'gpu0'",
                             fix="use cpu, cuda or cuda:N"),
     "load_device_index": M(*LOAD, "--device", "cuda:x", problem="unknown device 'cuda:x'",
                            fix="use cpu, cuda or cuda:N"),
     "load_pool_device": M(*LOAD, "--pool-device", "tpu", problem="unknown device 'tpu'",
                           fix="use cpu, cuda or cuda:N"),
-    "load_backend": M(*LOAD, "--backend", "carrier-pigeon", problem="unknown backend",
-                      fix="use gloo"),
+    "load_backend": M(*LOAD, "--backend", "carrier-pigeon", problem="is not a torch.distributed backend",
+                      fix="gloo, nccl, mpi"),
     "load_range_cost": M(*LOAD, "--range-cost", "-1", problem="argument --range-cost",
-                         fix="512M"),
+                         fix="64K"),
 }
 
 
@@ -305,10 +306,14 @@ def test_allow_root_accepts_symlinks_into_it(variants: dict[str, Path],
         model = variants[which]
         root = model.parent / f"{model.name}{outside}"
         code, out, err = _run_main(["plan", "--model", str(model), "--pp", "2", "--allow-root",
-                                    "/nonexistent-root", "--allow-root", str(root)], {},
+                                    str(model.parent), "--allow-root", str(root)], {},
                                    monkeypatch, capsys)
         assert code == 0, err
         assert "LlamaForCausalLM" in out
+    # a root that does not exist is a mistake (issue 43), refused naming the option
+    code, out, err = _run_main(["plan", "--model", str(model), "--pp", "2", "--allow-root",
+                                "/nonexistent-root"], {}, monkeypatch, capsys)
+    assert code == 2 and "--allow-root: /nonexistent-root is not an existing directory" in err
 
 
 def test_f32_tensor_in_bf16_checkpoint_is_named_in_a_warning(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import subprocess
@@ -320,3 +321,24 @@ def test_million_tensor_header_refused_with_bounded_memory(tiny: Path, tmp_path:
     assert seconds < 5.0, seconds
     print({"header_mb": round(length / 1e6, 1), "seconds": round(seconds, 3),
            "rss_over_torch_mb": round(grown / 1e6, 1)})
+
+
+def test_strict_parse_names_the_key_and_keeps_transformers_infinity() -> None:
+    """NaN / infinities / a repeated key refused naming the key path (issue 43); the
+    ``Infinity`` transformers itself writes for Mamba2-style ``time_step_limit`` (no limit)
+    is a real config and parses."""
+    from pploader.planning.config_limits import parse_json_limited
+    assert parse_json_limited(b'{"time_step_limit": [0.0, Infinity]}', "c")[
+        "time_step_limit"][1] == float("inf")  # type: ignore[index]
+    for text, needle in [(b'{"rms_norm_eps": NaN}', "rms_norm_eps is nan"),
+                         (b'{"a": {"b": [1, -Infinity]}}', "a.b[1] is -inf"),
+                         (b'{"x": 1e999}', "x is inf"),
+                         (b'{"time_step_limit": [NaN, 1]}', "time_step_limit[0] is nan"),
+                         (b'{"tie_word_embeddings": true, "tie_word_embeddings": false}',
+                          "key 'tie_word_embeddings' appears twice")]:
+        with pytest.raises(ConfigError, match=re.escape(needle)):
+            parse_json_limited(text, "c")
+    for key, value, needle in [("tie_word_embeddings", "false", "not true / false"),
+                               ("quantization_config", "fp8", "not an object")]:
+        with pytest.raises(ConfigError, match=re.escape(f"{key} is {value!r}, {needle}")):
+            spec_from_config(tiny_config(**{key: value}))

@@ -130,11 +130,14 @@ def test_make_tiny_checks_memory_for_one_shard(tmp_path: Path, monkeypatch: pyte
 
 
 @pytest.mark.parametrize("argv,needle", [
-    (["--seed", "-1"], "argument --seed: -1: must be 0 or more"),
+    (["--seed", "-1"], "argument --seed: -1 is below 0"),
     (["--seed", "1e3"], "'1e3' is not an integer"),
-    (["--seed", str(2**64)], "must be below 2**63"),
-    (["--shard-bytes", "0"], "the size must be positive"),
-    (["--shard-bytes", "nan"], "the size must be positive"),
+    (["--seed", str(2**64)], "is too large; give an integer from 0 to 9223372036854775807"),
+    (["--shard-bytes", "0"], "0 is below 65536"),
+    (["--shard-bytes", "1"], "1 is below 65536"),
+    (["--shard-bytes", "0.5"], "is not a whole number of bytes"),
+    (["--shard-bytes", "1e30"], "is too large"),
+    (["--shard-bytes", "nan"], "'nan' is not a size"),
 ])
 def test_make_tiny_options_validated(argv: list[str], needle: str, tmp_path: Path,
                                      capsys: pytest.CaptureFixture) -> None:
@@ -179,8 +182,8 @@ def test_make_tiny_help_lists_the_families_without_torch() -> None:
 @pytest.mark.parametrize("argv,needle", [
     (["--size-gb", "0"], "argument --size-gb: 0"), (["--size-gb", "-1"], "--size-gb: -1"),
     (["--size-gb", "nan"], "--size-gb: nan"), (["--size-gb", "inf"], "--size-gb: inf"),
-    (["--layers", "0"], "--layers: 0: must be 1 or more"), (["--pp", "0"], "--pp: 0"),
-    (["--shards", "0"], "--shards: 0"), (["--repeat", "0"], "--repeat: 0: must be 1 or more"),
+    (["--layers", "0"], "--layers: 0 is below 1"), (["--pp", "0"], "--pp: 0"),
+    (["--shards", "0"], "--shards: 0"), (["--repeat", "0"], "--repeat: 0 is below 1"),
     (["--threads", "-1"], "--threads: -1"), (["--torch-threads", "0"], "--torch-threads: 0"),
     (["--window-bytes", "0"], "--window-bytes"), (["--rss-scale", "1"], "--rss-scale: 1"),
     (["--rss-scale", "-2"], "--rss-scale: -2"), (["--plan-tensors", "-1"], "--plan-tensors"),

@@ -3,6 +3,8 @@ placeholder layers, multi-rule name maps, iter_stage_weights(StagePlan), and the
 SGLang / hand-written engine integrations of docs/integration.md."""
 from __future__ import annotations
 
+import re
+
 import json
 import os
 from pathlib import Path
@@ -67,8 +69,13 @@ def test_published_examples() -> None:
 @pytest.mark.parametrize("style, reference", [("vllm", vllm_reference),
                                               ("sglang", sglang_reference)])
 def test_every_split_equals_the_engine_formula(style: str, reference) -> None:
-    """Every (layers <= 128, pp <= 16), every rank, fewer layers than stages included."""
+    """Every (layers <= 128, pp <= 16), every rank; fewer layers than stages (a stage with
+    no layer: the engine formula gives an empty window) is refused, as the docs say."""
     for layers, pp in PAIRS:
+        if layers < pp:
+            with pytest.raises(PlanError, match="no layer"):
+                get_pp_indices(layers, 0, pp, style=style)
+            continue
         ours = [get_pp_indices(layers, r, pp, style=style) for r in range(pp)]
         assert ours == [reference(layers, r, pp) for r in range(pp)], (style, layers, pp)
 
@@ -115,6 +122,26 @@ def test_partition_variable_text() -> None:
     assert engine_layer_counts("sglang", 3, 4) == [0, 1, 1, 1]
     with pytest.raises(PlanError, match="pp_rank 4 is not in"):
         get_pp_indices(8, 4, 4)
+
+
+@pytest.mark.parametrize("args,kwargs,error", [
+    ((3, 3, 4), {}, "gives stage 3 no layer"),                 # issue 44: was (3, 3)
+    ((3, 0, 4), {"style": "sglang"}, "gives stage 0 no layer"),
+    ((8, 0, 2), {"partition": "8,0"}, "gives stage 1 no layer"),
+    ((8, 0, 2), {"partition": [8, 0]}, "gives stage 1 no layer"),
+    (("8", 0, 2), {}, "num_layers='8' is not an integer"),
+    ((8.5, 0, 2), {}, "num_layers=8.5 is not an integer"),
+    ((8, 0.5, 2), {}, "pp_rank=0.5 is not an integer"),
+    ((8, None, 2), {}, "pp_rank=None"),
+    ((8, 0, 0), {}, "pp_size=0 is below 1"),
+    ((8, 0, 2), {"style": "trt"}, "style='trt' is not one of"),
+    ((8, 0, 2), {"partition": 8}, "partition=8: give layer counts"),
+])
+def test_get_pp_indices_refuses_empty_stages_and_bad_arguments(args: tuple, kwargs: dict,
+                                                               error: str) -> None:
+    from pploader.errors import PPLoaderError
+    with pytest.raises(PPLoaderError, match=re.escape(error)):
+        get_pp_indices(*args, **kwargs)
 
 
 # ---- the CLI -----------------------------------------------------------------------------

@@ -184,6 +184,39 @@ def test_gloo_redistribute_bitwise_and_ideal_bytes(llama: Path, pp: int, tp: int
         k for k in ref if "o_proj" in k or "down_proj" in k}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("batch", ["1", "64", str(2 ** 40)])
+def test_cli_tp2_load_with_any_exchange_batch_completes_or_is_refused(llama: Path,
+                                                                      batch: str) -> None:
+    """Issue 44's acceptance: a TP=2 `pploader load` with --exchange-batch 1 or 64 hung until
+    the timeout; now each completes with every tensor exchanged, and 2**40 (more than this
+    machine's memory) is refused at the door in one line, before torch.distributed starts."""
+    import json
+    import time
+
+    from helpers import run, torchrun_cmd
+    from pploader.arguments import host_memory_bytes
+    start = time.monotonic()
+    out = run(torchrun_cmd(2, "load", "--model", str(llama), "--pp", "1", "--tp", "2",
+                           "--exchange-cost", "0", "--exchange-batch", batch, "--timeout", "30",
+                           "--no-pools", "--json"), timeout=120)
+    took = time.monotonic() - start
+    if int(batch) > host_memory_bytes():
+        assert out.returncode != 0, out.stderr[-2000:]
+        for r in range(2):  # each rank: one line from the argument check (torchrun then
+            # reports its failed children its own way)
+            assert f"[rank {r}] pploader load: error: argument --exchange-batch: " \
+                f"{batch} is too large" in out.stderr, out.stderr[-2000:]
+        assert took < 30, took
+        return
+    assert out.returncode == 0, out.stderr[-3000:]
+    doc = json.loads(out.stdout)
+    for rank in doc["ranks"]:
+        ex = rank["extra"]["redistribute"] if "extra" in rank else rank["redistribute"]
+        assert ex["tensors"] > 0 and ex["all_to_alls"] > 1, ex
+    assert took < 60, took  # was: hung until --timeout, then a gloo timeout
+
+
 def _failing_rank(rank: int, world: int, model: str) -> dict:
     import time
     from pploader import RankFailure, ReadError, load_stage, plan_stage
@@ -228,9 +261,9 @@ def test_failing_reads_mid_exchange_fail_every_rank_together(llama: Path) -> Non
 class _ThreadGroup:
     """An in-memory all-to-all between threads (what Comm.all_to_all_bytes does over gloo)."""
 
-    def __init__(self, size: int) -> None:
+    def __init__(self, size: int, timeout_s: float = 60) -> None:
         import threading
-        self.size, self.barrier = size, threading.Barrier(size, timeout=60)
+        self.size, self.barrier = size, threading.Barrier(size, timeout=timeout_s)
         self.posted: dict[int, tuple[torch.Tensor, list[int]]] = {}
 
 
@@ -254,12 +287,12 @@ class _ThreadComm:
 
 
 def _exchange_in_threads(plans: list, group_bytes: Optional[int] = None,
-                         readers_out: Optional[list] = None, io_backend: Optional[str] = None
-                         ) -> list[dict[str, torch.Tensor]]:
+                         readers_out: Optional[list] = None, io_backend: Optional[str] = None,
+                         timeout_s: float = 60) -> list[dict[str, torch.Tensor]]:
     from concurrent.futures import ThreadPoolExecutor
     from pploader.io.backend import ReadOptions
     from pploader.io.transfer.exchange import ExchangeTransfer
-    group = _ThreadGroup(len(plans))
+    group = _ThreadGroup(len(plans), timeout_s)
     readers = [ExchangeTransfer(p, torch.device("cpu"), ReadOptions(),
                                 _ThreadComm(group, p.topology),  # type: ignore[arg-type]
                                 io_backend, group_bytes=group_bytes) for p in plans]
@@ -290,6 +323,37 @@ def test_merged_groups_equal_direct_reads(llama: Path, tp: int) -> None:
         assert reader.stats.read_bytes == plan.planned_read_bytes
 
 
+@pytest.mark.parametrize("batch_bytes", [1, 64, 2 ** 40])
+@pytest.mark.parametrize("group_bytes", [None, 5000, 1 << 30])
+def test_every_batch_size_runs_the_same_all_to_alls_on_every_rank(
+        llama: Path, batch_bytes: int, group_bytes: Optional[int]) -> None:
+    """Issue 44: ``--exchange-batch`` 1 or 64 hung a TP=2 load. A one-row chunk gives one
+    rank the row and the other none; the rank with 0 share bytes merged that batch into its
+    previous all-to-all (0 <= group_bytes 0), its peer did not, and both waited for ever.
+    The groups are now decided from the plan alone: the same on every rank, for every batch
+    size and merge size, and the exchange completes bitwise equal to the direct reads."""
+    from pploader.io.read import Reader
+    from pploader.io.transfer.exchange import ExchangeTransfer
+    spec, index = load_spec(llama), open_checkpoint(llama)
+    plans = plan_all(spec, index, pp=1, tp=2, exchange_cost=0.0,
+                     exchange_batch_bytes=batch_bytes)
+    assert all(p.redistribute is not None for p in plans)
+    shapes = []
+    for plan in plans:
+        reader = ExchangeTransfer.__new__(ExchangeTransfer)
+        reader.exchange = plan.redistribute
+        reader.group_bytes = group_bytes or 0
+        shapes.append([[i.target + f"@{i.rows}" for i in g] for g in reader.groups()])
+    assert shapes[0] == shapes[1]  # the same all-to-alls, item for item, on both ranks
+    if batch_bytes == 1 and not group_bytes:
+        assert len(shapes[0]) == sum(1 for i in plans[0].redistribute.items)  # a row each
+    outs = _exchange_in_threads(plans, group_bytes=group_bytes, timeout_s=20)
+    for plan, out in zip(plans, outs):
+        direct = dict(Reader(plan))
+        assert out.keys() == direct.keys()
+        assert all(_bytes(out[k]) == _bytes(direct[k]) for k in direct), plan.topology.rank
+
+
 def test_exchange_reads_through_the_chosen_backend(llama: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """The exchange opens its readers through the registry: with ``io_backend="buffered"`` every
@@ -316,7 +380,7 @@ def test_exchange_reads_through_the_chosen_backend(llama: Path,
         assert out.keys() == ref.keys()
         assert all(_bytes(out[k]) == _bytes(ref[k]) for k in ref), plan.topology.rank
         assert reader.stats.read_bytes == plan.planned_read_bytes
-    with pytest.raises(ValueError, match="unknown read backend 'nope'"):
+    with pytest.raises(ValueError, match="io_backend='nope' is not a read backend"):
         ExchangeTransfer(plans[0], torch.device("cpu"), ReadOptions(),
                          _ThreadComm(_ThreadGroup(2), plans[0].topology),  # type: ignore[arg-type]
                          io_backend="nope")

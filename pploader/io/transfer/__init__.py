@@ -65,9 +65,11 @@ def open_transfer(staged: "StagePlan", device: "str | torch.device" = "cpu",
     Without a ``comm`` an ``exchange`` plan is read directly (its items hold the direct reads
     of every target); the read-once kinds need one. Nothing is read until ``load()`` or
     iteration; every rank of the transfer's group must then run it to the end."""
-    import torch
-
+    from ...arguments import check_device, check_type
+    from ...planning.stage import StagePlan
     from ..backend import ReadOptions
+    check_type("staged", staged, StagePlan, "a StagePlan (from plan_stage)", optional=False)
+    device = check_device("device", device, required=True)
     kind = staged.kind
     if kind == "exchange" and comm is None:
         kind = "direct"
@@ -75,5 +77,5 @@ def open_transfer(staged: "StagePlan", device: "str | torch.device" = "cpu",
         raise ValueError(f"transfer {kind!r} needs a Comm (its collectives go through it)")
     module, _, attr = EXECUTORS[kind].partition(":")
     cls = getattr(importlib.import_module(module), attr)
-    return cls(staged, torch.device(device), options or ReadOptions(),  # type: ignore[no-any-return]
+    return cls(staged, device, options or ReadOptions(),  # type: ignore[no-any-return]
                comm, io_backend)

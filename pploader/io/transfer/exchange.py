@@ -134,13 +134,18 @@ class ExchangeTransfer:
             "link_setup_seconds": round(self.link_setup_seconds, 4)}}
 
     def groups(self) -> list[list[ExchangeItem]]:
-        """The planned batches, consecutive ones merged up to ``group_bytes`` of this rank's
-        share bytes (0: one all-to-all per planned batch)."""
+        """The planned batches, consecutive ones merged up to ``group_bytes`` of share bytes
+        (0: one all-to-all per planned batch).
+
+        Every rank of the group must run the same all-to-alls, so the merge is decided from
+        the plan alone, identically on every rank: a batch weighs its largest share (the
+        same number on every rank), never this rank's own share bytes (those differ by a row
+        between ranks, and are 0 on a rank that reads no row of a one-row chunk)."""
         out: list[list[ExchangeItem]] = []
         used = 0
         for batch in self.exchange.batches():
-            size = sum(i.share.read_bytes for i in batch)
-            if out and used + size <= self.group_bytes:
+            size = sum(max(n for _, n in i.rows) * i.row_bytes for i in batch)
+            if out and self.group_bytes and used + size <= self.group_bytes:
                 out[-1] += batch
                 used += size
             else:
