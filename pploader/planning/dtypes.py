@@ -95,9 +95,10 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
     for item in plan.items:
         action = dtype_action(item.dtype, expected, quantized=quantized,
                               native=native.get(item.name))
-        if action is None and scheme is not None and item.dtype in _MODEL_DTYPES \
-                and scheme.weight_of(item.name) is not None:
-            continue  # a quantization companion's own float dtype (scales): kept
+        if action is None:
+            if scheme is not None and item.dtype in _MODEL_DTYPES \
+                    and scheme.weight_of(item.name) is not None:
+                continue  # a quantization companion's own float dtype (scales): kept
             rejected.append(item)
         elif action == "cast":
             casts[item.target] = DTYPES[expected][0]
