@@ -10,7 +10,8 @@ import os
 from pathlib import Path
 from typing import Any, Callable, NoReturn, Optional
 
-from .arguments import BY_FLAG, MAX_LAYERS, MAX_RANKS, Spec
+from .arg_types import text as _text, typed as _typed
+from .arguments import BY_FLAG, MAX_LAYERS, MAX_RANKS
 from .arguments import OPTIONS as BY_NAME
 from .errors import ArgumentError
 from .io.registry import AUTO, backends_help
@@ -87,39 +88,12 @@ def _partition(text: str) -> object:
                                          "vllm / sglang") from None
 
 
-def _typed(flag: str, row: Optional[Spec] = None) -> Callable[[str], Any]:
-    """The argparse ``type`` of ``flag`` from the option table (pploader/arguments.py): the
-    text parsed and range-checked there; a bad value is one line naming the accepted range."""
-    row = row or BY_FLAG[flag]
-
-    def parse(text: str) -> Any:
-        try:
-            return row.parse(text)  # type: ignore[union-attr]
-        except ArgumentError as exc:
-            detail = exc.detail.removeprefix(f"{flag}=").removeprefix(f"{flag}: ")
-            detail = detail.removeprefix(f"{row.name}=")  # type: ignore[union-attr]
-            raise argparse.ArgumentTypeError(detail) from None
-    parse.__name__ = row.name
-    parse.spec = row  # type: ignore[attr-defined]  # the generated option test reads it
-    return parse
-
-
 def _parse(text: str, kind: Callable[[str], Any], what: str) -> Any:
     """``kind(text)``, or the option's one-line error saying ``text`` is not ``what``."""
     try:
         return kind(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from None
-
-
-def _text(what: str) -> Callable[[str], str]:
-    """A non-empty value (a path or a name; whether it exists is checked by its command)."""
-    def parse(text: str) -> str:
-        if not text.strip():
-            raise argparse.ArgumentTypeError(f"{text!r}: empty; give {what}")
-        return text
-    parse.__name__ = "text"
-    return parse
 
 
 def _model(text: str) -> str:

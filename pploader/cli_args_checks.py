@@ -67,7 +67,7 @@ def _check_gpu_option(value: Optional[str], flag: str, gpus: int, other: str) ->
 def check_engine_env(engine: str, env: Optional[Mapping[str, str]] = None) -> Optional[str]:
     """The engine's partition variable (VLLM_PP_LAYER_PARTITION, ...) when set, checked like
     ``--partition``'s layer counts; None when unset or empty."""
-    from .cli_args import ENGINE_PARTITION_ENV
+    from .planning.partition import ENGINE_PARTITION_ENV
     env = os.environ if env is None else env
     var = ENGINE_PARTITION_ENV[engine]
     text = env.get(var)
@@ -84,13 +84,15 @@ def check_env(env: Optional[Mapping[str, str]] = None,
     """The environment variables docs/launch.md names, as strictly as their flags, each only
     where it applies (``args``: the command's options; None = every variable): a broken
     VLLM_PP_LAYER_PARTITION never breaks ``--partition even``."""
-    from .cli_args import _BACKENDS, ENGINE_PARTITION_ENV
+    from .arguments import OPTIONS
+    from .planning.partition import ENGINE_PARTITION_ENV
+    backends = OPTIONS["backend"].choices or ()
     env = os.environ if env is None else env
     backend = env.get(ENV_BACKEND)
-    if backend is not None and backend not in _BACKENDS and (
+    if backend is not None and backend not in backends and (
             args is None or getattr(args, "backend", None) is None):
         raise UsageError(f"{ENV_BACKEND}={backend!r}: unknown backend; use one of "
-                         f"{', '.join(_BACKENDS)} or unset it")
+                         f"{', '.join(backends)} or unset it")
     for engine in ENGINE_PARTITION_ENV:
         if args is None or getattr(args, "partition", None) == engine:
             check_engine_env(engine, env)

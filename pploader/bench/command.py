@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..cli_args import _text, _typed
+from ..arg_types import text as _text, typed as _typed
 from ..errors import UsageError
 from .checks import (_gigabytes, _scale, _tensors, check_bench_outputs, check_bench_plan,
                      read_rendered)
