@@ -11,18 +11,17 @@ read (a Protocol: no import of the planner, so no import cycle).
 """
 from __future__ import annotations
 
-import builtins
 import logging
 import re
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, NamedTuple, Optional, Protocol, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Mapping, NamedTuple, Optional
 
 from ..errors import ConfigError
+from .cache_dims import CONFIG_CACHE_DIMS, CacheDims
+from .spec_view import ShardRule, SpecView, cfg, cfg_opt
 
 if TYPE_CHECKING:  # pragma: no cover
-    import torch
-
-    from .cache_dims import CacheDims
+    pass
 
 logger = logging.getLogger(__name__)
 
@@ -38,60 +37,6 @@ LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_atten
 
 #: Non-parameter buffers some old exporters saved (rotary tables): known, never read (logged).
 STRAY_BUFFERS = r"(.+\.)?rotary_emb\.inv_freq"
-
-
-class SpecView(Protocol):
-    """What a family reads of a ``planning.spec.ModelSpec`` (which satisfies it): the config
-    and the layout the family derived from it. Read-only."""
-
-    @property
-    def architecture(self) -> str: ...
-
-    @property
-    def config(self) -> Mapping[str, object]: ...
-
-    @property
-    def full_config(self) -> Mapping[str, object]: ...
-
-    @property
-    def num_layers(self) -> builtins.int: ...
-
-    @property
-    def layer_kinds(self) -> tuple[str, ...]: ...
-
-    @property
-    def moe_layers(self) -> frozenset[builtins.int]: ...
-
-    @property
-    def num_experts(self) -> builtins.int: ...
-
-    @property
-    def num_mtp_layers(self) -> builtins.int: ...
-
-    @property
-    def dtype(self) -> "torch.dtype": ...
-
-    @property
-    def tie_word_embeddings(self) -> bool: ...
-
-    @property
-    def hidden_size(self) -> builtins.int: ...
-
-    @property
-    def vocab_size(self) -> builtins.int: ...
-
-    @property
-    def num_heads(self) -> builtins.int: ...
-
-    @property
-    def num_kv_heads(self) -> builtins.int: ...
-
-    @property
-    def head_dim(self) -> builtins.int: ...
-
-    def get(self, *keys: str) -> object: ...
-
-    def int(self, *keys: str) -> builtins.int: ...
 
 
 #: name -> shape of every tensor a checkpoint of this config holds (the strict expected set).
@@ -142,30 +87,6 @@ class GlobalRule:
     def exact(cls, name: str, placement: str, role: str = "other") -> "GlobalRule":
         """A rule for the one tensor ``name`` (pattern and name both known)."""
         return cls(re.escape(name), placement, role, name)
-
-
-@dataclass(frozen=True)
-class ShardRule:
-    """How a tensor splits over the TP ranks of a stage.
-
-    ``dim`` None = replicated. ``segments(spec)`` gives the sizes of independent parts along
-    ``dim`` (e.g. Mamba2 in_proj = [z, x, B, C, dt]); each part is split on its own and the
-    rank's pieces are concatenated in order. ``units(spec)`` gives the number of indivisible
-    units (e.g. kv heads) of every segment, or a tuple with one count per segment (Mamba2
-    in_proj: heads for z/x/dt, groups for B/C): with fewer units than TP ranks, units are
-    replicated (rank r takes unit r * units // tp). ``pad`` pads dim 0 to a multiple of tp.
-    ``ceil`` splits the units unevenly, as an engine does for that tensor: each rank takes
-    ``ceil(units / tp)`` of them and the last ranks fewer (``families.heads.ceil_share``:
-    vLLM's gpt-oss experts: MXFP4 in whole 32-value blocks of the intermediate dim, bf16 in
-    elements).
-    """
-
-    pattern: str
-    dim: Optional[int]
-    segments: Optional[Callable[[SpecView], tuple[int, ...]]] = None
-    units: Optional[Callable[[SpecView], Union[int, tuple[int, ...]]]] = None
-    pad: bool = False
-    ceil: bool = False
 
 
 class TensorRole(NamedTuple):
@@ -264,11 +185,6 @@ class QuantNaming:
         return name
 
 
-def _config_cache_dims() -> "CacheDims":
-    from .cache_dims import CONFIG_CACHE_DIMS
-    return CONFIG_CACHE_DIMS
-
-
 @dataclass(frozen=True)
 class Family:
     """Everything pploader knows about one architecture family, as data."""
@@ -293,7 +209,7 @@ class Family:
     #   lacks under the standard name (generic: transformers' aliases, e.g. n_head)
     model_types: frozenset[str] = frozenset()    # config ``model_type``s it was written for
     #   (empty: any); another model_type naming the architecture goes to the generic family
-    cache_dims: "CacheDims" = field(default_factory=_config_cache_dims)  # mixer sizes for the
+    cache_dims: "CacheDims" = CONFIG_CACHE_DIMS  # mixer sizes for the
     #   cache geometry (default: read by the known config-key aliases, families/cache_dims.py)
     quant_naming: QuantNaming = QuantNaming()    # companion names of quantized weights
     #: parameters the model ties to a stored tensor (the output head's tie aside, which
@@ -422,16 +338,3 @@ class Family:
         """Checkpoint name of ``component`` in ``layer`` (inverse of the layer prefix)."""
         prefix = re.sub(r"\(\\d\+\)", str(layer), self.layer_prefix).replace("\\.", ".")
         return prefix + component
-
-
-def cfg(config: Mapping, *keys: str) -> Any:  # JSON: the caller converts
-    """The first present key of ``config``; a clear error naming all keys when none is."""
-    for key in keys:
-        if key in config and config[key] is not None:
-            return config[key]
-    raise ConfigError(f"config.json lacks {' / '.join(keys)}")
-
-
-def cfg_opt(config: Mapping, key: str, default: Any) -> Any:
-    value = config.get(key)
-    return default if value is None else value

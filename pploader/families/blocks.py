@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
 from ..errors import ConfigError
-from .base import ShardRule, SpecView, cfg_opt
+from .spec_view import ShardRule, SpecView, cfg_opt
 
 
 __all__ = ["Shapes", "expert_tensors", "expert_rules", "Mamba2Dims", "mamba2_tensors",

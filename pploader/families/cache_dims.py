@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, TypeVar
 
 from ..errors import ConfigError
-from .base import SpecView
+from .spec_view import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
 from .windows import Windows, spec_layout_windows
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
-from .base import SpecView
+from .spec_view import SpecView
 
 __all__ = ["Windows", "SLIDING_TYPES", "CHUNKED_TYPES", "typed_windows", "config_windows",
            "layout_windows", "spec_layout_windows",
