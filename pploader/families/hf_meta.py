@@ -26,7 +26,7 @@ from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
 from .hf_experts import declared_experts, halved_experts, ids_below, routed_count
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
-from .hf_ties import loop_uses, saved_pairs, tied_copies
+from .hf_ties import first_uses, loop_uses, revert_one, saved_pairs, tied_copies
 
 logger = logging.getLogger(__name__)
 
@@ -194,14 +194,14 @@ def forward_order(model: Any, layers_path: str) -> dict[str, str]:
     back to registration order."""
     parent_path, _, layers_name = layers_path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
-    first_use = _first_uses(type(parent), "forward", 2)
+    first_use = first_uses(type(parent), "forward", 2)
     if layers_name not in first_use:
         return {}
     # the layers run where the forward itself calls them (``self.language_model(...)``: after
     # ``self.language_model.get_input_embeddings()`` in Fuyu) or else names them (the layer
     # loop), not in a helper that only touches them (RWKV's ``self._rescale_layers()``)
-    direct = _first_uses(type(parent), "forward", 0)
-    boundary = _first_uses(type(parent), "forward", 0, calls=True).get(
+    direct = first_uses(type(parent), "forward", 0)
+    boundary = first_uses(type(parent), "forward", 0, calls=True).get(
         layers_name, direct.get(layers_name, first_use[layers_name]))
     prefix = parent_path + "." if parent_path else ""
     own = [n for n, _ in parent.named_children()]
@@ -209,34 +209,6 @@ def forward_order(model: Any, layers_path: str) -> dict[str, str]:
     own += [n for n, _ in parent.named_buffers(recurse=False)]
     return {prefix + name: "first" if first_use[name] < boundary else "last"
             for name in own if name in first_use and name != layers_name}
-
-
-def _first_uses(cls: type, method: str, depth: int,
-                calls: bool = False) -> dict[str, tuple[int, int]]:
-    """``{attribute: (line, column)}`` of each ``self.<attribute>`` first use (with ``calls``:
-    first direct call ``self.<attribute>(...)``) in ``cls.<method>``; attributes used inside a
-    called ``self.<helper>(...)`` count at the call."""
-    import ast
-    import inspect
-    import textwrap
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
-    except (OSError, TypeError, SyntaxError, AttributeError):
-        return {}
-    first_use: dict[str, tuple[int, int]] = {}
-    for node in ast.walk(tree):
-        if calls:
-            node = node.func if isinstance(node, ast.Call) else None  # type: ignore[assignment]
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
-                and node.value.id == "self":
-            pos = (node.lineno, node.col_offset)
-            found = {node.attr: pos}
-            if depth > 0 and node.attr != method and inspect.isfunction(
-                    inspect.getattr_static(cls, node.attr, None)):
-                found.update({k: pos for k in _first_uses(cls, node.attr, depth - 1)})
-            for name, at in found.items():
-                first_use[name] = min(first_use.get(name, at), at)
-    return first_use
 
 
 def _saved_state(model: Any) -> tuple[dict, list[tuple[str, str]]]:
@@ -250,16 +222,6 @@ def _saved_state(model: Any) -> tuple[dict, list[tuple[str, str]]]:
     tied_map = dict(getattr(model, "all_tied_weights_keys", {}) or {})
     tied = [(t, tied_map.get(t, "")) for t in sorted(before - set(state))]
     return state, tied
-
-
-def _revert_one(model: Any, key: str, tensor: Any) -> dict:
-    from transformers.core_model_loading import revert_weight_conversion
-    try:
-        return dict(revert_weight_conversion(model, {key: tensor}))
-    except Exception as exc:  # noqa: BLE001 - a many-to-one conversion: not derivable per key
-        raise ConfigError(f"cannot derive the saved name of {key}: transformers' checkpoint "
-                          f"conversion needs several tensors at once ({type(exc).__name__})",
-                          file="config.json") from None
 
 
 def _derive(config: Mapping[str, Any]) -> MetaModel:
@@ -397,7 +359,7 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
         if fmt == "transformers":
             return {key: tuple(state[key].shape)}
         if key not in memo:  # (callers never change what it returns)
-            memo[key] = {n: tuple(t.shape) for n, t in _revert_one(model, key, state[key]).items()}
+            memo[key] = {n: tuple(t.shape) for n, t in revert_one(model, key, state[key]).items()}
         return memo[key]
 
     template: Shapes = {}
@@ -418,7 +380,7 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
     embed = next(iter(saved(embed_key))) if embed_key and embed_key in state else None
     head = next(iter(saved(head_key))) if head_key and head_key in state else None
     if head_key and head is None:  # tied: the head's name as this naming would spell it
-        head = head_key if fmt == "transformers" else next(iter(_revert_one(  # (a VL model's
+        head = head_key if fmt == "transformers" else next(iter(revert_one(  # (a VL model's
             model, head_key, model.get_parameter(head_key))), head_key)  # language_model.lm_head)
     for rep in sorted(set(reps.values())):
         comps: dict[str, tuple[int, ...]] = {}

@@ -7,7 +7,9 @@
 - tensors stored outside the decoder layers but run inside the forward's loop over them
   (``for layer in self.layers: ... self.shared(...)``): needed by every stage.
 
-Read from the meta model (``hf_meta._derive`` calls these); nothing here reads weights.
+Read from the meta model (``hf_meta._derive`` calls these), with the two meta-model readers they
+share with it (``first_uses``: an attribute's first use in a forward; ``revert_one``: a
+parameter's saved name); nothing here reads weights.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ from typing import Any, Mapping, Optional
 
 from ..errors import ConfigError
 
-__all__ = ["tied_copies", "saved_pairs", "loop_uses"]
+__all__ = ["tied_copies", "saved_pairs", "loop_uses", "first_uses", "revert_one"]
 
 
 def tied_copies(model: Any, tied: list[tuple[str, str]], state: dict, every_key: list[str],
@@ -64,9 +66,8 @@ def saved_pairs(fmt: str, model: Any, state: dict, pairs: list[tuple[str, str, s
         if fmt == "transformers":
             out.append((target, source, where))
             continue
-        from .hf_meta import _revert_one
-        src = list(_revert_one(model, source, state[source]))
-        tgt = list(_revert_one(model, target, state[source]))
+        src = list(revert_one(model, source, state[source]))
+        tgt = list(revert_one(model, target, state[source]))
         if len(src) != len(tgt):
             raise ConfigError(f"tied copy {target} of {source}: the checkpoint spells them as "
                               f"{len(tgt)} and {len(src)} tensors", file="config.json")
@@ -82,7 +83,6 @@ def loop_uses(model: Any, layers_path: str) -> set[str]:
     import ast
     import inspect
     import textwrap
-    from .hf_meta import _first_uses
     parent_path, _, layers_name = layers_path.rpartition(".")
     parent = model.get_submodule(parent_path) if parent_path else model
     cls = type(parent)
@@ -102,9 +102,47 @@ def loop_uses(model: Any, layers_path: str) -> set[str]:
                         and node.value.id == "self":
                     used.add(node.attr)
                     if inspect.isfunction(inspect.getattr_static(cls, node.attr, None)):
-                        used.update(_first_uses(cls, node.attr, 1))
+                        used.update(first_uses(cls, node.attr, 1))
     prefix = parent_path + "." if parent_path else ""
     own = [n for n, _ in parent.named_children()]
     own += [n for n, _ in parent.named_parameters(recurse=False)]
     own += [n for n, _ in parent.named_buffers(recurse=False)]
     return {prefix + n for n in own if n in used and n != layers_name}
+
+
+def first_uses(cls: type, method: str, depth: int,
+                calls: bool = False) -> dict[str, tuple[int, int]]:
+    """``{attribute: (line, column)}`` of each ``self.<attribute>`` first use (with ``calls``:
+    first direct call ``self.<attribute>(...)``) in ``cls.<method>``; attributes used inside a
+    called ``self.<helper>(...)`` count at the call."""
+    import ast
+    import inspect
+    import textwrap
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(getattr(cls, method))))
+    except (OSError, TypeError, SyntaxError, AttributeError):
+        return {}
+    first_use: dict[str, tuple[int, int]] = {}
+    for node in ast.walk(tree):
+        if calls:
+            node = node.func if isinstance(node, ast.Call) else None  # type: ignore[assignment]
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) \
+                and node.value.id == "self":
+            pos = (node.lineno, node.col_offset)
+            found = {node.attr: pos}
+            if depth > 0 and node.attr != method and inspect.isfunction(
+                    inspect.getattr_static(cls, node.attr, None)):
+                found.update({k: pos for k in first_uses(cls, node.attr, depth - 1)})
+            for name, at in found.items():
+                first_use[name] = min(first_use.get(name, at), at)
+    return first_use
+
+
+def revert_one(model: Any, key: str, tensor: Any) -> dict:
+    from transformers.core_model_loading import revert_weight_conversion
+    try:
+        return dict(revert_weight_conversion(model, {key: tensor}))
+    except Exception as exc:  # noqa: BLE001 - a many-to-one conversion: not derivable per key
+        raise ConfigError(f"cannot derive the saved name of {key}: transformers' checkpoint "
+                          f"conversion needs several tensors at once ({type(exc).__name__})",
+                          file="config.json") from None
