@@ -125,9 +125,10 @@ class CheckpointIndex:
         """The shards present in the directory (``missing`` lists the absent ones)."""
         return tuple(self.paths)
 
-    def require(self, files: Iterable[str]) -> None:
+    def require(self, files: Iterable[str], rank: Optional[int] = None) -> None:
         """Refuse, listing every one at once, the absent shards among ``files`` (the shards a
-        plan reads); absent shards nobody here needs are fine (a node holding its stages)."""
+        plan reads; ``rank``: the rank whose plan, named in the error); absent shards nobody
+        here needs are fine (a node holding its stages)."""
         if not self.missing:
             return
         gone = sorted(set(files).intersection(self.missing))
@@ -138,7 +139,8 @@ class CheckpointIndex:
                                   + ", ".join(gone) + f" (needed by this plan; {len(self.paths)} "
                                   f"of {len(self.paths) + len(self.missing)} shards are present "
                                   f"in {self.root}): copy or download them (`pploader files` "
-                                  "lists the shards each node needs)", file=self.source)
+                                  "lists the shards each node needs)", file=self.source,
+                                  rank=rank)
 
     def header(self, file: str) -> ShardHeader:
         """The validated header of ``file``, cross-checked against the weight_map."""

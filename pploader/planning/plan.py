@@ -200,7 +200,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     # rank of it: worked out once and kept in ``roles`` (``plan_all``, read-once groups)
     chosen, needed_files, names, targets, role_list, tensors = roles.stage_value(
         ("reads", window, experts), partial(_stage_reads, spec, index, roles, window, experts))
-    index.require(needed_files)  # absent shards: all at once
+    index.require(needed_files, topology.rank)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         check_expected(roles, index, chosen, window, experts, topology)
         roles.mark_checked(window, experts)
@@ -446,7 +446,7 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
                if spec.num_experts and topo.ep_size > 1 else None)
     items, names = [], []
     scheme = quant_scheme(spec)
-    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())})
+    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())}, topo.rank)
     for name, role in roles.layer_roles(layer).items():
         if role.placement == "mtp" and role.layer == layer and (
                 role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):
