@@ -25,7 +25,7 @@ import os
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 from torch.distributed.checkpoint import StorageReader
@@ -36,7 +36,6 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
 from torch.futures import Future
 
-from ..bind.names import NameMap
 from ..errors import CheckpointError, PlanError, PPLoaderError, ReadError
 from ..io.backend import ReadBackend, ReadOptions, ReadStats, merge_stats
 from ..io.mapped import open_mapped
@@ -47,9 +46,12 @@ from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_m
 from ..planning.header import FileIdentity, ShardHeader
 from ..planning.items import ReadItem, read_item
 from ..planning.partition import StageWindow
-from ..planning.plan import RankPlan
+from ..planning.rank_plan import RankPlan
 from ..planning.shard import Selection
 from ..planning.topology import Topology
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..bind.names import NameMap
 
 __all__ = ["PPLoaderStorageReader", "DCP_SHARDING_KEY"]
 
@@ -132,10 +134,11 @@ class PPLoaderStorageReader(StorageReader):
     gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
     (``mesh_topology``; default: the process-group rank). ``stats`` / ``header_bytes`` /
     ``read_bytes``: what the last ``read_data`` did and what reading the headers cost.
-    ``staging_device`` (e.g. ``"cuda:0"``, the destinations' GPU): the read backend's host
-    staging for it (the pinned ring) is started when the reader is made, so its page-locking
-    runs in the background while the job builds its model and DCP plans, instead of during
-    the first reads; it is reused by later loads. ``process_group``: the group given to
+    ``staging_device`` (default ``"auto"``: the current GPU when this process has initialised
+    CUDA, as a job whose model is on a GPU has; None: none): the process's host staging for
+    it (io/staging.py, the pinned ring) is started when the reader is made, so it is
+    page-locked while DCP plans (and, with ``pploader.start_staging()`` at start-up, while
+    the job builds its model); a load never waits for it and later loads reuse it. ``process_group``: the group given to
     ``dcp.load`` when it is not the default one (the ranks agree on their destination checks
     over it before any reads).
     """
@@ -146,7 +149,7 @@ class PPLoaderStorageReader(StorageReader):
                  window_bytes: Optional[int] = None, range_cost_bytes: int = 0,
                  topology: Optional[Topology] = None,
                  allowed_roots: Sequence["str | os.PathLike[str]"] = (),
-                 staging_device: "str | torch.device | None" = None,
+                 staging_device: "str | torch.device | None" = "auto",
                  process_group: Any = None) -> None:
         super().__init__()
         if names is not None and rename is not None:
@@ -172,6 +175,9 @@ class PPLoaderStorageReader(StorageReader):
         #: come from the same file, and the reads check their descriptors against it
         self._pinned: dict[str, FileIdentity] = {}
         self._verified: set[str] = set()      # shards whose parsed header matched its pin
+        if isinstance(staging_device, str) and staging_device == "auto":
+            staging_device = "cuda" if torch.cuda.is_available() and \
+                torch.cuda.is_initialized() else None
         self.staging_device = torch.device(staging_device) if staging_device is not None \
             else None
         self._staging: Any = None                # the backend's staging for staging_device
@@ -441,14 +447,18 @@ class PPLoaderStorageReader(StorageReader):
                             rank=self._rank)
 
     def _start_staging(self) -> None:
-        """Start the staging device's backend staging (once; kept across loads)."""
-        if self._staging is None and self.staging_device is not None and \
-                self.staging_device.type != "cpu":
-            if self.staging_device.index is None and self.staging_device.type == "cuda":
-                self.staging_device = torch.device("cuda", torch.cuda.current_device())
+        """Start the staging device's backend staging now (the process's, io/staging.py:
+        kept across loads and readers), so its page-locking runs while the job plans."""
+        if self.staging_device is None or self.staging_device.type == "cpu":
+            return
+        if self.staging_device.index is None and self.staging_device.type == "cuda":
+            self.staging_device = torch.device("cuda", torch.cuda.current_device())
+        try:
             self._staging = prepare_staging(self.staging_device,
                                             ReadOptions(threads=self.threads),
                                             self._backend_name(self.staging_device))
+        except Exception as exc:  # noqa: BLE001 - the load reads with what it finds
+            logger.debug("no early staging for %s: %s", self.staging_device, exc)
 
     def _open(self, plan: RankPlan, device: torch.device) -> ReadBackend:
         """The read backend of ``plan`` onto ``device``: the configured one, else on CPU the
@@ -478,12 +488,10 @@ class PPLoaderStorageReader(StorageReader):
         return self.io_backend
 
     def _options(self, device: torch.device) -> ReadOptions:
-        ring = None
-        if self._staging is not None and device == self.staging_device:
-            self._staging.stop_preparing()  # never page-lock beside the load's copies
-            ring = self._staging
+        # no ring: the backend lends the process's staging (io/staging.py), which
+        # ``_start_staging`` started; the load pauses its page-locking and reads with it
         return ReadOptions(window_bytes=self.window_bytes if device.type != "cpu" else None,
-                           threads=self.threads, fit_staging=device.type != "cpu", ring=ring)
+                           threads=self.threads)
 
     def _rank_plan(self, items: Sequence[ReadItem]) -> RankPlan:
         """The pploader plan of these items (what the read backends take)."""

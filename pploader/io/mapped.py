@@ -43,7 +43,8 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 
 from ..errors import ReadError
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
 from .mapped_file import MappedFile, map_file
 from .mapped_split import Run, copy_stretch, run_bytes, split_resident, strided_runs
@@ -272,6 +273,7 @@ class MappedBackend:
                 self._count_warm(item)
             self.stats.items += len(hot)
             if cold or parts:
+                _advise_cold(files, [*cold, *parts], self._item_runs)
                 reader = self._cold_reader([*cold, *parts])
                 reader.read_into({**{i.target: destinations[i.target] for i in cold},
                                   **{i.target: view for i, view in parts.items()}})
@@ -452,6 +454,25 @@ class MappedBackend:
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return self._each()
+
+
+def _advise_cold(files: Mapping[str, MappedFile], items: list[ReadItem],
+                 runs_of: Callable[[ReadItem], list[Run]]) -> None:
+    """Tell the kernel every page the cold reads will need (``POSIX_FADV_WILLNEED``, one call
+    per run of pages), so the device has the whole stage's requests in flight while the
+    reader thread reads them in order (one stream has one request at a time; the 2-core VM's
+    disk read 0.63 GB/s so, 1.6 GB/s with four in flight). Only pages the reads touch:
+    a run whose gaps are a page or more is left to the reads (its rows, no extra bytes)."""
+    for item in items:
+        if item.file not in files:
+            continue
+        fd = files[item.file].fd
+        for off, n, count, stride in (runs_of(item) if item.direct else ()):
+            if count == 1 or stride - n < PAGE_BYTES:
+                try:
+                    os.posix_fadvise(fd, off, (count - 1) * stride + n, os.POSIX_FADV_WILLNEED)
+                except OSError:
+                    return  # best effort: the reads bring the pages in regardless
 
 
 def open_mapped(plan: RankPlan, device: torch.device, options: ReadOptions, *,

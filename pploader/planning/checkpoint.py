@@ -19,7 +19,6 @@ from ..storage import is_remote
 from .header import (DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, FileIdentity, ObjectIdentity,
                      ShardHeader, TensorEntry, _is_text, _short, dtype_code, loads_checked,
                      parse_header)
-from .remote import open_remote_checkpoint, remote_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..storage import ObjectStorage
@@ -148,7 +147,7 @@ class CheckpointIndex:
         if hdr is None:
             self.require((file,))
             hdr = parse_header(self.paths[file], file=file) if self.storage is None else \
-                remote_header(self.storage, file)
+                _remote_header(self.storage, file)
             self._cross_check(hdr)
             self._headers[file] = hdr
             self._entries.update(hdr.tensors)
@@ -223,7 +222,7 @@ class CheckpointIndex:
         if len(todo) < 2:
             return
         with ThreadPoolExecutor(min(_HEADER_REQUESTS, len(todo))) as pool:
-            fetched = list(pool.map(lambda f: remote_header(storage, f), todo))
+            fetched = list(pool.map(lambda f: _remote_header(storage, f), todo))
         for hdr in fetched:
             self._cross_check(hdr)
             self._headers[hdr.file] = hdr
@@ -255,6 +254,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     (planning/remote.py).
     """
     if is_remote(model_dir):
+        from .remote import open_remote_checkpoint  # object stores only: their modules too
         return open_remote_checkpoint(str(model_dir))
     root = check_model_dir(model_dir)
     roots = _allowed_roots(root, allowed_roots)
@@ -279,6 +279,11 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     paths = _resolve(root, shards, roots, str(root))
     headers = {file: parse_header(paths[file], file=file) for file in shards}
     return index_from_headers(root, paths, headers)
+
+
+def _remote_header(storage: "ObjectStorage", file: str) -> ShardHeader:
+    from .remote import remote_header
+    return remote_header(storage, file)
 
 
 def index_from_headers(root: "Path | str", paths: Mapping[str, "Path | str"],
