@@ -206,15 +206,17 @@ class DeviceLoader:
 
         pin_before = self.ring.alloc_seconds
         feed = _WholeFeed(chunks, buffers, self.device)
-        if not self.overlap_alloc:
-            feed.prepare(allocate)  # before the readers start (see overlap_alloc)
-        threads, fds, errors = self._start(feed, allocate if self.overlap_alloc else None)
-        self._join(threads, fds, errors, feed)
-        t_io = time.perf_counter()
-        for item, tmp, dst in post:
-            materialise(item, tmp, dst)
-        torch.cuda.synchronize(self.device)
-        self._give_back_ring()
+        try:
+            if not self.overlap_alloc:
+                feed.prepare(allocate)  # before the readers start (see overlap_alloc)
+            threads, fds, errors = self._start(feed, allocate if self.overlap_alloc else None)
+            self._join(threads, fds, errors, feed)
+            t_io = time.perf_counter()
+            for item, tmp, dst in post:
+                materialise(item, tmp, dst)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self._give_back_ring()
         self.stats.items = len(out)
         self.stats.seconds = time.perf_counter() - start
         self.timings = {"residency_s": t_resid - start, **times, "io_s": t_io - t_resid,
