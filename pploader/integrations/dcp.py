@@ -463,11 +463,12 @@ class PPLoaderStorageReader(StorageReader):
     def _open(self, plan: RankPlan, device: torch.device) -> ReadBackend:
         """The read backend of ``plan`` onto ``device``: the configured one, else on CPU the
         ``mapped`` backend (resident shards copied from a mapping, one strided copy each; a
-        shard whose missing pages exceed ``FAULT_BUDGET`` of its bytes, and every cold one,
-        by positional reads straight into its destination), else the device's default."""
+        shard partly resident split, its missing bytes read; a cold one copied from the
+        mapping too, its pages faulted in with the kernel's read-around: ``cold="fault"``),
+        else the device's default."""
         if device.type == "cpu" and self.io_backend is None:
             return open_mapped(plan, device, self._options(device), fault_budget=FAULT_BUDGET,
-                               cold_threads=self.threads or 1)  # cold: as the threaded default
+                               cold_threads=self.threads or 1, cold="fault")
         return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:

@@ -217,9 +217,9 @@ def test_mesh_topology_and_stage_window() -> None:
         pipeline_window(0, [0, 2], num_stages=2)
 
 
-def test_cpu_dim1_shard_from_page_cache_or_exact_reads(llama: Path) -> None:
-    """CPU default: a resident dim-1 shard is one strided copy from a mapping (no read
-    syscall); evicted, it is read by one positional read per row, exactly its bytes."""
+def test_cpu_dim1_shard_copied_from_the_mapping_warm_or_cold(llama: Path) -> None:
+    """CPU default: a dim-1 shard is one strided copy from a mapping (no read syscall),
+    resident or evicted (then its pages are faulted in with the kernel's read-around)."""
     from helpers import evict_or_skip
     from pploader.report import proc_io
     import gc
@@ -251,11 +251,9 @@ def test_cpu_dim1_shard_from_page_cache_or_exact_reads(llama: Path) -> None:
         rchar = proc_io().get("rchar", 0) - io0.get("rchar", 0)
         assert torch.equal(dst, ref[:, 128:]), cache
         assert reader.read_bytes == nbytes
-        if cache == "warm":
-            assert reader.stats.syscalls == 0 and rchar < 4096, (reader.stats, rchar)
-        else:
-            assert reader.stats.syscalls == 128, reader.stats
-            assert nbytes <= rchar <= 1.02 * nbytes + 4096, rchar
+        # warm: one strided copy from the mapping; cold: the same copy, its pages faulted in
+        # with the kernel's read-around (cold="fault"): no read syscall either way
+        assert reader.stats.syscalls == 0 and rchar < 4096, (cache, reader.stats, rchar)
 
 
 def _one_bad_rank(rank: int, world: int, model_dir: str) -> dict:
