@@ -36,6 +36,8 @@ _EXPORTS: dict[str, str] = {
     "iter_mtp_weights": "stage",
     "owned": "io.read",
     "is_borrowed": "io.read",
+    "start_staging": "io.staging",
+    "release_staging": "io.staging",
     # engines: their windows; placeholders for other stages' layers
     "EngineSplit": "planning.partition",
     "get_pp_indices": "planning.partition",
@@ -83,7 +85,8 @@ __all__ = [
     "__version__", "Topology", "init_distributed", "Comm", "run_guarded", "load_pipeline_stage",
     "StageLoadOptions", "StageLoad", "plan_job", "JobPlan", "measure_exchange_cost",
     "plan_stage", "StagePlan", "StageWindow", "iter_stage_weights", "load_stage", "StageResult", "iter_mtp_weights",
-    "owned", "is_borrowed", "EngineSplit", "get_pp_indices", "check_engine_window",
+    "owned", "is_borrowed", "start_staging", "release_staging", "EngineSplit", "get_pp_indices",
+    "check_engine_window",
     "make_stage_layers", "MissingLayer", "load_stage_into", "BindResult", "LoadRecord",
     "NameMap", "NameRule", "bind_derived", "reload_from_disk", "ReloadResult", "load_layerwise",
     "LayerwiseReport", "LayerTracker", "LayerOrderWarning", "is_ready", "ensure_ready",

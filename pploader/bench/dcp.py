@@ -15,9 +15,11 @@ compared). GB = 1e9 bytes; GB/s per rank = its local shards' bytes / its load se
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
-import platform
+import resource
+import statistics
 import socket
 import subprocess
 import sys
@@ -51,14 +53,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--readers", default="pploader,torch_hf", help="comma list of "
                    + ", ".join(READERS))
     p.add_argument("--caches", default="warm,cold", help="warm,cold (default both)")
-    p.add_argument("--repeat", type=int, default=1, help="repetitions (best wall kept)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="fresh-process trials per reader and cache, alternated (medians)")
+    p.add_argument("--loads", default="first,reload",
+                   help="timed loads per process: first (reader import and set-up included), "
+                   "reload (a new reader, same process) (default both)")
     p.add_argument("--threads", type=int, default=None,
                    help="pploader reader threads (default: the backend's default)")
     p.add_argument("--range-cost", type=int, default=0,
                    help="pploader's range_cost_bytes (default 0: exact row runs; 65536 is "
                    "pploader's planner default: dim-1 shards of short rows read as a box)")
-    p.add_argument("--hf-threads", type=int, default=8,
-                   help="HuggingFaceStorageReader thread_count (default 8)")
+    p.add_argument("--hf-threads", type=int, default=None,
+                   help="HuggingFaceStorageReader thread_count (default: 8 on cuda, 1 on cpu, "
+                   "torch's fastest on the 2-core VM)")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ppbench-dcp"))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print the JSON document, not tables")
@@ -68,88 +75,121 @@ def _parser() -> argparse.ArgumentParser:
 
 
 # ---- the measured rank process --------------------------------------------------------------
-def _state_dict(model_dir: str, topo: Any, tp_mesh: Any, device: Any) -> dict:
-    """This rank's stage as DCP destinations: DTensors on ``tp_mesh`` sharded where
-    pploader's plan shards the tensor (its TP dim), plain tensors where it reads it whole;
-    NaN-filled."""
-    import torch
-    from torch.distributed.tensor import DTensor, Shard
-
-    from ..stage import plan_stage
-    plan = plan_stage(model_dir, topo).plan
-    out = {}
-    for item in plan.items:
-        dtype = torch.bfloat16 if item.dtype == "BF16" else torch.float32 \
-            if item.dtype == "F32" else None
-        if dtype is None:
-            raise SystemExit(f"bench --dcp: {item.name} is {item.dtype} (BF16/F32 only)")
-        src = item.source_shape
-        dims = [d for d in range(len(src)) if item.shape[d] != src[d]]
-        if not dims or topo.tp_size == 1:
-            out[item.name] = torch.full(src, float("nan"), dtype=dtype, device=device)
-            continue
-        d = dims[0]
-        local_shape = torch.empty(src, device="meta").chunk(topo.tp_size, d)[topo.tp_rank].shape
-        local = torch.full(local_shape, float("nan"), dtype=dtype, device=device)
-        out[item.name] = DTensor.from_local(local, tp_mesh, [Shard(d)], run_check=False,
-                                            shape=torch.Size(src),
-                                            stride=torch.empty(src, device="meta").stride())
+def _layout(model_dir: str, pp: int, tp: int) -> list[list[list[Any]]]:
+    """Per rank: ``[name, stored shape, dtype, TP dim or None]`` of its stage's tensors, from
+    pploader's plan (made in the parent, so a rank imports no pploader module before its
+    clock: the first load pays pploader's imports as a job's would)."""
+    from ..planning.stage import plan_stage
+    from ..planning.topology import Topology
+    out = []
+    for rank in range(pp * tp):
+        topo = Topology(pp, tp, rank=rank)
+        rows = []
+        for item in plan_stage(model_dir, topo).plan.items:
+            if item.dtype not in ("BF16", "F32"):
+                raise SystemExit(f"bench --dcp: {item.name} is {item.dtype} (BF16/F32 only)")
+            src = list(item.source_shape)
+            dims = [d for d in range(len(src)) if item.shape[d] != src[d]]
+            rows.append([item.name, src, item.dtype, dims[0] if dims and tp > 1 else None])
+        out.append(rows)
     return out
 
 
+def _state_dict(layout: list[list[Any]], tp_mesh: Any, tp: int, tp_rank: int,
+                device: Any) -> dict:
+    """This rank's stage as DCP destinations: DTensors on ``tp_mesh`` sharded on their TP
+    dim, plain tensors where the stage reads them whole; NaN-filled."""
+    import torch
+    from torch.distributed.tensor import DTensor, Shard
+    out = {}
+    for name, src, code, dim in layout:
+        dtype = torch.bfloat16 if code == "BF16" else torch.float32
+        if dim is None:
+            out[name] = torch.full(src, float("nan"), dtype=dtype, device=device)
+            continue
+        meta = torch.empty(src, device="meta")
+        local = torch.full(meta.chunk(tp, dim)[tp_rank].shape, float("nan"), dtype=dtype,
+                           device=device)
+        out[name] = DTensor.from_local(local, tp_mesh, [Shard(dim)], run_check=False,
+                                       shape=torch.Size(src), stride=meta.stride())
+    return out
+
+
+def _proc_io() -> dict[str, int]:
+    """This process's ``/proc/self/io`` counters (empty where there is none)."""
+    try:
+        with open("/proc/self/io") as fh:
+            return {k: int(v) for k, v in (ln.split(": ") for ln in fh if ": " in ln)}
+    except OSError:
+        return {}
+
+
+def _make_reader(spec: dict, mesh: Any) -> Any:
+    """The reader as the docs make it (integration.md, "Torch-native jobs"): pploader's with
+    the mesh's topology, torch's with ``thread_count``; made inside the clock."""
+    import torch.distributed.checkpoint as dcp
+    if not spec["reader"].startswith("pploader"):
+        return dcp.HuggingFaceStorageReader(spec["model"], thread_count=spec["hf_threads"])
+    import pploader
+    topo = pploader.mesh_topology(mesh) if mesh is not None else \
+        pploader.Topology(spec["pp"], 1, rank=spec["rank"])
+    extra = {k: v for k, v in (("threads", spec["threads"]),
+                               ("range_cost_bytes", spec["range_cost"])) if v}
+    return pploader.PPLoaderStorageReader(spec["model"], topology=topo, **extra)
+
+
 def _worker(spec: dict) -> None:
+    """One rank: READY, then per load (``first`` in this fresh process, then ``reload``):
+    wait for GO (the parent sets the page cache meanwhile), time reader + ``dcp.load``."""
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
-
-    from ..integrations.dcp import PPLoaderStorageReader
-    from ..report import proc_io
-    from ..planning.mesh import mesh_topology
-    from ..planning.topology import Topology
     rank, world, cuda = spec["rank"], spec["world"], spec["device"] == "cuda"
     solo = spec["solo"]  # this rank alone (no process group): its stage, as rank ``rank``
     if cuda:
         torch.cuda.set_device(spec["local_rank"] % torch.cuda.device_count())
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    if solo:
-        topo, tp_mesh = Topology.for_world(world, rank, pp=spec["pp"]), None
-    else:
+    mesh = tp_mesh = None
+    if not solo:
         dist.init_process_group("nccl" if cuda else "gloo", init_method=spec["init"],
                                 rank=rank, world_size=world)
         mesh = init_device_mesh(spec["device"], (spec["pp"], spec["tp"]),
                                 mesh_dim_names=("pp", "tp"))
-        topo, tp_mesh = mesh_topology(mesh), mesh["tp"]
-    state = _state_dict(spec["model"], topo, tp_mesh, device)
-    if spec["reader"] == "pploader":
-        import pploader.io.registry as registry
-        reader: Any = PPLoaderStorageReader(spec["model"], threads=spec["threads"],
-                                            range_cost_bytes=spec["range_cost"],
-                                            staging_device=device if cuda else None)
-        registry.select_backend(device)  # backend modules imported before the timed load
-    else:
-        reader = dcp.HuggingFaceStorageReader(spec["model"], thread_count=spec["hf_threads"])
+        tp_mesh = mesh["tp"]
+    with open(spec["layout"]) as fh:
+        layout = json.load(fh)[rank]
+    state = _state_dict(layout, tp_mesh, spec["tp"], rank % spec["tp"], device)
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
-    if not solo:
-        dist.barrier()
-    print("READY", flush=True)
-    if sys.stdin.readline().strip() != "GO":
-        raise SystemExit("bench --dcp worker: no GO")
-    io0, t0 = proc_io(), time.perf_counter()
-    dcp.load(state, storage_reader=reader, no_dist=solo)
     if cuda:
         torch.cuda.synchronize()
-    seconds, io1 = time.perf_counter() - t0, proc_io()
-    sums = {k: float(t.double().sum()) for k, t in local.items()}
-    row = {"rank": rank, "reader": spec["reader"], "seconds": seconds,
-           "local_bytes": sum(t.nbytes for t in local.values()),
-           "reader_bytes": reader.read_bytes if spec["reader"] == "pploader" else None,
-           "header_bytes": reader.header_bytes if spec["reader"] == "pploader" else None,
-           "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
-           "storage_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
-           "sums": sums}
-    print("RESULT " + json.dumps(row), flush=True)
+    for load in spec["loads"]:
+        if not solo:
+            dist.barrier()
+        print("READY", flush=True)
+        if sys.stdin.readline().strip() != "GO":
+            raise SystemExit("bench --dcp worker: no GO")
+        io0, ru0, t0 = _proc_io(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        reader = _make_reader(spec, mesh)
+        dcp.load(state, storage_reader=reader, no_dist=solo)
+        if cuda:
+            torch.cuda.synchronize()
+        seconds, io1 = time.perf_counter() - t0, _proc_io()
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        ours = spec["reader"].startswith("pploader")
+        row = {"rank": rank, "reader": spec["reader"], "load": load, "seconds": seconds,
+               "local_bytes": sum(t.nbytes for t in local.values()),
+               "reader_bytes": reader.read_bytes if ours else None,
+               "header_bytes": reader.header_bytes if ours else None,
+               "rchar": io1.get("rchar", 0) - io0.get("rchar", 0),
+               "storage_read_bytes": io1.get("read_bytes", 0) - io0.get("read_bytes", 0),
+               "cpu_s": ru1.ru_utime + ru1.ru_stime - ru0.ru_utime - ru0.ru_stime,
+               "minor_faults": ru1.ru_minflt - ru0.ru_minflt,
+               "sums": {k: float(t.double().sum()) for k, t in local.items()}}
+        print("RESULT " + json.dumps(row), flush=True)
+        for t in local.values():  # the next load must write every byte again
+            t.fill_(float("nan"))
     if not solo:
         dist.destroy_process_group()
 
@@ -161,9 +201,10 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _group(args: argparse.Namespace, model: str, reader: str, cache: str,
+def _group(args: argparse.Namespace, model: str, layout: str, reader: str, cache: str,
            paths: Sequence[str]) -> list[dict]:
-    """One timed ``dcp.load`` on every rank at once, the cache set while they wait."""
+    """Fresh rank processes: their first ``dcp.load`` and a reload, every rank at once, the
+    cache set (``cache``) before each while they wait."""
     from .methods import evict, make_resident
     world = args.pp * args.tp
     ranks = _ranks(args.ranks, world)
@@ -174,34 +215,39 @@ def _group(args: argparse.Namespace, model: str, reader: str, cache: str,
     solo = len(ranks) < world
     if solo and args.tp > 1:
         raise SystemExit("bench --dcp: --ranks (a subset, each rank alone) needs --tp 1")
+    loads = [x for x in args.loads.split(",") if x]
     procs = []
     for i, rank in enumerate(ranks):
         spec = dict(rank=rank, local_rank=i, world=world, pp=args.pp, tp=args.tp,
-                    device=args.device, model=model, reader=reader, init=init, solo=solo,
-                    threads=args.threads, hf_threads=args.hf_threads,
-                    range_cost=args.range_cost)
+                    device=args.device, model=model, layout=layout, reader=reader, init=init,
+                    solo=solo, threads=args.threads, hf_threads=args.hf_threads,
+                    range_cost=args.range_cost, loads=loads)
         procs.append(subprocess.Popen([sys.executable, "-m", "pploader.bench.dcp", "--worker",
                                        json.dumps(spec)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env))
+    rows = []
     try:
+        for _ in loads:
+            for p in procs:
+                line = p.stdout.readline()  # type: ignore[union-attr]
+                if line.strip() != "READY":
+                    raise RuntimeError("bench --dcp: a rank failed (its error is above)")
+            if cache == "cold":
+                evict(paths)
+            else:
+                make_resident(paths)
+            for p in procs:
+                p.stdin.write("GO\n")  # type: ignore[union-attr]
+                p.stdin.flush()  # type: ignore[union-attr]
+            for p in procs:
+                line = p.stdout.readline()  # type: ignore[union-attr]
+                if not line.startswith("RESULT "):
+                    raise RuntimeError("bench --dcp: a rank failed (its error is above)")
+                rows.append(json.loads(line[7:]))
         for p in procs:
-            line = p.stdout.readline()  # type: ignore[union-attr]
-            if line.strip() != "READY":
-                raise RuntimeError("bench --dcp: a rank failed before READY (its error is above)")
-        if cache == "cold":
-            evict(paths)
-        else:
-            make_resident(paths)
-        for p in procs:
-            p.stdin.write("GO\n")  # type: ignore[union-attr]
-            p.stdin.flush()  # type: ignore[union-attr]
-        rows = []
-        for p in procs:
-            out, _ = p.communicate(timeout=args.timeout)
-            got = [ln[7:] for ln in out.splitlines() if ln.startswith("RESULT ")]
-            if p.returncode != 0 or not got:
+            p.communicate(timeout=args.timeout)
+            if p.returncode != 0:
                 raise RuntimeError(f"bench --dcp: a rank failed (exit {p.returncode})")
-            rows.append(json.loads(got[-1]))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -220,41 +266,78 @@ def _ranks(text: Optional[str], world: int) -> list[int]:
 
 
 def _summary(rows: list[dict]) -> list[dict]:
-    """Per (cache, reader): the best repetition's per-rank GB/s, bytes and the aggregate."""
+    """Per (cache, load, reader): each repetition's wall (its slowest rank), their median, and
+    the per-rank numbers of the repetition at the median."""
     out = []
     for cache in dict.fromkeys(r["cache"] for r in rows):
-        for reader in dict.fromkeys(r["reader"] for r in rows):
-            reps = [r for r in rows if (r["cache"], r["reader"]) == (cache, reader)]
-            best = min(dict.fromkeys(r["rep"] for r in reps),
-                       key=lambda k: max(r["seconds"] for r in reps if r["rep"] == k))
-            mine = sorted((r for r in reps if r["rep"] == best), key=lambda r: r["rank"])
-            total, wall = sum(r["local_bytes"] for r in mine), max(r["seconds"] for r in mine)
-            out.append({"cache": cache, "reader": reader, "wall_s": wall,
-                        "gbps": total / wall / GB, "ranks": [
-                            {"rank": r["rank"], "gbps": r["local_bytes"] / r["seconds"] / GB,
-                             "local_bytes": r["local_bytes"], "reader_bytes": r["reader_bytes"],
-                             "header_bytes": r["header_bytes"], "rchar": r["rchar"],
-                             "storage_read_bytes": r["storage_read_bytes"]} for r in mine]})
+        for load in dict.fromkeys(r["load"] for r in rows):
+            for reader in dict.fromkeys(r["reader"] for r in rows):
+                reps = [r for r in rows if (r["cache"], r["load"], r["reader"]) ==
+                        (cache, load, reader)]
+                if not reps:
+                    continue
+                walls = {k: max(r["seconds"] for r in reps if r["rep"] == k)
+                         for k in dict.fromkeys(r["rep"] for r in reps)}
+                order = sorted(walls, key=walls.__getitem__)
+                mid = order[(len(order) - 1) // 2]
+                mine = sorted((r for r in reps if r["rep"] == mid), key=lambda r: r["rank"])
+                total = sum(r["local_bytes"] for r in mine)
+                cpu = {k: sum(r["cpu_s"] for r in reps if r["rep"] == k) for k in walls}
+                out.append({"cache": cache, "load": load, "reader": reader,
+                            "cpu_s": statistics.median(cpu.values()),
+                            "wall_s": statistics.median(walls.values()),
+                            "walls_s": [walls[k] for k in walls],
+                            "gbps": total / statistics.median(walls.values()) / GB, "ranks": [
+                                {"rank": r["rank"], "gbps": r["local_bytes"] / r["seconds"] / GB,
+                                 "local_bytes": r["local_bytes"],
+                                 "reader_bytes": r["reader_bytes"],
+                                 "header_bytes": r["header_bytes"], "rchar": r["rchar"],
+                                 "storage_read_bytes": r["storage_read_bytes"]} for r in mine]})
     return out
+
+
+def _ratios(summary: list[dict]) -> list[dict]:
+    """pploader's median wall / torch's, per (cache, load) where both ran."""
+    walls = {(s["cache"], s["load"], s["reader"]): s["wall_s"] for s in summary}
+    return [{"cache": c, "load": ld, "pploader_over_torch": walls[(c, ld, "pploader")]
+             / walls[(c, ld, "torch_hf")]} for c, ld, r in walls
+            if r == "pploader" and (c, ld, "torch_hf") in walls]
 
 
 def _markdown(doc: dict) -> str:
     m = doc["machine"]
-    lines = [f"{m['date_utc']}, {m['host']} ({m['cpu']}, {m['cpus']} CPUs), torch "
+    lines = [f"{m['date_utc']}, {m['host']} ({m.get('cpu', '?')}, {m['cpus']} CPUs), commit "
+             f"{m['commit'] or '?'}, torch "
              f"{m['torch']}, device {doc['device']}, PP={doc['pp']} x TP={doc['tp']}, "
-             f"checkpoint {doc['checkpoint_bytes'] / GB:.2f} GB; `{doc['command']}`", "",
-             "| cache | reader | wall s | GB/s (all ranks) | per rank GB/s | bytes read / "
-             "local shards (reader; rchar; storage) |", "|---|---|---|---|---|---|"]
+             f"checkpoint {doc['checkpoint_bytes'] / GB:.3f} GB, {doc['repeat']} fresh-process "
+             f"trials per cell (alternated); `{doc['command']}`", "",
+             "| cache | load | reader | median wall s | trials (s) | GB/s (all ranks) | CPU s "
+             "(all ranks, median) | bytes read / local shards (reader; rchar; storage) |",
+             "|---|---|---|---|---|---|---|---|"]
     for s in doc["summary"]:
-        per = ", ".join(f"{r['gbps']:.2f}" for r in s["ranks"])
         ratios = "; ".join(
             f"r{r['rank']}: " + (f"{r['reader_bytes'] / r['local_bytes']:.3f}; "
                                  if r["reader_bytes"] is not None else "-; ")
             + f"{r['rchar'] / r['local_bytes']:.3f}; {r['storage_read_bytes'] / r['local_bytes']:.3f}"
             for r in s["ranks"])
-        lines.append(f"| {s['cache']} | {s['reader']} | {s['wall_s']:.3f} | {s['gbps']:.2f} | "
-                     f"{per} | {ratios} |")
+        trials = ", ".join(f"{w:.3f}" for w in s["walls_s"])
+        lines.append(f"| {s['cache']} | {s['load']} | {s['reader']} | {s['wall_s']:.3f} | "
+                     f"{trials} | {s['gbps']:.2f} | {s['cpu_s']:.2f} | {ratios} |")
+    if doc["ratios"]:
+        lines += ["", "| cache | load | pploader's median time / torch's |", "|---|---|---|"]
+        lines += [f"| {r['cache']} | {r['load']} | {r['pploader_over_torch']:.2f} |"
+                  for r in doc["ratios"]]
     return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    """The pploader checkout's commit (``git describe``), or "" outside a checkout."""
+    try:
+        return subprocess.run(["git", "describe", "--always", "--dirty"], capture_output=True,
+                              text=True, timeout=10, check=True,
+                              cwd=Path(__file__).resolve().parent).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -262,7 +345,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.worker is not None:
         _worker(json.loads(args.worker))
         return 0
-    import torch
 
     from .data import checkpoint_files, write_synthetic
     readers = [r for r in args.readers.split(",") if r]
@@ -279,28 +361,43 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         model = args.model
     paths = checkpoint_files(model)
+    # pploader's modules byte-compiled, as an installed package has them (pip compiles on
+    # install; a checkout under PYTHONDONTWRITEBYTECODE=1 would compile them in every rank's
+    # first load, inside the clock: torch's own modules are compiled)
+    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
+    if args.hf_threads is None:
+        args.hf_threads = 8 if args.device == "cuda" else 1
     rows: list[dict] = []
-    for rep in range(args.repeat):
-        for cache in caches:
-            for reader in (readers if rep % 2 == 0 else readers[::-1]):
-                got = _group(args, model, reader, cache, paths)
-                rows.extend(dict(r, rep=rep) for r in got)
-                sys.stderr.write(f"[bench --dcp] rep {rep} {cache} {reader}: wall "
-                                 f"{max(r['seconds'] for r in got):.3f}s\n")
+    with tempfile.TemporaryDirectory() as tmp:
+        layout = os.path.join(tmp, "layout.json")
+        with open(layout, "w") as fh:
+            json.dump(_layout(model, args.pp, args.tp), fh)
+        for rep in range(args.repeat):
+            for cache in caches:
+                for reader in (readers if rep % 2 == 0 else readers[::-1]):
+                    got = _group(args, model, layout, reader, cache, paths)
+                    rows.extend(dict(r, rep=rep) for r in got)
+                    walls = {ld: max(r["seconds"] for r in got if r["load"] == ld)
+                             for ld in dict.fromkeys(r["load"] for r in got)}
+                    sys.stderr.write(f"[bench --dcp] rep {rep} {cache} {reader}: " + ", ".join(
+                        f"{ld} {w:.3f}s" for ld, w in walls.items()) + "\n")
     for rep in range(args.repeat):  # both readers fill every tensor alike
         for cache in caches:
-            sums = {r["reader"]: {(r["rank"], k): v for k, v in r["sums"].items()}
-                    for r in rows if (r["rep"], r["cache"]) == (rep, cache)}
-            if len({json.dumps(sorted(s.items()), default=str) for s in sums.values()}) > 1:
-                raise SystemExit(f"bench --dcp: readers loaded different values ({cache})")
-    doc = {"machine": {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                       "host": platform.node(), "cpu": platform.processor() or
-                       platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__},
+            for load in dict.fromkeys(r["load"] for r in rows):
+                sums = {r["reader"]: {(r["rank"], k): v for k, v in r["sums"].items()}
+                        for r in rows if (r["rep"], r["cache"], r["load"]) == (rep, cache, load)}
+                if len({json.dumps(sorted(s.items()), default=str) for s in sums.values()}) > 1:
+                    raise SystemExit(f"bench --dcp: readers loaded different values ({cache})")
+    from .command import machine_info
+    summary = _summary([{k: v for k, v in r.items() if k != "sums"} for r in rows])
+    doc = {"machine": dict(machine_info(Path(model)), commit=_commit()),
            "command": "pploader bench --dcp -- " + " ".join(argv if argv is not None
                                                             else sys.argv[1:]),
            "device": args.device, "pp": args.pp, "tp": args.tp, "model": model,
+           "repeat": args.repeat, "hf_threads": args.hf_threads,
            "checkpoint_bytes": sum(os.path.getsize(p) for p in paths),
-           "summary": _summary([{k: v for k, v in r.items() if k != "sums"} for r in rows])}
+           "summary": summary, "ratios": _ratios(summary),
+           "rows": [{k: v for k, v in r.items() if k != "sums"} for r in rows]}
     text = _markdown(doc)
     if args.markdown:
         Path(args.markdown).write_text(text)

@@ -245,8 +245,19 @@ class HostAllocRing:
     def pin(self, index: int, slot: int) -> None:
         return None
 
+    reached = pin  # cudaHostAlloc'd: page-locked when made
+
     def bind_device(self, device: Any) -> None:  # cudaHostAlloc'd: nothing to page-lock
         return None
+
+    def stop_preparing(self) -> None:  # no background page-locking to pause
+        return None
+
+    resume = stop_preparing
+
+    @property
+    def ready_slots(self) -> int:
+        return sum(s is not None for s in self._slots) * self.per_thread
 
     def prefault(self) -> None:
         """Allocate every thread's slots now (before a clock)."""

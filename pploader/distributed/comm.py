@@ -42,7 +42,7 @@ from ..planning.topology import Topology
 logger = logging.getLogger(__name__)
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "DEFAULT_NAMESPACE",
-           "run_guarded", "run_agreed"]
+           "run_guarded", "run_agreed", "gather_refusals"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEAD_AFTER_S = 10.0
@@ -454,3 +454,12 @@ def run_guarded(comm: Optional[Comm], fn: Callable[[], T], *, rank: Optional[int
     """Run ``fn`` on every rank; if any rank fails, every rank raises one RankFailure
     (:func:`run_agreed` without payloads; without a ``comm``, ``fn`` alone)."""
     return run_agreed(comm, fn, rank=rank)[0]
+
+
+def gather_refusals(refusal: Optional[str], group: Any = None) -> dict[int, str]:
+    """Every rank's refusal (None: ready) in ``group``, by group rank: one all-gather, for a
+    step every rank of the group is known to reach (DCP's ``read_data``), so it cannot wait
+    on a rank that never comes (a rank that dies there fails the collective's own timeout)."""
+    found: list[Optional[str]] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(found, refusal, group=group)
+    return {r: str(e) for r, e in enumerate(found) if e is not None}

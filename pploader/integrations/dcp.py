@@ -18,13 +18,14 @@ tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
 
 import torch
 from torch.distributed.checkpoint import StorageReader
@@ -35,29 +36,40 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
 from torch.futures import Future
 
-from ..bind.names import NameMap
-from ..errors import CheckpointError, PlanError, ReadError
+from ..errors import CheckpointError, PlanError, PPLoaderError, ReadError
 from ..io.backend import ReadBackend, ReadOptions, ReadStats, merge_stats
 from ..io.mapped import open_mapped
 from ..io.read import default_window_bytes
 from ..io.registry import open_backend, prepare_staging, select_backend
 from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
                                    open_checkpoint)
+from ..planning.header import FileIdentity, ShardHeader
 from ..planning.items import ReadItem, read_item
 from ..planning.partition import StageWindow
-from ..planning.plan import RankPlan
+from ..planning.rank_plan import RankPlan
 from ..planning.shard import Selection
 from ..planning.topology import Topology
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..bind.names import NameMap
 
 __all__ = ["PPLoaderStorageReader", "DCP_SHARDING_KEY"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 #: the header metadata key torch's HF writer sets on distributed (unconsolidated) saves
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
 #: CPU destinations: a shard is copied from the page cache (a mapping) when the pages of it
 #: that are not resident (each read alone by its fault) hold at most this share of its bytes
 FAULT_BUDGET = 0.01
+
+
+@dataclasses.dataclass(frozen=True)
+class _GlobalStep:
+    """What DCP's global plan step tells each rank's plan (``LoadPlan.storage_data``)."""
+
+    ranks: int
 
 
 class _LazyTensors(Mapping):
@@ -122,10 +134,13 @@ class PPLoaderStorageReader(StorageReader):
     gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
     (``mesh_topology``; default: the process-group rank). ``stats`` / ``header_bytes`` /
     ``read_bytes``: what the last ``read_data`` did and what reading the headers cost.
-    ``staging_device`` (e.g. ``"cuda:0"``, the destinations' GPU): the read backend's host
-    staging for it (the pinned ring) is started when the reader is made, so its page-locking
-    runs in the background while the job builds its model and DCP plans, instead of during
-    the first reads; it is reused by later loads.
+    ``staging_device`` (default ``"auto"``: the current GPU when this process has initialised
+    CUDA, as a job whose model is on a GPU has; None: none): the process's host staging for
+    it (io/staging.py, the pinned ring) is started when the reader is made, so it is
+    page-locked while DCP plans (and, with ``pploader.start_staging()`` at start-up, while
+    the job builds its model); a load never waits for it and later loads reuse it. ``process_group``: the group given to
+    ``dcp.load`` when it is not the default one (the ranks agree on their destination checks
+    over it before any reads).
     """
 
     def __init__(self, path: "str | os.PathLike[str]", *, names: Optional[NameMap] = None,
@@ -134,7 +149,8 @@ class PPLoaderStorageReader(StorageReader):
                  window_bytes: Optional[int] = None, range_cost_bytes: int = 0,
                  topology: Optional[Topology] = None,
                  allowed_roots: Sequence["str | os.PathLike[str]"] = (),
-                 staging_device: "str | torch.device | None" = None) -> None:
+                 staging_device: "str | torch.device | None" = "auto",
+                 process_group: Any = None) -> None:
         super().__init__()
         if names is not None and rename is not None:
             raise ValueError("give names= (a NameMap) or rename= (a callable), not both")
@@ -155,6 +171,7 @@ class PPLoaderStorageReader(StorageReader):
         self.io_backend, self.threads, self.window_bytes = io_backend, threads, window_bytes
         self.range_cost_bytes = range_cost_bytes
         self.topology, self.allowed_roots = topology, tuple(allowed_roots)
+        self.process_group = process_group
         self.load_id = uuid.uuid4().hex
         self.stats = ReadStats()
         self._index: Optional[CheckpointIndex] = None
@@ -162,6 +179,13 @@ class PPLoaderStorageReader(StorageReader):
         self._planned: Optional[tuple[tuple[DCPReadItem, ...], list[ReadItem]]] = None
         self._relative: dict[tuple, ReadItem] = {}  # read items at offset 0, by kind
         self._rank: Optional[int] = None
+        #: each local shard's identity when ``read_metadata`` ran: a header parsed later must
+        #: come from the same file, and the reads check their descriptors against it
+        self._pinned: dict[str, FileIdentity] = {}
+        self._verified: set[str] = set()      # shards whose parsed header matched its pin
+        if isinstance(staging_device, str) and staging_device == "auto":
+            staging_device = "cuda" if torch.cuda.is_available() and \
+                torch.cuda.is_initialized() else None
         self.staging_device = torch.device(staging_device) if staging_device is not None \
             else None
         self._staging: Any = None                # the backend's staging for staging_device
@@ -198,6 +222,7 @@ class PPLoaderStorageReader(StorageReader):
                                       file=index.source, tensor=name, rank=self._rank)
             keys[key] = name
         self._index, self._keys, self._planned, self._relative = index, keys, None, {}
+        self._pinned, self._verified = _identities(index), set()
         metadata = Metadata(state_dict_metadata=_LazyTensors(self, keys),  # type: ignore[arg-type]
                             storage_data=_LazyStorage(keys))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
@@ -223,19 +248,29 @@ class PPLoaderStorageReader(StorageReader):
         return plan
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """Tell each rank's plan how many ranks load (the coordinator sees every plan), so
+        ``read_data`` knows whether its destination checks must be agreed on first."""
+        return [dataclasses.replace(p, storage_data=_GlobalStep(len(plans))) for p in plans]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read each request's bytes straight into ``planner.resolve_tensor(request)``."""
+        """Read each request's bytes straight into ``planner.resolve_tensor(request)``, once
+        every rank's destinations passed their checks (dtype, shape, device): a refusal on
+        one rank means no rank writes a byte."""
         stats = ReadStats()
-        items = self._plan_items(plan.items)
+        refusal: Optional[BaseException] = None
+        targets: list[tuple[DCPReadItem, torch.Tensor]] = []
+        try:
+            items = self._plan_items(plan.items)
+            for req, item in zip(plan.items, items):
+                dst = planner.resolve_tensor(req).detach()
+                self._check_destination(item, dst)
+                targets.append((req, dst))
+        except Exception as exc:  # noqa: BLE001 - agreed on below, then re-raised
+            refusal = exc
+        self._agree(refusal, getattr(plan, "storage_data", None))
         direct: dict[torch.device, list[tuple[ReadItem, torch.Tensor]]] = {}
         copied: list[tuple[ReadItem, torch.Tensor]] = []
-        targets: list[tuple[DCPReadItem, torch.Tensor]] = []
-        for req, item in zip(plan.items, items):
-            dst = planner.resolve_tensor(req).detach()
-            self._check_destination(item, dst)
-            targets.append((req, dst))
+        for (req, dst), item in zip(targets, items):
             if dst.is_contiguous() and self._has_backend(dst.device):
                 direct.setdefault(dst.device, []).append((item, dst))
             else:
@@ -266,6 +301,32 @@ class PPLoaderStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
+    def _agree(self, refusal: Optional[BaseException], step: Any) -> None:
+        """Raise ``refusal``, or a refusal of another rank, before this rank reads a byte.
+
+        Every rank of the load reaches ``read_data`` (DCP runs it on all of them), so one
+        all-gather there carries each rank's verdict. The DCP group is the default one when
+        the global plan step saw as many plans as the job has ranks; a subgroup is used when
+        given as ``process_group``; otherwise (a custom planner dropped ``storage_data``) each
+        rank checks only its own requests."""
+        ranks = step.ranks if isinstance(step, _GlobalStep) else 1
+        group = self.process_group
+        dist = torch.distributed
+        if group is None and not (ranks > 1 and dist.is_available() and dist.is_initialized()
+                                  and ranks == dist.get_world_size()):
+            if refusal is not None:
+                raise refusal
+            return
+        from ..distributed.comm import gather_refusals
+        others = gather_refusals(None if refusal is None else str(refusal), group)
+        if refusal is not None:
+            raise refusal
+        if others:
+            first = min(others)
+            raise ReadError(f"rank(s) {sorted(others)} refused their requests before any rank "
+                            f"read (rank {first}: {others[first]}); nothing was read",
+                            file=None, rank=self._rank)
+
     # -- pploader side ------------------------------------------------------------------
 
     @property
@@ -289,14 +350,36 @@ class PPLoaderStorageReader(StorageReader):
         if name is None:
             raise CheckpointError("state-dict key not in the checkpoint", file=index.source,
                                   tensor=key, rank=self._rank)
-        entry = index.entry(name)
-        if DCP_SHARDING_KEY in index.header(entry.file).metadata:
+        entry = self._on_rank(index.entry, name)
+        if DCP_SHARDING_KEY in self._header(entry.file).metadata:
             raise CheckpointError("shard was written by a distributed DCP save (tensors in "
                                   "chunks): consolidate it first (torch's "
                                   "consolidate_safetensors_files) or load it with torch's "
                                   "HuggingFaceStorageReader", file=entry.file, tensor=name,
                                   rank=self._rank)
         return entry
+
+    def _header(self, file: str) -> ShardHeader:
+        """``file``'s header, refused unless the file is the one ``read_metadata`` saw."""
+        hdr = self._on_rank(self._require_index().header, file)
+        if file not in self._verified:
+            then, now = self._pinned.get(file), hdr.identity
+            if then is not None and now != then:
+                raise CheckpointError(
+                    f"file changed after read_metadata (then size {then.size}, inode "
+                    f"{then.inode}, mtime_ns {then.mtime_ns}; now size {now.size}, inode "
+                    f"{now.inode}, mtime_ns {now.mtime_ns}): publish new checkpoints by "
+                    "writing elsewhere and renaming, and load again", file=file,
+                    rank=self._rank)
+            self._verified.add(file)
+        return hdr
+
+    def _on_rank(self, fn: Callable[[str], T], arg: str) -> T:
+        """``fn(arg)``, its pploader error naming this rank."""
+        try:
+            return fn(arg)
+        except PPLoaderError as exc:
+            raise exc.on_rank(self._rank) if self._rank is not None else exc
 
     def _require_index(self) -> CheckpointIndex:
         if self._index is None:
@@ -372,23 +455,28 @@ class PPLoaderStorageReader(StorageReader):
                             rank=self._rank)
 
     def _start_staging(self) -> None:
-        """Start the staging device's backend staging (once; kept across loads)."""
-        if self._staging is None and self.staging_device is not None and \
-                self.staging_device.type != "cpu":
-            if self.staging_device.index is None and self.staging_device.type == "cuda":
-                self.staging_device = torch.device("cuda", torch.cuda.current_device())
+        """Start the staging device's backend staging now (the process's, io/staging.py:
+        kept across loads and readers), so its page-locking runs while the job plans."""
+        if self.staging_device is None or self.staging_device.type == "cpu":
+            return
+        if self.staging_device.index is None and self.staging_device.type == "cuda":
+            self.staging_device = torch.device("cuda", torch.cuda.current_device())
+        try:
             self._staging = prepare_staging(self.staging_device,
                                             ReadOptions(threads=self.threads),
                                             self._backend_name(self.staging_device))
+        except Exception as exc:  # noqa: BLE001 - the load reads with what it finds
+            logger.debug("no early staging for %s: %s", self.staging_device, exc)
 
     def _open(self, plan: RankPlan, device: torch.device) -> ReadBackend:
         """The read backend of ``plan`` onto ``device``: the configured one, else on CPU the
         ``mapped`` backend (resident shards copied from a mapping, one strided copy each; a
-        shard whose missing pages exceed ``FAULT_BUDGET`` of its bytes, and every cold one,
-        by positional reads straight into its destination), else the device's default."""
+        shard partly resident split, its missing bytes read; a cold one copied from the
+        mapping too, its pages faulted in with the kernel's read-around: ``cold="fault"``),
+        else the device's default."""
         if device.type == "cpu" and self.io_backend is None:
             return open_mapped(plan, device, self._options(device), fault_budget=FAULT_BUDGET,
-                               cold_threads=self.threads or 1)  # cold: as the threaded default
+                               cold_threads=self.threads or 1, cold="fault")
         return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:
@@ -409,19 +497,17 @@ class PPLoaderStorageReader(StorageReader):
         return self.io_backend
 
     def _options(self, device: torch.device) -> ReadOptions:
-        ring = None
-        if self._staging is not None and device == self.staging_device:
-            self._staging.stop_preparing()  # never page-lock beside the load's copies
-            ring = self._staging
+        # no ring: the backend lends the process's staging (io/staging.py), which
+        # ``_start_staging`` started; the load pauses its page-locking and reads with it
         return ReadOptions(window_bytes=self.window_bytes if device.type != "cpu" else None,
-                           threads=self.threads, fit_staging=device.type != "cpu", ring=ring)
+                           threads=self.threads)
 
     def _rank_plan(self, items: Sequence[ReadItem]) -> RankPlan:
         """The pploader plan of these items (what the read backends take)."""
         index = self._require_index()
         files = list(dict.fromkeys(i.file for i in items))
-        headers = {f: index.header(f) for f in files}
-        index.require(files)
+        index.require(files, self._rank)
+        headers = {f: self._header(f) for f in files}
         topo = self.topology
         if topo is None:
             rank = self._rank or 0
@@ -439,3 +525,20 @@ class PPLoaderStorageReader(StorageReader):
 
 def _same(name: str) -> str:
     return name
+
+
+def _identities(index: CheckpointIndex) -> dict[str, FileIdentity]:
+    """Each local shard's identity now (a stat; headers parsed already give theirs)."""
+    if index.storage is not None:  # objects: every ranged GET names the planned ETag
+        return {}
+    parsed = set(index.opened_files())
+    out = {}
+    for file, path in index.paths.items():
+        if file in parsed:
+            out[file] = index.header(file).identity
+        else:
+            try:
+                out[file] = FileIdentity.of(os.stat(path))
+            except OSError:
+                continue  # refused, naming the file, when its header is read
+    return out

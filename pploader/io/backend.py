@@ -19,7 +19,8 @@ import torch
 
 from ..errors import ReadError
 from ..planning.checkpoint import DTYPES, FileIdentity
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 
 __all__ = ["ReadBackend", "ReadOptions", "ReadStats", "BackendFactory", "item_dtype",
            "materialise", "zero_padding", "merge_stats", "sum_stats", "collect", "check_identity"]

@@ -17,7 +17,8 @@ from typing import Iterator, Mapping, Optional
 import torch
 
 from ..errors import ReadError
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
 
 __all__ = ["BufferedBackend", "open_buffered"]

@@ -23,9 +23,11 @@ import torch
 from ..planning.checkpoint import DTYPES
 from ..errors import ReadError
 from .pagecache import resident_bytes_of_ranges
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 from .backend import ReadOptions, ReadStats, materialise, zero_padding
 from .pinned_ring import DEFAULT_DEVICE_THREADS, DEFAULT_SLOT_BYTES, PinnedRing
+from .staging import lend_staging, process_staging, return_staging, start_staging
 from .requests import Chunk as _Chunk
 from .requests import chunks as _chunks
 from .requests import interleave_files as _interleave_files
@@ -135,8 +137,10 @@ class DeviceLoader:
         self.direct_io, self.direct = direct_io, False
         if self.device.type != "cuda":
             raise ValueError(f"DeviceLoader needs a cuda device, got {self.device}")
-        self.ring = ring or PinnedRing(device=self.device)
+        self._lent = ring is None  # the process's staging (io/staging.py), given back after
+        self.ring = ring if ring is not None else lend_ring(self.device)
         self.ring.bind_device(self.device)
+        self.ready_slots = 0  # slots page-locked when the last load started
         self.cancel, self.on_progress = cancel, on_progress
         self.stats = ReadStats()
         self.staging_device_bytes = 0
@@ -202,14 +206,17 @@ class DeviceLoader:
 
         pin_before = self.ring.alloc_seconds
         feed = _WholeFeed(chunks, buffers, self.device)
-        if not self.overlap_alloc:
-            feed.prepare(allocate)  # before the readers start (see overlap_alloc)
-        threads, fds, errors = self._start(feed, allocate if self.overlap_alloc else None)
-        self._join(threads, fds, errors, feed)
-        t_io = time.perf_counter()
-        for item, tmp, dst in post:
-            materialise(item, tmp, dst)
-        torch.cuda.synchronize(self.device)
+        try:
+            if not self.overlap_alloc:
+                feed.prepare(allocate)  # before the readers start (see overlap_alloc)
+            threads, fds, errors = self._start(feed, allocate if self.overlap_alloc else None)
+            self._join(threads, fds, errors, feed)
+            t_io = time.perf_counter()
+            for item, tmp, dst in post:
+                materialise(item, tmp, dst)
+            torch.cuda.synchronize(self.device)
+        finally:
+            self._give_back_ring()
         self.stats.items = len(out)
         self.stats.seconds = time.perf_counter() - start
         self.timings = {"residency_s": t_resid - start, **times, "io_s": t_io - t_resid,
@@ -241,7 +248,10 @@ class DeviceLoader:
             feed.stop()
             raise
         finally:
-            self._join(threads, fds, errors, feed)
+            try:
+                self._join(threads, fds, errors, feed)
+            finally:
+                self._give_back_ring()
             self.stats.items = feed.handed
             self.stats.seconds = time.perf_counter() - start
             self.stats.peak_inflight_bytes = feed.peak_bytes
@@ -250,6 +260,15 @@ class DeviceLoader:
                             "started_s": t_started - start,
                             **{f"{k}_s": v - start for k, v in self._marks.items()},
                             **feed.timings}
+
+    def _give_back_ring(self) -> None:
+        """The load is done with the ring: the process's staging goes back to its cache, a
+        ring that was being page-locked resumes (io/staging.py)."""
+        if self._lent:
+            self._lent = False
+            return_staging(self.ring)
+        else:
+            self.ring.resume()
 
     def _plan_chunks(self) -> list[_Chunk]:
         """The plan's read requests for this load (O_DIRECT decided now, unless fixed)."""
@@ -325,6 +344,8 @@ class DeviceLoader:
         """``count`` reader threads on ``feed``, started (``fds`` may still be filling: a
         reader opens nothing and takes its first chunk from the feed when it is ready)."""
         self._marks = {}
+        self.ring.stop_preparing()  # the driver to the load alone (io/staging.py)
+        self.ready_slots = self.ring.ready_slots
         threads = [threading.Thread(target=self._worker, args=(i, feed, fds, errors),
                                     name=f"pploader-h2d-{i}") for i in range(count)]
         for t in threads:
@@ -371,7 +392,7 @@ class DeviceLoader:
                 pinned, view = slots[b]
                 nread = self._read_chunk(fds[chunk.file], view, chunk)
                 self._marks.setdefault("first_read", time.perf_counter())
-                self.ring.pin(index, b)  # first use: page-lock the slot the read just touched
+                self.ring.reached(index, b)  # page-locked or pageable: never waits for it
                 if not feed.before_copy(chunk, stream) or errors:
                     break
                 with torch.cuda.stream(stream):
@@ -430,17 +451,37 @@ def fitted_ring(items: Sequence[ReadItem], window_bytes: Optional[int],
 
 def open_pinned(plan: RankPlan, device: torch.device, options: ReadOptions) -> DeviceLoader:
     """The ``pinned`` backend's factory (io/registry.py): a :class:`DeviceLoader` on
-    ``options.ring``, else a new ring (``fit_staging``: sized to the plan)."""
-    threads = options.threads or DEFAULT_DEVICE_THREADS
-    ring = options.ring or (fitted_ring(plan.items, options.window_bytes, threads)
-                            if options.fit_staging else PinnedRing(threads))
-    return DeviceLoader(plan, device, ring=ring, cancel=options.cancel,
-                        on_progress=options.on_progress, direct_io=options.direct_io)
+    ``options.ring``, else on the process's staging for ``device`` (io/staging.py; lent for
+    the load, page-locked slots reused across loads)."""
+    ring, lent = options.ring, False
+    if ring is None and options.fit_staging and options.window_bytes:
+        # a host-memory bound below the process ring's: staging of its own, that size
+        ring = fitted_ring(plan.items, options.window_bytes,
+                           options.threads or DEFAULT_DEVICE_THREADS)
+    if ring is None:
+        ring, lent = lend_ring(device, options.threads), True
+    loader = DeviceLoader(plan, device, ring=ring, cancel=options.cancel,
+                          on_progress=options.on_progress, direct_io=options.direct_io)
+    loader._lent = lent
+    return loader
+
+
+def lend_ring(device: torch.device, threads: Optional[int] = None) -> PinnedRing:
+    """The ring a load without one reads through: the process's staging (io/staging.py),
+    a ring of its own while another load of this process holds that one, or (no CUDA
+    runtime to page-lock with) a plain ring."""
+    if process_staging(device, threads) is None:
+        return PinnedRing(threads or DEFAULT_DEVICE_THREADS, device=device)
+    ring, _ = lend_staging(device, threads)
+    return ring
 
 
 def prepared_staging(device: torch.device, options: ReadOptions) -> PinnedRing:
     """The ``pinned`` backend's staging made ahead of a load (io/registry.py
-    ``prepare_staging``): a ring for ``device`` whose slots are page-locked on a background
-    thread while the caller plans and agrees; ``stop_preparing()`` before the load, then pass
-    it as ``ReadOptions.ring``."""
-    return PinnedRing(options.threads or DEFAULT_DEVICE_THREADS, prepare=True, device=device)
+    ``prepare_staging``): the process's ring for ``device`` (io/staging.py), its slots
+    page-locked on a background thread while the caller plans and agrees (a load pauses
+    that, reads with what is ready, and resumes it after)."""
+    ring = start_staging(device, options.threads)
+    if ring is None:
+        raise ValueError(f"no CUDA staging for {device}")
+    return ring

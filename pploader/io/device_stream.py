@@ -27,7 +27,8 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from ..planning.checkpoint import DTYPES
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 from .backend import materialise, zero_padding
 from .requests import Chunk
 

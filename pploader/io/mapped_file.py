@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from ..errors import ReadError
-from ..planning.plan import RankPlan
+from ..planning.rank_plan import RankPlan
 from .mapped_split import Run, strided_runs, touched
 from .pagecache import PAGE_BYTES, cached_pages, mapped_residency, sampled_pages
 

@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from ..planning.plan import ReadItem
+from ..planning.items import ReadItem
 from .pagecache import PAGE_BYTES
 
 __all__ = ["Run", "Stretch", "strided_runs", "touched", "run_bytes", "split_resident",

@@ -23,7 +23,8 @@ import torch
 
 from ..errors import ReadError
 from ..planning.header import ObjectIdentity
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 from ..storage import ObjectInfo
 from ..storage.s3 import ObjectStoreError, S3Options, S3Storage, split_uri
 from .backend import ReadOptions, ReadStats, item_dtype, materialise

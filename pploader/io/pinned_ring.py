@@ -79,6 +79,9 @@ class PinnedRing:
         self._preparer: Optional[threading.Thread] = None
         self._stop = threading.Event()
         self._halt = threading.Event()  # stop_preparing(): the preparer stops, the ring lives
+        #: page-lock a slot a load reaches unprepared (False: io/staging.py's policy, the load
+        #: uses it pageable and never waits for the driver's page-locking)
+        self.lock_in_load = False
         self._device: list[Optional[int]] = [_device_index(device)]  # shared with the finalizer
         self._finalizer = weakref.finalize(self, _unregister, self._registered, self._raw,
                                            self._stop, self._device)
@@ -112,27 +115,51 @@ class PinnedRing:
     def prepare(self, register: bool = True) -> threading.Thread:
         """Page-lock every slot on a background thread (first slots of every reader first);
         returns that thread (join it to wait). Its pages are faulted in without writing
-        (``MADV_POPULATE_WRITE``), so a reader already reading into a slot loses nothing; a
-        reader reaching a slot the preparer is on waits for it, one reaching a slot not yet
-        prepared page-locks it itself. ``register=False``: only fault the pages in (no CUDA
-        driver call, so nothing serialises with the load's allocations and copies; the
-        readers page-lock). Idempotent: the first call decides."""
+        (``MADV_POPULATE_WRITE``), so a reader already reading into a slot loses nothing.
+        ``register=False``: only fault the pages in (no CUDA driver call). A no-op while a
+        preparation runs; after :meth:`stop_preparing` it resumes with the slots left."""
+        old = self._preparer
+        if old is not None and self._halt.is_set() and old is not threading.current_thread():
+            old.join()  # halted: it returns after its slot (outside the lock it may need)
         with self._lock:
-            if self._preparer is None:
+            running = self._preparer is not None and self._preparer.is_alive() \
+                and not self._halt.is_set()
+            if not running and not self._stop.is_set():
+                self._halt.clear()
                 if self._device[0] is None and register and torch.cuda.is_available():
                     self._device[0] = torch.cuda.current_device()
                 self._preparer = threading.Thread(target=self._prepare_all, args=(register,),
                                                   daemon=True, name="pploader-ring-prepare")
                 self._preparer.start()
+            assert self._preparer is not None
             return self._preparer
 
+    def resume(self) -> None:
+        """After a load: resume the background page-locking if it was ever started and slots
+        are left (io/staging.py: a load pauses it, never page-locks itself)."""
+        if self._preparer is not None and self.ready_slots < self.threads * self.per_thread:
+            self.prepare()
+
+    @property
+    def ready_slots(self) -> int:
+        """Slots page-locked (or given up as pageable) so far."""
+        with self._lock:
+            return sum(s == 2 for row in self._state for s in row)
+
+    def reached(self, index: int, slot: int) -> None:
+        """A load's reader is about to copy from thread ``index``'s ``slot``: page-locked
+        already, the copy is asynchronous; not yet, it is used as pageable memory (the
+        driver's synchronous copy) unless ``lock_in_load`` (then it is page-locked now, the
+        policy before io/staging.py, kept for measurements)."""
+        if self.lock_in_load:
+            self.pin(index, slot)
+
     def stop_preparing(self) -> None:
-        """Stop the background preparation after the slot it is on (waited for) and return;
-        the readers page-lock the slots it did not reach. Call it before a load starts:
-        page-locking beside a load slows its allocations and copies (docs/benchmarks-gpu.md)."""
-        self._halt.set()
-        if self._preparer is not None and self._preparer is not threading.current_thread():
-            self._preparer.join()
+        """Stop the background preparation after the slot it is on (not waited for) and
+        return; a load uses the slots it did not reach as pageable memory. Every load calls it when it
+        starts: page-locking beside a load slows its allocations and copies
+        (docs/benchmarks-gpu.md); :meth:`resume` after the load."""
+        self._halt.set()  # not waited for: the slot under way is used pageable till done
 
     def _prepare_all(self, register: bool) -> None:
         start = time.perf_counter()

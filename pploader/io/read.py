@@ -27,7 +27,8 @@ import torch
 
 from ..planning.checkpoint import DTYPES
 from ..errors import ArgumentError, MemoryBudgetError, ReadError
-from ..planning.plan import RankPlan, ReadItem
+from ..planning.items import ReadItem
+from ..planning.rank_plan import RankPlan
 from .backend import ReadOptions, ReadStats, check_identity, materialise, zero_padding
 
 logger = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from ..errors import ArgumentError
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from ..planning.plan import RankPlan
+    from ..planning.rank_plan import RankPlan
     from .backend import ReadBackend, ReadOptions
 
 __all__ = ["BackendInfo", "BACKENDS", "AUTO", "backend_names", "backends_help",

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import NamedTuple, Sequence
 
-from ..planning.plan import ReadItem
+from ..planning.items import ReadItem
 
 __all__ = ["Piece", "Chunk", "pieces", "chunks", "interleave_files"]
 

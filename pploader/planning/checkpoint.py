@@ -19,7 +19,6 @@ from ..storage import is_remote
 from .header import (DTYPES, MAX_HEADER_BYTES, MAX_TENSORS, FileIdentity, ObjectIdentity,
                      ShardHeader, TensorEntry, _is_text, _short, dtype_code, loads_checked,
                      parse_header)
-from .remote import open_remote_checkpoint, remote_header
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..storage import ObjectStorage
@@ -129,9 +128,10 @@ class CheckpointIndex:
         """The shards present in the directory (``missing`` lists the absent ones)."""
         return tuple(self.paths)
 
-    def require(self, files: Iterable[str]) -> None:
+    def require(self, files: Iterable[str], rank: Optional[int] = None) -> None:
         """Refuse, listing every one at once, the absent shards among ``files`` (the shards a
-        plan reads); absent shards nobody here needs are fine (a node holding its stages)."""
+        plan reads; ``rank``: the rank whose plan, named in the error); absent shards nobody
+        here needs are fine (a node holding its stages)."""
         if not self.missing:
             return
         gone = sorted(set(files).intersection(self.missing))
@@ -142,7 +142,8 @@ class CheckpointIndex:
                                   + ", ".join(gone) + f" (needed by this plan; {len(self.paths)} "
                                   f"of {len(self.paths) + len(self.missing)} shards are present "
                                   f"in {self.root}): copy or download them (`pploader files` "
-                                  "lists the shards each node needs)", file=self.source)
+                                  "lists the shards each node needs)", file=self.source,
+                                  rank=rank)
 
     def header(self, file: str) -> ShardHeader:
         """The validated header of ``file``, cross-checked against the weight_map."""
@@ -150,7 +151,7 @@ class CheckpointIndex:
         if hdr is None:
             self.require((file,))
             hdr = parse_header(self.paths[file], file=file) if self.storage is None else \
-                remote_header(self.storage, file)
+                _remote_header(self.storage, file)
             self._cross_check(hdr)
             self._headers[file] = hdr
             self._entries.update(hdr.tensors)
@@ -225,7 +226,7 @@ class CheckpointIndex:
         if len(todo) < 2:
             return
         with ThreadPoolExecutor(min(_HEADER_REQUESTS, len(todo))) as pool:
-            fetched = list(pool.map(lambda f: remote_header(storage, f), todo))
+            fetched = list(pool.map(lambda f: _remote_header(storage, f), todo))
         for hdr in fetched:
             self._cross_check(hdr)
             self._headers[hdr.file] = hdr
@@ -257,6 +258,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     (planning/remote.py).
     """
     if is_remote(model_dir):
+        from .remote import open_remote_checkpoint  # object stores only: their modules too
         return open_remote_checkpoint(str(model_dir))
     root = check_model_dir(model_dir)
     roots = _allowed_roots(root, allowed_roots)
@@ -281,6 +283,11 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
     paths = _resolve(root, shards, roots, str(root))
     headers = {file: parse_header(paths[file], file=file) for file in shards}
     return index_from_headers(root, paths, headers)
+
+
+def _remote_header(storage: "ObjectStorage", file: str) -> ShardHeader:
+    from .remote import remote_header
+    return remote_header(storage, file)
 
 
 def index_from_headers(root: "Path | str", paths: Mapping[str, "Path | str"],

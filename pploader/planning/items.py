@@ -8,15 +8,17 @@ from collections import Counter
 from functools import partial
 from itertools import chain, compress, repeat
 from operator import attrgetter, itemgetter, lt, not_
-from typing import Iterable, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional, Sequence
 
 from ..errors import PlanError
-from ..families.base import TensorRole
 from .checkpoint import DTYPES, CheckpointIndex, TensorEntry
-from .quant import QuantScheme, same_shape
 from .shard import DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, tp_selection
-from .spec import ModelSpec
 from .topology import Topology
+
+if TYPE_CHECKING:  # pragma: no cover - the families and quant modules load on first use
+    from ..families.base import TensorRole
+    from .quant import QuantScheme
+    from .spec import ModelSpec
 
 __all__ = ["ReadItem", "read_item", "make_item", "tensor_selection", "peer_selection",
            "total_read_bytes", "total_ideal_bytes", "read_method_items"]
@@ -164,6 +166,7 @@ def tensor_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo
                             f" ({scheme.name} weights are {scheme.weight_dtype}, >= 2-d)",
                             file=entry.file, tensor=entry.name, rank=topo.rank)
         logical = scheme.logical_shape(weight.shape)
+        from .quant import same_shape
         if not same_shape(comp.shape(logical), entry.shape):
             raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
                             f"{list(comp.shape(logical))} for weight {list(weight.shape)}",

@@ -5,14 +5,14 @@ Called on any process (no torch.distributed); ``pploader plan`` prints it for ev
 from __future__ import annotations
 
 import logging
-from itertools import compress, repeat
-from operator import add, attrgetter, itemgetter, mul, not_
-from dataclasses import dataclass, field, replace
+from itertools import repeat
+from operator import add, attrgetter, itemgetter, mul
+from dataclasses import replace
 from functools import partial
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 
 from .gcpause import without_gc
-from .checkpoint import CheckpointIndex, FileIdentity, TensorEntry
+from .checkpoint import CheckpointIndex, TensorEntry
 from ..errors import PlanError
 from ..families.base import Family, TensorRole
 from ..families.heads import check_tp_heads
@@ -21,14 +21,14 @@ from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, eng
 from .accounting import check_expected, check_mtp
 from .quant import QuantScheme, quant_scheme
 from .roles import CheckpointRoles, checkpoint_roles
-from .items import (ReadItem, make_item, peer_selection, read_item, tensor_selection,
-                    total_ideal_bytes, total_read_bytes)
+from .items import (ReadItem, make_item, peer_selection, read_item, tensor_selection)
 from .shard import DEFAULT_RANGE_COST_BYTES, Selection, local_experts
+from .rank_plan import RankPlan
 from .spec import ModelSpec
 from .topology import Topology
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .redistribute import Exchanger, Redistribute
+    from .redistribute import Exchanger
 
 logger = logging.getLogger(__name__)
 
@@ -48,74 +48,6 @@ _first, _second = itemgetter(0), itemgetter(1)
 
 #: "even", "balanced", "vllm", "sglang", explicit layer counts per stage, or an EngineSplit.
 Partition = Union[str, Sequence[int], EngineSplit]
-
-
-@dataclass(frozen=True)
-class RankPlan:
-    """Everything one rank will read, in the order it reads it."""
-
-    model: str
-    topology: Topology
-    window: StageWindow
-    experts: Optional[tuple[int, int]]
-    items: tuple[ReadItem, ...]
-    paths: Mapping[str, str]
-    identities: Mapping[str, FileIdentity]
-    header_bytes: int
-    tensors: tuple[str, ...] = field(default=())
-    range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES   # the cost rule the items were made with
-    #: tensors read as TP row shares + all-to-all when loaded with a Comm (planning/redistribute.py);
-    #: ``items`` still hold their direct reads (what a load without a Comm does)
-    redistribute: Optional["Redistribute"] = None
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        return tuple(dict.fromkeys(map(_file_of, compress(self.items,
-                                                          map(_ranges_of, self.items)))))
-
-    @property
-    def ideal_bytes(self) -> int:
-        return total_ideal_bytes(self.items)
-
-    @property
-    def read_bytes(self) -> int:
-        return total_read_bytes(self.items)
-
-    @property
-    def direct_items(self) -> list[ReadItem]:
-        """The items read directly when loaded with a Comm (all but the exchanged ones)."""
-        ex = self.redistribute
-        if ex is None:
-            return list(self.items)
-        skip = ex.targets
-        return list(compress(self.items, map(not_, map(skip.__contains__,
-                                                       map(_target_of, self.items)))))
-
-    @property
-    def planned_read_bytes(self) -> int:
-        """Bytes read when loaded with a Comm: direct items + row shares of exchanged ones."""
-        ex = self.redistribute
-        if ex is None:
-            return self.read_bytes
-        return total_read_bytes(self.direct_items) + ex.read_bytes
-
-    @property
-    def largest_item_bytes(self) -> int:
-        return max((max(i.nbytes, i.read_bytes) for i in self.items), default=0)
-
-    def summary(self) -> dict:
-        """The stable JSON form documented in docs/usage.md."""
-        from .redistribute import read_methods
-        t = self.topology
-        return {"rank": t.rank, "pp_rank": t.pp_rank, "tp_rank": t.tp_rank, "ep_rank": t.ep_rank,
-                "start_layer": self.window.start_layer, "end_layer": self.window.end_layer,
-                "has_embed": self.window.has_embed, "has_head": self.window.has_head,
-                "experts": list(self.experts) if self.experts else None,
-                "num_tensors": len(self.items), "ideal_bytes": self.ideal_bytes,
-                "planned_read_bytes": self.planned_read_bytes,
-                "direct_read_bytes": self.read_bytes, "methods": read_methods(self),
-                "header_bytes": self.header_bytes,
-                "files": list(self.files), "tensors": list(self.tensors)}
 
 
 def layer_bytes(spec: ModelSpec, index: CheckpointIndex,
@@ -200,7 +132,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     # rank of it: worked out once and kept in ``roles`` (``plan_all``, read-once groups)
     chosen, needed_files, names, targets, role_list, tensors = roles.stage_value(
         ("reads", window, experts), partial(_stage_reads, spec, index, roles, window, experts))
-    index.require(needed_files)  # absent shards: all at once
+    index.require(needed_files, topology.rank)  # absent shards: all at once
     if strict and not roles.stage_checked(window, experts):  # once per stage and EP rank
         check_expected(roles, index, chosen, window, experts, topology)
         roles.mark_checked(window, experts)
@@ -449,7 +381,7 @@ def plan_mtp(spec: ModelSpec, index: CheckpointIndex, mtp_layer: int,
                if spec.num_experts and topo.ep_size > 1 else None)
     items, names = [], []
     scheme = quant_scheme(spec)
-    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())})
+    index.require({index.weight_map[n] for n in roles.layers.get(layer, ())}, topo.rank)
     for name, role in roles.layer_roles(layer).items():
         if role.placement == "mtp" and role.layer == layer and (
                 role.expert is None or experts is None or experts[0] <= role.expert < experts[1]):

@@ -11,10 +11,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 from ..errors import PlanError
-from ..families.base import ShardRule
-from ..families.heads import UnitSplitError, ceil_share, unit_share
 
 if TYPE_CHECKING:  # pragma: no cover
+    from ..families.base import ShardRule
     from .spec import ModelSpec
 
 __all__ = ["Interval", "Selection", "tp_selection", "local_experts", "byte_runs",
@@ -124,6 +123,9 @@ def _segment_piece(seg: int, seg_units: Optional[int], offset: int, tp_rank: int
         raise PlanError(f"segment of {seg} is not a multiple of {seg_units} units: cannot split "
                         f"{where}", tensor=name)
     unit = seg // seg_units
+    # the families package is imported only by planning that splits heads (not by a reader
+    # of explicit boxes such as the DCP reader, whose first load pays every import)
+    from ..families.heads import UnitSplitError, ceil_share, unit_share
     share = ceil_share if ceil else unit_share
     try:
         first, count = share(seg_units, tp_size, tp_rank)

@@ -38,7 +38,8 @@ class Cancel(Protocol):
 class ObjectStoreError(Exception):
     """A request failed for good. ``kind``: ``missing`` (no such key), ``bucket`` (no such
     bucket), ``denied`` (credentials / permissions), ``changed`` (ETag or size differ from the
-    plan), ``unreachable`` (connection, timeouts, 5xx after the retries), ``cancelled``."""
+    plan), ``unreachable`` (connection, timeouts, 5xx after the retries), ``short`` (the store
+    kept ending response bodies early, retries making no progress), ``cancelled``."""
 
     def __init__(self, message: str, *, uri: str, kind: str) -> None:
         super().__init__(message)
@@ -53,7 +54,8 @@ class ObjectStoreError(Exception):
 @dataclass(frozen=True)
 class S3Options:
     """How requests are made. ``max_attempts``: tries per request (botocore's ``standard``
-    retries for 5xx / throttling / timeouts, and pploader's for a body cut short), the backoff
+    retries for 5xx / throttling / timeouts, and pploader's for a body cut short: there, tries
+    in a row that brought no new bytes; a retry that made progress is not counted), the backoff
     capped at ``max_backoff_s``; ``connect_timeout_s`` / ``read_timeout_s``: per try;
     ``max_connections``: the client's pool (the backend's requests in flight)."""
 
@@ -176,11 +178,11 @@ class S3Storage:
                                            kind="changed")
                 raw = resp["Body"]._raw_stream  # urllib3 response: readinto, no extra copy
                 try:
-                    _fill(raw, views, done)
+                    _fill(raw, views, done, total)
                 finally:
                     raw.release_conn()
             return total
-        return self._retrying(name, rest)
+        return self._retrying(name, rest, lambda: done[0])
 
     def _get(self, name: str, start: int, length: int, etag: Optional[str]) -> Any:
         kw = {"IfMatch": etag} if etag else {}
@@ -197,28 +199,36 @@ class S3Storage:
         return (f"object changed during load (planned size {then.size}, ETag {then.etag}; now "
                 f"size {now.size}, ETag {now.etag}): publish new checkpoints under a new prefix")
 
-    def _retrying(self, name: str, attempt: Any) -> Any:
+    def _retrying(self, name: str, attempt: Any, progress: Any = lambda: 0) -> Any:
         """``attempt()`` with pploader's bounded backoff for failures botocore does not retry
         (a body cut short, a connection reset mid-stream); botocore already retried the
-        request itself."""
+        request itself. ``progress()``: bytes in place so far; a failed try that moved it is
+        not counted (a store that cuts every body short still finishes, a stalled one fails
+        after ``max_attempts`` tries in a row without a new byte)."""
         tries = max(1, self.options.max_attempts)
-        for n in range(tries):
+        failed, seen = 0, progress()
+        while True:
             try:
                 return attempt()
             except ObjectStoreError:
                 raise
             except Exception as exc:  # noqa: BLE001 - classified (botocore's types)
-                err = self._error(exc, self.uri(name))
-                if err.kind != "unreachable" or n == tries - 1 or not _mid_stream(exc):
+                now = progress()
+                failed = 1 if now > seen else failed + 1
+                seen = now
+                err = self._error(exc, self.uri(name), failed)
+                if err.kind not in ("unreachable", "short") or failed >= tries or \
+                        not _mid_stream(exc):
                     raise err from None
-                pause = min(self.options.max_backoff_s, 0.1 * 2 ** n) * random.uniform(0.5, 1)
-                logger.warning("%s: %s; retrying in %.1f s (%d/%d)", self.uri(name), err.detail,
-                               pause, n + 1, tries - 1)
+                pause = min(self.options.max_backoff_s, 0.1 * 2 ** (failed - 1)) * \
+                    random.uniform(0.5, 1)
+                logger.warning("%s: %s; retrying in %.1f s (%d/%d without progress)",
+                               self.uri(name), err.detail, pause, failed, tries - 1)
                 time.sleep(pause)
-        raise AssertionError("unreachable")  # pragma: no cover
 
-    def _error(self, exc: Exception, uri: str) -> ObjectStoreError:
-        """A botocore / urllib3 failure as an :class:`ObjectStoreError` naming ``uri``."""
+    def _error(self, exc: Exception, uri: str, tries: int = 0) -> ObjectStoreError:
+        """A botocore / urllib3 failure as an :class:`ObjectStoreError` naming ``uri``
+        (``tries``: pploader's tries in a row without progress, for a body cut short)."""
         from botocore.exceptions import ClientError, NoCredentialsError, PartialCredentialsError
         if isinstance(exc, ClientError):
             err = exc.response.get("Error", {})
@@ -249,6 +259,10 @@ class S3Storage:
         if isinstance(exc, (NoCredentialsError, PartialCredentialsError)):
             return ObjectStoreError("no AWS credentials found (environment, ~/.aws/credentials, "
                                     "profile or instance role)", uri=uri, kind="denied")
+        if _cut_short(exc):
+            return ObjectStoreError(f"the object store stopped a response body early ({exc}); "
+                                    f"{tries or 1} tr{'ies' if tries > 1 else 'y'} in a row "
+                                    "brought no new bytes", uri=uri, kind="short")
         return ObjectStoreError(f"cannot reach the object store after "
                                 f"{self.options.max_attempts} attempt(s): "
                                 f"{type(exc).__name__}", uri=uri, kind="unreachable")
@@ -260,7 +274,24 @@ def _mid_stream(exc: Exception) -> bool:
     return not isinstance(exc, (ClientError, EndpointConnectionError))
 
 
-def _fill(raw: Any, views: Sequence[memoryview], done: list[int]) -> None:
+class BodyCutShort(ConnectionError):
+    """A response body ended before its last byte (the connection closed or was reset)."""
+
+
+def _cut_short(exc: BaseException) -> bool:
+    """A body that ended early: ours, botocore's or urllib3's (an incomplete read)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:  # urllib3 wraps the cause
+        seen.add(id(exc))
+        if isinstance(exc, BodyCutShort) or type(exc).__name__ in (
+                "IncompleteRead", "IncompleteReadError", "ResponseStreamingError") or \
+                "IncompleteRead" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
+    return False
+
+
+def _fill(raw: Any, views: Sequence[memoryview], done: list[int], total: int) -> None:
     """Read ``raw`` into ``views``, their first ``done[0]`` bytes already filled; ``done[0]``
     grows as bytes land, so a body cut short is resumed from there by the caller."""
     skip = done[0]
@@ -271,8 +302,12 @@ def _fill(raw: Any, views: Sequence[memoryview], done: list[int]) -> None:
         part, skip = view[skip:], 0
         pos = 0
         while pos < part.nbytes:
-            n = raw.readinto(part[pos:])
+            try:
+                n = raw.readinto(part[pos:])
+            except Exception as exc:  # noqa: BLE001 - urllib3's ProtocolError, a reset, ...
+                raise BodyCutShort(f"{done[0]} of {total} bytes arrived, then "
+                                   f"{type(exc).__name__}: {exc}") from exc
             if not n:
-                raise ConnectionError(f"response body ended {part.nbytes - pos} bytes early")
+                raise BodyCutShort(f"{done[0]} of {total} bytes arrived")
             pos += n
             done[0] += n

@@ -54,11 +54,13 @@ def test_device_loader_into_given_destinations_keeps_pointers(tiny_llama: Path) 
 def test_device_loader_ring_and_allocation_modes_equal_cpu(tiny_llama: Path, overlap_alloc: bool,
                                                            huge_pages: bool, lazy: bool) -> None:
     """Destinations allocated while the first reads run (or before), a THP or 4 KiB ring,
-    slots page-locked on first use (or up front): the same bytes; every slot used is
-    page-locked (registered), none left pageable; the ring unregisters on close()."""
+    slots used pageable (never page-locked inside the load, io/staging.py) or page-locked
+    up front (``lazy=False``), or on first use (``lock_in_load``, the old policy): the same
+    bytes; the ring unregisters on close()."""
     from pploader.io.device import DeviceLoader, PinnedRing
     plan = plan_stage(tiny_llama, Topology(2, 2, rank=1)).plan
     ring = PinnedRing(threads=3, slot_bytes=1 << 16, lazy=lazy, huge_pages=huge_pages)
+    ring.lock_in_load = huge_pages  # one case of the old policy, kept for measurements
     loader = DeviceLoader(plan, "cuda:0", ring=ring)
     loader.overlap_alloc = overlap_alloc
     out = loader.load()
@@ -66,7 +68,8 @@ def test_device_loader_ring_and_allocation_modes_equal_cpu(tiny_llama: Path, ove
     assert set(out) == set(ref)
     for k, v in out.items():
         assert torch.equal(v.cpu().view(torch.uint8), ref[k].view(torch.uint8)), k
-    assert ring.pageable_slots == 0 and ring.nbytes > 0
+    assert ring.pageable_slots == 0
+    assert (ring.nbytes > 0) == (not lazy or huge_pages), ring.nbytes  # lazy: none in load
     assert set(loader.timings) >= {"residency_s", "destinations_s", "io_s"}
     again = DeviceLoader(plan, "cuda:0", ring=ring).load()  # the ring reused: same bytes
     assert all(torch.equal(again[k], v) for k, v in out.items())
@@ -101,8 +104,9 @@ def test_device_loader_prepared_ring_and_request_patterns_equal_cpu(
     assert ring.nbytes == 0
 
 
-def test_ring_populated_ahead_is_page_locked_by_the_readers(tiny_llama: Path) -> None:
-    """prepare(register=False) only faults the pages in; the readers page-lock what they use."""
+def test_ring_populated_ahead_is_read_pageable_then_page_locked_after(tiny_llama: Path) -> None:
+    """prepare(register=False) only faults the pages in; a load reads through them pageable
+    (it never page-locks) and resumes the preparation afterwards, which page-locks them."""
     from pploader.io.device import DeviceLoader, PinnedRing
     plan = plan_stage(tiny_llama, Topology(1)).plan
     ring = PinnedRing(threads=2, slot_bytes=1 << 16)
@@ -112,8 +116,42 @@ def test_ring_populated_ahead_is_page_locked_by_the_readers(tiny_llama: Path) ->
     ref = _cpu(plan)
     assert all(torch.equal(out[k].cpu().view(torch.uint8), v.view(torch.uint8))
                for k, v in ref.items())
+    ring.prepare().join()  # the resumed preparation (it registers now)
     assert ring.nbytes == 4 * (1 << 16) and ring.pageable_slots == 0
     ring.close()
+
+
+def test_process_staging_is_reused_lent_once_and_resumed(tiny_llama: Path) -> None:
+    """io/staging.py: loads without a ring read through the process's ring for their GPU
+    (the same ring each time, page-locked in the background between loads, never inside
+    one); a second load while it is lent gets its own ring; the bytes are always right."""
+    from pploader.io import staging
+    from pploader.io.device import DeviceLoader
+    from pploader.io.registry import open_backend
+    staging.release_staging()
+    plan = plan_stage(tiny_llama, Topology(1)).plan
+    ref = _cpu(plan)
+    first = open_backend(plan, "cuda:0")
+    ring = first.ring
+    assert ring is staging.process_staging("cuda:0")
+    out = first.load()
+    assert first.ready_slots == 0  # nothing was page-locked when the first load started
+    assert all(torch.equal(out[k].cpu().view(torch.uint8), v.view(torch.uint8))
+               for k, v in ref.items())
+    assert ring._preparer is not None
+    ring._preparer.join()  # resumed after the load: every slot page-locked now
+    assert ring.nbytes == ring.threads * ring.per_thread * ring.slot_bytes
+    held = open_backend(plan, "cuda:0")  # lent to this one ...
+    other = open_backend(plan, "cuda:0")  # ... so this one reads through its own
+    assert held.ring is ring and other.ring is not ring
+    assert all(torch.equal(other.load()[k].cpu().view(torch.uint8), v.view(torch.uint8))
+               for k, v in ref.items())
+    again = held.load()
+    assert held.ready_slots == ring.threads * ring.per_thread
+    assert all(torch.equal(again[k], out[k]) for k in out)
+    assert isinstance(held, DeviceLoader)
+    staging.release_staging()
+    assert ring.nbytes == 0
 
 
 @pytest.mark.parametrize("overlap_alloc", [False, True])
@@ -338,7 +376,7 @@ from pploader.io.pinned_ring import PinnedRing
 from pploader.io.read import Reader
 torch.cuda.set_device(1)                    # what a rank on GPU 1 does (bootstrap.py)
 plan = plan_stage(sys.argv[1], Topology(1)).plan
-loaded = DeviceLoader(plan, "cuda:1").load()          # reader threads page-lock lazily
+loaded = DeviceLoader(plan, "cuda:1").load()          # the process's staging on GPU 1
 ring = PinnedRing(threads=2, slot_bytes=1 << 16, prepare=True, device="cuda:1")
 ring.prepare().join()                                 # the background preparer
 same = all(torch.equal(loaded[k].cpu(), v) for k, v in Reader(plan))

@@ -247,3 +247,34 @@ def test_s3_load_onto_cuda_equals_disk(s3: S3Server, tiny_llama: Path) -> None:
         for item, t in zip(staged.plan.items, result.state_dict.values()):
             assert t.device.type == "cuda"
             assert torch.equal(t.cpu().view(torch.uint8), ref[item.name].view(torch.uint8))
+
+
+def test_store_halving_every_body_is_read_while_each_try_progresses(
+        s3: S3Server, tiny_llama: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A store that sends half of each body: 9 cuts in a row on one request (more than the 5
+    tries) still finish, each try having brought new bytes; tries that bring none fail after
+    ``max_attempts`` with a message that says the body stopped early (not 'cannot reach')."""
+    from pploader.storage.s3 import ObjectStoreError, S3Storage
+    storage = S3Storage.from_uri(URI)
+    name = sorted(f.name for f in tiny_llama.glob("*.safetensors"))[0]
+    want = (tiny_llama / name).read_bytes()[4096:4096 + 8192]
+    info = storage.list()[name]
+    buf = bytearray(8192)
+    s3.control("cut?n=9")
+    with caplog.at_level(logging.WARNING, logger="pploader.storage.s3"):
+        assert storage.read_into(name, 4096, [memoryview(buf)], info) == 8192
+    assert bytes(buf) == want
+    assert caplog.text.count("retrying") == 9, caplog.text
+    assert "(1/4 without progress)" in caplog.text  # each try progressed: none counted twice
+    one = bytearray(1)  # half of one byte is nothing: no try progresses
+    s3.control("cut?n=5")
+    try:
+        with pytest.raises(ObjectStoreError) as info_err:
+            storage.read_into(name, 4096, [memoryview(one)], info)
+    finally:
+        s3.control("cut?n=0")
+    err = info_err.value
+    assert err.kind == "short", err
+    assert "stopped a response body early (0 of 1 bytes arrived" in str(err), err
+    assert "5 tries in a row brought no new bytes" in str(err), err
+    assert "cannot reach" not in str(err), err

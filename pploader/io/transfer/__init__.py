@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # pragma: no cover
     import torch
 
     from ...distributed.comm import Comm
-    from ...planning.plan import RankPlan
+    from ...planning.rank_plan import RankPlan
     from ...planning.stage import StagePlan
     from ..backend import ReadOptions, ReadStats
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 
 import torch
 
-from ...planning.plan import ReadItem
+from ...planning.items import ReadItem
 from ..backend import ReadBackend, ReadOptions, ReadStats, sum_stats
 from ..device_stream import stream_device_bytes
 from ..registry import open_backend, shared_staging

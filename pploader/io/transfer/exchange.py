@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
 import torch
 
 from ...planning.checkpoint import DTYPES
-from ...planning.plan import RankPlan
+from ...planning.rank_plan import RankPlan
 from ...planning.redistribute import ExchangeItem, Redistribute, piece_selection
 from ..backend import ReadBackend, ReadOptions, ReadStats, collect, sum_stats
 from ..registry import open_backend, shared_staging

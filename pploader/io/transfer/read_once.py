@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 import torch
 
 from ...planning.checkpoint import DTYPES
-from ...planning.plan import ReadItem
+from ...planning.items import ReadItem
 from ..backend import ReadBackend, ReadOptions, ReadStats, collect, sum_stats
 from ..registry import open_backend, shared_staging
 from .exchange import ExchangeTransfer, bytes_view

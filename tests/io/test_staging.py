@@ -1,0 +1,62 @@
+"""io/staging.py on a CPU-only host: the process's ring per GPU is made once, lent to one
+load at a time (a second load gets its own), paused while lent and resumed when given back.
+CUDA is faked as available (the ring's page-locking then fails and leaves slots pageable,
+which is what a load without ready staging reads through anyway)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pploader.io import staging
+
+
+@pytest.fixture()
+def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: None)
+    staging.release_staging()
+    yield
+    staging.release_staging()
+
+
+def test_no_staging_without_cuda() -> None:
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host")
+    assert staging.start_staging("cuda") is None
+    assert staging.process_staging("cpu") is None
+
+
+def test_one_ring_per_gpu_lent_once_resumed_after(fake_cuda: None) -> None:
+    ring = staging.process_staging("cuda:0", threads=2)
+    assert ring is not None and staging.process_staging("cuda", threads=2) is ring
+    assert staging.process_staging("cuda:1", threads=2) is not ring
+    assert staging.start_staging("cuda:0", threads=2) is ring and ring._preparer is not None
+    lent, shared = staging.lend_staging("cuda:0", threads=2)
+    assert lent is ring and shared and ring._halt.is_set()  # paused for the load
+    other, shared = staging.lend_staging("cuda:0", threads=2)
+    assert other is not ring and not shared  # never two loads on one ring's slots
+    assert staging.start_staging("cuda:0", threads=2) is ring and ring._halt.is_set()
+    staging.return_staging(other)  # not the process's: nothing changes
+    assert ring._halt.is_set()
+    staging.return_staging(ring)
+    assert not ring._halt.is_set()  # resumed
+    ring._preparer.join()
+    assert ring.ready_slots == ring.threads * ring.per_thread  # every slot tried once
+    again, shared = staging.lend_staging("cuda:0", threads=2)
+    assert again is ring and shared
+    staging.return_staging(ring)
+
+
+def test_a_load_never_page_locks_a_slot(fake_cuda: None, monkeypatch: pytest.MonkeyPatch
+                                        ) -> None:
+    from pploader.io import pinned_ring
+    calls: list[int] = []
+    monkeypatch.setattr(pinned_ring, "_host_register", lambda ptr, n, dev: calls.append(n))
+    ring = staging.process_staging("cuda:0", threads=2)
+    assert ring is not None
+    ring.reached(0, 0)  # a reader at an unprepared slot: used pageable, no driver call
+    assert calls == [] and ring.ready_slots == 0
+    ring.lock_in_load = True  # the old policy, kept for measurements
+    ring.reached(0, 0)
+    assert len(calls) == 1
