@@ -159,10 +159,13 @@ class PPLoaderStorageReader(StorageReader):
         from ..storage import check_model_location
         check(io_backend=io_backend, threads=threads, window_bytes=window_bytes,
               range_cost_bytes=range_cost_bytes)  # the CLI's ranges (arguments.py)
-        check_type("names", names, NameMap, "a NameMap")
+        if names is not None:
+            from ..bind.names import NameMap  # bind/ only when names are given (a light import)
+            check_type("names", names, NameMap, "a NameMap")
         check_callable("rename", rename)
         check_type("topology", topology, Topology, "a Topology")
-        check_device("staging_device", staging_device)
+        if not (isinstance(staging_device, str) and staging_device == "auto"):
+            check_device("staging_device", staging_device)
         allowed_roots = check_paths("allowed_roots", allowed_roots)
         self.path = Path(check_model_location(path, "path"))
         self._rename: Callable[[str], Optional[str]] = (
