@@ -66,7 +66,8 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
         # the class itself as load_format, SGLang's partition variable: an odd split
         {"name": "pp2-odd", "model": str(d["llama1"]), "load_format": "pploader-class",
          "pp": 2, "env": {"SGLANG_PP_LAYER_PARTITION": "1,3"}},
-        {"name": "tp2", "model": str(d["llama1"]), "load_format": pp, "tp": 2},
+        # cold: the checkpoint's pages dropped first (each rank's pages read ahead)
+        {"name": "tp2", "model": str(d["llama1"]), "load_format": pp, "tp": 2, "evict": True},
         {"name": "tp2-default", "model": str(d["llama1"]), "load_format": "auto", "tp": 2},
         {"name": "pp2tp2", "model": str(d["llama1"]), "load_format": pp, "pp": 2, "tp": 2},
         # tied word embeddings: SGLang's Qwen2 builds its own head on the last stage
@@ -75,7 +76,22 @@ def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
          "pp": 2},
         {"name": "moe-pp2", "model": str(d["moe"]), "load_format": pp, "pp": 2},
         {"name": "moe-pp2-default", "model": str(d["moe"]), "load_format": "auto", "pp": 2},
+        # python -m sglang.launch_server --load-format pploader --pp-size 2
+        {"name": "server", "server": True, "model": str(d["llama1"]), "load_format": pp,
+         "pp": 2, "prompt": " ".join(f"t{i}" for i in PROMPTS[0])},
     ]
+
+
+def _add_tokenizer(model_dir: Path, vocab_size: int) -> None:
+    """A word-level tokenizer beside the weights (``t<id>`` is token ``id``), so the
+    OpenAI-compatible server takes a text prompt and answers text that names the ids."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)},
+                                       unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    # no special tokens: they would be matched inside words ("t2" in "t200")
+    PreTrainedTokenizerFast(tokenizer_object=words).save_pretrained(str(model_dir))
 
 
 def _retype_one_tensor(shard: Path, name: str) -> None:
@@ -100,6 +116,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
          "qwen2_tied": make_model(root / "qwen2_tied", QWEN2_TIED, shard_bytes=1_500_000,
                                   seed=5),
          "moe": make_model(root / "moe", QWEN3_MOE, shard_bytes=1_500_000, seed=6)}
+    _add_tokenizer(d["llama1"], LLAMA["vocab_size"])
     # truncated: a shard of the last stage only (layer 3)
     bad = root / "llama2_truncated"
     shutil.copytree(d["llama2"], bad)
@@ -214,11 +231,17 @@ def test_odd_split_from_sglangs_partition_variable(results: dict) -> None:
     _check_bytes(run)
 
 
-def test_tp2_same_tokens_rank_part(results: dict) -> None:
+def test_tp2_cold_same_tokens_rank_part(results: dict) -> None:
+    """TP=2 from a cold page cache: SGLang's own weight loaders narrow the tensors handed
+    whole (views); each rank's own pages only were read ahead; same tokens."""
     run = results["tp2"]
+    assert run["resident_before"] == 0
     assert run["tokens"] == results["tp2-default"]["tokens"]
     loads = _loads(run)
     assert [x["tp_rank"] for x in loads] == [0, 1]
+    for load in loads:
+        assert 0 <= load["readahead_bytes"] <= load["ideal_bytes"], load
+    assert sum(x["readahead_bytes"] for x in loads) > 0
     _check_bytes(run, tp=2)
 
 
@@ -287,3 +310,16 @@ def test_reload_refuses_bad_checkpoints_on_every_rank_then_switches(
         assert reloaded["read_bytes"] <= 1.02 * reloaded["ideal_bytes"]
         assert "reload_error" not in report
     assert [r["reload"]["items"] for r in good["reports"]] == [19, 20]
+
+
+def test_server_with_load_format_pploader_answers_a_completion(results: dict) -> None:
+    """``python -m sglang.launch_server --load-format pploader --pp-size 2`` (the plugin
+    makes the name a valid choice and resolves it in every process): /v1/completions on a
+    text prompt answers with the default loader's greedy tokens, each rank read its stage."""
+    run = results["server"]
+    assert "--load-format" in run["cmd"] and "pploader" in run["cmd"]
+    text = run["completion"]["choices"][0]["text"]
+    assert text.split() == [f"t{i}" for i in results["pp2-default"]["tokens"][0]], text
+    loads = _loads(run)
+    assert [(x["start_layer"], x["end_layer"]) for x in loads] == [(0, 2), (2, 4)]
+    _check_bytes(run)
