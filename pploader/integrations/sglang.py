@@ -30,6 +30,9 @@ cannot wait for each other; instead every rank checks *every* stage's plan of th
 checkpoint (headers, sizes, shapes: the same files give every rank the same verdict) before
 it writes. A refused checkpoint is refused on every rank, nothing is written, the engine keeps
 serving the old weights and ``model_path`` points back at them.
+
+An MTP / NextN draft model (SGLang's draft runner) is loaded and reloaded as SGLang's
+``DefaultModelLoader`` does: not yet stage-only.
 """
 from __future__ import annotations
 
@@ -166,6 +169,7 @@ class PPLoaderModelLoader(DefaultModelLoader):  # type: ignore[misc, valid-type]
         # GPU ranks: the pinned ring page-locked while SGLang builds the model
         self.staging: Any = early_staging()
         self._pending: Optional[tuple[Any, ...]] = None   # a reload read, not yet written
+        self._draft = False   # a draft model: SGLang's default loading
 
     def download_model(self, model_config: Any) -> None:
         """pploader reads a local directory only (no hub downloads)."""
@@ -176,9 +180,12 @@ class PPLoaderModelLoader(DefaultModelLoader):  # type: ignore[misc, valid-type]
     def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
         """SGLang's ``DefaultModelLoader.load_model``, with this rank's stage planned in the
         background while the model is built and only that stage read."""
-        if getattr(self.load_config, "draft_model_idx", None) is not None:
-            raise PlanError("load_format 'pploader' does not load MTP draft models yet; "
-                            "use --speculative-draft-load-format auto")
+        if getattr(model_config, "is_draft_model", False) or \
+                getattr(self.load_config, "draft_model_idx", None) is not None:
+            # not yet stage-only: an MTP / NextN draft is loaded as SGLang's default does
+            logger.info("pploader: the draft model is loaded by SGLang's default loader")
+            self._draft = True
+            return super().load_model(model_config=model_config, device_config=device_config)
         self.download_model(model_config)
         model_dir = model_config.model_path
         early = start_early_plan(model_dir, self.tp_mode, self.range_cost_bytes, _place)
@@ -223,6 +230,8 @@ class PPLoaderModelLoader(DefaultModelLoader):  # type: ignore[misc, valid-type]
         stage read whole; raised on refusal (SGLang then writes nothing), with the served
         ``model_path`` put back."""
         model_config = getattr(source, "model_config", None)
+        if self._draft or getattr(model_config, "is_draft_model", False):
+            return super()._get_weights_iterator(source, **_)   # a draft: SGLang's default
         ref = _SERVED.get("model")
         model = ref() if ref is not None else None
         state = served_state(model) if model is not None else None
