@@ -19,6 +19,12 @@ driver is bench/cuda.py: ``--methods engine_pploader,engine_vllm_default,...``).
   (``integrations/placed.stage_weights`` onto the device);
 - ``engine_vllm_default``: vLLM's default shape: ``safe_open`` every shard, ``get_tensor``
   every name, ``copy_`` when the stage owns it (pageable host -> device);
+- ``engine_pploader_sglang``: what pploader's SGLang load format calls on a GPU rank
+  (``engine_core.load_engine_stage`` with SGLang's split and the staging started when the
+  loader was made, the model's ``load_weights`` a ``copy_`` per tensor);
+- ``engine_sglang_default``: SGLang's default shape (``DefaultModelLoader``'s buffered
+  multi-thread iterator: 8 threads ``safe_open`` + ``get_tensor`` whole shards, 9 in flight,
+  every name yielded, ``copy_`` when the stage owns it);
 - ``engine_dcp``: ``torch.distributed.checkpoint.load`` with torch's
   ``HuggingFaceStorageReader(thread_count=8)`` into the parameters (no process group);
 - ``engine_fastsafetensors`` / ``engine_runai``: those libraries' readers into the parameters
@@ -45,13 +51,19 @@ __all__ = ["ENGINE_METHODS", "ENGINE_OPTIONAL", "ENGINE_ENV"]
 Method = Callable[[Ctx, dict], tuple[dict, dict]]
 
 
+def _sync(device: str) -> None:
+    """Wait for the device's copies (a no-op on CPU, where the rows run in the unit tests)."""
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _params(ctx: Ctx) -> dict[str, torch.Tensor]:
     """The engine's parameters: one device tensor per stage tensor, touched (zeroed)."""
     out = {name: torch.empty(shape, dtype=_DT[dt], device=ctx.device)
            for name, (_f, _s, _e, dt, shape) in ctx.tensors.items()}
     for t in out.values():
         t.zero_()
-    torch.cuda.synchronize(ctx.device)
+    _sync(ctx.device)
     return out
 
 
@@ -81,7 +93,7 @@ def _prep_engine_queue(threads: int, slot_bytes: int) -> Callable[[Ctx], dict]:
 
 
 def _copied(ctx: Ctx, params: dict[str, torch.Tensor], copied: int, extra: dict) -> tuple:
-    torch.cuda.synchronize(ctx.device)
+    _sync(ctx.device)
     if copied != len(params):
         raise RuntimeError(f"{copied} tensors copied, the stage has {len(params)}")
     return params, extra
@@ -221,6 +233,94 @@ def m_engine_vllm_default(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
         "api": "safe_open(every shard).get_tensor(every name) -> param.copy_ (stage's)"})
 
 
+class _StageModel(torch.nn.Module):
+    """The engine's model as the SGLang format sees it: its parameters by checkpoint name and
+    a ``load_weights`` that ``copy_``s each tensor it is handed (SGLang's
+    ``default_weight_loader``), returning the names written."""
+
+    def __init__(self, params: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self.params, self.copied = params, 0
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+        return iter(self.params.items())
+
+    def load_weights(self, weights: Any) -> set[str]:
+        written = set()
+        for name, tensor in weights:
+            if name in self.params:
+                self.params[name].copy_(tensor)
+                written.add(name)
+                self.copied += 1
+        return written
+
+
+def prep_engine_sglang(ctx: Ctx) -> dict:
+    """The SGLang loader is made first (its staging starts page-locking, ``early_staging``),
+    then SGLang builds the model (the parameters), then the clock starts."""
+    from ..integrations import engine_core, placed  # noqa: F401 - imported with the plugin
+    from ..io.backend import ReadOptions
+    from ..io.registry import prepare_staging
+    ring = prepare_staging(ctx.device, ReadOptions()) \
+        if torch.device(ctx.device).type == "cuda" else None
+    return {"ring": ring, "params": _params(ctx)}
+
+
+def m_engine_pploader_sglang(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+    """What pploader's SGLang format calls per rank: ``load_engine_stage`` (plan with SGLang's
+    split, the window checked, ``placed.stage_weights`` onto the parameters' device through
+    the staging made at loader creation, the model's ``load_weights``, the strict check)."""
+    from .. import Topology
+    from ..integrations.engine_core import load_engine_stage
+    from ..planning.partition import engine_layer_counts
+    from ..planning.spec import load_spec
+    params = prep["params"]
+    ready_s = _ring_ready_s(prep)
+    t0 = time.perf_counter()
+    split = engine_layer_counts("sglang", load_spec(ctx.ckdir).num_layers, ctx.pp)
+    model = _StageModel(params)
+    state = load_engine_stage(model, ctx.ckdir, Topology(ctx.pp, rank=ctx.stage), split,
+                              model.load_weights,
+                              staging=prep.get("ring"), engine="SGLang")
+    return _copied(ctx, params, model.copied, {
+        "logical_bytes": state.report["read_bytes"], "load_s": time.perf_counter() - t0,
+        "ring_ready_before_clock_s": ready_s, "io_backend": state.io_backend,
+        "api": "engine_core.load_engine_stage(sglang split) -> load_weights: param.copy_ "
+               "(SGLang format)"})
+
+
+def m_engine_sglang_default(ctx: Ctx, prep: dict, max_workers: int = 8) -> tuple[dict, dict]:
+    """SGLang's default loader's shape: its buffered multi-thread iterator (``max_workers``
+    threads each ``safe_open`` + ``get_tensor`` a whole shard, ``max_workers + 1`` shards in
+    flight, every name yielded in order), ``copy_`` of the stage's tensors."""
+    import collections
+    import concurrent.futures
+    from safetensors import safe_open
+
+    def load_file(path: str) -> dict[str, torch.Tensor]:
+        with safe_open(path, framework="pt", device="cpu") as sf:
+            return {k: sf.get_tensor(k) for k in sf.keys()}
+    params, copied = prep["params"], 0
+    paths = [ctx.path(f) for f in ctx.all_files]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max_workers) as pool:
+        pending = collections.deque(pool.submit(load_file, p) for p in paths[:max_workers + 1])
+        rest = iter(paths[max_workers + 1:])
+        while pending:
+            shard = pending.popleft().result()
+            following = next(rest, None)
+            if following is not None:
+                pending.append(pool.submit(load_file, following))
+            for name in sorted(shard):
+                if name in params:  # the model drops other stages' tensors after the read
+                    params[name].copy_(shard[name])
+                    copied += 1
+            del shard
+    return _copied(ctx, params, copied, {
+        "logical_bytes": sum(os.path.getsize(p) for p in paths),
+        "api": "8 threads safe_open(every shard).get_tensor(every name), 9 shards in flight "
+               "-> param.copy_ (stage's) (SGLang default)"})
+
+
 def m_engine_dcp(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """torch DCP's Hugging Face reader into the parameters (keys = checkpoint names)."""
     import torch.distributed.checkpoint as dcp
@@ -342,6 +442,8 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_q8x256m": (m_engine_pploader, _prep_engine_queue(8, 256 << 20)),
     "engine_pploader_q64x16m": (m_engine_pploader, _prep_engine_queue(64, 16 << 20)),
     "engine_vllm_default": (m_engine_vllm_default, prep_engine),
+    "engine_pploader_sglang": (m_engine_pploader_sglang, prep_engine_sglang),
+    "engine_sglang_default": (m_engine_sglang_default, prep_engine),
     "engine_dcp": (m_engine_dcp, prep_engine),
     "engine_fastsafetensors": (m_engine_fastsafetensors, prep_engine),
     "engine_fastsafetensors_odirect": (m_engine_fastsafetensors, prep_engine),

@@ -65,3 +65,21 @@ def test_disk_sweep_reads_every_configuration(tiny_ck: str) -> None:
     rows = disk_patterns(paths, per_config_bytes=4 << 20, request_mib=(1, 4), threads=(1, 4))
     assert [(r["request_mib"], r["threads"]) for r in rows] == [(1, 1), (1, 4), (4, 1), (4, 4)]
     assert all(r["bytes"] > 0 and r["gbps"] > 0 for r in rows)
+
+
+@pytest.mark.parametrize("method", ["engine_pploader_sglang", "engine_sglang_default",
+                                    "engine_pploader_vllm", "engine_vllm_default"])
+def test_engine_rows_run_on_cpu_and_fill_the_stage(tiny_ck: str, method: str) -> None:
+    """The engine-shaped rows (the SGLang pair beside the vLLM pair) on CPU parameters: every
+    stage tensor copied with the checkpoint's bytes (verify), the SGLang format's row through
+    the loader's own load_engine_stage (its report: only the stage's bytes read)."""
+    from pploader.bench.engine_methods import ENGINE_METHODS
+    ctx = stage_ctx(tiny_ck, "cpu")
+    fn, prep = ENGINE_METHODS[method]
+    out, info = fn(ctx, prep(ctx) if prep else {})
+    assert verify(ctx, out) == "ok"
+    assert set(out) == set(ctx.tensors)
+    if method == "engine_pploader_sglang":
+        assert info["logical_bytes"] == ctx.ideal_bytes
+    if method == "engine_sglang_default":   # every shard, whole
+        assert info["logical_bytes"] == sum(os.path.getsize(ctx.path(f)) for f in ctx.all_files)

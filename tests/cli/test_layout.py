@@ -137,8 +137,8 @@ def test_cli_imports_only_the_public_api_and_command_modules() -> None:
 
 
 #: test folders that are not a pploader subpackage: the top-level modules (cli.py, job.py,
-#: stage.py, the public API), the device suite and the vLLM suite
-TEST_FOLDERS_BEYOND_THE_PACKAGE = {"cli", "gpu", "vllm"}
+#: stage.py, the public API), the device suite and the vLLM and SGLang suites
+TEST_FOLDERS_BEYOND_THE_PACKAGE = {"cli", "gpu", "vllm", "sglang"}
 
 
 def test_tests_are_grouped_like_the_package() -> None:

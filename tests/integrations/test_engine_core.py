@@ -1,0 +1,106 @@
+"""integrations/engine_core.py and engine_reload.py without an engine: the load every engine
+format runs (vLLM's, SGLang's), driven here into the SGLang-shaped stage of
+tests/engine_models.py (its ``load_weights`` skips other stages' layers without a word)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pploader import PlanError, Topology
+from pploader.bind.module_state import find_module_state
+from pploader.integrations.engine_core import (LAST, check_all_loaded, load_engine_stage,
+                                               loader_options, plan_engine_stage)
+from pploader.integrations.engine_reload import same_layout
+from pploader.planning.partition import engine_layer_counts
+
+from engine_models import SGLangStyleLlama, run_pipeline
+from helpers import make_model, tiny_config
+
+CFG = tiny_config()
+
+
+def _stage(model_dir: Path, pp_rank: int, pp: int) -> SGLangStyleLlama:
+    model = SGLangStyleLlama(CFG, pp_rank, pp)
+    split = engine_layer_counts("sglang", CFG["num_hidden_layers"], pp)
+    load_engine_stage(model, str(model_dir), Topology(pp, rank=pp_rank), split,
+                      model.load_weights, engine="SGLang")
+    return model
+
+
+def test_load_engine_stage_reads_only_the_stage_into_the_engines_load_weights(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PP=3 over 8 layers (SGLang's split 2, 3, 3): every parameter of each stage written by
+    the engine's own loader, each rank read exactly its stage, the pipeline's logits equal a
+    single stage's bit for bit; the load state travels with the model."""
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
+    ids = torch.arange(10)
+    want = run_pipeline([_stage(tiny_llama, 0, 1)], ids)
+    stages = [_stage(tiny_llama, r, 3) for r in range(3)]
+    for stage in stages:
+        assert stage.loaded == {n for n, _ in stage.named_parameters()}
+        state = find_module_state(stage).engine_load  # type: ignore[union-attr]
+        assert state.engine == "SGLang"
+        window = state.staged.plan.window
+        assert (window.start_layer, window.end_layer) == \
+            (stage.model.start_layer, stage.model.end_layer)
+        assert state.report["read_bytes"] == state.report["ideal_bytes"] \
+            == state.staged.plan.ideal_bytes
+    assert [find_module_state(s).engine_load.report["items"]  # type: ignore[union-attr]
+            for s in stages] == [len(find_module_state(s).engine_load.staged.plan.items)
+                                 for s in stages]
+    assert LAST["load"]["pp_rank"] == 2
+    assert torch.equal(run_pipeline(stages, ids), want)
+
+
+def test_window_other_than_the_engines_is_an_error_naming_the_engine(tiny_llama: Path) -> None:
+    model = SGLangStyleLlama(CFG, 0, 3)                     # SGLang built layers 0-1
+    with pytest.raises(PlanError, match=r"SGLang's model holds layers \(0, 2\) but "
+                                        r"get_pp_indices gives \(0, 3\)"):
+        plan_engine_stage(str(tiny_llama), Topology(3, rank=0), (3, 3, 2), "placed", model,
+                          engine="SGLang")
+
+
+def test_a_parameter_the_engine_did_not_write_is_an_error(tiny_llama: Path) -> None:
+    """A loader that drops one tensor (an engine whose names differ): the strict check names
+    the parameter left unwritten; ``ignore`` exempts parameters the engine fills itself."""
+    model = SGLangStyleLlama(CFG, 0, 2)
+    split = engine_layer_counts("sglang", CFG["num_hidden_layers"], 2)
+
+    def lossy(weights):  # type: ignore[no-untyped-def]
+        return model.load_weights((n, t) for n, t in weights if "layers.1.mlp.down" not in n)
+    with pytest.raises(PlanError, match=r"1 parameter\(s\) .*model.layers.1.mlp.down_proj"):
+        load_engine_stage(model, str(tiny_llama), Topology(2, rank=0), split, lossy)
+    staged = plan_engine_stage(str(tiny_llama), Topology(2, rank=0), split, "placed")
+    names = {n for n, _ in model.named_parameters()}
+    assert check_all_loaded(model, names, staged) == ()
+    with pytest.raises(PlanError, match="returned no set"):
+        check_all_loaded(model, None, staged)
+    assert check_all_loaded(model, names - {"model.layers.0.mlp.down_proj.weight"}, staged,
+                            ignore=lambda n: n.endswith("down_proj.weight")) == ()
+
+
+def test_loader_options_refuse_unknown_keys_and_values() -> None:
+    assert loader_options({}) == ("placed", 0, "mapped")
+    assert loader_options({"tp_mode": "full", "io_backend": "threaded"})[::2] == \
+        ("full", "threaded")
+    with pytest.raises(ValueError, match="unknown pploader model_loader_extra_config keys"):
+        loader_options({"tp_mod": "full"})
+    with pytest.raises(ValueError, match="tp_mode must be one of"):
+        loader_options({"tp_mode": "halves"})
+
+
+def test_reload_layout_check_names_the_changed_tensor(tiny_llama: Path, tmp_path: Path) -> None:
+    """A new checkpoint whose stage tensors differ in shape from the served ones is refused
+    with the tensor named (engine_reload.same_layout, run before anything is written)."""
+    split = engine_layer_counts("sglang", CFG["num_hidden_layers"], 2)
+    served = plan_engine_stage(str(tiny_llama), Topology(2, rank=1), split, "placed")
+    other = make_model(tmp_path / "wide", dict(CFG, intermediate_size=CFG["intermediate_size"]
+                                               * 2))
+    new = plan_engine_stage(str(other), Topology(2, rank=1), split, "placed")
+    with pytest.raises(PlanError, match="differ from the served ones") as err:
+        same_layout(served, new, 1)
+    assert err.value.tensor is not None and "mlp" in err.value.tensor
+    same_layout(served, plan_engine_stage(str(tiny_llama), Topology(2, rank=1), split,
+                                          "placed"), 1)

@@ -1,0 +1,37 @@
+"""A stand-in for ``sgl_kernel`` in SGLang's CPU engine, for the tests only.
+
+SGLang's CPU kernels are not on PyPI (the wheel there is the CUDA build), and a llama on CPU
+calls one of them: ``assign_req_to_token_pool_cpu``. It is written here in plain torch from
+the Triton kernel of the same name in SGLang (``mem_cache/allocation.py``). SGLang imports
+other names at module level; each is a function that raises when called, so a test never
+runs on something this module only pretends to provide.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: torch.Tensor,
+                                 start_offset: torch.Tensor, end_offset: torch.Tensor,
+                                 out_cache_loc: torch.Tensor, pool_len: int) -> None:
+    """Request ``i``'s token slots ``[start_i, end_i)`` take the next ``end_i - start_i``
+    entries of ``out_cache_loc`` (the requests' new slots, back to back)."""
+    out = 0
+    for i in range(int(req_pool_indices.shape[0])):
+        start, end = int(start_offset[i]), int(end_offset[i])
+        row = req_to_token[int(req_pool_indices[i])]
+        row[start:end] = out_cache_loc[out:out + end - start].to(row.dtype)
+        out += end - start
+
+
+def __getattr__(name: str) -> Any:
+    if name.startswith("__"):
+        raise AttributeError(name)
+
+    def missing(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"sgl_kernel.{name}: not provided by the test stand-in "
+                                  "(tests/sglang/stubs/sgl_kernel)")
+    missing.__name__ = name
+    return missing

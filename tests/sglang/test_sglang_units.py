@@ -1,0 +1,91 @@
+"""pploader.integrations.sglang without an engine: the plugin's format name, SGLang's own
+split, the written-parameter tracking. Marked ``sglang`` (needs sglang importable; see
+.ci/sglang-suite.sh)."""
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+from torch import nn
+
+_SPEC = importlib.util.find_spec("sglang")
+HAVE_SGLANG = _SPEC is not None and _SPEC.origin is not None
+
+pytestmark = [pytest.mark.sglang,
+              pytest.mark.skipif(not HAVE_SGLANG,
+                                 reason="sglang is not installed here: run .ci/sglang-suite.sh")]
+
+
+def test_plugin_makes_the_name_a_choice_and_resolves_it_to_the_class() -> None:
+    """After ``register`` and SGLang's ``apply_hooks`` (what ``load_plugins`` runs in every
+    process), ``pploader`` is an accepted ``--load-format`` and ``LoadConfig`` turns it into
+    the loader class, which ``get_model_loader`` instantiates; other names are untouched."""
+    from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES
+    from sglang.srt.configs.load_config import LoadConfig, LoadFormat
+    from sglang.srt.model_loader.loader import DefaultModelLoader, get_model_loader
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    from pploader.integrations.sglang import PPLoaderModelLoader, register
+    register()
+    HookRegistry.apply_hooks()
+    assert "pploader" in LOAD_FORMAT_CHOICES
+    config = LoadConfig(load_format="pploader",
+                        model_loader_extra_config={"io_backend": "threaded"})
+    assert config.load_format is PPLoaderModelLoader
+    loader = get_model_loader(config)
+    assert isinstance(loader, PPLoaderModelLoader) and isinstance(loader, DefaultModelLoader)
+    assert loader.io_backend == "threaded"
+    assert LoadConfig(load_format="auto").load_format == LoadFormat.AUTO
+    with pytest.raises(ValueError, match="unknown pploader model_loader_extra_config keys"):
+        get_model_loader(LoadConfig(load_format="pploader",
+                                    model_loader_extra_config={"tp_mod": "full"}))
+
+
+def test_engine_partition_is_sglangs_get_pp_indices_and_reads_the_env(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.distributed.utils import get_pp_indices
+
+    from pploader.integrations.sglang import engine_partition
+    from pploader.planning.partition import engine_layer_counts
+    monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
+    for layers in range(4, 40):
+        for pp in range(1, 5):
+            sizes = engine_partition(layers, pp)
+            starts = [sum(sizes[:r]) for r in range(pp)]
+            assert [(s, s + n) for s, n in zip(starts, sizes)] == \
+                [get_pp_indices(layers, r, pp) for r in range(pp)]
+            assert list(sizes) == engine_layer_counts("sglang", layers, pp)
+    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,4")
+    assert engine_partition(5, 2) == (1, 4)
+
+
+def test_written_parameters_are_tracked_then_the_loaders_restored() -> None:
+    """SGLang's models mostly return nothing from ``load_weights``: the loader wraps every
+    parameter's ``weight_loader`` (an attribute, a read-only property of SGLang's parameter
+    classes, or none: the default) and records what was written; afterwards each parameter
+    is exactly as before."""
+    from sglang.srt.layers.parameter import ModelWeightParameter
+
+    from pploader.integrations.sglang import _track_loaders
+
+    def own(param: nn.Parameter, loaded: torch.Tensor) -> None:
+        param.data.copy_(loaded)
+
+    model = nn.Module()
+    model.a = nn.Parameter(torch.zeros(2), requires_grad=False)
+    model.a.weight_loader = own  # type: ignore[attr-defined]
+    model.b = nn.Parameter(torch.zeros(2), requires_grad=False)      # no loader: default
+    model.c = ModelWeightParameter(data=torch.zeros(2, 2), input_dim=1, output_dim=0,
+                                   weight_loader=own)                # a property
+    written, undo = _track_loaders(model)
+    model.a.weight_loader(model.a, torch.ones(2))  # type: ignore[attr-defined]
+    model.c.weight_loader(model.c, torch.ones(2, 2))
+    assert written == {"a", "c"}
+    getattr(model.b, "weight_loader")(model.b, torch.ones(2))
+    assert written == {"a", "b", "c"}
+    assert all(bool((p == 1).all()) for p in model.parameters())
+    undo()
+    assert model.a.weight_loader is own  # type: ignore[attr-defined]
+    assert "weight_loader" not in model.b.__dict__
+    assert model.c.weight_loader is own
