@@ -206,6 +206,14 @@ class PinnedRing:
                 self.alloc_seconds += time.perf_counter() - start
                 self._done.notify_all()
 
+    def stop(self) -> None:
+        """Stop the background preparation for good and wait for the slot under way (at the
+        interpreter's exit: a daemon thread inside a CUDA call while CUDA is torn down aborts
+        the process with "terminate called")."""
+        self._stop.set()
+        if self._preparer is not None and self._preparer is not threading.current_thread():
+            self._preparer.join()
+
     def close(self) -> None:
         """Unregister the slots now (also done when the ring is garbage-collected)."""
         self._stop.set()

@@ -23,6 +23,7 @@ done loading).
 """
 from __future__ import annotations
 
+import atexit
 import logging
 import threading
 from typing import Optional
@@ -115,3 +116,13 @@ def release_staging() -> None:
         rings = [_RINGS.pop(k) for k in gone]
     for ring in rings:
         ring.close()
+
+
+@atexit.register
+def _stop_preparers() -> None:
+    """At exit, the process rings' background page-locking is stopped and waited for (the
+    memory itself is released with the process)."""
+    with _LOCK:
+        rings = list(_RINGS.values())
+    for ring in rings:
+        ring.stop()
