@@ -20,7 +20,7 @@ from typing import Optional, Sequence
 
 import torch
 
-from .planning.checkpoint import _allowed_roots, _read_index, _resolve
+from .planning.checkpoint import allowed_root_dirs, read_index, resolve_files
 from .errors import CheckpointError
 
 __all__ = ["PICKLE_SUFFIXES", "PICKLE_INDEX", "pickled_files", "load_pickled",
@@ -40,7 +40,7 @@ def pickled_files(model_dir: os.PathLike | str) -> tuple[dict[str, str], list[st
     root = Path(model_dir)
     index = root / PICKLE_INDEX
     if os.path.lexists(index):
-        wmap = _read_index(index, PICKLE_INDEX)
+        wmap = read_index(index, PICKLE_INDEX)
         return wmap, list(dict.fromkeys(wmap.values()))
     if not root.is_dir():
         raise CheckpointError("model directory does not exist", file=str(root))
@@ -103,7 +103,7 @@ def load_pickled(model_dir: os.PathLike | str, *, allow_pickle: bool = False,
     if not allow_pickle:
         raise _refuse(files, root)
     source = PICKLE_INDEX if wmap else str(root)
-    paths = _resolve(root, files, _allowed_roots(root, allowed_roots), source)
+    paths = resolve_files(root, files, allowed_root_dirs(root, allowed_roots), source)
     out: dict[str, torch.Tensor] = {}
     owner: dict[str, str] = {}
     for file in files:

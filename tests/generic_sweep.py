@@ -122,8 +122,8 @@ def stage_needs(model: torch.nn.Module, layer: int, raw: bool = False) -> set[st
     transformers' own conversion mapping spells them on disk (``raw``: as the module tree
     names them, ``save_pretrained(save_original_format=False)``)."""
     from transformers.core_model_loading import revert_weight_conversion
-    from pploader.families.hf_meta import _layers_path
-    path = _layers_path(model, len(_decoder_layers(model)))
+    from pploader.families.hf_meta import find_layers_path
+    path = find_layers_path(model, len(_decoder_layers(model)))
     state = {k: v for k, v in model.state_dict().items() if k.startswith(f"{path}.{layer}.")}
     return set(state) if raw else set(revert_weight_conversion(model, state))
 

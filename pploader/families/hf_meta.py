@@ -124,7 +124,7 @@ def derive(config: Mapping[str, Any]) -> MetaModel:
     return _derive_cached(json.dumps(config, sort_keys=True, default=str))
 
 
-def _layers_path(model: Any, num_hidden: Optional[int]) -> str:
+def find_layers_path(model: Any, num_hidden: Optional[int]) -> str:
     """Path of the decoder-layer ModuleList: a ModuleList beside the input embedding."""
     from torch import nn
     try:
@@ -228,7 +228,7 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     model = build_meta_model(config)
     pin_conversions(model)  # looked up once, not on each revert below
     text = model.config.get_text_config()
-    layers_path = _layers_path(model, getattr(text, "num_hidden_layers", None))
+    layers_path = find_layers_path(model, getattr(text, "num_hidden_layers", None))
     layers = model.get_submodule(layers_path)
     num_layers = len(layers)
     full_state = model.state_dict()  # tied copies too: where each one sits, what layers run

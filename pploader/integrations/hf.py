@@ -67,7 +67,7 @@ from torch import nn
 
 from ..planning.checkpoint import open_checkpoint
 from ..errors import ConfigError, PlanError, PPLoaderError, TopologyError
-from ..families.hf_meta import _layers_path, forward_order
+from ..families.hf_meta import find_layers_path, forward_order
 from ..planning.partition import StageWindow
 from ..planning.plan import Partition, RankPlan, plan_rank
 from ..planning.stage import stage_window
@@ -116,7 +116,7 @@ def _anatomy(model: nn.Module, num_layers: int) -> _Anatomy:
     embed = model.get_input_embeddings()  # type: ignore[operator]
     aliases = tuple(n for n, m in model.named_modules(remove_duplicate=False) if m is embed)
     try:
-        layers = _layers_path(model, num_layers)
+        layers = find_layers_path(model, num_layers)
     except ConfigError as exc:
         raise ConfigError(f"{type(model).__name__}: cannot find the list of {num_layers} decoder "
                           f"layers ({exc})") from None

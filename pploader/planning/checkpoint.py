@@ -72,7 +72,7 @@ def check_model_dir(model_dir: os.PathLike | str) -> Path:
 
 def inside_roots(root: Path, path: Path, extra: Sequence[os.PathLike | str], name: str) -> Path:
     """``path`` resolved; a CheckpointError when it resolves outside the allowed roots."""
-    roots = _allowed_roots(root, extra)
+    roots = allowed_root_dirs(root, extra)
     real = path.resolve()
     if not any(real == r or r in real.parents for r in roots):
         raise CheckpointError(f"resolves to {real}, outside the allowed roots "
@@ -81,7 +81,7 @@ def inside_roots(root: Path, path: Path, extra: Sequence[os.PathLike | str], nam
     return real
 
 
-def _allowed_roots(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
+def allowed_root_dirs(root: Path, extra: Sequence[os.PathLike | str]) -> list[Path]:
     """The model directory, its HF-cache repo folder when it is a snapshot, and ``extra``
     (a sequence of existing directories: a single string is refused, never taken for its
     characters, each of which would admit every path under ``/``)."""
@@ -261,14 +261,14 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
         from .remote import open_remote_checkpoint  # object stores only: their modules too
         return open_remote_checkpoint(str(model_dir))
     root = check_model_dir(model_dir)
-    roots = _allowed_roots(root, allowed_roots)
+    roots = allowed_root_dirs(root, allowed_roots)
     index_path = root / INDEX_NAME
     if os.path.lexists(index_path):
-        weight_map = _read_index(_resolve(root, [INDEX_NAME], roots, str(root))[INDEX_NAME])
+        weight_map = read_index(resolve_files(root, [INDEX_NAME], roots, str(root))[INDEX_NAME])
         counts = Counter(weight_map.values())  # the shards in first-use order, and the
         files = list(counts)                   # header cross-check's names per shard
         present = [f for f in files if (root / f).is_file()]
-        paths = _resolve(root, present, roots, INDEX_NAME)
+        paths = resolve_files(root, present, roots, INDEX_NAME)
         return CheckpointIndex(root, weight_map, paths, INDEX_NAME, _counts=counts,
                                missing=tuple(f for f in files if f not in paths))
     shards = sorted(p.name for p in root.glob("*.safetensors"))
@@ -280,7 +280,7 @@ def open_checkpoint(model_dir: os.PathLike | str, *,
                 "docs/reliability.md)") if pickled else ""
         hint = hint or ": --model must be the directory holding the checkpoint's shards"
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors files{hint}", file=str(root))
-    paths = _resolve(root, shards, roots, str(root))
+    paths = resolve_files(root, shards, roots, str(root))
     headers = {file: parse_header(paths[file], file=file) for file in shards}
     return index_from_headers(root, paths, headers)
 
@@ -307,7 +307,7 @@ def index_from_headers(root: "Path | str", paths: Mapping[str, "Path | str"],
                            storage=storage)
 
 
-def _read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
+def read_index(index_path: Path, name: str = INDEX_NAME) -> dict[str, str]:
     """The validated weight_map of an index file (no shard is opened here)."""
     if index_path.stat().st_size > MAX_HEADER_BYTES:
         raise CheckpointError(f"larger than {MAX_HEADER_BYTES} bytes: not an index file",
@@ -361,7 +361,7 @@ def _refuse_not_regular(root: Path, files: Sequence[str], source: str) -> None:
                               f"{source} names", file=f)
 
 
-def _resolve(root: Path, files: Sequence[str], roots: Sequence[Path],
+def resolve_files(root: Path, files: Sequence[str], roots: Sequence[Path],
              source: str) -> dict[str, Path]:
     """Resolve shard paths (symlinks allowed inside the roots); list every missing one."""
     missing = [f for f in files if not (root / f).is_file()]

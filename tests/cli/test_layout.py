@@ -210,3 +210,35 @@ def test_no_import_cycle_between_folders() -> None:
     for unit in sorted(graph):
         if unit not in seen:
             visit(unit, [unit])
+
+
+def _folder(module: str) -> str:
+    """``pploader.planning`` for ``pploader.planning.plan``; ``pploader`` for top-level
+    modules (``pploader.cli``) and for the package itself."""
+    parts = module.split(".")
+    return ".".join(parts[:2]) if len(parts) > 2 else parts[0]
+
+
+def test_no_private_name_imported_across_folders() -> None:
+    """A module never imports another folder's ``_private`` names (they are not that folder's
+    interface); inside one folder, modules may share them."""
+    bad = []
+    for path in sorted(PKG.rglob("*.py")):
+        module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+        package = module.removesuffix(".__init__") if path.name == "__init__.py" \
+            else module.rsplit(".", 1)[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if not target.startswith("pploader"):
+                continue
+            private = [a.name for a in node.names
+                       if a.name.startswith("_") and not a.name.startswith("__")]
+            if private and _folder(module) != _folder(target):
+                bad.append(f"{module} imports {', '.join(private)} from {target}")
+    assert not bad, bad
