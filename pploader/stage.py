@@ -69,6 +69,12 @@ def iter_stage_weights(model: "StagePlan | os.PathLike | str",
     """
     from .arguments import check_type
     check_type("topology", topology, Topology, "a Topology")
+    if ring is not None:
+        from .io.pinned_ring import PinnedRing
+        check_type("ring", ring, PinnedRing, "a PinnedRing (pploader.start_staging)")
+    if comm is not None:
+        from .distributed.comm import Comm
+        check_type("comm", comm, Comm, "a pploader.Comm")
     if isinstance(model, StagePlan):
         if topology is not None and topology != model.plan.topology:
             raise ArgumentError(f"iter_stage_weights: topology {topology.describe()} differs "

@@ -165,6 +165,11 @@ def reload_from_disk(model: nn.Module, checkpoint_dir: os.PathLike | str, *,
     TopologyError itself); raises NotReadyError, and leaves the model marked not ready, when
     writing fails midway on any rank.
     """
+    from ..arguments import check_paths, check_type
+    from ..distributed.comm import Comm
+    check_type("comm", comm, Comm, "a pploader.Comm")
+    check_type("model", model, nn.Module, "a torch.nn.Module", optional=False)
+    allowed_roots = check_paths("allowed_roots", allowed_roots)
     rank = comm.rank if comm is not None else (
         record.topology.rank if isinstance(record, LoadRecord) else None)
     base: list[LoadRecord] = []

@@ -126,7 +126,7 @@ def _misuses(model: Path) -> list[tuple[str, Any, str]]:
     import torch
 
     from pploader import (check_engine_window, get_pp_indices, load_stage_into,
-                          measure_exchange_cost, pipeline_window, plan_job)
+                          measure_exchange_cost, pipeline_window, plan_job, reload_from_disk)
     staged = plan_stage(model, _one())
     window = staged.plan.window
     return [
@@ -146,6 +146,13 @@ def _misuses(model: Path) -> list[tuple[str, Any, str]]:
         ("load_stage on_progress", lambda: load_stage(staged, on_progress=""), "on_progress"),  # type: ignore
         ("iter topology", lambda: list(iter_stage_weights(staged, topology="")), "topology"),  # type: ignore
         ("iter mode", lambda: list(iter_stage_weights(staged, mode=None)), "mode"),  # type: ignore
+        ("iter ring", lambda: list(iter_stage_weights(staged, ring=object())), "ring"),  # type: ignore
+        ("iter comm", lambda: list(iter_stage_weights(staged, comm="c")), "comm"),  # type: ignore
+        ("reload comm", lambda: reload_from_disk(torch.nn.Linear(1, 1), model, comm="c"),  # type: ignore
+         "comm"),
+        ("reload model", lambda: reload_from_disk(None, model), "model"),  # type: ignore
+        ("reload roots", lambda: reload_from_disk(torch.nn.Linear(1, 1), model,
+                                                  allowed_roots="/x"), "allowed_roots"),
         ("reader names", lambda: PPLoaderStorageReader(model, names=""), "names"),  # type: ignore
         ("reader staging_device", lambda: PPLoaderStorageReader(model, staging_device=""),
          "staging_device"),
