@@ -13,7 +13,7 @@ them anyway), ``plan:``: the same with the model's family derived before the clo
 planning another rank), every rank (``plan_all``), and ``python -m pploader plan --help``
 (wall, imports included). Runs alternate between the trees; the best of ``--repeat`` counts.
 ``--model`` takes several layouts (comma separated), one table block each. Numbers:
-docs/benchmarks.md, "Planning at real scale" and "Generic-family planning at real scale"."""
+docs/benchmarks.md, "Planning"."""
 import argparse
 import json
 import os

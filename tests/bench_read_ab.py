@@ -6,7 +6,8 @@ Each tree holds a ``pploader/`` package (``git archive REV pploader | tar -x -C 
 with the flat layout before issue 14 and the phase folders after it. MODEL_DIR: e.g. the
 benchmark's ``/tmp/ppbench/llama-4.3GB-32L-5s`` (``pploader bench --keep``). The files are
 read once first (warm page cache); runs alternate between the trees; prints per tree and rank
-the sorted seconds. Numbers: docs/benchmarks.md, "After the restructure (issue 14)"."""
+the sorted seconds. Numbers: the A/B of the 2026-11-26 restructure, in the history of
+docs/benchmarks.md."""
 import argparse
 import json
 import statistics
