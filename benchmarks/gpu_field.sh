@@ -27,8 +27,8 @@ fi
   "$PY" -c "import instanttensor, fastsafetensors; print('competitors importable')" 2>&1 | tail -1
 } | tee "$DIR/machine.txt"
 bench() { local name="$1"; shift
-  echo "== $name: $PY -m pploader.bench.cuda --ckdir $CKDIR $*" | tee -a "$DIR/commands.txt"
-  "$PY" -m pploader.bench.cuda --ckdir "$CKDIR" --out "${DIR}_$name" "$@" 2>&1 | tee "$DIR/$name.log"
+  echo "== $name: $PY -m benchmarks.gpu_field --ckdir $CKDIR $*" | tee -a "$DIR/commands.txt"
+  "$PY" -m benchmarks.gpu_field --ckdir "$CKDIR" --out "${DIR}_$name" "$@" 2>&1 | tee "$DIR/$name.log"
 }
 case "$PART" in
   1)
