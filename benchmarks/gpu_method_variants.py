@@ -20,7 +20,7 @@ __all__ = ["VARIANTS", "VARIANT_ENV", "HostAllocRing"]
 
 
 class HostAllocRing:
-    """The ring before issue 17 (for comparison only): each thread's slots in one
+    """The ring before the registered pinned ring (for comparison only): each thread's slots in one
     ``cudaHostAlloc`` (torch ``pin_memory=True``) on the thread's first use."""
 
     def __init__(self, threads: int = 16, slot_bytes: int = 16 * MIB, per_thread: int = 2):
@@ -88,7 +88,7 @@ def _reused_with_slots(mib: int) -> Callable[[Ctx], dict]:
 
 
 def m_pploader_hostalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    """The first load with the pre-issue-17 ring (cudaHostAlloc per thread, timed)."""
+    """The first load with the old ring (cudaHostAlloc per thread, timed)."""
     return load_with_pploader(ctx, HostAllocRing())
 
 

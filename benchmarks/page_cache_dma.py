@@ -1,4 +1,4 @@
-"""Would DMA straight from the page cache beat the pinned ring? (issue 17, item 4)
+"""Would DMA straight from the page cache beat the pinned ring?
 
 The pinned ring moves each warm byte over host memory three times: the kernel's copy reads the
 page cache and writes a slot, then the GPU's DMA reads the slot. With four stages loading at once

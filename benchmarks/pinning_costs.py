@@ -1,4 +1,4 @@
-"""Where a process's first pinned staging ring spends its time (issue 17, item 2).
+"""Where a process's first pinned staging ring spends its time.
 
 Each case runs in a fresh process after CUDA's context is made (as a server's first load would
 be), so "first call" costs are seen. Cases:

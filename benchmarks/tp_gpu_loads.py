@@ -1,4 +1,4 @@
-"""TP stage loads on GPUs (issue 16): direct strided reads vs read-and-redistribute (row shares
+"""TP stage loads on GPUs: direct strided reads vs read-and-redistribute (row shares
 + NCCL all-to-all on the device) vs ``--exchange-cost auto``, warm and cold, every TP rank on
 its own GPU, all ranks at once (docs/benchmarks-gpu.md).
 

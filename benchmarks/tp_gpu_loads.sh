@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 on GPUs: TP stage loads with every TP rank on its own GPU, all ranks at once:
+# TP stage loads on GPUs with every TP rank on its own GPU, all ranks at once:
 # direct strided reads vs read-and-redistribute (row shares + NCCL all-to-all, pipelined with
 # the reads) vs --exchange-cost auto, warm and cold (python -m benchmarks.tp_gpu_loads), on the
 # GPU benchmark's Llama-3-8B-shaped checkpoint (16.06 GB). Results: $OUT/tp<N>.json.
