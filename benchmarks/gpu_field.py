@@ -73,7 +73,7 @@ def run_together(args: argparse.Namespace, field: MethodField) -> list[dict]:
 
 def _parser() -> argparse.ArgumentParser:
     ap = build_parser(prog="python -m benchmarks.gpu_field")
-    ap.description = (__doc__ or "").split("\n")[0]
+    ap.description = " ".join((__doc__ or "").split("\n\n")[0].split())
     ap.set_defaults(out=os.environ.get("OUT") or "out/gpu-bench")
     ap.add_argument("--disk", action="store_true", help="only the O_DIRECT pattern sweep")
     ap.add_argument("--disk-first", action="store_true", help="the sweep, then the methods")

@@ -353,7 +353,8 @@ def plot(bench_json: str, png: str, title: str = "") -> None:
 
 def build_parser(prog: str = "pploader bench --device cuda --") -> argparse.ArgumentParser:
     """The options of the standard run (a harness adds its own to this parser)."""
-    ap = argparse.ArgumentParser(prog=prog, description=(__doc__ or "").split("\n")[0])
+    ap = argparse.ArgumentParser(prog=prog, description=" ".join(
+        (__doc__ or "").split("\n\n")[0].split()))
     ap.add_argument("--ckdir", default="/tmp/ck")
     ap.add_argument("--out", default="out/gpu-bench")
     ap.add_argument("--device", default="cuda:0")
