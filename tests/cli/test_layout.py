@@ -300,3 +300,14 @@ def test_no_import_cycle_between_the_benchmark_modules(tmp_path: Path) -> None:
     (copy / "b.py").write_text("def f():\n    from .a import y\n")
     assert _module_cycle(copy, tmp_path) == ["pploader.bench.a", "pploader.bench.b",
                                              "pploader.bench.a"]
+
+
+#: what users launch; development scripts live in .ci/ (the GPU test runner) or benchmarks/
+LAUNCH_SCRIPTS = {"demo.sh", "test.sh", "_venv.sh", "torchrun.sh", "mpirun.sh", "slurm.sbatch",
+                  "slurm-per-rank.sbatch", "slurm-stage-files.sbatch"}
+
+
+def test_launch_holds_what_users_launch() -> None:
+    launch = PKG.parent / "launch"
+    assert {p.name for p in launch.iterdir() if p.is_file()} == LAUNCH_SCRIPTS
+    assert (PKG.parent / ".ci" / "gpu_check.sh").exists()
