@@ -19,14 +19,25 @@ step "torch (CPU wheel) first"
 step "build the wheel"
 "$PY" -m pip wheel -q --no-deps --no-build-isolation -w "$WORK/dist" "$ROOT"
 WHEEL="$(ls "$WORK"/dist/pploader-*.whl)"
-"$PY" - "$WHEEL" <<'PY'
+"$PY" - "$WHEEL" "$ROOT" <<'PY'
 import sys, zipfile
+from pathlib import Path
 names = zipfile.ZipFile(sys.argv[1]).namelist()
 need = ["pploader/py.typed", "pploader/tiny_configs/tiny-llama.json"]
 missing = [n for n in need if n not in names]
 assert not missing, f"wheel lacks {missing}"
 assert any(n.endswith("LICENSE") for n in names), "wheel lacks LICENSE"
-print(f"wheel has {len(names)} files incl. {', '.join(need)} and LICENSE")
+# no experiment harness: nothing of benchmarks/, no module named like one anywhere, and
+# pploader/bench/ exactly as in the tree (what `pploader bench` runs)
+root = Path(sys.argv[2])
+harnesses = {p.name for p in (root / "benchmarks").glob("*.py") if p.name != "__init__.py"}
+shipped = [n for n in names if n.startswith("benchmarks/") or n.rsplit("/", 1)[-1] in harnesses]
+assert not shipped, f"wheel holds experiment harnesses: {shipped}"
+bench = sorted(n for n in names if n.startswith("pploader/bench/") and n.endswith(".py"))
+tree = sorted(p.relative_to(root).as_posix() for p in (root / "pploader/bench").glob("*.py"))
+assert bench == tree, f"wheel's pploader/bench/ {bench} != the tree's {tree}"
+print(f"wheel has {len(names)} files incl. {', '.join(need)} and LICENSE; "
+      f"no harness of benchmarks/ ({len(harnesses)} checked)")
 PY
 step "install $(basename "$WHEEL")"
 "$PY" -m pip install -q "$WHEEL"

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from ..arg_types import text as _text, typed as _typed
 from ..errors import UsageError
 from .checks import (_gigabytes, _scale, _tensors, check_bench_outputs, check_bench_plan,
                      read_rendered)
+from .machine import machine_info
 from .methods import (METHODS, ChildSpec, evict, make_resident, methods_for, resident_bytes,
                       spec_json)
 
@@ -232,39 +232,6 @@ def _plan_timing(directory: Path, tensors: int, pp: int, timeout: float, log: _L
     log(f"plan --pp {pp} on {count} tensors: {best['seconds']:.3f}s "
         f"(index {best['index_s']:.3f}s + plan_all {best['plan_all_s']:.3f}s)")
     return best
-
-
-def machine_info(directory: Path) -> dict:
-    """Where the numbers come from: CPU, memory, disk, file system, versions."""
-    import safetensors
-    import torch
-    info: dict = {"date_utc": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                  "host": platform.node(), "kernel": platform.release(),
-                  "cpus": os.cpu_count(), "python": platform.python_version(),
-                  "torch": torch.__version__, "safetensors": safetensors.__version__}
-    try:
-        with open("/proc/cpuinfo") as fh:
-            info["cpu"] = next((ln.split(":", 1)[1].strip() for ln in fh
-                                if ln.startswith("model name")), "?")
-        with open("/proc/meminfo") as fh:
-            info["mem_total_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
-        st = os.stat(directory)
-        dev = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
-        info["block_device"] = dev
-        ra = Path(f"/sys/dev/block/{dev}/queue/read_ahead_kb")
-        if not ra.exists():
-            ra = Path(f"/sys/dev/block/{dev}/../queue/read_ahead_kb")
-        if ra.exists():
-            info["read_ahead_kb"] = int(ra.read_text())
-        best = ""
-        with open("/proc/mounts") as fh:
-            for line in fh:
-                src, mnt, fstype = line.split()[:3]
-                if str(directory.resolve()).startswith(mnt) and len(mnt) >= len(best):
-                    best, info["filesystem"] = mnt, f"{fstype} on {src} ({mnt})"
-    except (OSError, StopIteration, ValueError):
-        pass
-    return info
 
 
 def run_bench(args: argparse.Namespace) -> int:

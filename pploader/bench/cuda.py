@@ -1,21 +1,22 @@
-"""GPU benchmark: one PP=2 stage of a llama checkpoint onto one GPU, pploader next to the raw
-ceiling and other loaders, warm (page cache) and cold (evicted), in one run (issues 9, 17).
+"""``pploader bench --device cuda``: one PP=2 stage of a llama checkpoint onto one GPU,
+pploader next to the raw ceiling and other loaders, warm (page cache) and cold (evicted), in
+one run.
 
-Runs from a clone alone: the methods are in ``bench/gpu_methods.py`` (raw 16-thread preadv ->
-pinned ring -> H2D ceiling, safetensors read-all-then-filter, pploader's first load / reused
-ring / public API; fastsafetensors and instanttensor when importable). Each method runs in a
-fresh process whose CUDA context exists before the clock starts; everything else the method
-does (headers, planning, staging buffers, destination allocation) is timed. Outputs are
-checked against the file bytes. Cold = ``posix_fadvise(DONTNEED)`` (+ drop_caches when that
-is not enough), residency verified by ``mincore``.
+The methods are in ``bench/gpu_methods.py`` (raw 16-thread preadv -> pinned ring -> H2D
+ceiling, safetensors read-all-then-filter, pploader's first load / reused ring / public API;
+fastsafetensors and instanttensor when importable). Each method runs in a fresh process whose
+CUDA context exists before the clock starts; everything else the method does (headers,
+planning, staging buffers, destination allocation) is timed. Outputs are checked against the
+file bytes. Cold = ``posix_fadvise(DONTNEED)`` (+ drop_caches when that is not enough),
+residency verified by ``mincore``.
 
     python -m pploader.bench.cuda --ckdir /tmp/ck --out OUT [--budget S] [--methods a,b]
-    python -m pploader.bench.cuda --disk --ckdir /tmp/ck      # O_DIRECT request patterns
-    python -m pploader.bench.cuda --pp2 --ckdir /tmp/ck       # stages alone vs together
-    python -m pploader.bench.cuda --pp2-profile --ckdir /tmp/ck
+
 ``pploader bench --device cuda -- ARGS`` calls this. ``--scale tiny`` makes a small checkpoint
 (for a quick check), ``--scale 70b`` a Llama-3-70B-shaped one (``--pp 4 --stage K``: one of
-its ~35 GB stages). GB = 10^9 bytes.
+its ~35 GB stages). GB = 10^9 bytes. The experiment harnesses built on it (method variants,
+engine-shaped methods, PP=N on N GPUs, disk patterns) live in the repository's
+``benchmarks/gpu_field.py``, outside the package: they pass their own :class:`MethodField`.
 """
 from __future__ import annotations
 
@@ -28,12 +29,13 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
-from .pp2 import _pp2, _pp2_profile, _pp_reload, _profile_child, _stage_child
-
-__all__ = ["main", "write_checkpoint", "stage_ctx", "disk_patterns"]
+__all__ = ["main", "build_parser", "run", "MethodField", "standard_field", "write_checkpoint",
+           "stage_ctx", "checkpoint_files", "warm", "evict", "run_child", "available", "table",
+           "run_all", "plot", "child"]
 
 GB = 1e9
 MIB = 1 << 20
@@ -106,12 +108,12 @@ def stage_ctx(ckdir: str, device: str, pp: int = 2, stage: int = 0) -> Any:
     """The PP=2 stage 0 that every method loads (names from pploader's plan, offsets from
     the files' own headers); ``pp`` / ``stage`` pick another (the PP=N ceilings)."""
     from .. import Topology, plan_stage
-    from .gpu_methods import Ctx, _header
+    from .gpu_methods import Ctx, read_header
     names = {i.name for i in plan_stage(ckdir, Topology(pp, rank=stage)).plan.items}
     all_files = sorted(p.name for p in Path(ckdir).glob("*.safetensors"))
     tensors = {}
     for f in all_files:
-        base, head = _header(os.path.join(ckdir, f))
+        base, head = read_header(os.path.join(ckdir, f))
         for k, v in head.items():
             if k in names:
                 s, e = v["data_offsets"]
@@ -130,26 +132,37 @@ def _rss_peak() -> Optional[int]:
     return None
 
 
-def _all_methods() -> tuple[dict, dict, dict]:
-    """(methods, their environments, optional ones -> module): the standard GPU methods and
-    the engine-shaped ones (bench/engine_methods.py)."""
-    from .engine_methods import ENGINE_ENV, ENGINE_METHODS, ENGINE_OPTIONAL
+@dataclass(frozen=True)
+class MethodField:
+    """The methods a run may measure: name -> (fn, prep or None), the environment each needs,
+    optional ones (name prefix -> module that must be importable), and the module whose
+    ``--child METHOD`` runs one of them in a fresh process."""
+
+    methods: Mapping[str, tuple[Callable[..., Any], Optional[Callable[..., Any]]]]
+    env: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    optional: Mapping[str, str] = field(default_factory=dict)
+    module: str = "pploader.bench.cuda"
+
+
+def standard_field() -> MethodField:
+    """What ``pploader bench --device cuda`` measures (bench/gpu_methods.py)."""
     from .gpu_methods import METHOD_ENV, METHODS, OPTIONAL
-    return ({**METHODS, **ENGINE_METHODS}, {**METHOD_ENV, **ENGINE_ENV},
-            {**ENGINE_OPTIONAL, **OPTIONAL})
+    return MethodField(METHODS, METHOD_ENV, OPTIONAL)
 
 
-def _child(method: str, ckdir: str, device: str, pp: int = 2, stage: int = 0) -> None:
+def child(method: str, ckdir: str, device: str, pp: int = 2, stage: int = 0,
+          methods: Optional[MethodField] = None) -> None:
+    """Measure ``method`` once in this process; prints ``RESULT {json}``."""
     import torch
     from .gpu_methods import verify
-    METHODS = _all_methods()[0]
+    table_ = (methods or standard_field()).methods
     row: dict[str, Any] = {"method": method}
     try:
         torch.cuda.set_device(device)  # pinned allocations' context on this GPU, not cuda:0
         torch.empty(1, device=device)
         torch.cuda.synchronize(device)
         ctx = stage_ctx(ckdir, device, pp, stage)
-        fn, prep_fn = METHODS[method]
+        fn, prep_fn = table_[method]
         prep = prep_fn(ctx) if prep_fn else {}
         row["rss_before"] = _rss_peak()
         torch.cuda.reset_peak_memory_stats(device)
@@ -168,7 +181,7 @@ def _child(method: str, ckdir: str, device: str, pp: int = 2, stage: int = 0) ->
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def _files(ckdir: str) -> list[str]:
+def checkpoint_files(ckdir: str) -> list[str]:
     return sorted(str(p) for p in Path(ckdir).glob("*.safetensors"))
 
 
@@ -210,65 +223,6 @@ def evict(paths: list[str]) -> float:
     return frac
 
 
-def disk_patterns(paths: list[str], per_config_bytes: int = 1 << 30,
-                  request_mib: tuple[int, ...] = (4, 16, 64),
-                  threads: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
-    """O_DIRECT read rate per (request size, threads): each thread reads its own contiguous
-    region sequentially (one stream each). Every configuration reads different bytes of the
-    checkpoint (no cache on the way, the host's included)."""
-    import mmap
-    sizes = [os.path.getsize(p) for p in paths]
-    space = sum(sizes)
-
-    def locate(pos: int) -> tuple[str, int, int]:
-        for p, n in zip(paths, sizes):
-            if pos < n:
-                return p, pos, n - pos
-            pos -= n
-        raise ValueError(pos)
-
-    per_config_bytes = min(per_config_bytes, space // (len(request_mib) * len(threads)))
-    rows, base = [], 0
-    for req in request_mib:
-        for nthreads in threads:
-            region = max(4096, per_config_bytes // nthreads // 4096 * 4096)
-            if base + region * nthreads > space:
-                base = 0
-            done = [0] * nthreads
-
-            def worker(i: int, start: int) -> None:
-                buf = mmap.mmap(-1, req * MIB)
-                path, off, left = locate(start)
-                left += off % 4096          # file sizes are not page multiples
-                off -= off % 4096
-                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
-                try:
-                    end = off + min(region, left // 4096 * 4096)
-                    while off < end:
-                        n = os.preadv(fd, [memoryview(buf)[:min(req * MIB, end - off)]], off)
-                        if n <= 0:
-                            break
-                        off += n
-                        done[i] += n
-                finally:
-                    os.close(fd)
-                    buf.close()
-            ts = [threading.Thread(target=worker, args=(i, (base + i * region) // 4096 * 4096))
-                  for i in range(nthreads)]
-            t0 = time.perf_counter()
-            for t in ts:
-                t.start()
-            for t in ts:
-                t.join()
-            sec = time.perf_counter() - t0
-            base += region * nthreads
-            rows.append({"request_mib": req, "threads": nthreads, "bytes": sum(done),
-                         "seconds": sec, "gbps": sum(done) / sec / GB})
-            print(f"[disk] O_DIRECT {req:3d} MiB x {nthreads:2d} threads: "
-                  f"{rows[-1]['gbps']:.2f} GB/s", flush=True)
-    return rows
-
-
 def _cudart_shim() -> dict[str, str]:
     """fastsafetensors dlopens a plain ``libcudart.so``: point LD_LIBRARY_PATH at a folder
     holding that name for the CUDA runtime that came with torch (none: leave it)."""
@@ -286,11 +240,14 @@ def _cudart_shim() -> dict[str, str]:
     return {"LD_LIBRARY_PATH": shim + os.pathsep + os.environ.get("LD_LIBRARY_PATH", "")}
 
 
-def _run_child(method: str, args: argparse.Namespace, timeout: float) -> dict:
-    env = dict(os.environ, **_all_methods()[1].get(method, {}))
+def run_child(method: str, args: argparse.Namespace, timeout: float,
+              methods: Optional[MethodField] = None) -> dict:
+    """One measurement of ``method`` in a fresh process (``methods.module --child``)."""
+    found = methods or standard_field()
+    env = dict(os.environ, **found.env.get(method, {}))
     if "fastsafetensors" in method:
         env.update(_cudart_shim())
-    cmd = [sys.executable, "-m", "pploader.bench.cuda", "--child", method, "--ckdir", args.ckdir,
+    cmd = [sys.executable, "-m", found.module, "--child", method, "--ckdir", args.ckdir,
            "--device", args.device, "--pp", str(args.pp), "--stage", str(args.stage)]
     try:
         p = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -301,8 +258,10 @@ def _run_child(method: str, args: argparse.Namespace, timeout: float) -> dict:
     return json.loads(lines[-1][7:]) if lines else {"method": method, "error": err[-400:]}
 
 
-def _available(method: str) -> bool:
-    mod = next((m for k, m in _all_methods()[2].items() if method.startswith(k)), None)
+def available(method: str, methods: Optional[MethodField] = None) -> bool:
+    """False for an optional method whose wheel is not importable (its row is skipped)."""
+    optional = (methods or standard_field()).optional
+    mod = next((m for k, m in optional.items() if method.startswith(k)), None)
     return mod is None or importlib.util.find_spec(mod) is not None
 
 
@@ -324,9 +283,12 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def run_all(args: argparse.Namespace) -> list[dict]:
-    """Every method, warm then cold, each in a fresh process; rows to OUT/gpu_bench.json."""
-    METHODS = _all_methods()[0]
+def run_all(args: argparse.Namespace, methods: Optional[MethodField] = None,
+            first: Optional[Callable[[list[str]], list[dict]]] = None) -> list[dict]:
+    """Every method, warm then cold, each in a fresh process; rows to OUT/gpu_bench.json.
+    ``first``: rows measured on the checkpoint's files before the methods (a harness's)."""
+    found = methods or standard_field()
+    METHODS = found.methods
     want = args.methods.split(",") if args.methods else None  # in order, repeats kept
     unknown = sorted(set(want or ()) - set(METHODS))
     if unknown:  # before writing a 16 GB checkpoint
@@ -336,22 +298,22 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     write_checkpoint(args.ckdir, args.scale)
     gen_s = time.time() - t_start
-    paths = _files(args.ckdir)
+    paths = checkpoint_files(args.ckdir)
     plan = [(m, c) for c, order in (("warm", WARM), ("cold", COLD))
             if c in args.caches.split(",") for m in (want if want is not None else order)
-            if _available(m)]
+            if available(m, found)]
     env = {"torch": __import__("torch").__version__, "gen_s": round(gen_s, 1),
            "cpus": os.cpu_count(), "argv": sys.argv}
     rows: list[dict] = []
-    if args.disk_first:
-        rows += [dict(r, method="disk_odirect", cache="cold") for r in disk_patterns(paths)]
+    if first is not None:
+        rows += first(paths)
     for method, cache in plan:
         left = args.budget - (time.time() - t_start)
         if left < 20:
             rows.append({"method": method, "cache": cache, "error": "skipped: budget"})
             continue
         resident = warm(paths) if cache == "warm" else evict(paths)
-        row = dict(_run_child(method, args, min(150.0, left - 5)), cache=cache,
+        row = dict(run_child(method, args, min(150.0, left - 5), found), cache=cache,
                    resident_before=round(resident, 3))
         rows.append(row)
         print(f"[gpu-bench] {time.time() - t_start:6.1f}s {method:22s} {cache} "
@@ -361,35 +323,6 @@ def run_all(args: argparse.Namespace) -> list[dict]:
     text = table([r for r in rows if r["method"] != "disk_odirect"])
     (out / "gpu_bench.txt").write_text(text + "\n")
     print(text, flush=True)
-    return rows
-
-
-def run_together(args: argparse.Namespace) -> list[dict]:
-    """``--together M1,M2``: each method on every stage of PP=``--pp`` at once, stage k on
-    cuda:k (one process each, started together), warm and cold; rows to
-    OUT/gpu_together.json with each stage's GB/s and the job's (all stages' bytes over the
-    slowest stage's seconds)."""
-    from concurrent.futures import ThreadPoolExecutor
-    write_checkpoint(args.ckdir, args.scale)
-    paths, rows = _files(args.ckdir), []
-    for cache in args.caches.split(","):
-        for method in args.together.split(","):
-            if not _available(method):
-                continue
-            resident = warm(paths) if cache == "warm" else evict(paths)
-            stages = [argparse.Namespace(**{**vars(args), "stage": k, "device": f"cuda:{k}"})
-                      for k in range(args.pp)]
-            with ThreadPoolExecutor(args.pp) as pool:
-                got = list(pool.map(lambda a: _run_child(method, a, 150.0), stages))
-            secs = [g.get("seconds") or 0.0 for g in got]
-            row = {"method": method, "cache": cache, "resident_before": round(resident, 3),
-                   "stages": got, "job_gbps": sum(g.get("ideal_bytes", 0) for g in got)
-                   / max(secs) / GB if all(secs) else 0.0}
-            rows.append(row)
-            print(f"[gpu-together] {method:24s} {cache} job {row['job_gbps']:.2f} GB/s; "
-                  + ", ".join(f"stage {k} {g.get('gbps', 0):.2f} {g.get('error') or g.get('verify')}"
-                              for k, g in enumerate(got)), flush=True)
-            Path(args.out, "gpu_together.json").write_text(json.dumps(rows, indent=1))
     return rows
 
 
@@ -418,11 +351,12 @@ def plot(bench_json: str, png: str, title: str = "") -> None:
     fig.savefig(png, dpi=110)
 
 
-def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(prog="pploader bench --device cuda --",
-                                 description=__doc__.split("\n")[0])
+def build_parser(prog: str = "pploader bench --device cuda --") -> argparse.ArgumentParser:
+    """The options of the standard run (a harness adds its own to this parser)."""
+    ap = argparse.ArgumentParser(prog=prog, description=" ".join(
+        (__doc__ or "").split("\n\n")[0].split()))
     ap.add_argument("--ckdir", default="/tmp/ck")
-    ap.add_argument("--out", default=os.environ.get("OUT") or "out/gpu-bench")
+    ap.add_argument("--out", default="out/gpu-bench")
     ap.add_argument("--device", default="cuda:0")
     ap.add_argument("--scale", default="full", choices=SCALES, help="full: Llama-3-8B (16 GB); "
                     "70b: Llama-3-70B (141 GB, for PP=4); tiny: a quick check")
@@ -431,79 +365,26 @@ def main(argv: list[str] | None = None) -> None:
                     "cache (repeat a name to repeat it; default: the standard warm and cold "
                     "orders of the available methods)")
     ap.add_argument("--caches", default="warm,cold")
-    ap.add_argument("--disk", action="store_true", help="only the O_DIRECT pattern sweep")
-    ap.add_argument("--disk-first", action="store_true", help="the sweep, then the methods")
-    ap.add_argument("--disk-best", default=None, metavar="PATTERNS",
-                    help="comma list of bench/disk.py patterns ('all'): O_DIRECT reads of the "
-                    "stage's bytes, no GPU, twice (forward, backward)")
-    ap.add_argument("--cli-wall", type=int, default=0, metavar="TRIALS",
-                    help="torchrun + pploader load vs a bare torchrun NCCL script (2 GPUs), "
-                    "tiny and real size, warm and cold")
-    ap.add_argument("--together", default=None, metavar="METHODS",
-                    help="comma list: each method on every stage at once (stage k on cuda:k)")
-    ap.add_argument("--pp2", action="store_true")
-    ap.add_argument("--pp2-profile", action="store_true")
-    ap.add_argument("--pp", type=int, default=2, help="stages (of the methods' stage, and of "
-                    "--pp2 / --pp2-profile / --pp-reload)")
+    ap.add_argument("--pp", type=int, default=2, help="stages (of the methods' stage)")
     ap.add_argument("--stage", type=int, default=0, help="the stage the methods load")
-    ap.add_argument("--pp-reload", action="store_true", help="PP=N with rings made before "
-                    "the clock, and raw ceilings of one stage's bytes on another GPU")
-    ap.add_argument("--reuse-ring", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--plot", nargs=2, metavar=("JSON", "PNG"), default=None)
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--stage-child", type=int, default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--profile-child", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def run(args: argparse.Namespace, methods: Optional[MethodField] = None) -> None:
+    """The standard run's modes (``--plot``, ``--child``, else every method warm and cold)."""
     if args.plot:
         return plot(*args.plot)
     if args.child:
-        return _child(args.child, args.ckdir, args.device, args.pp, args.stage)
-    if args.stage_child is not None:
-        return _stage_child(args.ckdir, args.stage_child, args.pp, args.reuse_ring)
-    if args.profile_child is not None:
-        rank, what = args.profile_child.split(":")
-        return _profile_child(args.ckdir, int(rank), what, args.pp)
+        return child(args.child, args.ckdir, args.device, args.pp, args.stage, methods)
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    if args.disk:
-        write_checkpoint(args.ckdir, args.scale)
-        rows = disk_patterns(_files(args.ckdir))
-        Path(args.out, "disk.json").write_text(json.dumps(rows, indent=1))
-        return None
-    if args.disk_best:
-        from .. import Topology, plan_stage
-        from .disk import PATTERNS, disk_best
-        write_checkpoint(args.ckdir, args.scale)
-        names = list(PATTERNS) if args.disk_best == "all" else args.disk_best.split(",")
-        evict(_files(args.ckdir))
-        rows = disk_best(plan_stage(args.ckdir, Topology(args.pp, rank=args.stage)).plan, names)
-        Path(args.out, "disk_best.json").write_text(json.dumps(rows, indent=1))
-        return None
-    if args.cli_wall:
-        from .cli_wall import cli_wall
-        from ..tiny import make_tiny, resolve_tiny_config
-        write_checkpoint(args.ckdir, args.scale)
-        tiny = "/tmp/pploader-tiny-llama"
-        if not Path(tiny, "config.json").exists():
-            make_tiny(resolve_tiny_config("llama"), tiny)
-        rows = cli_wall(tiny, args.ckdir, 2, args.cli_wall, warm, evict)
-        Path(args.out, "cli_wall.json").write_text(json.dumps(rows, indent=1))
-        return None
-    if args.pp_reload:
-        write_checkpoint(args.ckdir, args.scale)
-        rows = _pp_reload(args.ckdir, args.pp)
-        Path(args.out, f"pp{args.pp}_reload.json").write_text(json.dumps(rows, indent=1))
-        return None
-    if args.together:
-        run_together(args)
-        return None
-    if args.pp2 or args.pp2_profile:
-        write_checkpoint(args.ckdir, args.scale)
-        rows = _pp2(args.ckdir, args.pp) if args.pp2 else _pp2_profile(args.ckdir, args.pp)
-        name = f"pp{args.pp}.json" if args.pp2 else f"pp{args.pp}_profile.json"
-        Path(args.out, name).write_text(json.dumps(rows, indent=1))
-        return None
-    run_all(args)
+    run_all(args, methods)
     return None
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    run(build_parser().parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -388,7 +388,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         for r in rows if (r["rep"], r["cache"], r["load"]) == (rep, cache, load)}
                 if len({json.dumps(sorted(s.items()), default=str) for s in sums.values()}) > 1:
                     raise SystemExit(f"bench --dcp: readers loaded different values ({cache})")
-    from .command import machine_info
+    from .machine import machine_info
     summary = _summary([{k: v for k, v in r.items() if k != "sums"} for r in rows])
     doc = {"machine": dict(machine_info(Path(model)), commit=_commit()),
            "command": "pploader bench --dcp -- " + " ".join(argv if argv is not None

@@ -18,10 +18,11 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["Ctx", "METHODS", "METHOD_ENV", "verify"]
+__all__ = ["Ctx", "METHODS", "METHOD_ENV", "OPTIONAL", "Method", "verify", "read_header",
+           "run_threads", "load_with_pploader", "pploader_variant", "DTYPES"]
 
 MIB = 1 << 20
-_DT = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Ctx:
         return os.path.join(self.ckdir, file)
 
 
-def _header(path: str) -> tuple[int, dict]:
+def read_header(path: str) -> tuple[int, dict]:
     with open(path, "rb") as fh:
         n = struct.unpack("<Q", fh.read(8))[0]
         head = json.loads(fh.read(n))
@@ -93,7 +94,7 @@ def m_raw(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     threads, chunk, ring = prep["threads"], prep["chunk"], prep["ring"]
     runs: list[list[Any]] = []
     for f in ctx.files:
-        base, head = _header(ctx.path(f))
+        base, head = read_header(ctx.path(f))
         for name, v in sorted(((k, v) for k, v in head.items() if k in ctx.tensors),
                               key=lambda kv: kv[1]["data_offsets"][0]):
             s, e = base + v["data_offsets"][0], base + v["data_offsets"][1]
@@ -108,7 +109,7 @@ def m_raw(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     fds = {f: os.open(ctx.path(f), os.O_RDONLY) for f in ctx.files}
     for f, s, e, ents in runs:
         for name, ts, te, v in ents:
-            out[name] = big[pos + ts - s:pos + te - s].view(_DT[v["dtype"]]).view(v["shape"])
+            out[name] = big[pos + ts - s:pos + te - s].view(DTYPES[v["dtype"]]).view(v["shape"])
         jobs += [(fds[f], o, min(chunk, e - o), pos + o - s) for o in range(s, e, chunk)]
         pos += e - s
     it, lock = iter(jobs), threading.Lock()
@@ -194,7 +195,7 @@ def m_fastsafetensors(ctx: Ctx, prep: dict, block_bytes: Optional[int] = None
 
 # ---- instanttensor (optional) ------------------------------------------------------------
 
-def _instanttensor(ctx: Ctx, buffered: bool) -> tuple[dict, dict]:
+def instanttensor_load(ctx: Ctx, buffered: bool) -> tuple[dict, dict]:
     from instanttensor import BackendPolicy
     from instanttensor import safe_open as it_open
     kw: dict[str, Any] = dict(tensor_filter=list(ctx.tensors), tensor_name_match_mode="exact")
@@ -211,61 +212,13 @@ def _instanttensor(ctx: Ctx, buffered: bool) -> tuple[dict, dict]:
                         f"{', BUFFERED' if buffered else ''}).tensors()"}
 
 
-def m_instanttensor(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    return _instanttensor(ctx, False)
-
-
 def m_instanttensor_buf(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    return _instanttensor(ctx, True)
+    return instanttensor_load(ctx, True)
 
 
 # ---- pploader ----------------------------------------------------------------------------
 
-class HostAllocRing:
-    """The ring before issue 17 (for comparison only): each thread's slots in one
-    ``cudaHostAlloc`` (torch ``pin_memory=True``) on the thread's first use."""
-
-    def __init__(self, threads: int = 16, slot_bytes: int = 16 * MIB, per_thread: int = 2):
-        self.threads, self.slot_bytes, self.per_thread = threads, slot_bytes, per_thread
-        self._slots: list[Optional[list]] = [None] * threads
-        self.alloc_seconds, self.nbytes = 0.0, 0
-
-    def slots(self, index: int) -> list:
-        if self._slots[index] is None:
-            start = time.perf_counter()
-            buf = torch.empty(self.per_thread * self.slot_bytes, dtype=torch.uint8,
-                              pin_memory=True)
-            flat, n = buf.numpy(), self.slot_bytes
-            self._slots[index] = [(buf[o:o + n], memoryview(flat[o:o + n]))  # type: ignore[arg-type]
-                                  for o in range(0, self.per_thread * n, n)]
-            self.alloc_seconds += time.perf_counter() - start
-            self.nbytes += self.per_thread * n
-        return self._slots[index]  # type: ignore[return-value]
-
-    def pin(self, index: int, slot: int) -> None:
-        return None
-
-    reached = pin  # cudaHostAlloc'd: page-locked when made
-
-    def bind_device(self, device: Any) -> None:  # cudaHostAlloc'd: nothing to page-lock
-        return None
-
-    def stop_preparing(self) -> None:  # no background page-locking to pause
-        return None
-
-    resume = stop_preparing
-
-    @property
-    def ready_slots(self) -> int:
-        return sum(s is not None for s in self._slots) * self.per_thread
-
-    def prefault(self) -> None:
-        """Allocate every thread's slots now (before a clock)."""
-        for i in range(self.threads):
-            self.slots(i)
-
-
-def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = False,
+def load_with_pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = False,
               prepare: bool = False, interleave: bool = False, gap: int = 0,
               populate: bool = False, stop: bool = False) -> tuple[dict, dict]:
     """plan_stage + DeviceLoader.load, timed from before the ring. ``early``: the ring is
@@ -302,10 +255,10 @@ def _pploader(ctx: Ctx, ring: Any, overlap_alloc: bool = False, early: bool = Fa
 
 def m_pploader_first(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """A process's first load: ring, planning, residency check, destinations all timed."""
-    return _pploader(ctx, None)
+    return load_with_pploader(ctx, None)
 
 
-def _variant(**kw: Any) -> Callable[[Ctx, dict], tuple[dict, dict]]:
+def pploader_variant(**kw: Any) -> Callable[[Ctx, dict], tuple[dict, dict]]:
     def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
         ring = None
         if "threads" in kw or "slot_mib" in kw:
@@ -313,7 +266,7 @@ def _variant(**kw: Any) -> Callable[[Ctx, dict], tuple[dict, dict]]:
             ring = PinnedRing(kw.get("threads", 16), kw.get("slot_mib", 16) * MIB,
                               prepare=kw.get("early", False))
         rest = {k: v for k, v in kw.items() if k not in ("threads", "slot_mib")}
-        return _pploader(ctx, ring, **rest)
+        return load_with_pploader(ctx, ring, **rest)
     return run
 
 
@@ -326,47 +279,6 @@ def prep_prepared(ctx: Ctx) -> dict:
     return {"ring": ring}
 
 
-def _first_with_slots(mib: int) -> Callable[[Ctx, dict], tuple[dict, dict]]:
-    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-        from pploader.io.device import PinnedRing
-        return _pploader(ctx, PinnedRing(16, mib * MIB))
-    return run
-
-
-def _first_variant(huge_pages: bool, overlap_alloc: bool) -> Callable[[Ctx, dict],
-                                                                    tuple[dict, dict]]:
-    """The first load with transparent huge pages for the ring and/or the destinations
-    allocated while the first reads run (the library's defaults: neither)."""
-    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-        from pploader.io.device import PinnedRing
-        return _pploader(ctx, PinnedRing(huge_pages=huge_pages), overlap_alloc=overlap_alloc)
-    return run
-
-
-def _reused_with_slots(mib: int) -> Callable[[Ctx], dict]:
-    def prep(ctx: Ctx) -> dict:
-        from pploader.io.device import PinnedRing
-        return {"ring": PinnedRing(16, mib * MIB, lazy=False)}
-    return prep
-
-
-def m_pploader_hostalloc(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    """The first load with the pre-issue-17 ring (cudaHostAlloc per thread, timed)."""
-    return _pploader(ctx, HostAllocRing())
-
-
-def m_pploader_hostalloc_reused(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
-    """A reload through a cudaHostAlloc'd ring made before the clock (fastsafetensors'
-    bounce buffers are cudaHostAlloc'd; pploader's ring is page-locked by registering)."""
-    return _pploader(ctx, prep["ring"])
-
-
-def prep_hostalloc(ctx: Ctx) -> dict:
-    ring = HostAllocRing()
-    ring.prefault()
-    return {"ring": ring}
-
-
 def prep_reused(ctx: Ctx) -> dict:
     from pploader.io.device import PinnedRing
     return {"ring": PinnedRing(lazy=False)}
@@ -374,7 +286,7 @@ def prep_reused(ctx: Ctx) -> dict:
 
 def m_pploader_reused(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """A reload: the ring exists (made and page-locked before the clock)."""
-    return _pploader(ctx, prep["ring"])
+    return load_with_pploader(ctx, prep["ring"])
 
 
 def m_pploader_api(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
@@ -397,36 +309,18 @@ METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "raw_preadv16_first": (m_raw, None),
     "pploader_first": (m_pploader_first, None),
     "pploader_api": (m_pploader_api, None),
-    "pploader_first_8mib": (_first_with_slots(8), None),
-    "pploader_first_4mib": (_first_with_slots(4), None),
-    "pploader_first_thp": (_first_variant(True, False), None),
-    "pploader_first_overlap": (_first_variant(False, True), None),
-    "pploader_first_thp_overlap": (_first_variant(True, True), None),
-    "pploader_reused_8mib": (m_pploader_reused, _reused_with_slots(8)),
-    "pploader_hostalloc": (m_pploader_hostalloc, None),
-    "pploader_hostalloc_reused": (m_pploader_hostalloc_reused, prep_hostalloc),
-    "pploader_first_prep": (_variant(prepare=True), None),
-    "pploader_first_populate": (_variant(populate=True), None),
-    "pploader_first_early": (_variant(early=True), None),
-    "pploader_first_job": (_variant(early=True, stop=True), None),
+    "pploader_first_prep": (pploader_variant(prepare=True), None),
+    "pploader_first_populate": (pploader_variant(populate=True), None),
     "pploader_prepared": (m_pploader_reused, prep_prepared),
-    "pploader_first_interleave": (_variant(interleave=True), None),
-    "pploader_first_gap": (_variant(gap=1 << 20), None),
-    "pploader_first_t8_32mib": (_variant(threads=8, slot_mib=32), None),
-    "pploader_first_t32": (_variant(threads=32, slot_mib=16), None),
+    "pploader_first_interleave": (pploader_variant(interleave=True), None),
     "pploader_reused": (m_pploader_reused, prep_reused),
     "instanttensor_buf": (m_instanttensor_buf, None),
-    "instanttensor": (m_instanttensor, None),
     "fastsafetensors_buf": (m_fastsafetensors, None),
     "fastsafetensors_odirect": (m_fastsafetensors, None),
-    "fastsafetensors_odirect_b16m": (lambda c, p: m_fastsafetensors(c, p, 16 * MIB), None),
-    "fastsafetensors_odirect_b256m": (lambda c, p: m_fastsafetensors(c, p, 256 * MIB), None),
     "st_readall": (m_st_readall, None),
 }
 METHOD_ENV = {"fastsafetensors_buf": {"FASTSAFETENSORS_ODIRECT": "0"},
-              "fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"},
-              "fastsafetensors_odirect_b16m": {"FASTSAFETENSORS_ODIRECT": "1"},
-              "fastsafetensors_odirect_b256m": {"FASTSAFETENSORS_ODIRECT": "1"}}
+              "fastsafetensors_odirect": {"FASTSAFETENSORS_ODIRECT": "1"}}
 OPTIONAL = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors"}
 
 
@@ -448,7 +342,7 @@ def verify(ctx: Ctx, out: dict) -> str:
     for name in names:
         f, s, e, dt, shape = ctx.tensors[name]
         t = out[name]
-        if list(t.shape) != list(shape) or t.dtype != _DT[dt]:
+        if list(t.shape) != list(shape) or t.dtype != DTYPES[dt]:
             problems.append(f"{name}: {tuple(t.shape)} {t.dtype}")
             continue
         u = t.reshape(-1).view(torch.uint8)

@@ -1,6 +1,6 @@
 """The pinned backend's read requests (pure: no I/O, no CUDA): a plan's byte ranges as pieces,
 coalesced per file and cut into slot-sized, aligned requests (io/device.py reads them;
-bench/disk.py measures the patterns they make on the disk).
+benchmarks/disk_patterns.py measures the patterns they make on the disk).
 """
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """The GPU benchmark's CPU-side parts: its checkpoint, the stage every method loads, the output
-check (it must catch a wrong byte) and the O_DIRECT sweep. The GPU rows run on a GPU machine
+check (it must catch a wrong byte), and on the same checkpoint two harnesses of benchmarks/:
+the O_DIRECT sweep and the engine-shaped rows on CPU. The GPU rows run on a GPU machine
 (docs/benchmarks-gpu.md)."""
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from pploader.bench.cuda import disk_patterns, stage_ctx, write_checkpoint
+from benchmarks.disk_patterns import disk_patterns
+from pploader.bench.cuda import stage_ctx, write_checkpoint
 from pploader.bench.gpu_methods import verify
 
 pytestmark = pytest.mark.slow  # writes a 60 MB checkpoint (and syncs it)
@@ -73,7 +75,7 @@ def test_engine_rows_run_on_cpu_and_fill_the_stage(tiny_ck: str, method: str) ->
     """The engine-shaped rows (the SGLang pair beside the vLLM pair) on CPU parameters: every
     stage tensor copied with the checkpoint's bytes (verify), the SGLang format's row through
     the loader's own load_engine_stage (its report: only the stage's bytes read)."""
-    from pploader.bench.engine_methods import ENGINE_METHODS
+    from benchmarks.gpu_engine_methods import ENGINE_METHODS
     ctx = stage_ctx(tiny_ck, "cpu")
     fn, prep = ENGINE_METHODS[method]
     out, info = fn(ctx, prep(ctx) if prep else {})

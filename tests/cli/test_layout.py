@@ -12,13 +12,14 @@ import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parents[2] / "pploader"
+HARNESSES = PKG.parent / "benchmarks"  # the experiment harnesses: not in the wheel
 TOOLING = ("pploader.bench", "pploader.testing")
 
 
-def _imports(path: Path, top_level_only: bool = False) -> list[str]:
+def _imports(path: Path, top_level_only: bool = False, root: Path = PKG.parent) -> list[str]:
     """Modules ``path`` imports (``if TYPE_CHECKING:`` blocks aside; with ``top_level_only``,
-    also imports inside functions, i.e. lazy ones)."""
-    module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
+    also imports inside functions, i.e. lazy ones); ``root``: the repository."""
+    module = ".".join(path.relative_to(root).with_suffix("").parts)
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     package = package.removesuffix(".__init__")
     tree = ast.parse(path.read_text())
@@ -137,8 +138,9 @@ def test_cli_imports_only_the_public_api_and_command_modules() -> None:
 
 
 #: test folders that are not a pploader subpackage: the top-level modules (cli.py, job.py,
-#: stage.py, the public API), the device suite and the vLLM and SGLang suites
-TEST_FOLDERS_BEYOND_THE_PACKAGE = {"cli", "gpu", "vllm", "sglang"}
+#: stage.py, the public API), the device suite, the vLLM and SGLang suites and the harnesses
+#: of benchmarks/
+TEST_FOLDERS_BEYOND_THE_PACKAGE = {"cli", "gpu", "vllm", "sglang", "benchmarks"}
 
 
 def test_tests_are_grouped_like_the_package() -> None:
@@ -221,9 +223,10 @@ def _folder(module: str) -> str:
 
 def test_no_private_name_imported_across_folders() -> None:
     """A module never imports another folder's ``_private`` names (they are not that folder's
-    interface); inside one folder, modules may share them."""
+    interface); inside one folder, modules may share them. benchmarks/ is a folder of its own:
+    its harnesses use only pploader's public names."""
     bad = []
-    for path in sorted(PKG.rglob("*.py")):
+    for path in sorted(PKG.rglob("*.py")) + sorted(HARNESSES.rglob("*.py")):
         module = ".".join(path.relative_to(PKG.parent).with_suffix("").parts)
         package = module.removesuffix(".__init__") if path.name == "__init__.py" \
             else module.rsplit(".", 1)[0]
@@ -235,10 +238,76 @@ def test_no_private_name_imported_across_folders() -> None:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if not target.startswith("pploader"):
+            if not target.startswith(("pploader", "benchmarks")):
                 continue
             private = [a.name for a in node.names
                        if a.name.startswith("_") and not a.name.startswith("__")]
             if private and _folder(module) != _folder(target):
                 bad.append(f"{module} imports {', '.join(private)} from {target}")
     assert not bad, bad
+
+
+def test_the_package_never_imports_the_harnesses() -> None:
+    """benchmarks/ may import pploader (pploader.bench included), never the reverse: the wheel
+    holds no harness, so an import of one would fail for every user."""
+    assert (HARNESSES / "__init__.py").exists() and sorted(HARNESSES.glob("*.py"))
+    bad = [f"{path.relative_to(PKG.parent)} imports {m}" for path in sorted(PKG.rglob("*.py"))
+           for m in _imports(path) if m == "benchmarks" or m.startswith("benchmarks.")]
+    assert not bad, bad
+    # the walker sees harness imports (a broken one would pass anything)
+    assert any(m.startswith("pploader.bench.") for m in _imports(HARNESSES / "gpu_field.py"))
+
+
+def _module_cycle(folder: Path, root: Path = PKG.parent) -> list[str]:
+    """The first import cycle between the modules of ``folder`` (lazy imports included,
+    ``TYPE_CHECKING`` aside), or []."""
+    prefix = ".".join(folder.relative_to(root).parts)
+    names = {f"{prefix}.{p.stem}" for p in folder.glob("*.py")}
+    graph = {}
+    for path in sorted(folder.glob("*.py")):
+        me = f"{prefix}.{path.stem}"
+        graph[me] = {m for m in _imports(path, root=root) if m in names} - {me}
+    seen: dict[str, int] = {}
+
+    def visit(unit: str, path: list[str]) -> list[str]:
+        seen[unit] = 1
+        for dep in sorted(graph.get(unit, ())):
+            if seen.get(dep) == 1:
+                return path + [dep]
+            if dep not in seen:
+                found = visit(dep, path + [dep])
+                if found:
+                    return found
+        seen[unit] = 2
+        return []
+    for unit in sorted(graph):
+        if unit not in seen:
+            found = visit(unit, [unit])
+            if found:
+                return found
+    return []
+
+
+def test_no_import_cycle_between_the_benchmark_modules(tmp_path: Path) -> None:
+    """Neither ``pploader bench``'s modules nor the harnesses import each other in a circle
+    (``bench/command`` <-> ``bench/dcp`` and ``bench/cuda`` <-> ``bench/pp2`` were two)."""
+    for folder in (PKG / "bench", HARNESSES):
+        assert not _module_cycle(folder), " -> ".join(_module_cycle(folder))
+    # and the check finds a cycle added back, lazy or not
+    copy = tmp_path / "pploader" / "bench"
+    copy.mkdir(parents=True)
+    (copy / "a.py").write_text("from .b import x\n")
+    (copy / "b.py").write_text("def f():\n    from .a import y\n")
+    assert _module_cycle(copy, tmp_path) == ["pploader.bench.a", "pploader.bench.b",
+                                             "pploader.bench.a"]
+
+
+#: what users launch; development scripts live in .ci/ (the GPU test runner) or benchmarks/
+LAUNCH_SCRIPTS = {"demo.sh", "test.sh", "_venv.sh", "torchrun.sh", "mpirun.sh", "slurm.sbatch",
+                  "slurm-per-rank.sbatch", "slurm-stage-files.sbatch"}
+
+
+def test_launch_holds_what_users_launch() -> None:
+    launch = PKG.parent / "launch"
+    assert {p.name for p in launch.iterdir() if p.is_file()} == LAUNCH_SCRIPTS
+    assert (PKG.parent / ".ci" / "gpu_check.sh").exists()

@@ -1,6 +1,6 @@
 """The record of the last green ``pytest -m gpu`` run, and the one definition of the GPU path.
 
-CI has no GPU, so nothing there runs the GPU tests. Instead ``launch/gpu_check.sh`` (on a
+CI has no GPU, so nothing there runs the GPU tests. Instead ``.ci/gpu_check.sh`` (on a
 2-GPU machine) runs them and, when they are green, writes ``tests/gpu/LAST_RUN``: the commit,
 date, device, pass counts and a digest of the GPU-path sources. The CPU test
 ``tests/gpu/test_gpu_stale.py`` recomputes the digest and fails when those sources changed since
@@ -12,14 +12,17 @@ The GPU-path sources (``gpu_path_sources``), defined here and nowhere else:
   definition that may dispatch to the CUDA read backend; ``def materialise(``: the shared step
   that backend runs on device tensors), except the benchmark modules
   (``bench*.py``, ``*_bench.py``: ``pytest -m gpu`` does not run them; their numbers live in
-  docs/benchmarks-gpu.md);
+  docs/benchmarks-gpu.md); ``pploader/bench/`` is a folder, not such a module: its matching
+  modules count;
+- the modules of the repository's ``benchmarks/`` (harnesses, not in the wheel) that the GPU
+  tests (``tests/gpu/*.py``) import, directly or through another ``benchmarks`` module;
 - the GPU tests and their fixtures: ``tests/gpu/test_gpu.py``, ``tests/bind_models.py``,
   ``tests/conftest.py``;
 - this file (a change to the definition is a change to the guard).
 
 A file that starts or stops matching changes the set, hence the digest: that also needs a run.
 
-Usage (``launch/gpu_check.sh`` does this)::
+Usage (``.ci/gpu_check.sh`` does this)::
 
     python3 tests/gpu/last_run.py record JUNIT_XML --device "2x NVIDIA H100" [--commit SHA]
     python3 tests/gpu/last_run.py check      # exit 1 (and say which files) when stale
@@ -42,7 +45,7 @@ GPU_PATH_PATTERN = re.compile(
 GPU_TESTS = ("tests/gpu/test_gpu.py", "tests/bind_models.py", "tests/conftest.py",
              "tests/gpu/last_run.py")
 MIN_GPUS = 2
-HOW_TO_FIX = ("run `./launch/gpu_check.sh` on a 2-GPU machine (it runs `pytest -m gpu` and "
+HOW_TO_FIX = ("run `./.ci/gpu_check.sh` on a 2-GPU machine (it runs `pytest -m gpu` and "
               "writes tests/gpu/LAST_RUN when green) and commit tests/gpu/LAST_RUN")
 
 
@@ -50,11 +53,43 @@ def _is_bench(path: Path) -> bool:
     return path.name.startswith("bench") or path.stem.endswith("_bench")
 
 
+_HARNESS_IMPORT = re.compile(r"^\s*(?:from\s+benchmarks(?:\.(\w+))?\s+import\s+([\w ,()]+)"
+                             r"|import\s+benchmarks\.(\w+))", re.M)
+
+
+def harness_imports(text: str, root: Path = ROOT, relative: bool = False) -> set[str]:
+    """``benchmarks/NAME.py`` paths that ``text`` imports (``from benchmarks.x import``,
+    ``from benchmarks import x``, ``import benchmarks.x``; with ``relative``, the text of a
+    harness, also ``from .x import``)."""
+    names: set[str] = set()
+    for sub, listed, plain in _HARNESS_IMPORT.findall(text):
+        if plain or sub:
+            names.add(plain or sub)
+        else:
+            names.update(n.split(" as ")[0].strip(" ()") for n in listed.split(","))
+    if relative:
+        names.update(re.findall(r"^\s*from\s+\.(\w+)\s+import", text, re.M))
+    return {f"benchmarks/{n}.py" for n in names if n and (root / "benchmarks" / f"{n}.py").exists()}
+
+
+def gpu_harnesses(root: Path = ROOT) -> list[str]:
+    """The benchmarks/ modules the GPU tests import, and those these import (transitively)."""
+    todo = sorted((root / "tests" / "gpu").glob("*.py"))
+    found: set[str] = set()
+    while todo:
+        path = todo.pop()
+        text = path.read_text(encoding="utf-8")
+        for rel in sorted(harness_imports(text, root, path.parent.name == "benchmarks") - found):
+            found.add(rel)
+            todo.append(root / rel)
+    return sorted(found)
+
+
 def gpu_path_sources(root: Path = ROOT) -> list[str]:
     """Repository-relative paths of the GPU-path sources (sorted)."""
     found = [p for p in sorted((root / "pploader").rglob("*.py"))
              if not _is_bench(p) and GPU_PATH_PATTERN.search(p.read_text(encoding="utf-8"))]
-    rel = [p.relative_to(root).as_posix() for p in found]
+    rel = [p.relative_to(root).as_posix() for p in found] + gpu_harnesses(root)
     return sorted(rel + [t for t in GPU_TESTS if (root / t).exists()])
 
 

@@ -499,11 +499,11 @@ def test_readers_wait_for_work_queued_on_a_reused_block(tmp_path: Path) -> None:
 
 
 def test_page_cache_dma_bench_methods_copy_the_right_bytes(tmp_path: Path, capsys) -> None:
-    """bench/page_cache_dma.py: the ring, and page-locking the mapped page cache per chunk and
+    """benchmarks/page_cache_dma.py: the ring, and page-locking the mapped page cache per chunk and
     per file, each verified against the files (a method's error would be in its row)."""
     import json
 
-    from pploader.bench import page_cache_dma as pcd
+    from benchmarks import page_cache_dma as pcd
     pcd._write_stages(tmp_path, stages=1, stage_mib=8)
     capsys.readouterr()
     pcd._child(tmp_path / "0", torch.cuda.current_device(),

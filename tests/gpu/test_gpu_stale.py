@@ -75,6 +75,34 @@ def test_record_then_any_gpu_source_change_is_stale(tmp_path: Path) -> None:
     assert last_run.stale_files(tmp_path, out)[0] == ["pploader/cpu.py"]
 
 
+def test_harnesses_the_gpu_tests_import_are_gpu_path(tmp_path: Path) -> None:
+    """benchmarks/ is outside the package: its modules count when a GPU test imports them
+    (directly or through another harness), and only then."""
+    _fake_repo(tmp_path)
+    bench = tmp_path / "benchmarks"
+    bench.mkdir()
+    (bench / "__init__.py").write_text("")
+    (bench / "dma.py").write_text("from .shared import f\n")
+    (bench / "shared.py").write_text("def f(): pass\n")
+    (bench / "other.py").write_text("x = 'cuda'\n")       # no GPU test imports it
+    (tmp_path / "tests" / "gpu" / "test_gpu.py").write_text(
+        "def test_x():\n    from benchmarks import dma as d\n")
+    out = tmp_path / "LAST_RUN"
+    data = last_run.record(_junit(tmp_path / "j.xml", 5), "2x H100", 2, "abc", root=tmp_path,
+                           out=out)
+    assert {"benchmarks/dma.py", "benchmarks/shared.py"} <= set(data["sources"])
+    assert "benchmarks/other.py" not in data["sources"]
+    (bench / "other.py").write_text("x = 'cuda2'\n")
+    assert last_run.stale_files(tmp_path, out)[0] == []
+    (bench / "shared.py").write_text("def f(): return 1\n")
+    assert last_run.stale_files(tmp_path, out)[0] == ["benchmarks/shared.py"]
+
+
+def test_the_gpu_suite_harness_is_in_the_gpu_path() -> None:
+    """tests/gpu/test_gpu.py imports benchmarks.page_cache_dma: the set holds it."""
+    assert "benchmarks/page_cache_dma.py" in last_run.gpu_path_sources()
+
+
 @pytest.mark.parametrize("counts,gpus", [(dict(tests=5, failures=1), 2),
                                           (dict(tests=5, errors=1), 2),
                                           (dict(tests=0), 2),

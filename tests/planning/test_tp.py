@@ -382,7 +382,7 @@ def test_gloo_pp2_tp2_plain_and_read_once(llama_tp: tuple[Path, dict]) -> None:
 
 def test_compare_tp_reads_accounting(llama_tp: tuple[Path, dict]) -> None:
     """The benchmark function's bytes: pploader reads its plan, read-all reads everything."""
-    from pploader.bench.tp_reads import compare_tp_reads
+    from benchmarks.tp_bytes_read import compare_tp_reads
     model, _ = llama_tp
     out = compare_tp_reads(model, pp=2, tp=2, cold=False)
     plans = plan_all(load_spec(model), open_checkpoint(model), pp=2, tp=2)

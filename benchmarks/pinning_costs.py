@@ -1,4 +1,4 @@
-"""Where a process's first pinned staging ring spends its time (issue 17, item 2).
+"""Where a process's first pinned staging ring spends its time.
 
 Each case runs in a fresh process after CUDA's context is made (as a server's first load would
 be), so "first call" costs are seen. Cases:
@@ -12,7 +12,7 @@ be), so "first call" costs are seen. Cases:
 - ``dest``: allocating one llama-8B PP=2 stage's destination tensors on the device (291
   tensors, 8.03 GB), first and second time in the process.
 
-    python -m pploader.bench.pinning [--out DIR]     # prints one JSON line per case
+    python -m benchmarks.pinning_costs [--out DIR]     # prints one JSON line per case
 """
 from __future__ import annotations
 
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for _ in range(args.repeat):
         for name in args.cases.split(","):
-            p = subprocess.run([sys.executable, "-m", "pploader.bench.pinning", "--child", name],
+            p = subprocess.run([sys.executable, "-m", "benchmarks.pinning_costs", "--child", name],
                                capture_output=True, text=True, timeout=120)
             line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
             row = json.loads(line[-1][7:]) if line else {"case": name, "error": p.stderr[-400:]}

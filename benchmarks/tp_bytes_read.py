@@ -18,14 +18,14 @@ import os
 import time
 from typing import TYPE_CHECKING, Optional
 
-from ..planning.checkpoint import open_checkpoint
-from ..planning.plan import plan_all
-from ..io.read import Reader
-from ..planning.shard import DEFAULT_RANGE_COST_BYTES
-from ..planning.spec import load_spec
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.io.read import Reader
+from pploader.planning.shard import DEFAULT_RANGE_COST_BYTES
+from pploader.planning.spec import load_spec
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..distributed.comm import Comm
+    from pploader.distributed.comm import Comm
 
 __all__ = ["compare_tp_reads", "redistribute_bench"]
 
@@ -111,8 +111,8 @@ def compare_tp_reads(model_dir: os.PathLike | str, *, pp: int = 2, tp: int = 2,
 def _timed_load(comm: "Comm", staged: object, paths: list[str], cold: bool,
                 exchange: bool) -> dict:
     """One measured load on every rank at once (rank 0 evicts, all start together)."""
-    from ..report import proc_io
-    from ..stage import load_stage
+    from pploader.report import proc_io
+    from pploader.stage import load_stage
     if cold and comm.rank == 0:
         _evict(paths)
     comm.agree(None)
@@ -132,7 +132,7 @@ def redistribute_bench(comm: "Comm", model_dir: os.PathLike | str, *, cold: bool
                        exchange_cost: float = 0.0, repeat: int = 1) -> dict:
     """Direct (covering box), direct (row by row) and read-and-redistribute loads of the
     rank's stage, all TP ranks at once; per method the best wall of ``repeat`` runs."""
-    from ..stage import plan_stage
+    from pploader.stage import plan_stage
     topo = comm.topology
     plans = {"direct_box": plan_stage(model_dir, topo, exchange_cost=None),
              "direct_rows": plan_stage(model_dir, topo, exchange_cost=None, range_cost_bytes=0),
@@ -152,14 +152,14 @@ def redistribute_bench(comm: "Comm", model_dir: os.PathLike | str, *, cold: bool
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    """``torchrun --nproc_per_node TP -m pploader.bench.tp_reads --model DIR [--cold]``: rank 0
+    """``torchrun --nproc_per_node TP -m benchmarks.tp_bytes_read --model DIR [--cold]``: rank 0
     prints one JSON line per cache state (docs/benchmarks.md, TP rows)."""
     import argparse
     import json
-    from ..distributed.bootstrap import init_distributed
-    from ..distributed.comm import Comm
-    from ..planning.topology import Topology
-    p = argparse.ArgumentParser(prog="python -m pploader.bench.tp_reads")
+    from pploader.distributed.bootstrap import init_distributed
+    from pploader.distributed.comm import Comm
+    from pploader.planning.topology import Topology
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp_bytes_read")
     p.add_argument("--model", required=True)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--cold", action="store_true")

@@ -1,10 +1,10 @@
-"""Engine-shaped GPU methods (issue 28): checkpoint -> an engine's GPU parameters.
+"""Engine-shaped GPU methods: checkpoint -> an engine's GPU parameters.
 
 The parameters already sit on the GPU (allocated and touched before the clock, as an engine
 builds its model first); each method streams the stage's tensors and ``param.copy_(tensor)``
 each one, which is what vLLM's ``default_weight_loader`` does per tensor. Planning, headers,
-staging and every copy are inside the clock. Registered into ``gpu_methods.METHODS`` (the
-driver is bench/cuda.py: ``--methods engine_pploader,engine_vllm_default,...``).
+staging and every copy are inside the clock. Run by benchmarks/gpu_field.py
+(``python -m benchmarks.gpu_field --methods engine_pploader,engine_vllm_default,...``).
 
 - ``engine_pploader``: ``plan_stage`` + ``iter_stage_weights(device=cuda)`` (the windowed
   device stream), staging started when the "loader is created" (before the parameters are
@@ -43,12 +43,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ..io.transfer.direct import DEFAULT_DEVICE_WINDOW_BYTES
-from .gpu_methods import _DT, Ctx, m_fastsafetensors
+from pploader.io.transfer.direct import DEFAULT_DEVICE_WINDOW_BYTES
+from pploader.bench.gpu_methods import DTYPES, Ctx, Method, m_fastsafetensors
 
 __all__ = ["ENGINE_METHODS", "ENGINE_OPTIONAL", "ENGINE_ENV"]
-
-Method = Callable[[Ctx, dict], tuple[dict, dict]]
 
 
 def _sync(device: str) -> None:
@@ -59,7 +57,7 @@ def _sync(device: str) -> None:
 
 def _params(ctx: Ctx) -> dict[str, torch.Tensor]:
     """The engine's parameters: one device tensor per stage tensor, touched (zeroed)."""
-    out = {name: torch.empty(shape, dtype=_DT[dt], device=ctx.device)
+    out = {name: torch.empty(shape, dtype=DTYPES[dt], device=ctx.device)
            for name, (_f, _s, _e, dt, shape) in ctx.tensors.items()}
     for t in out.values():
         t.zero_()
@@ -75,8 +73,8 @@ def prep_engine(ctx: Ctx) -> dict:
 def prep_engine_staged(ctx: Ctx) -> dict:
     """The loader is created first (its staging starts page-locking in the background),
     then the engine builds its model (the parameters), then the clock starts."""
-    from ..io.backend import ReadOptions
-    from ..io.registry import prepare_staging
+    from pploader.io.backend import ReadOptions
+    from pploader.io.registry import prepare_staging
     ring = prepare_staging(ctx.device, ReadOptions())
     return {"ring": ring, "params": _params(ctx)}
 
@@ -86,7 +84,7 @@ def _prep_engine_queue(threads: int, slot_bytes: int) -> Callable[[Ctx], dict]:
     clock: requests of ``slot_bytes``, ``threads x slot_bytes`` in flight (the disk queue's
     depth, issue 28's cold comparison)."""
     def prep(ctx: Ctx) -> dict:
-        from ..io.pinned_ring import PinnedRing
+        from pploader.io.pinned_ring import PinnedRing
         ring = PinnedRing(threads, slot_bytes, lazy=False, device=ctx.device)
         return {"ring": ring, "params": _params(ctx)}
     return prep
@@ -108,7 +106,7 @@ def _engine_pploader_window(window_bytes: int) -> Method:
 def m_engine_pploader(ctx: Ctx, prep: dict, window_bytes: Optional[int] = None
                       ) -> tuple[dict, dict]:
     """plan_stage + iter_stage_weights(device=cuda): device tensors, one D2D copy_ each."""
-    from .. import Topology, iter_stage_weights, plan_stage
+    from pploader import Topology, iter_stage_weights, plan_stage
     params = prep["params"]
     base = torch.cuda.memory_allocated(ctx.device)
     torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -133,9 +131,9 @@ def m_engine_pploader_windowed(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """The windowed device stream (io/transfer/direct.py ``_windowed``, what a backend
     without a stream of its own gets) with the pinned backend, 4 GiB: the pre-issue-28-round-7
     default, measured beside the continuous stream."""
-    from .. import Topology, plan_stage
-    from ..io.backend import ReadOptions
-    from ..io.transfer.direct import DirectTransfer
+    from pploader import Topology, plan_stage
+    from pploader.io.backend import ReadOptions
+    from pploader.io.transfer.direct import DirectTransfer
     params = prep["params"]
     base = torch.cuda.memory_allocated(ctx.device)
     torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -176,7 +174,7 @@ def _ring_ready_s(prep: dict) -> Optional[float]:
 def prep_engine_format(ctx: Ctx) -> dict:
     """:func:`prep_engine_staged`, with the load format's modules imported before the clock:
     vLLM imports them when it registers the plugin, at engine start, never in a load."""
-    from ..integrations import placed  # noqa: F401
+    from pploader.integrations import placed  # noqa: F401
     return prep_engine_staged(ctx)
 
 
@@ -192,9 +190,9 @@ def m_engine_pploader_vllm(ctx: Ctx, prep: dict, window_bytes: Optional[int] = N
     """What pploader's vLLM load format calls on a GPU worker: ``placed.stage_weights`` onto
     the model's device with the staging the loader started at creation, then the engine's
     ``copy_`` per tensor (vLLM itself does not install on the GPU host)."""
-    from .. import Topology, plan_stage
-    from ..integrations.placed import stage_weights
-    from ..io.backend import ReadOptions
+    from pploader import Topology, plan_stage
+    from pploader.integrations.placed import stage_weights
+    from pploader.io.backend import ReadOptions
     params = prep["params"]
     ready_s = _ring_ready_s(prep)
     t0 = time.perf_counter()
@@ -258,9 +256,9 @@ class _StageModel(torch.nn.Module):
 def prep_engine_sglang(ctx: Ctx) -> dict:
     """The SGLang loader is made first (its staging starts page-locking, ``early_staging``),
     then SGLang builds the model (the parameters), then the clock starts."""
-    from ..integrations import engine_core, placed  # noqa: F401 - imported with the plugin
-    from ..io.backend import ReadOptions
-    from ..io.registry import prepare_staging
+    from pploader.integrations import engine_core, placed  # noqa: F401 - imported with the plugin
+    from pploader.io.backend import ReadOptions
+    from pploader.io.registry import prepare_staging
     ring = prepare_staging(ctx.device, ReadOptions()) \
         if torch.device(ctx.device).type == "cuda" else None
     return {"ring": ring, "params": _params(ctx)}
@@ -270,10 +268,10 @@ def m_engine_pploader_sglang(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """What pploader's SGLang format calls per rank: ``load_engine_stage`` (plan with SGLang's
     split, the window checked, ``placed.stage_weights`` onto the parameters' device through
     the staging made at loader creation, the model's ``load_weights``, the strict check)."""
-    from .. import Topology
-    from ..integrations.engine_core import load_engine_stage
-    from ..planning.partition import engine_layer_counts
-    from ..planning.spec import load_spec
+    from pploader import Topology
+    from pploader.integrations.engine_core import load_engine_stage
+    from pploader.planning.partition import engine_layer_counts
+    from pploader.planning.spec import load_spec
     params = prep["params"]
     ready_s = _ring_ready_s(prep)
     t0 = time.perf_counter()

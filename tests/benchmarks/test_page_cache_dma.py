@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from pploader.bench import page_cache_dma as pcd
+from benchmarks import page_cache_dma as pcd
 
 
 def test_stage_files_chunk_exactly_and_verify_catches_a_wrong_byte(tmp_path: Path) -> None:

@@ -3,9 +3,9 @@
 Run with the vLLM venv's python (``.ci/vllm-suite.sh`` makes it):
 
     PY=$HOME/.cache/pploader/vllm-venv/bin/python
-    $PY launch/bench_vllm.py make /tmp/vb/ckpt            # synthetic llama, ~1.2 GB bf16
-    $PY launch/bench_vllm.py run /tmp/vb/ckpt --pp 2 --repeat 3 --json /tmp/vb/bench.json
-    $PY launch/bench_vllm.py summary /tmp/vb/bench.json      # the markdown table (medians)
+    $PY benchmarks/vllm_cpu.py make /tmp/vb/ckpt            # synthetic llama, ~1.2 GB bf16
+    $PY benchmarks/vllm_cpu.py run /tmp/vb/ckpt --pp 2 --repeat 3 --json /tmp/vb/bench.json
+    $PY benchmarks/vllm_cpu.py summary /tmp/vb/bench.json      # the markdown table (medians)
 
 ``run`` starts one engine per trial, each in a fresh process, alternating the loaders, cold
 (the checkpoint's pages evicted with posix_fadvise DONTNEED first, checked with mincore) then
@@ -152,7 +152,7 @@ def trial(model: str, loader: str, pp: int, tp: int, out_dir: str) -> None:
 
 
 # ---- the driver -----------------------------------------------------------------------
-def _evict(model: Path) -> int:
+def evict_checkpoint(model: Path) -> int:
     """Drop the checkpoint's clean pages from the page cache; returns bytes still resident."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from pploader.io.pagecache import resident_bytes_of_ranges
@@ -177,7 +177,7 @@ def run(model: Path, pp: int, tp: int, repeat: int, json_out: Path,
                 out_dir.mkdir(parents=True, exist_ok=True)
                 for stale in out_dir.glob("*.json"):   # an earlier run's workers
                     stale.unlink()
-                resident = _evict(model) if cache == "cold" else None
+                resident = evict_checkpoint(model) if cache == "cold" else None
                 if cache == "warm":   # make sure every page is cached
                     for path in model.glob("*.safetensors"):
                         with open(path, "rb") as fh:

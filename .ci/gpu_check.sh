@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check: one command on a 2-GPU machine, from the repository root.
 #
-#   ./launch/gpu_check.sh [--commit SHA] [--bench [BUDGET_S]]
+#   ./.ci/gpu_check.sh [--commit SHA] [--bench [BUDGET_S]]
 #
 # 1. `pytest -m gpu` over tests/ (every GPU test runs: the NCCL ones need 2 GPUs);
 #    the report goes to $OUT/pytest_gpu.txt and $OUT/junit_gpu.xml.

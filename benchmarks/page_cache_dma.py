@@ -1,4 +1,4 @@
-"""Would DMA straight from the page cache beat the pinned ring? (issue 17, item 4)
+"""Would DMA straight from the page cache beat the pinned ring?
 
 The pinned ring moves each warm byte over host memory three times: the kernel's copy reads the
 page cache and writes a slot, then the GPU's DMA reads the slot. With four stages loading at once
@@ -17,7 +17,7 @@ own GPU, in fresh processes, started together):
 Warm only (a cold mapping would be faulted in page by page). Every destination is checked
 against the file at three 1 MiB windows.
 
-    python -m pploader.bench.page_cache_dma --dir /tmp/pcd --mib 8192 --gpus 4 [--out OUT]
+    python -m benchmarks.page_cache_dma --dir /tmp/pcd --mib 8192 --gpus 4 [--out OUT]
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from typing import Callable
 
 import torch
 
-from .gpu_methods import run_threads
+from pploader.bench.gpu_methods import run_threads
 
 __all__ = ["main"]
 
@@ -239,7 +239,7 @@ def _child(folder: Path, device: int, methods: list[str], start_at: float) -> No
 def _spawn(root: Path, device: int, methods: list[str], start_at: float = 0.0
            ) -> subprocess.Popen:
     return subprocess.Popen(
-        [sys.executable, "-m", "pploader.bench.page_cache_dma", "--child", str(root / str(device)),
+        [sys.executable, "-m", "benchmarks.page_cache_dma", "--child", str(root / str(device)),
          "--device", str(device), "--methods", ",".join(methods), "--start-at", str(start_at)],
         stdout=subprocess.PIPE, text=True)
 
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> None:
         _child(Path(args.child), args.device, args.methods.split(","), args.start_at)
         return
     gpus = args.gpus or torch.cuda.device_count()
-    from ..outputs import claim_output, own_entries  # never into a directory of the user's
+    from pploader.outputs import claim_output, own_entries  # never into a directory of the user's
     target = claim_output(args.dir, "--dir", command="bench.page_cache_dma", reuse=True)
     root = target.path
     own_entries(target, [str(stage) for stage in range(gpus)])

@@ -1,4 +1,4 @@
-"""What the user waits for (``python -m pploader.bench.cuda --cli-wall``): the wall time of
+"""What the user waits for (``python -m benchmarks.gpu_field --cli-wall``): the wall time of
 ``torchrun --nproc_per_node=N -m pploader load --device cuda`` next to a bare torchrun script
 that only imports torch and starts NCCL (the floor every torchrun job pays), for a tiny
 checkpoint and for a real-size one, warm and cold; the API's own load seconds (rank reports

@@ -1,7 +1,8 @@
-"""The disk's best pattern for one stage, cold (``python -m pploader.bench.cuda --disk-best``):
-O_DIRECT reads of exactly the bytes a loader needs (or of the whole needed files, as
+"""What the disk delivers to one stage, cold: O_DIRECT read rates per request size and thread
+count over the checkpoint (``python -m benchmarks.gpu_field --disk``, :func:`disk_patterns`),
+and the disk's best pattern for the stage (``--disk-best``, :func:`disk_best`): O_DIRECT reads of exactly the bytes a loader needs (or of the whole needed files, as
 fastsafetensors reads them) into page-aligned host buffers, no GPU, under several request
-patterns. The requests are cut by the pinned backend's own planner (``io.device._chunks``),
+patterns. The requests are cut by the pinned backend's own planner (``io.requests.chunks``),
 so the pattern that wins is one the loader can adopt. GB = 10^9 bytes.
 """
 from __future__ import annotations
@@ -12,12 +13,12 @@ import threading
 import time
 from typing import Any
 
-from ..io.requests import Chunk as _Chunk
-from ..io.requests import Piece as _Piece
-from ..io.requests import chunks as _chunks
-from ..io.requests import interleave_files as _interleave_files
+from pploader.io.requests import Chunk as _Chunk
+from pploader.io.requests import Piece as _Piece
+from pploader.io.requests import chunks as _chunks
+from pploader.io.requests import interleave_files as _interleave_files
 
-__all__ = ["PATTERNS", "stage_pieces", "read_pattern", "disk_best"]
+__all__ = ["PATTERNS", "stage_pieces", "read_pattern", "disk_best", "disk_patterns"]
 
 MIB = 1 << 20
 GB = 1e9
@@ -134,4 +135,62 @@ def disk_best(plan: Any, names: list[str], rounds: int = 2) -> list[dict]:
                   f"({row['bytes'] / GB:.2f} GB, {row['requests']} requests, "
                   f"{row['threads']} threads){' ' + row['error'] if row['error'] else ''}",
                   flush=True)
+    return rows
+
+
+def disk_patterns(paths: list[str], per_config_bytes: int = 1 << 30,
+                  request_mib: tuple[int, ...] = (4, 16, 64),
+                  threads: tuple[int, ...] = (4, 8, 16, 32)) -> list[dict]:
+    """O_DIRECT read rate per (request size, threads): each thread reads its own contiguous
+    region sequentially (one stream each). Every configuration reads different bytes of the
+    checkpoint (no cache on the way, the host's included)."""
+    sizes = [os.path.getsize(p) for p in paths]
+    space = sum(sizes)
+
+    def locate(pos: int) -> tuple[str, int, int]:
+        for p, n in zip(paths, sizes):
+            if pos < n:
+                return p, pos, n - pos
+            pos -= n
+        raise ValueError(pos)
+
+    per_config_bytes = min(per_config_bytes, space // (len(request_mib) * len(threads)))
+    rows, base = [], 0
+    for req in request_mib:
+        for nthreads in threads:
+            region = max(4096, per_config_bytes // nthreads // 4096 * 4096)
+            if base + region * nthreads > space:
+                base = 0
+            done = [0] * nthreads
+
+            def worker(i: int, start: int) -> None:
+                buf = mmap.mmap(-1, req * MIB)
+                path, off, left = locate(start)
+                left += off % 4096          # file sizes are not page multiples
+                off -= off % 4096
+                fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+                try:
+                    end = off + min(region, left // 4096 * 4096)
+                    while off < end:
+                        n = os.preadv(fd, [memoryview(buf)[:min(req * MIB, end - off)]], off)
+                        if n <= 0:
+                            break
+                        off += n
+                        done[i] += n
+                finally:
+                    os.close(fd)
+                    buf.close()
+            ts = [threading.Thread(target=worker, args=(i, (base + i * region) // 4096 * 4096))
+                  for i in range(nthreads)]
+            t0 = time.perf_counter()
+            for t in ts:
+                t.start()
+            for t in ts:
+                t.join()
+            sec = time.perf_counter() - t0
+            base += region * nthreads
+            rows.append({"request_mib": req, "threads": nthreads, "bytes": sum(done),
+                         "seconds": sec, "gbps": sum(done) / sec / GB})
+            print(f"[disk] O_DIRECT {req:3d} MiB x {nthreads:2d} threads: "
+                  f"{rows[-1]['gbps']:.2f} GB/s", flush=True)
     return rows

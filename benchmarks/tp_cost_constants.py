@@ -1,6 +1,6 @@
 """Measure the constants of the TP read cost model on this machine (docs/tensor-parallel.md).
 
-    torchrun --standalone --nproc_per_node 2 -m pploader.bench.tp_costs --file BIG_FILE [--cold]
+    torchrun --standalone --nproc_per_node 2 -m benchmarks.tp_cost_constants --file BIG_FILE [--cold]
 
 - sequential read: ``preadv`` of 16 MiB blocks (bytes/s);
 - positional read: short runs at a stride (a dim-1 slice, row by row); its overhead over
@@ -87,11 +87,11 @@ def _measure_link(comm: object, nbytes: int, repeat: int = 5) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..distributed.bootstrap import init_distributed
-    from ..distributed.comm import Comm
-    from ..planning.topology import Topology
+    from pploader.distributed.bootstrap import init_distributed
+    from pploader.distributed.comm import Comm
+    from pploader.planning.topology import Topology
 
-    p = argparse.ArgumentParser(prog="python -m pploader.bench.tp_costs", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp_cost_constants", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--file", required=True, help="a large file on the storage to measure")
     p.add_argument("--cold", action="store_true", help="evict the file before each read test")

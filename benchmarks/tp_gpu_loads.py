@@ -1,8 +1,8 @@
-"""TP stage loads on GPUs (issue 16): direct strided reads vs read-and-redistribute (row shares
+"""TP stage loads on GPUs: direct strided reads vs read-and-redistribute (row shares
 + NCCL all-to-all on the device) vs ``--exchange-cost auto``, warm and cold, every TP rank on
 its own GPU, all ranks at once (docs/benchmarks-gpu.md).
 
-    torchrun --standalone --nproc_per_node N -m pploader.bench.tp_gpu --model DIR \\
+    torchrun --standalone --nproc_per_node N -m benchmarks.tp_gpu_loads --model DIR \\
         [--repeat 2] [--cold-repeat 1] [--states warm,cold] [--out FILE.json]
 
 Per load and rank: seconds of the load (``load_stage``'s reader; planning excluded, a pinned
@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # pragma: no cover
-    from ..distributed.comm import Comm
+    from pploader.distributed.comm import Comm
 
 __all__ = ["main", "tp_bench"]
 
@@ -50,17 +50,17 @@ def tp_bench(comm: "Comm", model: str, device: str, *, repeat: int = 2, cold_rep
              states: tuple[str, ...] = ("warm", "cold")) -> dict[str, Any]:
     """Every mode x state x repeat on every rank at once; rank 0's result has all ranks."""
     import torch
-    from ..io.transfer.exchange import auto_exchange_cost
-    from ..planning.checkpoint import open_checkpoint
-    from ..report import proc_io
-    from ..stage import load_stage, plan_stage
-    from .cuda import evict, warm
+    from pploader.io.transfer.exchange import auto_exchange_cost
+    from pploader.planning.checkpoint import open_checkpoint
+    from pploader.report import proc_io
+    from pploader.stage import load_stage, plan_stage
+    from pploader.bench.cuda import evict, warm
     topo = comm.topology
     paths = [str(p) for p in open_checkpoint(model).paths.values()]
     kind = device.partition(":")[0]
     ring = None
     if kind == "cuda":
-        from ..io.device import PinnedRing
+        from pploader.io.device import PinnedRing
         ring = PinnedRing(lazy=False)
     reference: Optional[dict[str, torch.Tensor]] = None
     link = _link_gbps(comm, device)
@@ -112,10 +112,10 @@ def tp_bench(comm: "Comm", model: str, device: str, *, repeat: int = 2, cold_rep
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    from ..distributed.bootstrap import init_distributed
-    from ..distributed.comm import Comm
-    from ..planning.topology import Topology
-    p = argparse.ArgumentParser(prog="python -m pploader.bench.tp_gpu")
+    from pploader.distributed.bootstrap import init_distributed
+    from pploader.distributed.comm import Comm
+    from pploader.planning.topology import Topology
+    p = argparse.ArgumentParser(prog="python -m benchmarks.tp_gpu_loads")
     p.add_argument("--model", required=True)
     p.add_argument("--repeat", type=int, default=2, help="warm repeats")
     p.add_argument("--cold-repeat", type=int, default=1)

@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
-# Every acceptance row of the GPU issue (#17) on one machine, in two parts that each fit one
+# The GPU field on one machine (python -m benchmarks.gpu_field), in parts that each fit one
 # 10-minute device call (run them back to back on the same warm machine; the checkpoint in
-# $CKDIR is written once and kept):
+# $CKDIR is written once and kept), from the repository root:
 #
-#   ./launch/gpu_acceptance.sh 1   # warm + cold field, the disk's best pattern, PP=2
-#   ./launch/gpu_acceptance.sh 2   # PP=4 alone vs together, CLI wall vs a bare torchrun
+#   ./benchmarks/gpu_field.sh 1   # warm + cold field, the disk's best pattern, PP=2
+#   ./benchmarks/gpu_field.sh 2   # PP=4 alone vs together, CLI wall vs a bare torchrun
+#   ./benchmarks/gpu_field.sh 3   # PP=4 profile: page-cache reads and H2D, alone vs together
 #
 # Needs 4 GPUs for PP=4 (2 for the rest). Competitors' wheels (instanttensor, fastsafetensors)
 # are installed from .whl/ when present. Logs go to $OUT/partN/, JSON to $OUT/partN_NAME/ (two levels: what the device returns).
 # The numbers are written up in docs/benchmarks-gpu.md.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PART="${1:?usage: $0 1|2}"
+PART="${1:?usage: $0 1|2|3}"
 OUT="${OUT:-out/gpu}"; DIR="$OUT/part$PART"; mkdir -p "$DIR"
 CKDIR="${CKDIR:-/tmp/ck}"
 PY="${PYTHON:-python3}"
@@ -27,8 +28,8 @@ fi
   "$PY" -c "import instanttensor, fastsafetensors; print('competitors importable')" 2>&1 | tail -1
 } | tee "$DIR/machine.txt"
 bench() { local name="$1"; shift
-  echo "== $name: $PY -m pploader.bench.cuda --ckdir $CKDIR $*" | tee -a "$DIR/commands.txt"
-  "$PY" -m pploader.bench.cuda --ckdir "$CKDIR" --out "${DIR}_$name" "$@" 2>&1 | tee "$DIR/$name.log"
+  echo "== $name: $PY -m benchmarks.gpu_field --ckdir $CKDIR $*" | tee -a "$DIR/commands.txt"
+  "$PY" -m benchmarks.gpu_field --ckdir "$CKDIR" --out "${DIR}_$name" "$@" 2>&1 | tee "$DIR/$name.log"
 }
 case "$PART" in
   1)
@@ -38,5 +39,7 @@ case "$PART" in
   2)
     bench pp4 --pp2 --pp 4
     bench cli_wall --cli-wall 1 ;;
-  *) echo "usage: $0 1|2" >&2; exit 2 ;;
+  3)
+    bench pp4_profile --pp2-profile --pp 4 ;;
+  *) echo "usage: $0 1|2|3" >&2; exit 2 ;;
 esac

@@ -1,8 +1,9 @@
-"""PP=N on N GPUs for the GPU benchmark (``python -m pploader.bench.cuda --pp2 [--pp N]`` /
-``--pp2-profile [--pp N]``): each stage alone on its own GPU, then all at once, each stage's
-raw ceiling alone on its GPU (the benchmark's ``raw_preadv16`` on that stage), and the split
-of that time into page-cache reads and host-to-device copies. The children are started as
-``python -m pploader.bench.cuda --stage-child RANK --pp N`` / ``--profile-child RANK:WHAT``.
+"""PP=N stages on N GPUs (``python -m benchmarks.gpu_field --pp2 | --pp2-profile | --pp-reload
+[--pp N]``): each stage alone on its own GPU, then all at once, each stage's raw ceiling alone
+on its GPU (``pploader bench --device cuda``'s ``raw_preadv16`` on that stage), and the split
+of that time into page-cache reads and host-to-device copies. The children are this module
+(``python -m benchmarks.gpu_pp_stages --stage-child RANK`` / ``--profile-child RANK:WHAT``)
+and ``python -m pploader.bench.cuda --child raw_preadv16``.
 """
 from __future__ import annotations
 
@@ -13,10 +14,13 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["_pp2", "_pp2_profile", "_pp_reload", "_stage_child", "_profile_child"]
+__all__ = ["pp_stages", "pp_profile", "pp_reload", "stage_child", "profile_child", "main"]
+
+HERE = "benchmarks.gpu_pp_stages"
+RAW = "pploader.bench.cuda"
 
 
-def _stage_child(model: str, rank: int, pp: int = 2, reuse_ring: bool = False) -> None:
+def stage_child(model: str, rank: int, pp: int = 2, reuse_ring: bool = False) -> None:
     """One stage's ``load_stage`` on its GPU; ``reuse_ring``: the pinned ring is made and
     page-locked before the clock (a reload) instead of on first use inside the load."""
     import torch
@@ -33,7 +37,7 @@ def _stage_child(model: str, rank: int, pp: int = 2, reuse_ring: bool = False) -
                                   "peak_rss": res.report.peak_rss_bytes}), flush=True)
 
 
-def _profile_child(model: str, rank: int, what: str, pp: int = 2) -> None:
+def profile_child(model: str, rank: int, what: str, pp: int = 2) -> None:
     """One side of the PP=2 bottleneck profile: ``reads`` = the stage's planned bytes from the
     page cache into a pinned ring (16 threads, no GPU copy); ``h2d`` = pinned -> GPU copies
     of the same volume (no file reads)."""
@@ -84,10 +88,10 @@ def _profile_child(model: str, rank: int, what: str, pp: int = 2) -> None:
                                   "gbps": total / sec / 1e9}), flush=True)
 
 
-def _pp2_profile(ckdir: str, pp: int = 2) -> list[dict]:
+def pp_profile(ckdir: str, pp: int = 2) -> list[dict]:
     """Reads alone vs together, and H2D alone vs together, per stage (the PP=N profile)."""
     def spawn(rank: int, what: str) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--profile-child",
+        return subprocess.Popen([sys.executable, "-m", HERE, "--profile-child",
                                  f"{rank}:{what}", "--ckdir", ckdir, "--pp", str(pp)],
                                 stdout=subprocess.PIPE, text=True)
 
@@ -108,16 +112,16 @@ def _pp2_profile(ckdir: str, pp: int = 2) -> list[dict]:
     return rows
 
 
-def _pp2(ckdir: str, pp: int = 2) -> list[dict]:
+def pp_stages(ckdir: str, pp: int = 2) -> list[dict]:
     """Each stage alone on its GPU, then all at once, and each stage's raw ceiling alone on
     its GPU (warm page cache)."""
     def spawn(rank: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--stage-child",
+        return subprocess.Popen([sys.executable, "-m", HERE, "--stage-child",
                                  str(rank), "--ckdir", ckdir, "--pp", str(pp)],
                                 stdout=subprocess.PIPE, text=True)
 
     def raw(rank: int) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--child",
+        return subprocess.Popen([sys.executable, "-m", RAW, "--child",
                                  "raw_preadv16", "--ckdir", ckdir, "--device", f"cuda:{rank}",
                                  "--pp", str(pp), "--stage", str(rank)],
                                 stdout=subprocess.PIPE, text=True)
@@ -145,12 +149,13 @@ def _pp2(ckdir: str, pp: int = 2) -> list[dict]:
     return rows
 
 
-def _pp_reload(ckdir: str, pp: int) -> list[dict]:
+def pp_reload(ckdir: str, pp: int) -> list[dict]:
     """Where the PP=N slowdown lives: each stage alone and all together with the ring made
     before the clock (no first-use page-locking in the load), and the raw ceiling of stage 0's
     bytes on GPU 1 and of stage 1's bytes on GPU 0 (GPU vs files)."""
     def run(args: list[str]) -> subprocess.Popen:
-        return subprocess.Popen([sys.executable, "-m", "pploader.bench.cuda", "--ckdir", ckdir,
+        module = RAW if args[0] == "--child" else HERE
+        return subprocess.Popen([sys.executable, "-m", module, "--ckdir", ckdir,
                                  "--pp", str(pp), *args], stdout=subprocess.PIPE, text=True)
 
     def result(p: subprocess.Popen) -> dict:
@@ -158,8 +163,8 @@ def _pp_reload(ckdir: str, pp: int) -> list[dict]:
         line = [x for x in out.splitlines() if x.startswith("RESULT ")]
         return json.loads(line[-1][7:]) if line else {"error": out[-500:]}
 
-    from .cuda import _files, warm
-    warm(_files(ckdir))
+    from pploader.bench.cuda import checkpoint_files, warm
+    warm(checkpoint_files(ckdir))
     rows = []
     for stage, gpu in ((0, 1), (1, 0), (0, 0), (1, 1)):
         rows.append(dict(result(run(["--child", "raw_preadv16", "--device", f"cuda:{gpu}",
@@ -176,3 +181,26 @@ def _pp_reload(ckdir: str, pp: int) -> list[dict]:
               f"stage {r.get('stage')} gpu {r.get('gpu')} {r.get('seconds', 0):.3f}s "
               f"{r.get('gbps', 0):.2f} GB/s {r.get('error') or ''}", flush=True)
     return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    """The children: ``--stage-child RANK [--reuse-ring]`` or ``--profile-child RANK:WHAT``."""
+    import argparse
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
+    ap.add_argument("--ckdir", required=True)
+    ap.add_argument("--pp", type=int, default=2)
+    ap.add_argument("--stage-child", type=int, default=None)
+    ap.add_argument("--reuse-ring", action="store_true")
+    ap.add_argument("--profile-child", default=None, metavar="RANK:WHAT")
+    args = ap.parse_args(argv)
+    if args.stage_child is not None:
+        stage_child(args.ckdir, args.stage_child, args.pp, args.reuse_ring)
+    elif args.profile_child is not None:
+        rank, what = args.profile_child.split(":")
+        profile_child(args.ckdir, int(rank), what, args.pp)
+    else:
+        ap.error("--stage-child or --profile-child (the runs start from benchmarks.gpu_field)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,8 +1,8 @@
 """Object storage: pploader's ``s3`` backend vs RunAI's model streamer (``runai-model-streamer``
 + ``runai-model-streamer-s3``) on the same local S3-compatible server and the same files.
 
-    python -m pploader.bench.s3 [--pp 1 2 4] [--layers 8 --hidden 768 --vocab 32000] [--json]
-    python -m pploader.bench.s3 --clients       # boto3 vs obstore on the same server
+    python -m benchmarks.s3_streamer [--pp 1 2 4] [--layers 8 --hidden 768 --vocab 32000] [--json]
+    python -m benchmarks.s3_streamer --clients       # boto3 vs obstore on the same server
 
 Per PP rank, each method runs alone in a fresh process signed with its own access key, so the
 server (pploader/testing/s3server.py: moto behind a byte counter) counts what that rank fetched
@@ -71,7 +71,7 @@ def _child(method: str, uri: str, pp: int, rank: int) -> None:
 
 
 def _make_checkpoint(out: Path, layers: int, hidden: int, vocab: int) -> Path:
-    from ..tiny import make_tiny
+    from pploader.tiny import make_tiny
     cfg = json.loads((Path(__file__).resolve().parents[1] / "tiny_configs" / "tiny-llama.json"
                       ).read_text())
     cfg.pop("pploader_tiny", None)
@@ -87,8 +87,8 @@ def run_bench(pps: list[int], layers: int, hidden: int, vocab: int = 32000
     """Every (pp, rank, method) row: bytes fetched (server side), wall, ideal bytes."""
     import boto3
 
-    from ..testing.s3server import start_server
-    from .. import Topology, plan_stage
+    from pploader.testing.s3server import start_server
+    from pploader import Topology, plan_stage
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp, start_server() as server:
         model = _make_checkpoint(Path(tmp) / "model", layers, hidden, vocab)
@@ -115,7 +115,7 @@ def run_bench(pps: list[int], layers: int, hidden: int, vocab: int = 32000
                     env = dict(os.environ, **_env(server.url, key),
                                PPLOADER_BENCH_FILES=json.dumps(shards),
                                PPLOADER_BENCH_STAGE=json.dumps(stage), OMP_NUM_THREADS="1")
-                    out = subprocess.run([sys.executable, "-m", "pploader.bench.s3", "--child",
+                    out = subprocess.run([sys.executable, "-m", "benchmarks.s3_streamer", "--child",
                                           method, uri, str(pp), str(rank)], env=env,
                                          capture_output=True, text=True, timeout=1800)
                     line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
@@ -144,7 +144,7 @@ def compare_clients(size_mb: int = 256, chunk_mb: int = 16, threads: int = 8,
     import obstore
     from obstore.store import S3Store
 
-    from ..testing.s3server import start_server
+    from pploader.testing.s3server import start_server
     size, chunk = size_mb << 20, chunk_mb << 20
     data = os.urandom(size)
     rows: list[dict[str, Any]] = []

@@ -3,9 +3,9 @@
 Run with the SGLang venv's python (``.ci/sglang-suite.sh`` makes it):
 
     PY=$HOME/.cache/pploader/sglang-venv/bin/python
-    $PY launch/bench_sglang.py make /tmp/sb/ckpt                 # synthetic llama (bench_vllm's)
-    $PY launch/bench_sglang.py run /tmp/sb/ckpt --pp 2 --repeat 3 --json /tmp/sb/bench.json
-    $PY launch/bench_sglang.py summary /tmp/sb/bench.json        # the markdown table (medians)
+    $PY benchmarks/sglang_cpu.py make /tmp/sb/ckpt                 # synthetic llama (vllm_cpu's)
+    $PY benchmarks/sglang_cpu.py run /tmp/sb/ckpt --pp 2 --repeat 3 --json /tmp/sb/bench.json
+    $PY benchmarks/sglang_cpu.py summary /tmp/sb/bench.json        # the markdown table (medians)
 
 ``run`` starts one engine per trial, each in a fresh process, alternating the loaders (the
 order flips every repeat), cold (the checkpoint's pages evicted with posix_fadvise DONTNEED
@@ -60,7 +60,7 @@ def trial(model: str, loader: str, pp: int, out_json: str) -> None:
 
 def run(model: Path, pp: int, repeat: int, json_out: Path,
         caches: tuple[str, ...] = ("cold", "warm")) -> None:
-    from bench_vllm import _evict   # type: ignore[import-not-found]
+    from vllm_cpu import evict_checkpoint   # type: ignore[import-not-found]
     from engine import ENV   # type: ignore[import-not-found]
     stubs = str(ROOT / "tests" / "sglang" / "stubs")
     rows = []
@@ -69,7 +69,7 @@ def run(model: Path, pp: int, repeat: int, json_out: Path,
             for loader in (("default", "pploader") if rep % 2 == 0 else ("pploader", "default")):
                 out_dir = json_out.parent / f"trial-pp{pp}-{rep}-{cache}-{loader}"
                 out_dir.mkdir(parents=True, exist_ok=True)
-                resident = _evict(model) if cache == "cold" else None
+                resident = evict_checkpoint(model) if cache == "cold" else None
                 if cache == "warm":   # make sure every page is cached
                     for path in model.glob("*.safetensors"):
                         with open(path, "rb") as fh:
@@ -150,7 +150,7 @@ def main() -> None:
         t.add_argument(name)
     args = ap.parse_args()
     if args.cmd == "make":
-        from bench_vllm import make   # type: ignore[import-not-found]
+        from vllm_cpu import make   # type: ignore[import-not-found]
         make(args.out, args.layers, args.hidden, args.intermediate, args.vocab)
     elif args.cmd == "summary":
         print(summary(args.json))
