@@ -27,13 +27,13 @@ from typing import TYPE_CHECKING, Callable, NamedTuple, Optional, Sequence
 
 from .checkpoint import TensorEntry
 from .items import ReadItem, make_item, read_method_items, total_read_bytes
-from .plan import DEFAULT_EXCHANGE_COST, RankPlan
 from .shard import Interval, Selection
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .rank_plan import RankPlan  # which imports this module lazily (``summary``)
     from .topology import Topology
 
-__all__ = ["ExchangeItem", "Redistribute", "Exchanger", "DEFAULT_EXCHANGE_COST",
+__all__ = ["ExchangeItem", "Redistribute", "Exchanger",
            "DEFAULT_EXCHANGE_BATCH_BYTES", "read_methods", "methods_table", "rows_in", "piece_selection"]
 
 #: Box bytes of the tensors (or row chunks of one large tensor) exchanged in one all-to-all.

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 from ..errors import CheckpointError, ConfigError, PPLoaderError, ReadError
 from ..storage import ObjectStorage, open_storage
 from ..storage.s3 import ObjectStoreError
 from .header import (MAX_HEADER_BYTES, MAX_TENSORS, ObjectIdentity, ShardHeader,
                      header_from_bytes, header_length)
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .checkpoint import CheckpointIndex
+from .index import INDEX_NAME, CheckpointIndex, _read_index_bytes, index_from_headers
 
 __all__ = ["remote_bytes", "open_remote_checkpoint", "remote_header", "planning_error"]
 
@@ -84,11 +82,10 @@ def remote_header(storage: ObjectStorage, name: str, *,
         info.size, info.etag), info.size, head, raw, max_tensors)
 
 
-def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
+def open_remote_checkpoint(uri: str) -> CheckpointIndex:
     """The CheckpointIndex of ``s3://bucket/prefix``: one LIST of the prefix (which shards are
     present), the index fetched whole when there is one (no shard is read), else every
     ``*.safetensors`` object's header."""
-    from .checkpoint import INDEX_NAME, CheckpointIndex, _read_index_bytes, index_from_headers
     storage = open_storage(uri)
     objects = _listing(storage, CheckpointError)
     if INDEX_NAME in objects:
@@ -98,7 +95,7 @@ def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
         paths = {f: storage.uri(f) for f in files if f in objects}
         return CheckpointIndex(storage.root, weight_map, paths, INDEX_NAME, _counts=counts,
                                missing=tuple(f for f in files if f not in paths),
-                               storage=storage)
+                               storage=storage, read_header=remote_header)
     shards = sorted(n for n in objects if n.endswith(".safetensors"))
     if not shards:
         raise CheckpointError(f"no {INDEX_NAME} and no *.safetensors objects under the prefix: "
@@ -108,5 +105,6 @@ def open_remote_checkpoint(uri: str) -> "CheckpointIndex":
     with ThreadPoolExecutor(min(16, len(shards))) as pool:  # every header, at once
         fetched = list(pool.map(lambda f: remote_header(storage, f), shards))
     return index_from_headers(storage.root, {f: storage.uri(f) for f in shards},
-                              dict(zip(shards, fetched)), storage=storage)
+                              dict(zip(shards, fetched)), storage=storage,
+                              read_header=remote_header)
 

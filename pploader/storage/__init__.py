@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import os
 import re
-from typing import Any, Mapping, NamedTuple, Optional, Protocol, Sequence
+
+from .objects import ObjectInfo, ObjectStorage
 
 __all__ = ["SCHEMES", "is_remote", "check_model_location", "ObjectInfo", "ObjectStorage", "open_storage"]
 
@@ -59,36 +60,6 @@ def check_model_location(value: object, label: str = "model_dir") -> str:
         raise bad(f"{bucket!r} is not a valid bucket name (3-63 lower-case letters, digits, "
                   "dots and hyphens)")
     return text
-
-
-class ObjectInfo(NamedTuple):
-    """An object's size and ETag (its identity: a rewrite changes the ETag)."""
-
-    size: int
-    etag: str
-
-
-class ObjectStorage(Protocol):
-    """One model prefix in an object store. Errors are ``storage.s3.ObjectStoreError``
-    naming the object's URI (never a credential)."""
-
-    root: str
-
-    def uri(self, name: str) -> str:
-        """The URI of ``name`` under the prefix (for messages and plans)."""
-
-    def list(self) -> Mapping[str, ObjectInfo]:
-        """Every object directly under the prefix, by name."""
-
-    def read(self, name: str, start: int, length: int,
-             etag: Optional[str] = None) -> tuple[bytes, ObjectInfo]:
-        """``length`` bytes from ``start`` (fewer at the object's end) and the object's info;
-        with ``etag``, refused unless the object still has it."""
-
-    def read_into(self, name: str, start: int, views: Sequence[memoryview],
-                  info: ObjectInfo, cancel: Optional[Any] = None) -> int:
-        """Fill ``views`` (consecutive) from ``start`` in one ranged request; the object must
-        still match ``info``; ``cancel.is_set()`` stops it. Returns the bytes fetched."""
 
 
 def open_storage(uri: str, **options: object) -> ObjectStorage:

@@ -21,7 +21,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional, Protocol, Sequence
 
-from . import ObjectInfo
+from .objects import ObjectInfo
 
 __all__ = ["S3Options", "S3Storage", "ObjectStoreError", "split_uri", "client_for",
            "clear_clients"]

@@ -7,13 +7,24 @@ dynamic: ``pploader --help`` and a plan import neither package.
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
+
+import pytest
 
 PKG = Path(__file__).resolve().parents[2] / "pploader"
 HARNESSES = PKG.parent / "benchmarks"  # the experiment harnesses: not in the wheel
 TOOLING = ("pploader.bench", "pploader.testing")
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    """ids of the nodes inside ``if TYPE_CHECKING:`` blocks (imports there never run)."""
+    return {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+            and getattr(node.test, "id", getattr(node.test, "attr", None))
+            == "TYPE_CHECKING" for n in ast.walk(node)}
 
 
 def _imports(path: Path, top_level_only: bool = False, root: Path = PKG.parent) -> list[str]:
@@ -23,9 +34,7 @@ def _imports(path: Path, top_level_only: bool = False, root: Path = PKG.parent) 
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     package = package.removesuffix(".__init__")
     tree = ast.parse(path.read_text())
-    skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
-            and getattr(node.test, "id", getattr(node.test, "attr", None))
-            == "TYPE_CHECKING" for n in ast.walk(node)}
+    skip = _type_checking_nodes(tree)
     if top_level_only:
         skip |= {id(n) for node in ast.walk(tree)
                  if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
@@ -154,17 +163,25 @@ def test_tests_are_grouped_like_the_package() -> None:
     assert {"planning", "io", "bind", "distributed", "cache", "families", "integrations"} <= folders
 
 
-#: folder (or top-level module) -> the folders and top-level modules it must never import,
-#: lazily or not (issue 27): the arrows of the data flow run one way
-FORBIDDEN_IMPORTS: dict[str, set[str]] = {
-    "families": {"planning", "io", "bind", "distributed", "cache", "integrations", "stage",
-                 "job"},
-    "planning": {"io", "bind", "distributed", "cache", "integrations", "stage", "job"},
-    "io": {"bind", "cache", "integrations", "stage", "job"},
-    "cache": {"distributed", "io", "bind", "integrations", "stage", "job"},
-    "distributed": {"io", "bind", "cache", "integrations", "stage", "job"},
-    "bind": {"integrations", "stage", "job"},
-}
+DOC = PKG.parent / "docs" / "architecture.md"
+#: the leaf modules every folder may import (the doc's table says so)
+LEAVES = {"errors", "arguments", "report"}
+
+
+def _allowed_imports(text: str) -> dict[str, Optional[list[str]]]:
+    """folder -> the folders and top-level modules it may import, in the order of the rows of
+    docs/architecture.md, "Folders: the phases of a load" (None: ``anything``, tooling)."""
+    section = text.split("## Folders: the phases of a load", 1)[1].split("\n## ", 1)[0]
+    allowed: dict[str, Optional[list[str]]] = {}
+    for line in section.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        folder = re.fullmatch(r"`(\w+)/`", cells[1]) if len(cells) == 4 else None
+        if folder:
+            assert folder[1] not in allowed, f"{folder[1]}/ has two rows"
+            allowed[folder[1]] = None if cells[3] == "anything" else \
+                re.findall(r"`(\w+)`", cells[3])
+    assert allowed, f"no folder table found in {DOC}"
+    return allowed
 
 
 def _unit(module: str) -> str:
@@ -175,24 +192,47 @@ def _unit(module: str) -> str:
 
 def _unit_graph(skip: tuple[str, ...] = ("bench", "testing", "__init__", "__main__", "cli",
                                           "cli_args")) -> dict[str, set[str]]:
-    """unit -> units it imports at run time (lazy imports included, TYPE_CHECKING aside)."""
+    """unit -> units it imports at run time (lazy imports included, TYPE_CHECKING aside; the
+    package itself, ``from pploader import X``, re-exports everything and stands outside)."""
     graph: dict[str, set[str]] = {}
-    for path in sorted(PKG.rglob("*.py")):
-        me = _unit(".".join(path.relative_to(PKG.parent).with_suffix("").parts))
-        if me in skip:
-            continue
-        deps = {_unit(m) for m in _imports(path) if m.startswith("pploader.")}
-        graph.setdefault(me, set()).update(deps - {me, "", "errors", "report"})
+    for module, deps in _module_graph(PKG).items():
+        me = _unit(module) if module != "pploader" else "__init__"
+        if me not in skip:
+            graph.setdefault(me, set()).update({_unit(d) for d in deps} - {me, ""})
     return graph
 
 
 def test_folders_import_only_down_the_data_flow() -> None:
-    graph = _unit_graph()
-    bad = [f"{unit} imports {dep}" for unit, banned in FORBIDDEN_IMPORTS.items()
-           for dep in sorted(graph.get(unit, set()) & banned)]
+    """Each folder imports only what its row of the doc's table allows (plus the leaves), and
+    the table runs down the data flow: a row names only folders of the rows above it."""
+    allowed = _allowed_imports(DOC.read_text())
+    folders = sorted(p.name for p in PKG.iterdir() if (p / "__init__.py").exists())
+    assert sorted(allowed) == folders, f"{DOC.name}'s folder table lists {sorted(allowed)}, " \
+        f"the package has {folders}: one row per folder"
+    above: list[str] = []
+    for folder, may in allowed.items():
+        stray = [m for m in may or () if m in allowed and m not in above]
+        assert not stray, f"{folder}/ may import {stray}, not above it in the table"
+        unknown = [m for m in may or () if m not in allowed and not (PKG / f"{m}.py").exists()]
+        assert not unknown, f"{folder}/'s row names {unknown}: no such folder or module"
+        above.append(folder)
+    graph = _unit_graph(skip=())
+    bad = [f"{folder}/ imports {dep} (its row allows {may})" for folder, may in allowed.items()
+           if may is not None for dep in sorted(graph.get(folder, set()) - set(may) - LEAVES)]
     assert not bad, bad
     # and the rule sees real imports (a broken walker would pass anything)
     assert "planning" in graph["io"] and "families" in graph["planning"]
+    assert "storage" in graph["planning"] and "planning" in graph["distributed"]
+
+
+def test_the_folder_table_is_read_from_the_doc() -> None:
+    """The reader above on a synthetic table: rows, ``anything``, a duplicate refused."""
+    text = ("## Folders: the phases of a load\n\n| phase | folder | owns | may import |\n"
+            "|---|---|---|---|\n| what | `a/` | x | nothing |\n| plan | `b/` | y | `a`, `c` |\n"
+            "| tooling | `t/` | z | anything |\n\n## Next\n| r | `d/` | w | `a` |\n")
+    assert _allowed_imports(text) == {"a": [], "b": ["a", "c"], "t": None}
+    with pytest.raises(AssertionError, match="two rows"):
+        _allowed_imports(text.replace("`b/`", "`a/`"))
 
 
 def test_no_import_cycle_between_folders() -> None:
@@ -212,6 +252,134 @@ def test_no_import_cycle_between_folders() -> None:
     for unit in sorted(graph):
         if unit not in seen:
             visit(unit, [unit])
+
+
+def _module_graph(pkg: Path) -> dict[str, set[str]]:
+    """module -> the modules of ``pkg`` it imports, lazily or not (``if TYPE_CHECKING:`` blocks
+    aside): ``from a import b`` is an import of module ``a.b`` when that is a module, else of
+    ``a``; a package is its ``__init__``."""
+    paths = {}
+    for path in sorted(pkg.rglob("*.py")):
+        parts = path.relative_to(pkg.parent).with_suffix("").parts
+        paths[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for module, path in paths.items():
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        tree = ast.parse(path.read_text())
+        skip = _type_checking_nodes(tree)
+        deps = graph[module] = set()
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name in paths)
+            elif isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] \
+                    if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    deps.update([sub] if sub in paths else [target] if target in paths else [])
+        deps.discard(module)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one node (Tarjan, iterative): every
+    group of modules that import one another round a loop."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, deps = work[-1]
+            dep = next((d for d in deps if d in graph), None)
+            if dep is not None:
+                if dep not in index:
+                    index[dep] = low[dep] = len(index)
+                    stack.append(dep)
+                    on_stack.add(dep)
+                    work.append((dep, iter(sorted(graph[dep]))))
+                elif dep in on_stack:
+                    low[node] = min(low[node], index[dep])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    group.append(top)
+                    if top == node:
+                        break
+                if len(group) > 1:
+                    found.append(sorted(group))
+    return sorted(found)
+
+
+def _same_folder_graph(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """Only the imports between modules of one folder (a package's ``__init__`` and every
+    module below it, subfolders included: io/transfer/ is io's), or between top-level modules
+    (the package's ``__init__`` among them)."""
+    def folder(module: str) -> str:
+        parts = module.split(".")
+        return ".".join(parts[:2]) if len(parts) > 2 or module in packages else parts[0]
+    return {m: {d for d in deps if folder(d) == folder(m)} for m, deps in graph.items()}
+
+
+def test_no_import_cycle_between_modules() -> None:
+    """Inside each folder, and between the top-level modules, no module imports another that
+    imports it back, directly or round a loop (lazy imports count: only ``if TYPE_CHECKING:``
+    is exempt). A piece both sides need moves down into a module both import."""
+    graph = _module_graph(PKG)
+    packages = {m for m in graph if (PKG.parent / m.replace(".", "/") / "__init__.py").exists()}
+    graph = _same_folder_graph(graph, packages)
+    cycles = _cycles(graph)
+    assert not cycles, "import cycles (each group imports itself round a loop):\n" + "\n".join(
+        " <-> ".join(c) + ": " + "; ".join(f"{m} -> {d}" for m in c for d in sorted(graph[m])
+                                            if d in c) for c in cycles)
+    # the walker sees real edges inside folders (a broken one would pass anything)
+    assert "pploader.planning.index" in graph["pploader.planning.checkpoint"]
+    assert "pploader.planning.rank_plan" in graph["pploader.planning.plan"]
+    assert "pploader.stage" in graph["pploader.job"]
+
+
+def test_the_cycle_finder_finds_cycles(tmp_path: Path) -> None:
+    """The finder above on synthetic graphs and a synthetic package: a loop of three and a
+    two-module loop are found, a chain is not, a ``TYPE_CHECKING`` import is no edge and a lazy
+    one is."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"f"}, "f": {"e"}}) \
+        == [["a", "b", "c"], ["e", "f"]]
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": set(), "d": {"a", "c"}}) == []
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    for name, text in {
+        "__init__.py": "from .top import VALUE\n",
+        "top.py": "VALUE = 1\n",
+        "sub/__init__.py": "",
+        "sub/low.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                      "    from .high import High\n",
+        "sub/high.py": "from . import low\nfrom .. import top\n",
+        "sub/lazy.py": "def f():\n    from .eager import g\n",
+        "sub/eager.py": "from pkg.sub.lazy import f\n",
+    }.items():
+        (pkg / name).write_text(text)
+    graph = _module_graph(pkg)
+    assert graph["pkg.sub.high"] == {"pkg.sub.low", "pkg.top"} and graph["pkg.sub.low"] == set()
+    assert graph["pkg"] == {"pkg.top"}
+    inside = _same_folder_graph(graph, {"pkg", "pkg.sub"})
+    assert inside["pkg.sub.high"] == {"pkg.sub.low"}
+    assert _cycles(inside) == [["pkg.sub.eager", "pkg.sub.lazy"]]
 
 
 def _folder(module: str) -> str:

@@ -21,7 +21,8 @@ from pploader.planning.checkpoint import parse_header
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import spec_from_config
 from pploader.planning.checkpoint import (DTYPES, CheckpointIndex, FileIdentity, ShardHeader,
-                                          TensorEntry, _safe_relpath)
+                                          TensorEntry)
+from pploader.planning.index import _safe_relpath
 from pploader.errors import CheckpointError
 
 _SETTINGS = settings(max_examples=150, deadline=None, derandomize=True,
