@@ -18,8 +18,9 @@ from .spec_view import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
 from .windows import Windows, spec_layout_windows
 
-__all__ = ["MlaDims", "CacheDims", "CONFIG_KEYS", "CONFIG_CACHE_DIMS", "mla_dims",
-           "config_mamba2_dims", "ssm_cache_dtype"]
+__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "CacheDims", "CONFIG_KEYS",
+           "CONFIG_CACHE_DIMS", "mla_dims", "config_mamba2_dims", "ssm_cache_dtype",
+           "param_cache_dims", "KEY_PROJECTIONS"]
 
 T = TypeVar("T")
 
@@ -30,6 +31,23 @@ class MlaDims:
 
     kv_lora_rank: int
     rope_head_dim: int
+
+
+@dataclass(frozen=True)
+class GqaDims:
+    """What one attention layer keeps per token: K and V of ``kv_heads`` x ``head_dim``."""
+
+    kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class ShortConvDims:
+    """A short (LFM2-style) convolution's state: the last ``kernel - 1`` inputs of its
+    ``channels`` depthwise channels."""
+
+    channels: int
+    kernel: int
 
 
 def mla_dims(spec: SpecView) -> MlaDims:
@@ -130,6 +148,9 @@ class CacheDims:
     mamba1: Optional[Callable[[SpecView], Mamba1Dims]] = None
     mamba2: Optional[Callable[[SpecView], Mamba2Dims]] = None
     gdn: Optional[Callable[[SpecView], GdnDims]] = None
+    #: K / V heads and head dim (None: the spec's ``num_kv_heads`` and ``head_dim``)
+    gqa: Optional[Callable[[SpecView], GqaDims]] = None
+    short_conv: Optional[Callable[[SpecView], ShortConvDims]] = None
     ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
     #: tokens of KV each layer keeps per sequence (sliding / chunked attention; None = the
     #: whole context); None here = no layer of the family is windowed (families/windows.py)
@@ -156,6 +177,14 @@ class CacheDims:
 
     def of_gdn(self, spec: SpecView) -> GdnDims:
         return _read(self.gdn, "gdn", spec)
+
+    def of_gqa(self, spec: SpecView) -> GqaDims:
+        if self.gqa is None:
+            return GqaDims(spec.num_kv_heads, spec.head_dim)
+        return self.gqa(spec)
+
+    def of_short_conv(self, spec: SpecView) -> ShortConvDims:
+        return _read(self.short_conv, "short_conv", spec)
 
 
 def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView) -> T:
@@ -210,9 +239,17 @@ def param_mamba2_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecVi
     """Mamba2 sizes read off a layer's parameters: heads from ``A_log`` [heads], d_inner from
     ``out_proj.weight`` [hidden, d_inner] (else ``norm.weight`` [d_inner]), the conv channels
     d_inner + 2 x groups x d_state and the kernel from ``conv1d.weight``; the group count from
-    the config (``_GROUP_KEYS``), the one size the shapes leave open."""
+    the config (``_GROUP_KEYS``), the one size the shapes leave open. Zamba's multi-head
+    Mamba (``A_log`` [heads, head_dim, d_state], conv over d_inner only) has no groups."""
     def read(spec: SpecView) -> Mamba2Dims:
         prefix, a_log, conv = _mixer(params, "mamba2")
+        if len(a_log) == 3:  # Zamba: ssm state [heads, head_dim, d_state], conv [d_inner, K]
+            heads, head_dim, d_state = a_log
+            if conv[0] != heads * head_dim:
+                raise ConfigError(f"mamba2 cache geometry: conv1d channels {conv[0]} != heads "
+                                  f"{heads} x head dim {head_dim} of A_log {list(a_log)}",
+                                  file="config.json")
+            return Mamba2Dims(conv[0], heads, head_dim, 0, d_state, conv[2])
         out, norm = params.get(prefix + "out_proj.weight"), params.get(prefix + "norm.weight")
         d_inner = out[1] if out is not None and len(out) == 2 else \
             norm[0] if norm is not None and len(norm) == 1 else None
@@ -233,14 +270,86 @@ def param_mamba2_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecVi
     return read
 
 
+#: Key projections of attention layers, by name suffix -> how many parts its rows pack (K
+#: alone, or K and V): BERT-style ``attention.self.key``, CTRL ``Wk``, CPM-Ant ``project_k``,
+#: Moshi ``k_proj.linear``, JetMoE ``kv_proj`` (K and V stacked), the usual ``k_proj``.
+KEY_PROJECTIONS: tuple[tuple[str, int], ...] = (
+    (".self.key.weight", 1), (".Wk.weight", 1), (".project_k.weight", 1),
+    (".k_proj.linear.weight", 1), ("self_attention.kv_proj.weight", 2), ("k_proj.weight", 1))
+
+#: config names of the KV head count, then of the attention head count (MHA: one K/V head each)
+_KV_HEAD_KEYS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads")
+_HEAD_KEYS = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+
+
+def key_projection(params: Mapping[str, tuple[int, ...]]) -> Optional[tuple[str, int]]:
+    """(name, K/V parts) of the one key projection among a layer's parameters, or None."""
+    for suffix, parts in KEY_PROJECTIONS:
+        found = [n for n in params if n.endswith(suffix) and "cross" not in n]
+        if len(found) == 1:
+            return found[0], parts
+    return None
+
+
+def param_gqa_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView], GqaDims]:
+    """K / V geometry of an attention layer from its key projection's rows (kv_heads x
+    head_dim per packed part) and the config's KV head count (else its attention head
+    count): for layouts whose head dim is not hidden / heads (CPM-Ant's ``dim_head``, JetMoE's
+    ``kv_channels``, Zamba's ``attention_head_dim`` over a doubled width)."""
+    def read(spec: SpecView) -> GqaDims:
+        found = key_projection(params)
+        c = spec.config
+        heads = next((c[k] for k in _KV_HEAD_KEYS + _HEAD_KEYS if isinstance(c.get(k), int)),
+                     None)
+        if found is None or heads is None or heads <= 0:
+            raise ConfigError("attention cache geometry from the layer's parameters: no key "
+                              f"projection ({' / '.join(s for s, _ in KEY_PROJECTIONS)}) or no "
+                              f"head count ({' / '.join(_KV_HEAD_KEYS + _HEAD_KEYS)})",
+                              file="config.json")
+        name, parts = found
+        rows = params[name][0]
+        if len(params[name]) != 2 or rows % (parts * heads):
+            raise ConfigError(f"attention cache geometry: {name} {list(params[name])} does not "
+                              f"hold {parts} x {heads} KV heads", file="config.json")
+        return GqaDims(heads, rows // (parts * heads))
+    return read
+
+
+def param_short_conv_dims(params: Mapping[str, tuple[int, ...]]
+                          ) -> Callable[[SpecView], ShortConvDims]:
+    """A short convolution's state from its depthwise ``conv.weight`` [channels, 1, L_cache]
+    (LFM2's ``conv.conv.weight``; the config's ``conv_L_cache`` must agree)."""
+    def read(spec: SpecView) -> ShortConvDims:
+        found = [s for n, s in params.items() if n.endswith("conv.conv.weight")]
+        if len(found) != 1 or len(found[0]) != 3 or found[0][1] != 1:
+            raise ConfigError("short convolution cache geometry: expected one depthwise "
+                              f"conv.conv.weight [channels, 1, L], got {found}",
+                              file="config.json")
+        channels, _, kernel = found[0]
+        declared = spec.config.get("conv_L_cache")
+        if declared is not None and declared != kernel:
+            raise ConfigError(f"short convolution: conv_L_cache {declared} != the kernel "
+                              f"{kernel} of conv.conv.weight", file="config.json")
+        return ShortConvDims(channels, kernel)
+    return read
+
+
 def param_cache_dims(kinds: tuple[str, ...],
-                     layer_params: tuple[Mapping[str, tuple[int, ...]], ...]) -> CacheDims:
+                     layer_params: tuple[Mapping[str, tuple[int, ...]], ...],
+                     gqa_from_params: bool = False) -> CacheDims:
     """CacheDims for a model whose layers' parameters are known (the generic family): SSM
-    mixers sized from their own shapes (first layer of the kind), attention / MLA / gated
-    delta net sizes by the config-key aliases as ``CONFIG_CACHE_DIMS``."""
+    mixers and short convolutions sized from their own shapes (first layer of the kind), MLA /
+    gated delta net sizes by the config-key aliases as ``CONFIG_CACHE_DIMS``; K / V from the
+    first attention layer's key projection when ``gqa_from_params`` (layouts whose heads the
+    spec's ``num_kv_heads`` / ``head_dim`` do not describe), else from the spec."""
     first = {k: layer_params[i] for i, k in reversed(list(enumerate(kinds)))}
     mamba2 = first.get("mamba2", first.get("hybrid_attention_mamba2"))
+    attention = next((first[k] for k in ("full_attention", "sliding_attention",
+                                         "hybrid_attention_mamba2") if k in first), None)
     return CacheDims(
         mla=_config_mla_dims, gdn=_config_gdn_dims,
         mamba1=param_mamba1_dims(first["mamba1"]) if "mamba1" in first else None,
-        mamba2=param_mamba2_dims(mamba2) if mamba2 is not None else None)
+        mamba2=param_mamba2_dims(mamba2) if mamba2 is not None else None,
+        gqa=param_gqa_dims(attention) if gqa_from_params and attention is not None else None,
+        short_conv=param_short_conv_dims(first["short_conv"]) if "short_conv" in first
+        else None)
