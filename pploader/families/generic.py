@@ -167,8 +167,8 @@ def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str
         or any(".experts." in n and n.startswith("self_attention.") for n in names))
     attention = mla or odd or bool(leaf & {"q_proj", "k_proj", "qkv_proj", "query_key_value",
                                            "Wqkv", "c_attn", "qkv"})
-    if any(".crossattention." in n for n in names):  # BERT-style decoder with cross-attention:
-        return "unknown"                              # the encoder's KV is not pooled
+    if any(re.search(r"(^|\.)crossattention\.", n) for n in names):  # a BERT-style decoder
+        return "unknown"  # with cross-attention: the encoder's KV is not pooled
     gdn = bool(split_gdn) or bool(a_log) and any(
         re.search(r"in_proj_(qkvz|qkv)\b", n) for n in names)
     # a Mamba mixer owns its conv (Bailing's / Kimi's forget-gate A_log does not: unknown)

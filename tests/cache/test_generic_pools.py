@@ -1,0 +1,234 @@
+"""Cache pools of the generic family's newer layer kinds, against two independent references.
+
+Each case is a tiny transformers model (the sweep's shrink, tests/sweep_shrink.py) whose layers
+were kind ``unknown`` (or mis-sized) before: BERT-style and other odd-named attention, LFM2's
+short convolutions, OLMo-hybrid's gated delta net, Zamba's multi-head Mamba beside its shared
+attention. For every case:
+
+- transformers' own cache after a forward (``use_cache=True``) has, per layer, exactly the K /
+  V heads x head dim, conv channels (pploader keeps ``kernel - 1`` of its ``kernel`` columns)
+  and recurrent state shapes pploader's geometry gives;
+- ``plan_job`` at PP=2 gives each stage the pools of its own layers only, with KV bytes per
+  token and state bytes per request equal to sums computed here from the config by hand
+  (``_hand``: config keys and arithmetic only, no pploader code).
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+
+import generic_sweep
+
+F32 = 4  # the tiny models are saved in float32; ssm / temporal state is float32 by default
+
+#: BERT-style ``attention.self.{query,key,value}`` decoders (``is_decoder`` set: they cache)
+BERT_LIKE = ("bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra",
+             "ernie", "megatron-bert", "rembert", "roberta", "roberta-prelayernorm", "roc_bert",
+             "roformer", "xlm-roberta", "xlm-roberta-xl", "xmod", "git")
+
+#: Per-layer (kv bytes per token, state bytes per request, state shapes) at ``tp`` ranks,
+#: computed from the config dict by hand.
+Hand = list[tuple[int, int, dict[str, tuple[int, ...]]]]
+
+
+def _mha(c: dict, tp: int, heads_key: str = "num_attention_heads",
+         hidden_key: str = "hidden_size") -> tuple[int, int, dict]:
+    heads = c[heads_key]
+    return (2 * (heads // tp) * (c[hidden_key] // heads) * F32, 0, {})
+
+
+def _cpmant(c: dict, tp: int) -> Hand:  # project_k: num_attention_heads x dim_head
+    return [(2 * (c["num_attention_heads"] // tp) * c["dim_head"] * F32, 0, {})] * 4
+
+
+def _jetmoe(c: dict, tp: int) -> Hand:  # kv_proj: K and V of num_key_value_heads x kv_channels
+    return [(2 * (c["num_key_value_heads"] // tp) * c["kv_channels"] * F32, 0, {})] * 4
+
+
+def _lfm2(c: dict, tp: int) -> Hand:
+    out: Hand = []
+    for t in c["layer_types"]:
+        if t == "conv":  # the last L_cache - 1 inputs of the hidden-wide depthwise conv
+            shape = (c["hidden_size"] // tp, c["conv_L_cache"] - 1)
+            out.append((0, math.prod(shape) * F32, {"conv": shape}))
+        else:
+            head_dim = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
+            out.append((2 * (c["num_key_value_heads"] // tp) * head_dim * F32, 0, {}))
+    return out
+
+
+def _olmo_hybrid(c: dict, tp: int) -> Hand:
+    out: Hand = []
+    hk, hv = c["linear_num_key_heads"] // tp, c["linear_num_value_heads"] // tp
+    dk, dv = c["linear_key_head_dim"], c["linear_value_head_dim"]
+    for t in c["layer_types"]:
+        if t == "linear_attention":  # q, k, v each convolved; delta-rule state per value head
+            conv = (2 * hk * dk + hv * dv, c["linear_conv_kernel_dim"] - 1)
+            temporal = (hv, dv, dk)
+            out.append((0, (math.prod(conv) + math.prod(temporal)) * F32,
+                        {"conv": conv, "temporal": temporal}))
+        else:
+            head_dim = c["hidden_size"] // c["num_attention_heads"]
+            out.append((2 * (c["num_key_value_heads"] // tp) * head_dim * F32, 0, {}))
+    return out
+
+
+def _zamba(c: dict, tp: int) -> Hand:
+    out: Hand = []
+    d_inner = c["mamba_expand"] * c["hidden_size"]
+    heads = c["n_mamba_heads"]
+    conv = (d_inner // tp, c["mamba_d_conv"] - 1)  # Mamba over d_inner, no B / C groups
+    ssm = (heads // tp, d_inner // heads, c["mamba_d_state"])
+    state = (math.prod(conv) + math.prod(ssm)) * F32
+    for t in c["layers_block_type"]:
+        kv = 0
+        if t == "hybrid":  # the shared attention block: attention_head_dim over 2 x hidden
+            kv = 2 * (c["num_key_value_heads"] // tp) * c["attention_head_dim"] * F32
+        out.append((kv, state, {"conv": conv, "ssm": ssm}))
+    return out
+
+
+CASES: dict[str, tuple[dict[str, Any], Callable[[dict, int], Hand]]] = {
+    **{t: ({"is_decoder": True}, lambda c, tp: [_mha(c, tp)] * 4) for t in BERT_LIKE},
+    "ctrl": ({}, lambda c, tp: [_mha(c, tp, "n_head", "n_embd")] * 4),
+    "moshi": ({}, lambda c, tp: [_mha(c, tp)] * 4),
+    "cpmant": ({}, _cpmant),
+    "jetmoe": ({}, _jetmoe),
+    "lfm2": ({"layer_types": ["conv", "full_attention", "conv", "conv"]}, _lfm2),
+    "lfm2_moe": ({}, _lfm2),
+    "lfm3": ({}, _lfm2),
+    "olmo_hybrid": ({}, _olmo_hybrid),
+    "zamba": ({}, _zamba),
+}
+#: run in the default suite; the other BERT-style ones are marked slow (same code path)
+DEFAULT = {"bert", "git", "ctrl", "moshi", "cpmant", "jetmoe", "lfm2", "lfm2_moe", "lfm3",
+           "olmo_hybrid", "zamba"}
+
+
+@pytest.fixture(scope="module")
+def quiet() -> None:
+    import logging
+    import transformers
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    logging.getLogger("transformers").setLevel(logging.ERROR)
+
+
+def _model(model_type: str) -> tuple[Any, dict]:
+    import transformers
+    arch = generic_sweep.causal_lm_types()[model_type]
+    cls = getattr(transformers, arch)
+    config = generic_sweep.model_config(generic_sweep.tiny_config(model_type), cls)
+    for key, value in CASES[model_type][0].items():
+        setattr(config, key, value)
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    return cls._from_config(config, dtype=torch.float32).eval(), json.loads(
+        config.to_json_string())
+
+
+def _their_layers(model: Any) -> list:
+    with torch.no_grad():
+        out = model(input_ids=torch.arange(5).unsqueeze(0), use_cache=True)
+    cache = out.past_key_values
+    return list(getattr(cache, "self_attention_cache", cache).layers)
+
+
+def _case(t: str) -> object:
+    return pytest.param(t, marks=[] if t in DEFAULT else [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("model_type", [_case(t) for t in sorted(CASES)])
+def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tmp_path: Path,
+                                                             quiet: None) -> None:
+    from pploader.cache.geometry import model_cache
+    from pploader.job import plan_job
+    from pploader.planning.spec import spec_from_config
+    model, config = _model(model_type)
+    spec = spec_from_config({**config, "dtype": "float32"})
+    ours = model_cache(spec, 1)
+    hand = CASES[model_type][1](config, 1)
+    assert len(ours) == len(hand) == spec.num_layers == 4
+    # transformers' own cache after a forward: the strongest reference for the shapes
+    for layer, (mine, theirs) in enumerate(zip(ours, _their_layers(model))):
+        keys = getattr(theirs, "keys", None)
+        assert (mine.kv is None) == (keys is None), (layer, mine.kind)
+        if keys is not None:
+            assert (mine.kv.heads, mine.kv.head_dim) == (keys.shape[1], keys.shape[3]), layer
+        conv = dict(getattr(theirs, "conv_states", None) or {}).get(0)
+        rec = dict(getattr(theirs, "recurrent_states", None) or {}).get(0)
+        got = {s.name: s.shape for s in mine.states}
+        assert ("conv" in got) == (conv is not None), (layer, got)
+        if conv is not None:
+            assert got["conv"] == (conv.shape[1], conv.shape[2] - 1), (layer, got, conv.shape)
+        if rec is not None:
+            rec_name = next(n for n in got if n != "conv")
+            assert got[rec_name] == tuple(rec.shape[1:]), (layer, got, rec.shape)
+        else:
+            assert set(got) <= {"conv"}, (layer, got)
+        assert (mine.kv_bytes_per_token, mine.state_bytes_per_request, got) == hand[layer]
+    # PP=2 through plan_job: each stage sizes its own layers only, the hand sums
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    job = plan_job(tmp_path, 2)
+    assert "unavailable" not in job.pipeline_pools, job.pipeline_pools
+    seen = []
+    for summary in job.summaries:
+        pools, lo, hi = summary["pools"], summary["start_layer"], summary["end_layer"]
+        own = hand[lo:hi]
+        assert pools["kv_bytes_per_token"] == sum(h[0] for h in own)
+        assert pools["state_bytes_per_request"] == sum(h[1] for h in own)
+        assert pools["attention_layers"] == [i for i in range(lo, hi) if hand[i][0]]
+        assert pools["state_layers"] == [i for i in range(lo, hi) if hand[i][1]]
+        for entry in pools["layers"]:
+            assert lo <= entry["layer"] < hi
+            shapes = {n: tuple(s["shape"]) for n, s in entry["states"].items()}
+            assert shapes == hand[entry["layer"]][2]
+        seen += range(lo, hi)
+    assert seen == list(range(4))
+
+
+@pytest.mark.parametrize("model_type", ["zamba", "lfm2_moe", "olmo_hybrid", "cpmant", "jetmoe"])
+def test_tp2_geometry_equals_hand_numbers(model_type: str, quiet: None) -> None:
+    """At TP=2 heads, conv channels and value heads are split as the hand formulas split them
+    (every count in these configs divides by 2)."""
+    from pploader.cache.geometry import model_cache
+    from pploader.planning.spec import spec_from_config
+    _, config = _model(model_type)
+    spec = spec_from_config({**config, "dtype": "float32"})
+    got = [(c.kv_bytes_per_token, c.state_bytes_per_request, {s.name: s.shape for s in c.states})
+           for c in model_cache(spec, 2)]
+    assert got == CASES[model_type][1](config, 2)
+
+
+@pytest.mark.parametrize("model_type,why", [
+    ("bailing_hybrid", "kind 'unknown'"), ("minimax", "kind 'unknown'"),
+    ("rwkv", "kind 'unknown'"), ("reformer", "kind 'unknown'")])
+def test_layers_without_a_known_cache_are_still_refused(model_type: str, why: str,
+                                                        quiet: None) -> None:
+    """Where the layer's cache is not one of the sized kinds (Bailing's forget-gate linear
+    attention, MiniMax's lightning attention, RWKV, Reformer's LSH), the geometry is refused
+    naming the layer, as before; a BERT decoder with cross-attention too (encoder KV)."""
+    from pploader import ConfigError
+    from pploader.cache.geometry import model_cache
+    from pploader.planning.spec import spec_from_config
+    import transformers
+    arch = generic_sweep.causal_lm_types()[model_type]
+    config = generic_sweep.model_config(generic_sweep.tiny_config(model_type),
+                                        getattr(transformers, arch))
+    spec = spec_from_config({**json.loads(config.to_json_string()), "architectures": [arch],
+                             "dtype": "float32"})
+    with pytest.raises(ConfigError, match=why):
+        model_cache(spec, 1)
+    if model_type == "reformer":
+        bert = generic_sweep.model_config(generic_sweep.tiny_config("bert"),
+                                          transformers.BertLMHeadModel)
+        bert.is_decoder = bert.add_cross_attention = True
+        spec = spec_from_config({**json.loads(bert.to_json_string()),
+                                 "architectures": ["BertLMHeadModel"], "dtype": "float32"})
+        with pytest.raises(ConfigError, match="kind 'unknown'"):
+            model_cache(spec, 1)
