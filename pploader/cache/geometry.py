@@ -15,6 +15,8 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
   ``conv_dim = 2 * Hk * dk + Hv * dv`` and temporal ``[Hv_local, dv, dk]``.
 - ``short_conv`` (LFM2): conv ``[channels_local, L_cache-1]`` (the depthwise conv's channels,
   hidden, split by TP).
+- ``lightning_attention`` (MiniMax's decayed linear attention): temporal ``[heads_local,
+  head_dim, head_dim]``.
 - ``hybrid_attention_mamba2`` (Falcon-H1, Zamba): both the GQA pages and the mamba2 state.
 - ``sliding_attention``: GQA pages holding at most ``window`` tokens per sequence (sliding-window
   or chunked attention); a GQA layer the family gives a window (``CacheDims.windows``: Mistral,
@@ -55,6 +57,7 @@ KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "gdn": ("gdn",), "hybrid_attention_mamba2": ("gqa", "mamba2"), "mlp": (),
     "sliding_attention": ("gqa",),  # window-sized pages (LayerCache.window)
     "short_conv": ("short_conv",),  # LFM2's gated short convolution: its last L-1 inputs
+    "lightning_attention": ("lightning",),  # MiniMax: [heads, head_dim, head_dim] per request
 }
 
 
@@ -227,10 +230,17 @@ def _short_conv(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ..
                                  d.kernel - 1), dt[1]),)
 
 
+def _lightning(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_lightning(spec)
+    return (StateTensor("temporal", (_split(d.heads, tp, "lightning attention heads"),
+                                     d.head_dim, d.head_dim), dt[2]),)
+
+
 _KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {
     "gqa": _gqa, "mla": _mla}
 _STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTensor, ...]]] = {
-    "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn, "short_conv": _short_conv}
+    "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn, "short_conv": _short_conv,
+    "lightning": _lightning}
 
 
 #: layer kinds whose KV a window can bound (GQA attention); a window on another kind is an error

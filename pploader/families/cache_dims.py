@@ -10,6 +10,7 @@ transformers 5.24 config classes listed in :data:`CONFIG_KEYS`.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, TypeVar
 
@@ -18,7 +19,7 @@ from .spec_view import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
 from .windows import Windows, spec_layout_windows
 
-__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "CacheDims", "CONFIG_KEYS",
+__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "LightningDims", "CacheDims", "CONFIG_KEYS",
            "CONFIG_CACHE_DIMS", "mla_dims", "config_mamba2_dims", "ssm_cache_dtype",
            "param_cache_dims", "KEY_PROJECTIONS"]
 
@@ -38,6 +39,15 @@ class GqaDims:
     """What one attention layer keeps per token: K and V of ``kv_heads`` x ``head_dim``."""
 
     kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class LightningDims:
+    """Lightning (decayed linear) attention's state: one ``[head_dim, head_dim]`` KV sum per
+    head (MiniMax)."""
+
+    heads: int
     head_dim: int
 
 
@@ -151,6 +161,7 @@ class CacheDims:
     #: K / V heads and head dim (None: the spec's ``num_kv_heads`` and ``head_dim``)
     gqa: Optional[Callable[[SpecView], GqaDims]] = None
     short_conv: Optional[Callable[[SpecView], ShortConvDims]] = None
+    lightning: Optional[Callable[[SpecView], LightningDims]] = None
     ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
     #: tokens of KV each layer keeps per sequence (sliding / chunked attention; None = the
     #: whole context); None here = no layer of the family is windowed (families/windows.py)
@@ -185,6 +196,9 @@ class CacheDims:
 
     def of_short_conv(self, spec: SpecView) -> ShortConvDims:
         return _read(self.short_conv, "short_conv", spec)
+
+    def of_lightning(self, spec: SpecView) -> LightningDims:
+        return _read(self.lightning, "lightning", spec)
 
 
 def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView) -> T:
@@ -334,6 +348,44 @@ def param_short_conv_dims(params: Mapping[str, tuple[int, ...]]
     return read
 
 
+def param_gdn_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView], GdnDims]:
+    """Gated delta rule sizes: by the config's ``linear_*`` keys where it has them (OLMo-hybrid),
+    else off the mixer's parameters when its K and V heads are the same ones (Kimi / Bailing
+    delta attention: ``A_log`` holds one entry per head, q / k / v rows = heads x head dim, and
+    the conv runs over q, k and v)."""
+    def read(spec: SpecView) -> GdnDims:
+        if _opt(spec.config, "gdn.num_key_heads") is not None:
+            return _config_gdn_dims(spec)
+        a_log = [(n[:-len("A_log")], s) for n, s in params.items() if n.endswith("A_log")]
+        heads = math.prod(a_log[0][1]) if len(a_log) == 1 else 0
+        prefix = a_log[0][0].removesuffix("forget_gate.") if a_log else ""
+        rows = [params.get(prefix + f"{x}_proj.weight", (0,))[0] for x in "qkv"]
+        conv = params.get(prefix + "conv1d.weight", ())
+        if not heads or len(set(rows)) != 1 or rows[0] % heads or len(conv) != 3 \
+                or conv[0] != sum(rows):
+            raise ConfigError("gdn cache geometry: config.json lacks linear_num_key_heads and the "
+                              f"mixer's parameters (A_log {[s for _, s in a_log]}, q/k/v rows "
+                              f"{rows}, conv1d {list(conv)}) do not give equal K / V heads",
+                              file="config.json")
+        return GdnDims(heads, heads, rows[0] // heads, rows[0] // heads, conv[2])
+    return read
+
+
+def param_lightning_dims(params: Mapping[str, tuple[int, ...]]
+                         ) -> Callable[[SpecView], LightningDims]:
+    """Lightning attention's heads from its per-head decay ``slope_rate`` [heads, 1, 1] and the
+    head dim from ``qkv_proj`` [3 x heads x head_dim, hidden]."""
+    def read(spec: SpecView) -> LightningDims:
+        slope = [s for n, s in params.items() if n.endswith("slope_rate")]
+        qkv = [s for n, s in params.items() if n.endswith("qkv_proj.weight")]
+        heads = slope[0][0] if len(slope) == 1 and slope[0] else 0
+        if not heads or len(qkv) != 1 or qkv[0][0] % (3 * heads):
+            raise ConfigError(f"lightning attention cache geometry: slope_rate {slope} and "
+                              f"qkv_proj {qkv} do not give heads x head dim", file="config.json")
+        return LightningDims(heads, qkv[0][0] // (3 * heads))
+    return read
+
+
 def param_cache_dims(kinds: tuple[str, ...],
                      layer_params: tuple[Mapping[str, tuple[int, ...]], ...],
                      gqa_from_params: bool = False) -> CacheDims:
@@ -347,7 +399,10 @@ def param_cache_dims(kinds: tuple[str, ...],
     attention = next((first[k] for k in ("full_attention", "sliding_attention",
                                          "hybrid_attention_mamba2") if k in first), None)
     return CacheDims(
-        mla=_config_mla_dims, gdn=_config_gdn_dims,
+        mla=_config_mla_dims,
+        gdn=param_gdn_dims(first["gdn"]) if "gdn" in first else _config_gdn_dims,
+        lightning=param_lightning_dims(first["lightning_attention"])
+        if "lightning_attention" in first else None,
         mamba1=param_mamba1_dims(first["mamba1"]) if "mamba1" in first else None,
         mamba2=param_mamba2_dims(mamba2) if mamba2 is not None else None,
         gqa=param_gqa_dims(attention) if gqa_from_params and attention is not None else None,

@@ -155,10 +155,12 @@ _ODD_ATTENTION = re.compile(r"(^|\.)(self\.key|Wk|project_k|k_proj\.linear)\.wei
 def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str:
     a_logs = {n[:-len("A_log")]: s for n, s in params.items() if n.endswith("A_log")}
     a_log = list(a_logs.values())
-    # gated delta net with separate projections (OLMo-hybrid's linear_attn): its mixer owns
-    # q/k/v, a/b projections and the conv; not attention, not Mamba
-    split_gdn = [p for p in a_logs if all(p + f"{x}.weight" in params for x in (
-        "q_proj", "k_proj", "v_proj", "a_proj", "b_proj", "conv1d"))]
+    # a gated delta rule with separate projections (OLMo-hybrid's linear_attn; Kimi / Bailing
+    # delta attention, A_log in its forget_gate): the mixer owns q/k/v, b and the conv; not
+    # attention, not Mamba
+    mixers = {p[:-len("forget_gate.")] if p.endswith("forget_gate.") else p for p in a_logs}
+    split_gdn = [p for p in mixers if all(p + f"{x}.weight" in params for x in (
+        "q_proj", "k_proj", "v_proj", "b_proj", "conv1d"))]
     names = {n for n in params if not any(n.startswith(p) for p in split_gdn)}
     leaf = {n.rsplit(".", 2)[-2] if n.count(".") else n for n in names}
     mla = any("kv_a_proj_with_mqa" in n for n in names)
@@ -181,6 +183,8 @@ def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str
         return "hybrid_attention_mamba2"
     if mla and not a_log:
         return "mla"
+    if any(n.endswith("slope_rate") for n in names) and "qkv_proj" in leaf:
+        return "lightning_attention"  # MiniMax: decayed linear attention, one KV state per head
     if attention and not a_log:
         if declared in _SLIDING:
             return "sliding_attention"

@@ -2,8 +2,8 @@
 
 Each case is a tiny transformers model (the sweep's shrink, tests/sweep_shrink.py) whose layers
 were kind ``unknown`` (or mis-sized) before: BERT-style and other odd-named attention, LFM2's
-short convolutions, OLMo-hybrid's gated delta net, Zamba's multi-head Mamba beside its shared
-attention. For every case:
+short convolutions, OLMo-hybrid's gated delta net, Kimi / Bailing delta attention, MiniMax's
+lightning attention, Zamba's multi-head Mamba beside its shared attention. For every case:
 
 - transformers' own cache after a forward (``use_cache=True``) has, per layer, exactly the K /
   V heads x head dim, conv channels (pploader keeps ``kernel - 1`` of its ``kernel`` columns)
@@ -78,6 +78,31 @@ def _olmo_hybrid(c: dict, tp: int) -> Hand:
     return out
 
 
+def _delta_attention(c: dict, tp: int) -> Hand:
+    """Kimi / Bailing delta attention (K and V heads the same), MLA on the other layers."""
+    out: Hand = []
+    heads, d = c["linear_num_heads"] // tp, c["linear_head_dim"]
+    for t in c["layer_types"]:
+        if t == "linear_attention":  # conv over q, k, v; one [d, d] state per head
+            conv, temporal = (3 * heads * d, c["linear_conv_kernel_dim"] - 1), (heads, d, d)
+            out.append((0, (math.prod(conv) + math.prod(temporal)) * F32,
+                        {"conv": conv, "temporal": temporal}))
+        else:  # MLA: the latent, the same on every TP rank
+            out.append(((c["kv_lora_rank"] + c["qk_rope_head_dim"]) * F32, 0, {}))
+    return out
+
+
+def _minimax(c: dict, tp: int) -> Hand:
+    out: Hand = []
+    heads, d = c["num_attention_heads"] // tp, c["head_dim"]
+    for t in c["layer_types"]:
+        if t == "linear_attention":  # lightning attention: one [d, d] KV sum per head
+            out.append((0, heads * d * d * F32, {"temporal": (heads, d, d)}))
+        else:
+            out.append((2 * (c["num_key_value_heads"] // tp) * d * F32, 0, {}))
+    return out
+
+
 def _zamba(c: dict, tp: int) -> Hand:
     out: Hand = []
     d_inner = c["mamba_expand"] * c["hidden_size"]
@@ -104,10 +129,14 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[dict, int], Hand]]] = {
     "lfm3": ({}, _lfm2),
     "olmo_hybrid": ({}, _olmo_hybrid),
     "zamba": ({}, _zamba),
+    # the shrink's top-k (8 of 4 experts) does not run; 2 does
+    "kimi_linear": ({"num_experts_per_token": 2}, _delta_attention),
+    "bailing_hybrid": ({"num_experts_per_token": 2, "num_expert_group": 1}, _delta_attention),
+    "minimax": ({}, _minimax),
 }
 #: run in the default suite; the other BERT-style ones are marked slow (same code path)
 DEFAULT = {"bert", "git", "ctrl", "moshi", "cpmant", "jetmoe", "lfm2", "lfm2_moe", "lfm3",
-           "olmo_hybrid", "zamba"}
+           "olmo_hybrid", "zamba", "kimi_linear", "bailing_hybrid", "minimax"}
 
 
 @pytest.fixture(scope="module")
@@ -132,11 +161,17 @@ def _model(model_type: str) -> tuple[Any, dict]:
         config.to_json_string())
 
 
-def _their_layers(model: Any) -> list:
+def _their_layers(model: Any) -> list[tuple[Any, Any]]:
+    """(cache layer, its recurrent state or None) per decoder layer of transformers' own cache
+    after a forward (MiniMax keeps its lightning states beside the layers: ``linear_cache``)."""
     with torch.no_grad():
         out = model(input_ids=torch.arange(5).unsqueeze(0), use_cache=True)
     cache = out.past_key_values
-    return list(getattr(cache, "self_attention_cache", cache).layers)
+    layers = list(getattr(cache, "self_attention_cache", cache).layers)
+    linear = list(getattr(cache, "linear_cache", []))
+    linear += [[]] * (len(layers) - len(linear))
+    return [(layer, dict(getattr(layer, "recurrent_states", None) or {}).get(0)
+             if not torch.is_tensor(lin) else lin) for layer, lin in zip(layers, linear)]
 
 
 def _case(t: str) -> object:
@@ -155,13 +190,15 @@ def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tm
     hand = CASES[model_type][1](config, 1)
     assert len(ours) == len(hand) == spec.num_layers == 4
     # transformers' own cache after a forward: the strongest reference for the shapes
-    for layer, (mine, theirs) in enumerate(zip(ours, _their_layers(model))):
+    for layer, (mine, (theirs, rec)) in enumerate(zip(ours, _their_layers(model))):
         keys = getattr(theirs, "keys", None)
         assert (mine.kv is None) == (keys is None), (layer, mine.kind)
-        if keys is not None:
+        if keys is not None and mine.kind == "mla":  # keys: the compressed kv, values: rope
+            assert (mine.kv.heads, mine.kv.head_dim) == (
+                keys.shape[1], keys.shape[3] + theirs.values.shape[3]), layer
+        elif keys is not None:
             assert (mine.kv.heads, mine.kv.head_dim) == (keys.shape[1], keys.shape[3]), layer
         conv = dict(getattr(theirs, "conv_states", None) or {}).get(0)
-        rec = dict(getattr(theirs, "recurrent_states", None) or {}).get(0)
         got = {s.name: s.shape for s in mine.states}
         assert ("conv" in got) == (conv is not None), (layer, got)
         if conv is not None:
@@ -192,7 +229,8 @@ def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tm
     assert seen == list(range(4))
 
 
-@pytest.mark.parametrize("model_type", ["zamba", "lfm2_moe", "olmo_hybrid", "cpmant", "jetmoe"])
+@pytest.mark.parametrize("model_type", ["zamba", "lfm2_moe", "olmo_hybrid", "cpmant", "jetmoe",
+                                        "kimi_linear", "minimax"])
 def test_tp2_geometry_equals_hand_numbers(model_type: str, quiet: None) -> None:
     """At TP=2 heads, conv channels and value heads are split as the hand formulas split them
     (every count in these configs divides by 2)."""
@@ -206,13 +244,13 @@ def test_tp2_geometry_equals_hand_numbers(model_type: str, quiet: None) -> None:
 
 
 @pytest.mark.parametrize("model_type,why", [
-    ("bailing_hybrid", "kind 'unknown'"), ("minimax", "kind 'unknown'"),
+    ("recurrent_gemma", "kind 'unknown'"), ("xlstm", "kind 'unknown'"),
     ("rwkv", "kind 'unknown'"), ("reformer", "kind 'unknown'")])
 def test_layers_without_a_known_cache_are_still_refused(model_type: str, why: str,
                                                         quiet: None) -> None:
-    """Where the layer's cache is not one of the sized kinds (Bailing's forget-gate linear
-    attention, MiniMax's lightning attention, RWKV, Reformer's LSH), the geometry is refused
-    naming the layer, as before; a BERT decoder with cross-attention too (encoder KV)."""
+    """Where the layer's cache is not one of the sized kinds (RecurrentGemma's RG-LRU, xLSTM's
+    mLSTM, RWKV, Reformer's LSH), the geometry is refused naming the layer, as before; a BERT
+    decoder with cross-attention too (the encoder's KV)."""
     from pploader import ConfigError
     from pploader.cache.geometry import model_cache
     from pploader.planning.spec import spec_from_config
