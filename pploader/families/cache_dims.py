@@ -313,9 +313,9 @@ def param_gqa_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView]
     def read(spec: SpecView) -> GqaDims:
         found = key_projection(params)
         c = spec.config
-        heads = next((c[k] for k in _KV_HEAD_KEYS + _HEAD_KEYS if isinstance(c.get(k), int)),
-                     None)
-        if found is None or heads is None or heads <= 0:
+        heads = next((int(c[k]) for k in _KV_HEAD_KEYS + _HEAD_KEYS  # type: ignore[call-overload]
+                      if isinstance(c.get(k), int)), 0)
+        if found is None or heads <= 0:
             raise ConfigError("attention cache geometry from the layer's parameters: no key "
                               f"projection ({' / '.join(s for s, _ in KEY_PROJECTIONS)}) or no "
                               f"head count ({' / '.join(_KV_HEAD_KEYS + _HEAD_KEYS)})",

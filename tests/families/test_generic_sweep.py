@@ -28,7 +28,7 @@ SUBSET = {
     "starcoder2": "dense with biases, plain MLP",
     "gpt2": "GPT-2 layout: transformer.h, learned positions on the first stage",
     "bart": "decoder of an encoder-decoder: layernorm_embedding registered after the layers",
-    "lfm2": "hybrid: short convolutions + attention (conv layers: cache kind unknown)",
+    "lfm2": "hybrid: short convolutions + attention (conv layers: cache kind short_conv)",
     "zamba2": "hybrid Mamba2 + shared attention blocks",
     "mamba2": "pure SSM",
     "gemma4_text": "per-layer inputs sliced per layer from one pre-loop tensor",
