@@ -120,6 +120,8 @@ def _zamba(c: dict, tp: int) -> Hand:
 
 CASES: dict[str, tuple[dict[str, Any], Callable[[dict, int], Hand]]] = {
     **{t: ({"is_decoder": True}, lambda c, tp: [_mha(c, tp)] * 4) for t in BERT_LIKE},
+    # X-MOD runs only with a language adapter chosen
+    "xmod": ({"is_decoder": True, "default_language": "en_XX"}, lambda c, tp: [_mha(c, tp)] * 4),
     "ctrl": ({}, lambda c, tp: [_mha(c, tp, "n_head", "n_embd")] * 4),
     "moshi": ({}, lambda c, tp: [_mha(c, tp)] * 4),
     "cpmant": ({}, _cpmant),
