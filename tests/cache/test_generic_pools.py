@@ -10,7 +10,9 @@ lightning attention, Zamba's multi-head Mamba beside its shared attention. For e
   and recurrent state shapes pploader's geometry gives;
 - ``plan_job`` at PP=2 gives each stage the pools of its own layers only, with KV bytes per
   token and state bytes per request equal to sums computed here from the config by hand
-  (``_hand``: config keys and arithmetic only, no pploader code).
+  (``Hand``: config keys and arithmetic only, no pploader code), and each stage's
+  ``build_rank_pools`` on the CPU allocates those shapes for its own layers, bytes measured
+  from the tensors.
 """
 from __future__ import annotations
 
@@ -184,6 +186,7 @@ def _case(t: str) -> object:
 def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tmp_path: Path,
                                                              quiet: None) -> None:
     from pploader.cache.geometry import model_cache
+    from pploader.cache.pools import PoolOptions, build_rank_pools
     from pploader.job import plan_job
     from pploader.planning.spec import spec_from_config
     model, config = _model(model_type)
@@ -229,6 +232,21 @@ def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tm
             assert shapes == hand[entry["layer"]][2]
         seen += range(lo, hi)
     assert seen == list(range(4))
+    # each stage allocates them (CPU): 3 request slots of the hand shapes, measured bytes
+    for plan in job.plans:
+        pools = build_rank_pools(job.spec, plan, PoolOptions(tokens=64, requests=3),
+                                 device="cpu")
+        w = plan.window
+        for layer in range(w.start_layer, w.end_layer):
+            kv_bytes, state_bytes, shapes = hand[layer]
+            got_states = pools.states.get(layer, {})
+            assert {n: tuple(t.shape) for n, t in got_states.items()} == \
+                {n: (3, *shape) for n, shape in shapes.items()}
+            assert sum(t.nbytes for t in got_states.values()) == 3 * state_bytes
+            kv = pools.kv.get(layer, ())
+            assert sum(t[0, 0].nbytes for t in kv) == kv_bytes  # one token, every part
+        assert pools.state_allocated_bytes == 3 * sum(
+            hand[i][1] for i in range(w.start_layer, w.end_layer))
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "lfm2_moe", "olmo_hybrid", "cpmant", "jetmoe",
