@@ -132,7 +132,9 @@ CASES: dict[str, tuple[dict[str, Any], Callable[[dict, int], Hand]]] = {
     "lfm2_moe": ({}, _lfm2),
     "lfm3": ({}, _lfm2),
     "olmo_hybrid": ({}, _olmo_hybrid),
-    "zamba": ({}, _zamba),
+    # Zamba's attention runs over 2 x hidden, head dim 2 x hidden / heads (its class default,
+    # Zamba-7B: 224 = 7168 / 32); the shrink's 16 would equal hidden / heads and hide a mix-up
+    "zamba": ({"attention_head_dim": 32}, _zamba),
     # the shrink's top-k (8 of 4 experts) does not run; 2 does
     "kimi_linear": ({"num_experts_per_token": 2}, _delta_attention),
     "bailing_hybrid": ({"num_experts_per_token": 2, "num_expert_group": 1}, _delta_attention),
