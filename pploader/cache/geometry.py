@@ -17,6 +17,8 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
   hidden, split by TP).
 - ``lightning_attention`` (MiniMax's decayed linear attention): temporal ``[heads_local,
   head_dim, head_dim]``.
+- ``rg_lru`` (RecurrentGemma's recurrent block): conv ``[width_local, K-1]`` and recurrent
+  ``[width_local]`` (``lru_width`` split by TP).
 - ``hybrid_attention_mamba2`` (Falcon-H1, Zamba): both the GQA pages and the mamba2 state.
 - ``sliding_attention``: GQA pages holding at most ``window`` tokens per sequence (sliding-window
   or chunked attention); a GQA layer the family gives a window (``CacheDims.windows``: Mistral,
@@ -58,6 +60,7 @@ KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "sliding_attention": ("gqa",),  # window-sized pages (LayerCache.window)
     "short_conv": ("short_conv",),  # LFM2's gated short convolution: its last L-1 inputs
     "lightning_attention": ("lightning",),  # MiniMax: [heads, head_dim, head_dim] per request
+    "rg_lru": ("rg_lru",),  # RecurrentGemma's recurrent block: conv + one value per channel
 }
 
 
@@ -236,11 +239,18 @@ def _lightning(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...
                                      d.head_dim, d.head_dim), dt[2]),)
 
 
+def _rg_lru(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_rg_lru(spec)
+    width = _split(d.width, tp, "rg_lru width")
+    return (StateTensor("conv", (width, d.kernel - 1), dt[1]),
+            StateTensor("recurrent", (width,), dt[2]))
+
+
 _KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {
     "gqa": _gqa, "mla": _mla}
 _STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTensor, ...]]] = {
     "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn, "short_conv": _short_conv,
-    "lightning": _lightning}
+    "lightning": _lightning, "rg_lru": _rg_lru}
 
 
 #: layer kinds whose KV a window can bound (GQA attention); a window on another kind is an error

@@ -19,7 +19,7 @@ from .spec_view import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
 from .windows import Windows, spec_layout_windows
 
-__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "LightningDims", "CacheDims", "CONFIG_KEYS",
+__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "LightningDims", "RgLruDims", "CacheDims", "CONFIG_KEYS",
            "CONFIG_CACHE_DIMS", "mla_dims", "config_mamba2_dims", "ssm_cache_dtype",
            "param_cache_dims", "KEY_PROJECTIONS"]
 
@@ -49,6 +49,15 @@ class LightningDims:
 
     heads: int
     head_dim: int
+
+
+@dataclass(frozen=True)
+class RgLruDims:
+    """RecurrentGemma's recurrent block: a depthwise conv of ``kernel`` over ``width`` channels,
+    then a diagonal linear recurrence with one state value per channel."""
+
+    width: int
+    kernel: int
 
 
 @dataclass(frozen=True)
@@ -162,6 +171,7 @@ class CacheDims:
     gqa: Optional[Callable[[SpecView], GqaDims]] = None
     short_conv: Optional[Callable[[SpecView], ShortConvDims]] = None
     lightning: Optional[Callable[[SpecView], LightningDims]] = None
+    rg_lru: Optional[Callable[[SpecView], RgLruDims]] = None
     ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
     #: tokens of KV each layer keeps per sequence (sliding / chunked attention; None = the
     #: whole context); None here = no layer of the family is windowed (families/windows.py)
@@ -199,6 +209,9 @@ class CacheDims:
 
     def of_lightning(self, spec: SpecView) -> LightningDims:
         return _read(self.lightning, "lightning", spec)
+
+    def of_rg_lru(self, spec: SpecView) -> RgLruDims:
+        return _read(self.rg_lru, "rg_lru", spec)
 
 
 def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView) -> T:
@@ -386,6 +399,22 @@ def param_lightning_dims(params: Mapping[str, tuple[int, ...]]
     return read
 
 
+def param_rg_lru_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView], RgLruDims]:
+    """The recurrent block's width from ``rg_lru.recurrent_param`` [width] and its conv kernel
+    from ``conv_1d.weight`` [width, 1, kernel] (RecurrentGemma's ``lru_width`` /
+    ``conv1d_width``)."""
+    def read(spec: SpecView) -> RgLruDims:
+        param = [s for n, s in params.items() if n.endswith("rg_lru.recurrent_param")]
+        conv = [s for n, s in params.items() if n.endswith("conv_1d.weight")]
+        if len(param) != 1 or len(conv) != 1 or len(conv[0]) != 3 or len(param[0]) != 1 \
+                or conv[0][0] != param[0][0]:
+            raise ConfigError(f"rg_lru cache geometry: recurrent_param {param} and conv_1d "
+                              f"{conv} do not give [width] and [width, 1, kernel]",
+                              file="config.json")
+        return RgLruDims(param[0][0], conv[0][2])
+    return read
+
+
 def param_cache_dims(kinds: tuple[str, ...],
                      layer_params: tuple[Mapping[str, tuple[int, ...]], ...],
                      gqa_from_params: bool = False) -> CacheDims:
@@ -403,6 +432,7 @@ def param_cache_dims(kinds: tuple[str, ...],
         gdn=param_gdn_dims(first["gdn"]) if "gdn" in first else _config_gdn_dims,
         lightning=param_lightning_dims(first["lightning_attention"])
         if "lightning_attention" in first else None,
+        rg_lru=param_rg_lru_dims(first["rg_lru"]) if "rg_lru" in first else None,
         mamba1=param_mamba1_dims(first["mamba1"]) if "mamba1" in first else None,
         mamba2=param_mamba2_dims(mamba2) if mamba2 is not None else None,
         gqa=param_gqa_dims(attention) if gqa_from_params and attention is not None else None,

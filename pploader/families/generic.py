@@ -183,6 +183,8 @@ def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str
         return "hybrid_attention_mamba2"
     if mla and not a_log:
         return "mla"
+    if any(n.endswith("rg_lru.recurrent_param") for n in names) and "conv_1d" in leaf:
+        return "rg_lru"  # RecurrentGemma's recurrent block: conv + real-gated linear recurrence
     if any(n.endswith("slope_rate") for n in names) and "qkv_proj" in leaf:
         return "lightning_attention"  # MiniMax: decayed linear attention, one KV state per head
     if attention and not a_log:

@@ -3,7 +3,8 @@
 Each case is a tiny transformers model (the sweep's shrink, tests/sweep_shrink.py) whose layers
 were kind ``unknown`` (or mis-sized) before: BERT-style and other odd-named attention, LFM2's
 short convolutions, OLMo-hybrid's gated delta net, Kimi / Bailing delta attention, MiniMax's
-lightning attention, Zamba's multi-head Mamba beside its shared attention. For every case:
+lightning attention, Zamba's multi-head Mamba beside its shared attention, RecurrentGemma's
+recurrent block (its own test: the state lives on the modules). For every case:
 
 - transformers' own cache after a forward (``use_cache=True``) has, per layer, exactly the K /
   V heads x head dim, conv channels (pploader keeps ``kernel - 1`` of its ``kernel`` columns)
@@ -180,6 +181,44 @@ def _their_layers(model: Any) -> list[tuple[Any, Any]]:
              if not torch.is_tensor(lin) else lin) for layer, lin in zip(layers, linear)]
 
 
+def _check_pp2(model: Any, hand: Hand, tmp_path: Path) -> None:
+    """PP=2 through plan_job: each stage sizes its own layers only, the hand sums; then each
+    stage allocates them (CPU): 3 request slots of the hand shapes, bytes measured."""
+    from pploader.cache.pools import PoolOptions, build_rank_pools
+    from pploader.job import plan_job
+    model.save_pretrained(tmp_path, max_shard_size="200KB")
+    job = plan_job(tmp_path, 2)
+    assert "unavailable" not in job.pipeline_pools, job.pipeline_pools
+    seen = []
+    for summary in job.summaries:
+        pools, lo, hi = summary["pools"], summary["start_layer"], summary["end_layer"]
+        own = hand[lo:hi]
+        assert pools["kv_bytes_per_token"] == sum(h[0] for h in own)
+        assert pools["state_bytes_per_request"] == sum(h[1] for h in own)
+        assert pools["attention_layers"] == [i for i in range(lo, hi) if hand[i][0]]
+        assert pools["state_layers"] == [i for i in range(lo, hi) if hand[i][1]]
+        for entry in pools["layers"]:
+            assert lo <= entry["layer"] < hi
+            shapes = {n: tuple(s["shape"]) for n, s in entry["states"].items()}
+            assert shapes == hand[entry["layer"]][2]
+        seen += range(lo, hi)
+    assert seen == list(range(4))
+    for plan in job.plans:
+        pools = build_rank_pools(job.spec, plan, PoolOptions(tokens=64, requests=3),
+                                 device="cpu")
+        w = plan.window
+        for layer in range(w.start_layer, w.end_layer):
+            kv_bytes, state_bytes, shapes = hand[layer]
+            got_states = pools.states.get(layer, {})
+            assert {n: tuple(t.shape) for n, t in got_states.items()} == \
+                {n: (3, *shape) for n, shape in shapes.items()}
+            assert sum(t.nbytes for t in got_states.values()) == 3 * state_bytes
+            kv = pools.kv.get(layer, ())
+            assert sum(t[0, 0].nbytes for t in kv) == kv_bytes  # one token, every part
+        assert pools.state_allocated_bytes == 3 * sum(
+            hand[i][1] for i in range(w.start_layer, w.end_layer))
+
+
 def _case(t: str) -> object:
     return pytest.param(t, marks=[] if t in DEFAULT else [pytest.mark.slow])
 
@@ -188,8 +227,6 @@ def _case(t: str) -> object:
 def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tmp_path: Path,
                                                              quiet: None) -> None:
     from pploader.cache.geometry import model_cache
-    from pploader.cache.pools import PoolOptions, build_rank_pools
-    from pploader.job import plan_job
     from pploader.planning.spec import spec_from_config
     model, config = _model(model_type)
     spec = spec_from_config({**config, "dtype": "float32"})
@@ -216,39 +253,7 @@ def test_pools_equal_transformers_cache_and_hand_sums_at_pp2(model_type: str, tm
         else:
             assert set(got) <= {"conv"}, (layer, got)
         assert (mine.kv_bytes_per_token, mine.state_bytes_per_request, got) == hand[layer]
-    # PP=2 through plan_job: each stage sizes its own layers only, the hand sums
-    model.save_pretrained(tmp_path, max_shard_size="200KB")
-    job = plan_job(tmp_path, 2)
-    assert "unavailable" not in job.pipeline_pools, job.pipeline_pools
-    seen = []
-    for summary in job.summaries:
-        pools, lo, hi = summary["pools"], summary["start_layer"], summary["end_layer"]
-        own = hand[lo:hi]
-        assert pools["kv_bytes_per_token"] == sum(h[0] for h in own)
-        assert pools["state_bytes_per_request"] == sum(h[1] for h in own)
-        assert pools["attention_layers"] == [i for i in range(lo, hi) if hand[i][0]]
-        assert pools["state_layers"] == [i for i in range(lo, hi) if hand[i][1]]
-        for entry in pools["layers"]:
-            assert lo <= entry["layer"] < hi
-            shapes = {n: tuple(s["shape"]) for n, s in entry["states"].items()}
-            assert shapes == hand[entry["layer"]][2]
-        seen += range(lo, hi)
-    assert seen == list(range(4))
-    # each stage allocates them (CPU): 3 request slots of the hand shapes, measured bytes
-    for plan in job.plans:
-        pools = build_rank_pools(job.spec, plan, PoolOptions(tokens=64, requests=3),
-                                 device="cpu")
-        w = plan.window
-        for layer in range(w.start_layer, w.end_layer):
-            kv_bytes, state_bytes, shapes = hand[layer]
-            got_states = pools.states.get(layer, {})
-            assert {n: tuple(t.shape) for n, t in got_states.items()} == \
-                {n: (3, *shape) for n, shape in shapes.items()}
-            assert sum(t.nbytes for t in got_states.values()) == 3 * state_bytes
-            kv = pools.kv.get(layer, ())
-            assert sum(t[0, 0].nbytes for t in kv) == kv_bytes  # one token, every part
-        assert pools.state_allocated_bytes == 3 * sum(
-            hand[i][1] for i in range(w.start_layer, w.end_layer))
+    _check_pp2(model, hand, tmp_path)
 
 
 @pytest.mark.parametrize("model_type", ["zamba", "lfm2_moe", "olmo_hybrid", "cpmant", "jetmoe",
@@ -266,12 +271,12 @@ def test_tp2_geometry_equals_hand_numbers(model_type: str, quiet: None) -> None:
 
 
 @pytest.mark.parametrize("model_type,why", [
-    ("recurrent_gemma", "kind 'unknown'"), ("xlstm", "kind 'unknown'"),
+    ("deepseek_v4", "kind 'unknown'"), ("xlstm", "kind 'unknown'"),
     ("rwkv", "kind 'unknown'"), ("reformer", "kind 'unknown'")])
 def test_layers_without_a_known_cache_are_still_refused(model_type: str, why: str,
                                                         quiet: None) -> None:
-    """Where the layer's cache is not one of the sized kinds (RecurrentGemma's RG-LRU, xLSTM's
-    mLSTM, RWKV, Reformer's LSH), the geometry is refused naming the layer, as before; a BERT
+    """Where the layer's cache is not one of the sized kinds (DeepSeek-V4's compressed sparse
+    attention, xLSTM's mLSTM, RWKV, Reformer's LSH), the geometry is refused naming the layer, as before; a BERT
     decoder with cross-attention too (the encoder's KV)."""
     from pploader import ConfigError
     from pploader.cache.geometry import model_cache
@@ -292,3 +297,53 @@ def test_layers_without_a_known_cache_are_still_refused(model_type: str, why: st
                                  "architectures": ["BertLMHeadModel"], "dtype": "float32"})
         with pytest.raises(ConfigError, match="kind 'unknown'"):
             model_cache(spec, 1)
+
+
+def _recurrent_gemma(c: dict, tp: int) -> Hand:
+    out: Hand = []
+    width, k = c["lru_width"] // tp, c["conv1d_width"]
+    for t in c["block_types"] * 2:  # the class's pattern repeats over the layers
+        if t == "recurrent":  # conv's last K - 1 inputs, one float32 recurrence value a channel
+            out.append((0, width * (k - 1) * F32 + width * F32,
+                        {"conv": (width, k - 1), "recurrent": (width,)}))
+        else:
+            out.append((2 * (c["num_key_value_heads"] // tp) * c["head_dim"] * F32, 0, {}))
+    return out[:c["num_hidden_layers"]]
+
+
+def test_recurrent_gemma_pools_equal_its_modules_state_and_hand_sums(tmp_path: Path,
+                                                                     quiet: None) -> None:
+    """RecurrentGemma keeps its recurrent state on the modules, not in a returned cache: after
+    a forward each recurrent block's ``conv1d_state`` / ``rg_lru.recurrent_states`` has the
+    shapes pploader gives (conv: K - 1 columns); attention layers get K / V pages by hand;
+    PP=2 stages and their CPU allocation as the other cases."""
+    import transformers
+    from pploader.cache.geometry import model_cache
+    from pploader.planning.spec import spec_from_config
+    cls = transformers.RecurrentGemmaForCausalLM
+    config = generic_sweep.model_config(generic_sweep.tiny_config("recurrent_gemma"), cls)
+    config.architectures = ["RecurrentGemmaForCausalLM"]
+    torch.manual_seed(0)
+    model = cls._from_config(config, dtype=torch.float32).eval()
+    raw = json.loads(config.to_json_string())
+    hand = _recurrent_gemma(raw, 1)
+    with torch.no_grad():
+        model(input_ids=torch.arange(5).unsqueeze(0), use_cache=True)
+    ours = model_cache(spec_from_config({**raw, "dtype": "float32"}), 1)
+    recurrent = 0
+    for layer, (mine, block) in enumerate(zip(ours, model.model.layers)):
+        got = {s.name: s.shape for s in mine.states}
+        conv = getattr(block.temporal_block, "conv1d_state", None)
+        assert (conv is not None) == bool(got), (layer, got)
+        if conv is not None:
+            rec = block.temporal_block.rg_lru.recurrent_states
+            assert got == {"conv": tuple(conv.shape[1:]), "recurrent": tuple(rec.shape[1:])}
+            assert mine.states[1].dtype == rec.dtype == torch.float32
+            recurrent += 1
+        assert (mine.kv_bytes_per_token, mine.state_bytes_per_request, got) == hand[layer]
+    assert recurrent == 3
+    assert [(c.kv_bytes_per_token, c.state_bytes_per_request,
+             {s.name: s.shape for s in c.states})
+            for c in model_cache(spec_from_config({**raw, "dtype": "float32"}), 2)] == \
+        _recurrent_gemma(raw, 2)
+    _check_pp2(model, hand, tmp_path)
