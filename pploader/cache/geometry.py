@@ -19,6 +19,8 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
   head_dim, head_dim]``.
 - ``rg_lru`` (RecurrentGemma's recurrent block): conv ``[width_local, K-1]`` and recurrent
   ``[width_local]`` (``lru_width`` split by TP).
+- ``rwkv`` (RWKV v4): shift ``[2, hidden]`` (model dtype: the previous token of the time and
+  channel mixing) and wkv ``[3, attention_hidden]`` (numerator, denominator, max); tp=1 only.
 - ``hybrid_attention_mamba2`` (Falcon-H1, Zamba): both the GQA pages and the mamba2 state.
 - ``sliding_attention``: GQA pages holding at most ``window`` tokens per sequence (sliding-window
   or chunked attention); a GQA layer the family gives a window (``CacheDims.windows``: Mistral,
@@ -61,6 +63,7 @@ KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "short_conv": ("short_conv",),  # LFM2's gated short convolution: its last L-1 inputs
     "lightning_attention": ("lightning",),  # MiniMax: [heads, head_dim, head_dim] per request
     "rg_lru": ("rg_lru",),  # RecurrentGemma's recurrent block: conv + one value per channel
+    "rwkv": ("rwkv",),  # RWKV v4: token shifts [2, hidden] + WKV state [3, attention_hidden]
 }
 
 
@@ -246,11 +249,20 @@ def _rg_lru(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
             StateTensor("recurrent", (width,), dt[2]))
 
 
+def _rwkv(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_rwkv(spec)
+    if tp > 1:  # no engine shards RWKV; the weights' rules refuse TP too
+        raise PlanError(f"rwkv cache geometry at tp={tp}: no engine defines a TP split of "
+                        "RWKV's state; use tp=1")
+    return (StateTensor("shift", (2, d.hidden), dt[1]),
+            StateTensor("wkv", (3, d.attention_hidden), dt[2]))
+
+
 _KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {
     "gqa": _gqa, "mla": _mla}
 _STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTensor, ...]]] = {
     "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn, "short_conv": _short_conv,
-    "lightning": _lightning, "rg_lru": _rg_lru}
+    "lightning": _lightning, "rg_lru": _rg_lru, "rwkv": _rwkv}
 
 
 #: layer kinds whose KV a window can bound (GQA attention); a window on another kind is an error

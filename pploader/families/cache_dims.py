@@ -19,7 +19,7 @@ from .spec_view import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
 from .windows import Windows, spec_layout_windows
 
-__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "LightningDims", "RgLruDims", "CacheDims", "CONFIG_KEYS",
+__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "LightningDims", "RgLruDims", "RwkvDims", "CacheDims", "CONFIG_KEYS",
            "CONFIG_CACHE_DIMS", "mla_dims", "config_mamba2_dims", "ssm_cache_dtype",
            "param_cache_dims", "KEY_PROJECTIONS"]
 
@@ -58,6 +58,15 @@ class RgLruDims:
 
     width: int
     kernel: int
+
+
+@dataclass(frozen=True)
+class RwkvDims:
+    """RWKV (v4): the previous token of the time and channel mixing (``hidden`` each) and the
+    WKV numerator, denominator and running max (``attention_hidden`` each, float32)."""
+
+    hidden: int
+    attention_hidden: int
 
 
 @dataclass(frozen=True)
@@ -172,6 +181,7 @@ class CacheDims:
     short_conv: Optional[Callable[[SpecView], ShortConvDims]] = None
     lightning: Optional[Callable[[SpecView], LightningDims]] = None
     rg_lru: Optional[Callable[[SpecView], RgLruDims]] = None
+    rwkv: Optional[Callable[[SpecView], RwkvDims]] = None
     ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
     #: tokens of KV each layer keeps per sequence (sliding / chunked attention; None = the
     #: whole context); None here = no layer of the family is windowed (families/windows.py)
@@ -212,6 +222,9 @@ class CacheDims:
 
     def of_rg_lru(self, spec: SpecView) -> RgLruDims:
         return _read(self.rg_lru, "rg_lru", spec)
+
+    def of_rwkv(self, spec: SpecView) -> RwkvDims:
+        return _read(self.rwkv, "rwkv", spec)
 
 
 def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView) -> T:
@@ -415,6 +428,20 @@ def param_rg_lru_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecVi
     return read
 
 
+def param_rwkv_dims(params: Mapping[str, tuple[int, ...]]) -> Callable[[SpecView], RwkvDims]:
+    """RWKV's widths: ``attention.time_decay`` [attention_hidden] and ``attention.output``
+    [hidden, attention_hidden]."""
+    def read(spec: SpecView) -> RwkvDims:
+        decay, out = params.get("attention.time_decay"), params.get("attention.output.weight")
+        if decay is None or out is None or len(decay) != 1 or len(out) != 2 \
+                or out[1] != decay[0]:
+            raise ConfigError(f"rwkv cache geometry: attention.time_decay {decay} and "
+                              f"attention.output {out} do not give [att] and [hidden, att]",
+                              file="config.json")
+        return RwkvDims(out[0], decay[0])
+    return read
+
+
 def param_cache_dims(kinds: tuple[str, ...],
                      layer_params: tuple[Mapping[str, tuple[int, ...]], ...],
                      gqa_from_params: bool = False) -> CacheDims:
@@ -433,6 +460,7 @@ def param_cache_dims(kinds: tuple[str, ...],
         lightning=param_lightning_dims(first["lightning_attention"])
         if "lightning_attention" in first else None,
         rg_lru=param_rg_lru_dims(first["rg_lru"]) if "rg_lru" in first else None,
+        rwkv=param_rwkv_dims(first["rwkv"]) if "rwkv" in first else None,
         mamba1=param_mamba1_dims(first["mamba1"]) if "mamba1" in first else None,
         mamba2=param_mamba2_dims(mamba2) if mamba2 is not None else None,
         gqa=param_gqa_dims(attention) if gqa_from_params and attention is not None else None,

@@ -183,6 +183,8 @@ def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str
         return "hybrid_attention_mamba2"
     if mla and not a_log:
         return "mla"
+    if {"attention.time_decay", "attention.time_first"} <= names:
+        return "rwkv"  # RWKV (v4) time mixing: token shifts + the WKV numerator / denominator
     if any(n.endswith("rg_lru.recurrent_param") for n in names) and "conv_1d" in leaf:
         return "rg_lru"  # RecurrentGemma's recurrent block: conv + real-gated linear recurrence
     if any(n.endswith("slope_rate") for n in names) and "qkv_proj" in leaf:

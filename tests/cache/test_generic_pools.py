@@ -4,7 +4,8 @@ Each case is a tiny transformers model (the sweep's shrink, tests/sweep_shrink.p
 were kind ``unknown`` (or mis-sized) before: BERT-style and other odd-named attention, LFM2's
 short convolutions, OLMo-hybrid's gated delta net, Kimi / Bailing delta attention, MiniMax's
 lightning attention, Zamba's multi-head Mamba beside its shared attention, RecurrentGemma's
-recurrent block (its own test: the state lives on the modules). For every case:
+recurrent block (its own test: the state lives on the modules), RWKV's time mixing (its own
+test: the state is a model output). For every case:
 
 - transformers' own cache after a forward (``use_cache=True``) has, per layer, exactly the K /
   V heads x head dim, conv channels (pploader keeps ``kernel - 1`` of its ``kernel`` columns)
@@ -272,11 +273,11 @@ def test_tp2_geometry_equals_hand_numbers(model_type: str, quiet: None) -> None:
 
 @pytest.mark.parametrize("model_type,why", [
     ("deepseek_v4", "kind 'unknown'"), ("xlstm", "kind 'unknown'"),
-    ("rwkv", "kind 'unknown'"), ("reformer", "kind 'unknown'")])
+    ("xlnet", "kind 'unknown'"), ("reformer", "kind 'unknown'")])
 def test_layers_without_a_known_cache_are_still_refused(model_type: str, why: str,
                                                         quiet: None) -> None:
     """Where the layer's cache is not one of the sized kinds (DeepSeek-V4's compressed sparse
-    attention, xLSTM's mLSTM, RWKV, Reformer's LSH), the geometry is refused naming the layer, as before; a BERT
+    attention, xLSTM's mLSTM, XLNet's memory, Reformer's LSH), the geometry is refused naming the layer, as before; a BERT
     decoder with cross-attention too (the encoder's KV)."""
     from pploader import ConfigError
     from pploader.cache.geometry import model_cache
@@ -346,4 +347,38 @@ def test_recurrent_gemma_pools_equal_its_modules_state_and_hand_sums(tmp_path: P
              {s.name: s.shape for s in c.states})
             for c in model_cache(spec_from_config({**raw, "dtype": "float32"}), 2)] == \
         _recurrent_gemma(raw, 2)
+    _check_pp2(model, hand, tmp_path)
+
+
+def test_rwkv_pools_equal_its_state_output_and_hand_sums(tmp_path: Path, quiet: None) -> None:
+    """RWKV returns its state as ``out.state``: five ``[batch, hidden, layers]`` tensors (the
+    channel- and time-mixing token shifts in the model dtype, then the WKV numerator,
+    denominator and max in float32). pploader's per-layer shift ``[2, hidden]`` and wkv
+    ``[3, attention_hidden]`` hold the same numbers; PP=2 as the other cases; TP refused."""
+    import transformers
+    from pploader import PlanError
+    from pploader.cache.geometry import model_cache
+    from pploader.planning.spec import spec_from_config
+    cls = transformers.RwkvForCausalLM
+    config = generic_sweep.model_config(generic_sweep.tiny_config("rwkv"), cls)
+    config.architectures = ["RwkvForCausalLM"]
+    torch.manual_seed(0)
+    model = cls._from_config(config, dtype=torch.float32).eval()
+    raw = json.loads(config.to_json_string())
+    hidden, att = raw["hidden_size"], raw["attention_hidden_size"] or raw["hidden_size"]
+    hand: Hand = [(0, (2 * hidden + 3 * att) * F32,
+                   {"shift": (2, hidden), "wkv": (3, att)})] * raw["num_hidden_layers"]
+    with torch.no_grad():
+        state = model(input_ids=torch.arange(5).unsqueeze(0), use_cache=True).state
+    spec = spec_from_config({**raw, "dtype": "float32"})
+    ours = model_cache(spec, 1)
+    for layer, mine in enumerate(ours):
+        got = {s.name: (s.shape, s.dtype) for s in mine.states}
+        theirs = [s[0, :, layer] for s in state]
+        assert got == {"shift": ((len(theirs[:2]), theirs[0].shape[0]), theirs[0].dtype),
+                       "wkv": ((len(theirs[2:]), theirs[2].shape[0]), theirs[2].dtype)}
+        assert (mine.kv_bytes_per_token, mine.state_bytes_per_request,
+                {n: shape for n, (shape, _) in got.items()}) == hand[layer]
+    with pytest.raises(PlanError, match="rwkv cache geometry at tp=2"):
+        model_cache(spec, 2)
     _check_pp2(model, hand, tmp_path)
