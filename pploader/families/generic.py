@@ -17,8 +17,8 @@ head counts from the config dividing the shape, norms of width hidden or head_di
 vocab; a vision-language model's encoders and projector replicated, ``hf_multimodal.py``);
 any other tensor gets a rule that refuses TP > 1 naming the tensor, never a guess.
 Layer kinds: attention (odd projection names included) / MLA / Mamba1 / Mamba2 / gated delta
-net / short convolution from the layer's own parameters, sliding vs full from ``layer_types``;
-anything else is ``unknown`` (no cache pool).
+net / short convolution / lightning attention / RG-LRU / RWKV from the layer's own parameters,
+sliding vs full from ``layer_types``; anything else is ``unknown`` (no cache pool).
 """
 from __future__ import annotations
 
