@@ -8,11 +8,20 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
 - ``mla``: one latent page tensor ``[num_pages, page_size, 1, kv_lora_rank + qk_rope_head_dim]``,
   the same on every TP rank (the latent is not split by TP).
 - ``mamba2``: conv ``[conv_dim_local, K-1]`` with ``conv_dim = d_inner + 2 * n_groups * d_state``
-  and ssm ``[heads_local, head_dim, d_state]``; groups are replicated when ``n_groups < tp``.
+  and ssm ``[heads_local, head_dim, d_state]``; groups are replicated when ``n_groups < tp``
+  (Zamba's multi-head Mamba: ``n_groups = 0``, conv over d_inner only).
 - ``mamba1`` (Jamba): conv ``[d_inner_local, K-1]``, ssm ``[d_inner_local, d_state]``.
 - ``gdn`` (gated delta net): conv ``[conv_dim_local, K-1]`` with
   ``conv_dim = 2 * Hk * dk + Hv * dv`` and temporal ``[Hv_local, dv, dk]``.
-- ``hybrid_attention_mamba2`` (Falcon-H1): both the GQA pages and the mamba2 state.
+- ``short_conv`` (LFM2): conv ``[channels_local, L_cache-1]`` (the depthwise conv's channels,
+  hidden, split by TP).
+- ``lightning_attention`` (MiniMax's decayed linear attention): temporal ``[heads_local,
+  head_dim, head_dim]``.
+- ``rg_lru`` (RecurrentGemma's recurrent block): conv ``[width_local, K-1]`` and recurrent
+  ``[width_local]`` (``lru_width`` split by TP).
+- ``rwkv`` (RWKV v4): shift ``[2, hidden]`` (model dtype: the previous token of the time and
+  channel mixing) and wkv ``[3, attention_hidden]`` (numerator, denominator, max); tp=1 only.
+- ``hybrid_attention_mamba2`` (Falcon-H1, Zamba): both the GQA pages and the mamba2 state.
 - ``sliding_attention``: GQA pages holding at most ``window`` tokens per sequence (sliding-window
   or chunked attention); a GQA layer the family gives a window (``CacheDims.windows``: Mistral,
   Qwen2 with ``use_sliding_window``...) is one too. Without a window it is pooled full-length.
@@ -51,6 +60,10 @@ KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "full_attention": ("gqa",), "mla": ("mla",), "mamba1": ("mamba1",), "mamba2": ("mamba2",),
     "gdn": ("gdn",), "hybrid_attention_mamba2": ("gqa", "mamba2"), "mlp": (),
     "sliding_attention": ("gqa",),  # window-sized pages (LayerCache.window)
+    "short_conv": ("short_conv",),  # LFM2's gated short convolution: its last L-1 inputs
+    "lightning_attention": ("lightning",),  # MiniMax: [heads, head_dim, head_dim] per request
+    "rg_lru": ("rg_lru",),  # RecurrentGemma's recurrent block: conv + one value per channel
+    "rwkv": ("rwkv",),  # RWKV v4: token shifts [2, hidden] + WKV state [3, attention_hidden]
 }
 
 
@@ -183,8 +196,8 @@ Dtypes = tuple[torch.dtype, torch.dtype, torch.dtype]
 
 
 def _gqa(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
-    heads = local_units(spec.num_kv_heads, tp, "kv heads")
-    return KVLayout(("k", "v"), heads, spec.head_dim, dt[0])
+    d = spec.family.cache_dims.of_gqa(spec)
+    return KVLayout(("k", "v"), local_units(d.kv_heads, tp, "kv heads"), d.head_dim, dt[0])
 
 
 def _mla(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
@@ -195,7 +208,7 @@ def _mla(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:
 def _mamba2(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
     d = spec.family.cache_dims.of_mamba2(spec)
     heads_local = _split(d.n_heads, tp, "mamba heads")
-    groups = local_units(d.n_groups, tp, "mamba n_groups")
+    groups = local_units(d.n_groups, tp, "mamba n_groups") if d.n_groups else 0  # 0: Zamba
     conv_dim = heads_local * d.head_dim + 2 * groups * d.d_state
     return (StateTensor("conv", (conv_dim, d.conv_kernel - 1), dt[1]),
             StateTensor("ssm", (heads_local, d.head_dim, d.d_state), dt[2]))
@@ -217,10 +230,39 @@ def _gdn(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
             StateTensor("temporal", (hv, d.v_head_dim, d.k_head_dim), dt[2]))
 
 
+def _short_conv(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_short_conv(spec)
+    return (StateTensor("conv", (_split(d.channels, tp, "short conv channels"),
+                                 d.kernel - 1), dt[1]),)
+
+
+def _lightning(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_lightning(spec)
+    return (StateTensor("temporal", (_split(d.heads, tp, "lightning attention heads"),
+                                     d.head_dim, d.head_dim), dt[2]),)
+
+
+def _rg_lru(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_rg_lru(spec)
+    width = _split(d.width, tp, "rg_lru width")
+    return (StateTensor("conv", (width, d.kernel - 1), dt[1]),
+            StateTensor("recurrent", (width,), dt[2]))
+
+
+def _rwkv(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_rwkv(spec)
+    if tp > 1:  # no engine shards RWKV; the weights' rules refuse TP too
+        raise PlanError(f"rwkv cache geometry at tp={tp}: no engine defines a TP split of "
+                        "RWKV's state; use tp=1")
+    return (StateTensor("shift", (2, d.hidden), dt[1]),
+            StateTensor("wkv", (3, d.attention_hidden), dt[2]))
+
+
 _KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {
     "gqa": _gqa, "mla": _mla}
 _STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTensor, ...]]] = {
-    "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn}
+    "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn, "short_conv": _short_conv,
+    "lightning": _lightning, "rg_lru": _rg_lru, "rwkv": _rwkv}
 
 
 #: layer kinds whose KV a window can bound (GQA attention); a window on another kind is an error

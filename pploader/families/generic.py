@@ -16,8 +16,9 @@ TP rules are derived only where a tensor's role is unambiguous (q/k/v/o, gate/up
 head counts from the config dividing the shape, norms of width hidden or head_dim, routers,
 vocab; a vision-language model's encoders and projector replicated, ``hf_multimodal.py``);
 any other tensor gets a rule that refuses TP > 1 naming the tensor, never a guess.
-Layer kinds: attention / MLA / Mamba1 / Mamba2 / gated delta net from the layer's own
-parameters, sliding vs full from ``layer_types``; anything else is ``unknown`` (no cache pool).
+Layer kinds: attention (odd projection names included) / MLA / Mamba1 / Mamba2 / gated delta
+net / short convolution / lightning attention / RG-LRU / RWKV from the layer's own parameters,
+sliding vs full from ``layer_types``; anything else is ``unknown`` (no cache pool).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from functools import lru_cache, partial
 from typing import Any, Callable, Mapping, Optional
 
 from ..errors import PlanError
-from .cache_dims import param_cache_dims
+from .cache_dims import key_projection, param_cache_dims
 from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
@@ -79,7 +80,8 @@ def _family(meta: MetaModel) -> Family:
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                         "vocab_size", "num_hidden_layers", "tie_word_embeddings")}
     #                                                    (Gemma-3 ties by default)
-    dims = replace(param_cache_dims(kinds, tuple(dict(p) for p in meta.layer_params)),
+    params = tuple(dict(p) for p in meta.layer_params)
+    dims = replace(param_cache_dims(kinds, params, _gqa_from_params(kinds, params)),
                    windows=lambda _spec: layout_windows(text, kinds))  # class-normalised
     return Family(name=f"{GENERIC_NAME}:{meta.model_type}", architectures=(meta.architecture,),
                   layout=lambda _config: layout, mtp_pattern=mtp_pattern, cache_dims=dims,
@@ -143,34 +145,82 @@ def layer_kinds(meta: MetaModel) -> tuple[str, ...]:
     return tuple(out)
 
 
+#: attention whose projections other names spell: BERT-style ``attention.self.{query,key,
+#: value}``, CTRL ``Wq/Wk/Wv``, CPM-Ant ``project_q/k/v``, Moshi ``k_proj.linear``, JetMoE's
+#: ``kv_proj`` beside its attention experts (K / V sizes: cache_dims.param_gqa_dims)
+_ODD_ATTENTION = re.compile(r"(^|\.)(self\.key|Wk|project_k|k_proj\.linear)\.weight$"
+                            r"|(^|\.)self_attention\.kv_proj\.weight$")
+
+
 def _kind(params: Mapping[str, tuple[int, ...]], declared: Optional[str]) -> str:
-    names = set(params)
+    a_logs = {n[:-len("A_log")]: s for n, s in params.items() if n.endswith("A_log")}
+    a_log = list(a_logs.values())
+    # a gated delta rule with separate projections (OLMo-hybrid's linear_attn; Kimi / Bailing
+    # delta attention, A_log in its forget_gate): the mixer owns q/k/v, b and the conv; not
+    # attention, not Mamba
+    mixers = {p[:-len("forget_gate.")] if p.endswith("forget_gate.") else p for p in a_logs}
+    split_gdn = [p for p in mixers if all(p + f"{x}.weight" in params for x in (
+        "q_proj", "k_proj", "v_proj", "b_proj", "conv1d"))]
+    names = {n for n in params if not any(n.startswith(p) for p in split_gdn)}
     leaf = {n.rsplit(".", 2)[-2] if n.count(".") else n for n in names}
-    a_log = [s for n, s in params.items() if n.endswith("A_log")]
     mla = any("kv_a_proj_with_mqa" in n for n in names)
-    attention = mla or bool(leaf & {"q_proj", "k_proj", "qkv_proj", "query_key_value", "Wqkv",
-                                    "c_attn", "qkv"})
-    gdn = bool(a_log) and any(re.search(r"in_proj_(qkvz|qkv)\b", n) for n in names)
-    mamba = bool(a_log) and not gdn and any("conv1d" in n for n in names)
+    odd = any(_ODD_ATTENTION.search(n) for n in names) and (
+        not any(n.endswith("kv_proj.weight") for n in names)
+        or any(".experts." in n and n.startswith("self_attention.") for n in names))
+    attention = mla or odd or bool(leaf & {"q_proj", "k_proj", "qkv_proj", "query_key_value",
+                                           "Wqkv", "c_attn", "qkv"})
+    if any(re.search(r"(^|\.)crossattention\.", n) for n in names):  # a BERT-style decoder
+        return "unknown"  # with cross-attention: the encoder's KV is not pooled
+    gdn = bool(split_gdn) or bool(a_log) and any(
+        re.search(r"in_proj_(qkvz|qkv)\b", n) for n in names)
+    # a Mamba mixer owns its conv (Bailing's / Kimi's forget-gate A_log does not: unknown)
+    mamba = bool(a_log) and not gdn and any(p + "conv1d.weight" in params for p in a_logs)
     if gdn and not attention:
         return "gdn"
     if mamba and not attention:
         return "mamba1" if len(a_log[0]) == 2 else "mamba2"
-    if mamba and attention and len(a_log[0]) == 1:
+    if mamba and attention and len(a_log[0]) in (1, 3):  # 3: Zamba's multi-head Mamba
         return "hybrid_attention_mamba2"
     if mla and not a_log:
         return "mla"
+    if {"attention.time_decay", "attention.time_first"} <= names:
+        return "rwkv"  # RWKV (v4) time mixing: token shifts + the WKV numerator / denominator
+    if any(n.endswith("rg_lru.recurrent_param") for n in names) and "conv_1d" in leaf:
+        return "rg_lru"  # RecurrentGemma's recurrent block: conv + real-gated linear recurrence
+    if any(n.endswith("slope_rate") for n in names) and "qkv_proj" in leaf:
+        return "lightning_attention"  # MiniMax: decayed linear attention, one KV state per head
     if attention and not a_log:
         if declared in _SLIDING:
             return "sliding_attention"
         if declared is None or declared in _FULL:
             return "full_attention"
         return "unknown"
+    if not a_log and not attention and _SHORT_CONV <= {n.split(".", 1)[1] for n in names
+                                                          if n.startswith("conv.")}:
+        return "short_conv"
     if not a_log and (declared is None or declared not in _FULL | _SLIDING) and all(
             re.search(r"(^|\.)(mlp|experts|shared_experts?|norm|\w*layernorm|\w*_norm)\b", n)
             for n in names):
         return "mlp"
     return "unknown"
+
+
+#: LFM2's gated short convolution block (``conv.*``), its state sized by
+#: cache_dims.param_short_conv_dims
+_SHORT_CONV = {"conv.weight", "in_proj.weight", "out_proj.weight"}
+
+
+def _gqa_from_params(kinds: tuple[str, ...],
+                     layer_params: tuple[Mapping[str, tuple[int, ...]], ...]) -> bool:
+    """Whether K / V come from the first attention layer's own key projection (not the spec's
+    ``num_kv_heads`` / ``head_dim``): odd projection names (``_ODD_ATTENTION``), or Zamba's
+    hybrid layers, whose attention runs over twice the hidden width."""
+    for kind, params in zip(kinds, layer_params):
+        if kind in ("full_attention", "sliding_attention", "hybrid_attention_mamba2"):
+            found = key_projection(params)
+            return found is not None and (not found[0].endswith("k_proj.weight") or any(
+                n.endswith("A_log") and len(s) == 3 for n, s in params.items()))
+    return False
 
 
 # ---- TP rules ---------------------------------------------------------------------------------

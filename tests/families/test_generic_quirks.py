@@ -176,7 +176,11 @@ def test_generic_layer_kinds_and_pools(tmp_path: Path) -> None:
 def test_unknown_layer_kind_has_no_pool() -> None:
     from pploader.families.generic import _kind
     assert _kind({"conv.in_proj.weight": (3, 4), "conv.conv.weight": (4, 1, 3)}, "conv") \
-        == "unknown"
+        == "unknown"  # not LFM2's whole short-conv block (in_proj, conv, out_proj)
+    assert _kind({"conv.in_proj.weight": (12, 4), "conv.conv.weight": (4, 1, 3),
+                  "conv.out_proj.weight": (4, 4)}, "conv") == "short_conv"
+    assert _kind({"attn.forget_gate.A_log": (4,), "attn.conv1d.weight": (12, 1, 4),
+                  "attn.q_proj.weight": (4, 4)}, None) == "unknown"  # A_log not a Mamba's
     assert _kind({"self_attn.q_proj.weight": (4, 4)}, "sliding_attention") == "sliding_attention"
     assert _kind({"mixer.A_log": (4,), "mixer.conv1d.weight": (4, 1, 3)}, None) == "mamba2"
     assert _kind({"mlp.up_proj.weight": (4, 4)}, "moe") == "mlp"

@@ -28,7 +28,7 @@ SUBSET = {
     "starcoder2": "dense with biases, plain MLP",
     "gpt2": "GPT-2 layout: transformer.h, learned positions on the first stage",
     "bart": "decoder of an encoder-decoder: layernorm_embedding registered after the layers",
-    "lfm2": "hybrid: short convolutions + attention (conv layers: cache kind unknown)",
+    "lfm2": "hybrid: short convolutions + attention (conv layers: cache kind short_conv)",
     "zamba2": "hybrid Mamba2 + shared attention blocks",
     "mamba2": "pure SSM",
     "gemma4_text": "per-layer inputs sliced per layer from one pre-loop tensor",
@@ -220,12 +220,12 @@ def test_ssm_cache_geometry_from_the_layers_parameters(model_type: str, quiet: N
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,exit_code", [("rwkv", 2), ("mamba2", 0)])
+@pytest.mark.parametrize("model_type,exit_code", [("xlstm", 2), ("mamba2", 0)])
 def test_default_load_pools_succeed_or_refused_before_reading(
         model_type: str, exit_code: int, tmp_path: Path, quiet: None) -> None:
     """Default ``pploader load`` (pools on): a model whose cache geometry is derived loads
     (mamba2: sized from the mixers' parameters); one with a layer kind pploader cannot size
-    (RWKV's time mixing) is refused in the planning step, exit 2 naming --no-pools,
+    (xLSTM's mLSTM) is refused in the planning step, exit 2 naming --no-pools,
     and loads with --no-pools."""
     arch = generic_sweep.causal_lm_types()[model_type]
     model_dir = tmp_path / "model"
