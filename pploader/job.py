@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capacity, plan_pools
 from .errors import ConfigError, PlanError, UsageError
 from .planning.checkpoint import open_checkpoint
-from .planning.dtypes import dtype_casts
+from .planning.dtypes import cast_codes
 from .planning.stage import OpenedModel, open_model
 from .planning.gcpause import without_gc
 from .planning.plan import DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_all
@@ -454,7 +454,7 @@ def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
     plans = plan_all(spec, index, pp, tp, ep, partition=partition,
                      cache_bytes=cache_costs(spec, tp, pools), **plan_options)
     for plan in plans:  # the dtype policy, as a load applies it (rejections, warnings)
-        dtype_casts(spec, plan)
+        cast_codes(spec, plan)
     summaries = [p.summary() for p in plans]
     try:
         rows, pipeline = plan_pools(spec, index, plans, pools)
