@@ -131,3 +131,43 @@ def test_real_scale_plan_imports_no_torch(tmp_path_factory: pytest.TempPathFacto
     assert code in (0, None) and heavy == [], (heavy, out[-2000:])
     from pploader.job import plan_job
     assert plan_job(model, 8).text().strip() == out[:out.rindex("HEAVY")].strip()
+
+
+# -- pploader plan --rank: one rank's plan, as the whole job's plan has it ------------------
+
+@pytest.mark.parametrize("stem,pp,tp,ep,partition", [
+    ("tiny-deepseek_v3", 2, 2, 2, "even"),
+    ("tiny-qwen3_next", 2, 1, 2, "balanced"),
+    ("tiny-nemotron_h", 3, 1, 1, "2,5,1"),
+])
+def test_plan_one_rank_is_that_rank_of_the_job(stem: str, pp: int, tp: int, ep: int,
+                                               partition: str,
+                                               tiny_checkpoints: Callable[[str], Path]) -> None:
+    from pploader.cache.sizing import PoolOptions
+    from pploader.job import plan_job
+    model = tiny_checkpoints(stem)
+    parts: object = [int(n) for n in partition.split(",")] if "," in partition else partition
+    opts = PoolOptions(tokens=64) if partition == "balanced" else PoolOptions()
+    job = plan_job(model, pp, tp, ep, partition=parts, pools=opts)  # type: ignore[arg-type]
+    assert len(job.plans) == pp * tp * ep
+    for rank in range(pp * tp * ep):
+        one = plan_job(model, pp, tp, ep, partition=parts, pools=opts, rank=rank)  # type: ignore[arg-type]
+        assert one.plans == [job.plans[rank]] and one.summaries == [job.summaries[rank]]
+        assert "balance" not in one.pipeline_pools and one.to_json()["only_rank"] == rank
+        assert f"(rank {rank} only)" in one.text() and "stage bytes" not in one.text()
+    assert "balance" in job.pipeline_pools and "only_rank" not in job.to_json()
+
+
+def test_plan_rank_on_the_command_line(tiny_checkpoints: Callable[[str], Path]) -> None:
+    model = str(tiny_checkpoints("tiny-qwen3_moe"))
+    code, heavy, out = _fresh(_CLI_RUNNER, "plan", "--model", model, "--pp", "2", "--ep", "2",
+                              "--rank", "3", "--json")
+    assert code in (0, None) and heavy == []
+    doc = json.loads(out[:out.rindex("HEAVY")])
+    assert doc["only_rank"] == 3 and [r["rank"] for r in doc["ranks"]] == [3]
+    proc = subprocess.run([sys.executable, "-m", "pploader", "plan", "--model", model, "--pp",
+                           "2", "--rank", "2"], capture_output=True, text=True, timeout=120,
+                          cwd=REPO)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "pploader: error: rank 2 outside world of 2 (pp 2 x ep 1 x tp 1)"], proc.stderr
