@@ -434,7 +434,7 @@ def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
 
 def auto_exchange_cost_of(index: "CheckpointIndex", device: str) -> tuple[float, float]:
     """:func:`measure_exchange_cost` of an opened checkpoint."""
-    from .io.transfer.exchange import auto_exchange_cost
+    from .io.transfer.auto_cost import auto_exchange_cost
     return auto_exchange_cost([str(p) for p in index.paths.values()],
                               device.partition(":")[0])
 

@@ -87,6 +87,7 @@ def test_cache_dtypes_keep_names_and_check_them() -> None:
     ("tiny-qwen3_next", ["--pp", "2", "--ep", "2"]),
     ("tiny-nemotron_h", ["--pp", "3"]),
     ("tiny-qwen3_5_moe_vl", ["--pp", "2", "--kv-dtype", "float8_e4m3fn"]),
+    ("tiny-qwen3_moe", ["--pp", "2", "--tp", "2", "--exchange-cost", "auto"]),  # residency
 ])
 def test_pploader_plan_imports_no_torch(stem: str, layout: list[str],
                                         tiny_checkpoints: Callable[[str], Path]) -> None:
