@@ -157,6 +157,10 @@ def test_plan_one_rank_is_that_rank_of_the_job(stem: str, pp: int, tp: int, ep: 
         assert "balance" not in one.pipeline_pools and one.to_json()["only_rank"] == rank
         assert f"(rank {rank} only)" in one.text() and "stage bytes" not in one.text()
     assert "balance" in job.pipeline_pools and "only_rank" not in job.to_json()
+    if partition == "even":  # the plan the rank makes for itself at load (plan_stage)
+        from pploader import Topology, plan_stage
+        for rank in range(pp * tp * ep):
+            assert plan_stage(model, Topology(pp, tp, ep, rank)).plan == job.plans[rank]
 
 
 def test_plan_rank_on_the_command_line(tiny_checkpoints: Callable[[str], Path]) -> None:
