@@ -299,6 +299,7 @@ OPTIONS: dict[str, Spec] = {s.name: s for s in (
     Spec("nodes", "--nodes", "count", 1, MAX_RANKS),
     Spec("ranks_per_node", "--ranks-per-node", "count", 1, MAX_RANKS),
     Spec("node", "--node", "count", 0, MAX_RANKS - 1),
+    Spec("rank", "--rank", "count", 0, MAX_RANKS - 1),
     # TP slice reads
     Spec("range_cost_bytes", "--range-cost", "bytes", 0, 1 << 30,
          why="a seek that costs more than 1 GiB of transfer is no seek", example="64K"),

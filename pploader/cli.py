@@ -107,7 +107,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     auto = _auto_exchange_cost(args) if args.exchange_cost == "auto" else None
     job = plan_job(args.model, args.pp, args.tp, args.ep,
                    partition=_engine_partition(args.partition),  # type: ignore[arg-type]
-                   pools=_pool_options(args), allowed_roots=args.allow_root,
+                   pools=_pool_options(args), allowed_roots=args.allow_root, rank=args.rank,
                    **_tp_read_kwargs(args, auto[0] if auto else None))
     if auto is not None:  # measured here (page-cache residency), shown with the plan
         job.exchange_auto = {"exchange_cost": auto[0], "device": args.device,

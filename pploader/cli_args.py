@@ -224,6 +224,9 @@ def build_parser(bench: bool = True) -> argparse.ArgumentParser:
     _tp_read_args(p)
     p.add_argument("--device", type=_device_name, default="cpu",
                    help="the load's device kind, for --exchange-cost auto (default cpu)")
+    p.add_argument("--rank", type=_typed("--rank"), default=None,
+                   help="plan only this rank, as it plans itself at `load` (its row and "
+                   "pools; reads only its stage's headers; no stage balance)")
     _pool_args(p)
 
     p = sub.add_parser("load", help="load this rank's stage (run under torchrun/srun/mpiexec)",

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, Union
 from .cache.sizing import PoolOptions, cache_costs, format_pools, pipeline_capacity, plan_pools
 from .errors import ConfigError, PlanError, UsageError
 from .planning.checkpoint import open_checkpoint
-from .planning.dtypes import dtype_casts
+from .planning.dtypes import cast_codes
 from .planning.stage import OpenedModel, open_model
 from .planning.gcpause import without_gc
 from .planning.plan import DEFAULT_EXCHANGE_COST, Partition, RankPlan, make_windows, plan_all
@@ -376,19 +376,23 @@ class JobPlan:
     summaries: list[dict]           # RankPlan.summary() + "pools", per rank
     pipeline_pools: dict            # limits and balance, or {"unavailable": why}
     exchange_auto: Optional[dict] = None  # --exchange-cost auto: the cost, residency, device
+    rank: Optional[int] = None      # --rank: this rank's plan only (None: every rank)
 
     def to_json(self) -> dict[str, Any]:
         return {"model": self.model, "architecture": self.spec.architecture,
                 "family": self.spec.family.name, "num_layers": self.spec.num_layers,
                 "pp": self.pp, "tp": self.tp, "ep": self.ep,
                 "partition": _partition_label(self.partition), "ranks": self.summaries,
-                "exchange_cost_auto": self.exchange_auto, "pipeline_pools": self.pipeline_pools}
+                "exchange_cost_auto": self.exchange_auto, "pipeline_pools": self.pipeline_pools,
+                **({} if self.rank is None else {"only_rank": self.rank})}
 
     def text(self) -> str:
         """The readable form ``pploader plan`` prints."""
         spec = self.spec
         out = [f"{self.model}: {spec.architecture} ({spec.family.name}), {spec.num_layers} "
-               f"layers, pp {self.pp} x ep {self.ep} x tp {self.tp}", plan_table(self.summaries)]
+               f"layers, pp {self.pp} x ep {self.ep} x tp {self.tp}"
+               + ("" if self.rank is None else f" (rank {self.rank} only)"),
+               plan_table(self.summaries)]
         if self.tp > 1:
             from .planning.redistribute import methods_table
             auto = self.exchange_auto
@@ -405,6 +409,8 @@ class JobPlan:
             return "\n".join(out)
         out.append("\ncache pools (per rank; its own layers only):")
         out.append(format_pools(self.summaries))
+        if "balance" not in pipeline:  # one rank: the other stages were not planned
+            return "\n".join(out)
         bal = pipeline["balance"]
         out.append(f"stage bytes (weights + cache at {bal['target_tokens']} tokens, "
                    f"{bal['target_requests']} requests): max/mean "
@@ -428,7 +434,7 @@ def measure_exchange_cost(model_dir: os.PathLike | str, device: str = "cpu", *,
 
 def auto_exchange_cost_of(index: "CheckpointIndex", device: str) -> tuple[float, float]:
     """:func:`measure_exchange_cost` of an opened checkpoint."""
-    from .io.transfer.exchange import auto_exchange_cost
+    from .io.transfer.auto_cost import auto_exchange_cost
     return auto_exchange_cost([str(p) for p in index.paths.values()],
                               device.partition(":")[0])
 
@@ -436,15 +442,20 @@ def auto_exchange_cost_of(index: "CheckpointIndex", device: str) -> tuple[float,
 @without_gc  # the summaries walk millions of plan objects: no full collection in the middle
 def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
              partition: Partition = "even", pools: Optional[PoolOptions] = None,
-             allowed_roots: Sequence[str] = (), **plan_options: Any) -> JobPlan:
+             allowed_roots: Sequence[str] = (), rank: Optional[int] = None,
+             **plan_options: Any) -> JobPlan:
     """Every rank's plan (``plan_all``, the dtype policy applied as a load applies it) and
     cache pools (``pools``: how to size them, default ``PoolOptions()``), for a job of ``pp``
     x ``ep`` x ``tp`` ranks; ``plan_options``:
-    ``range_cost_bytes``, ``exchange_cost``, ``exchange_batch_bytes``. Pure: headers only."""
+    ``range_cost_bytes``, ``exchange_cost``, ``exchange_batch_bytes``. Pure: headers only.
+
+    ``rank``: that rank's plan and pools only (the plan it makes at load; other stages'
+    headers are not read, so no stage balance)."""
     from .arguments import check_type
     from .planning.partition import EngineSplit
     from .planning.topology import Topology
-    Topology(pp, tp, ep)  # sizes checked (TopologyError naming each) before any planning
+    Topology(pp, tp, ep, 0 if rank is None else rank)  # sizes and rank checked (TopologyError
+    # naming each) before any planning
     check_type("pools", pools, PoolOptions, "a PoolOptions")
     check_type("partition", partition, (str, list, tuple, EngineSplit),
                "even, balanced, vllm, sglang, an EngineSplit or layer counts", optional=False)
@@ -452,17 +463,19 @@ def plan_job(model_dir: os.PathLike | str, pp: int, tp: int = 1, ep: int = 1, *,
     spec = load_spec(model_dir, allowed_roots=allowed_roots)
     index = open_checkpoint(model_dir, allowed_roots=allowed_roots)
     plans = plan_all(spec, index, pp, tp, ep, partition=partition,
-                     cache_bytes=cache_costs(spec, tp, pools), **plan_options)
+                     cache_bytes=cache_costs(spec, tp, pools),
+                     ranks=None if rank is None else (rank,), **plan_options)
     for plan in plans:  # the dtype policy, as a load applies it (rejections, warnings)
-        dtype_casts(spec, plan)
+        cast_codes(spec, plan)
     summaries = [p.summary() for p in plans]
     try:
-        rows, pipeline = plan_pools(spec, index, plans, pools)
+        rows, pipeline = plan_pools(spec, index, plans, pools, balance=rank is None)
     except (ConfigError, PlanError) as exc:  # e.g. a generic model's unknown layer kind
         rows, pipeline = [{} for _ in plans], {"unavailable": exc.detail}
     for summary, row in zip(summaries, rows):
         summary["pools"] = row
-    return JobPlan(str(model_dir), spec, pp, tp, ep, partition, plans, summaries, pipeline)
+    return JobPlan(str(model_dir), spec, pp, tp, ep, partition, plans, summaries, pipeline,
+                   rank=rank)
 
 
 def _partition_label(partition: object) -> str:

@@ -40,13 +40,15 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Mapping, Optional, Union
 
-import torch
-
 from ..errors import ConfigError, PlanError
 from ..families.heads import UnitSplitError, unit_share
+from ..planning.dtype_table import NAME_ITEMSIZE, itemsize_of
+from ..planning.dtype_table import dtype_name as _name
 from ..planning.partition import StageWindow
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from ..planning.spec import ModelSpec
 
 __all__ = ["KIND_CACHES", "CacheDtypes", "KVLayout", "StateTensor", "LayerCache",
@@ -67,28 +69,40 @@ KIND_CACHES: Mapping[str, tuple[str, ...]] = {
 }
 
 
-def parse_dtype(value: Union[str, torch.dtype]) -> torch.dtype:
-    """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.float32"`` -> torch.dtype."""
-    if isinstance(value, torch.dtype):
-        return value
-    out = getattr(torch, str(value).replace("torch.", ""), None)
-    if not isinstance(out, torch.dtype):
-        raise ConfigError(f"unknown cache dtype {value!r}: use a torch dtype name such as "
-                          "bfloat16, float16, float32 or float8_e4m3fn")
-    return out
+def parse_dtype(value: "Union[str, torch.dtype]") -> str:
+    """``torch.bfloat16`` / ``"bfloat16"`` / ``"torch.float32"`` -> ``"bfloat16"`` ...: the
+    torch dtype name the geometry keeps (no torch import for the table's dtypes; a name
+    outside it is checked against torch)."""
+    name = _name(value)
+    if name not in NAME_ITEMSIZE:
+        try:
+            itemsize_of(name)
+        except ValueError:
+            raise ConfigError(f"unknown cache dtype {value!r}: use a torch dtype name such as "
+                              "bfloat16, float16, float32 or float8_e4m3fn") from None
+    return name
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+def dtype_name(dtype: "Union[str, torch.dtype]") -> str:
+    """``torch.bfloat16`` or ``"bfloat16"`` -> ``"bfloat16"``."""
+    return _name(dtype)
 
 
 @dataclass(frozen=True)
 class CacheDtypes:
-    """Caller's dtype choices; None = default (model dtype; float32 for ssm/temporal)."""
+    """Caller's dtype choices; None = default (model dtype; float32 for ssm/temporal).
 
-    kv: Optional[torch.dtype] = None
-    conv: Optional[torch.dtype] = None
-    ssm: Optional[torch.dtype] = None
+    Each is a torch dtype or its name, kept as the name (planning never imports torch)."""
+
+    kv: "Union[str, torch.dtype, None]" = None
+    conv: "Union[str, torch.dtype, None]" = None
+    ssm: "Union[str, torch.dtype, None]" = None
+
+    def __post_init__(self) -> None:
+        for field in ("kv", "conv", "ssm"):
+            value = getattr(self, field)
+            if value is not None:
+                object.__setattr__(self, field, parse_dtype(value))
 
     @classmethod
     def of(cls, *, kv: Optional[str] = None, conv: Optional[str] = None,
@@ -96,12 +110,13 @@ class CacheDtypes:
         """From dtype names (``"bfloat16"``; None = default), as the CLI's options give them."""
         return cls(*(parse_dtype(n) if n else None for n in (kv, conv, ssm)))
 
-    def resolve(self, spec: "ModelSpec") -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-        """(kv, conv, ssm) dtypes for ``spec``."""
+    def resolve(self, spec: "ModelSpec") -> tuple[str, str, str]:
+        """(kv, conv, ssm) dtype names for ``spec``."""
         ssm = self.ssm
         if ssm is None:
             ssm = parse_dtype(spec.family.cache_dims.ssm_dtype(spec) or "float32")
-        return self.kv or spec.dtype, self.conv or spec.dtype, ssm
+        return (_name(self.kv or spec.dtype_name), _name(self.conv or spec.dtype_name),
+                _name(ssm))
 
 
 @dataclass(frozen=True)
@@ -111,11 +126,11 @@ class KVLayout:
     parts: tuple[str, ...]          # ("k", "v") for GQA, ("latent",) for MLA
     heads: int
     head_dim: int
-    dtype: torch.dtype
+    dtype: str                      # torch dtype name
 
     @property
     def bytes_per_token(self) -> int:
-        return len(self.parts) * self.heads * self.head_dim * self.dtype.itemsize
+        return len(self.parts) * self.heads * self.head_dim * itemsize_of(self.dtype)
 
     def page_shape(self, num_pages: int, page_size: int) -> tuple[int, int, int, int]:
         """Shape of each part's paged tensor: ``[num_pages, page_size, heads, head_dim]``."""
@@ -132,11 +147,11 @@ class StateTensor:
 
     name: str
     shape: tuple[int, ...]
-    dtype: torch.dtype
+    dtype: str                      # torch dtype name
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * self.dtype.itemsize
+        return math.prod(self.shape) * itemsize_of(self.dtype)
 
     def to_json(self) -> dict:
         return {"shape": list(self.shape), "dtype": dtype_name(self.dtype), "bytes": self.nbytes}
@@ -192,7 +207,7 @@ def _split(size: int, tp: int, what: str) -> int:
     return size // tp
 
 
-Dtypes = tuple[torch.dtype, torch.dtype, torch.dtype]
+Dtypes = tuple[str, str, str]
 
 
 def _gqa(spec: "ModelSpec", tp: int, dt: Dtypes) -> KVLayout:

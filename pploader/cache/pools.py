@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence, Union
 import torch
 
 from ..errors import PlanError, PPLoaderError
+from ..planning.dtype_table import torch_dtype
 from .geometry import (CacheDtypes, LayerCache, StageCacheGeometry, dtype_name,
                        layer_cache_bytes, stage_geometry)
 from .sizing import (DEFAULT_MAMBA_RATIO, DEFAULT_PAGE_SIZE, PoolCapacity, PoolOptions,
@@ -121,11 +122,13 @@ class CachePools:
         for c in geometry.layers:
             if c.kv is not None:
                 shape = c.kv.page_shape(capacity.pages_of(c.window), capacity.page_size)
-                self.kv[c.layer] = tuple(torch.empty(shape, dtype=c.kv.dtype, device=self.device)
+                self.kv[c.layer] = tuple(torch.empty(shape, dtype=torch_dtype(c.kv.dtype),
+                                                     device=self.device)
                                          for _ in c.kv.parts)
             if c.states:
                 n = capacity.max_requests or 0
-                self.states[c.layer] = {s.name: torch.zeros((n, *s.shape), dtype=s.dtype,
+                self.states[c.layer] = {s.name: torch.zeros((n, *s.shape),
+                                                            dtype=torch_dtype(s.dtype),
                                                             device=self.device)
                                         for s in c.states}
         self._kv_index = {layer: i for i, layer in enumerate(geometry.attention_layers)}

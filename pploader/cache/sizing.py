@@ -300,9 +300,10 @@ def stage_balance(spec: "ModelSpec", index: "CheckpointIndex", windows: Sequence
 
 
 def plan_pools(spec: "ModelSpec", index: "CheckpointIndex", plans: Sequence["RankPlan"],
-               opts: PoolOptions) -> tuple[list[dict], dict]:
+               opts: PoolOptions, *, balance: bool = True) -> tuple[list[dict], dict]:
     """Per-rank ``pools`` objects (geometry + capacity) for ``pploader plan`` and the
-    pipeline-wide summary (limits, stage balance). Pure; reads headers only."""
+    pipeline-wide summary (limits; the stage balance unless ``balance`` is False: it reads
+    every stage's headers). Pure; reads headers only."""
     rows = []
     for plan in plans:
         geom, cap = rank_pools(spec, plan, opts)
@@ -311,9 +312,11 @@ def plan_pools(spec: "ModelSpec", index: "CheckpointIndex", plans: Sequence["Ran
               p.topology.ep_rank == 0]
     windows = [p.window for p in plans if p.topology.tp_rank == 0 and p.topology.ep_rank == 0]
     tp = plans[0].topology.tp_size if plans else 1
-    return rows, {**pipeline_capacity([r["capacity"] for r in rows]),
-                  "stage_pool_bytes": [r["capacity"]["pool_bytes"] for r in stages],
-                  "balance": stage_balance(spec, index, windows, tp, opts)}
+    out = {**pipeline_capacity([r["capacity"] for r in rows]),
+           "stage_pool_bytes": [r["capacity"]["pool_bytes"] for r in stages]}
+    if balance:
+        out["balance"] = stage_balance(spec, index, windows, tp, opts)
+    return rows, out
 
 
 def format_pools(entries: Sequence[dict]) -> str:

@@ -24,18 +24,18 @@ import os
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Iterable, Iterator, Mapping, Optional, Sequence
 
-import torch
-
-from .checkpoint import DTYPES, dtype_code
+from .dtype_table import DTYPES, dtype_code
 from .quant import quant_scheme
 from ..errors import PlanError
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from .plan import RankPlan
     from .spec import ModelSpec
 
-__all__ = ["DTYPE_POLICY", "QUANT_STORAGE", "dtype_action", "dtype_casts", "cast_stream",
-           "is_quantized", "stored_dtype"]
+__all__ = ["DTYPE_POLICY", "QUANT_STORAGE", "dtype_action", "dtype_casts", "cast_codes",
+           "cast_stream", "is_quantized", "stored_dtype"]
 
 #: floating safetensors dtype codes a model dtype can be, and their config names
 _MODEL_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
@@ -80,16 +80,23 @@ def _allowed_text() -> str:
     return ", ".join(f"{a}->{b} ({act})" for (a, b), act in DTYPE_POLICY.items())
 
 
-def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
-    """Targets of ``plan`` to cast (target -> dtype); raises PlanError for a rejected dtype.
+def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> "dict[str, torch.dtype]":
+    """Targets of ``plan`` to cast (target -> torch dtype); raises PlanError for a rejected
+    dtype. Imports torch only when there is a cast (:func:`cast_codes` never does)."""
+    return {target: DTYPES[code][0] for target, code in cast_codes(spec, plan).items()}
+
+
+def cast_codes(spec: "ModelSpec", plan: "RankPlan") -> dict[str, str]:
+    """Targets of ``plan`` to cast (target -> safetensors dtype code); raises PlanError for a
+    rejected dtype. Pure (no torch): ``pploader plan`` applies the policy with it.
 
     Every rejected tensor of the plan is counted in one error (the first one is named).
     """
-    expected = dtype_code(spec.dtype)
+    expected = dtype_code(spec.dtype_name)
     quantized = is_quantized(spec)
     native = spec.family.native_dtypes
     scheme = quant_scheme(spec) if quantized else None
-    casts: dict[str, torch.dtype] = {}
+    casts: dict[str, str] = {}
     rejected: list = []
     kept: list = []
     for item in plan.items:
@@ -101,7 +108,7 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
                 continue  # a quantization companion's own float dtype (scales): kept
             rejected.append(item)
         elif action == "cast":
-            casts[item.target] = DTYPES[expected][0]
+            casts[item.target] = expected
         elif item.dtype != expected and item.dtype != native.get(item.name) \
                 and not (quantized and item.dtype in QUANT_STORAGE):
             kept.append(item)
@@ -122,8 +129,8 @@ def dtype_casts(spec: "ModelSpec", plan: "RankPlan") -> dict[str, torch.dtype]:
     return casts
 
 
-def cast_stream(stream: Iterable[tuple[str, torch.Tensor]],
-                casts: Mapping[str, torch.dtype]) -> Iterator[tuple[str, torch.Tensor]]:
+def cast_stream(stream: "Iterable[tuple[str, torch.Tensor]]",
+                casts: "Mapping[str, torch.dtype]") -> "Iterator[tuple[str, torch.Tensor]]":
     """Apply the planned casts to a ``(target, tensor)`` stream (others pass unchanged)."""
     for target, tensor in stream:
         dtype = casts.get(target)

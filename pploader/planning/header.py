@@ -1,5 +1,5 @@
-"""One safetensors shard's header, parsed strictly: the dtype table, ``TensorEntry``,
-``ShardHeader``, ``parse_header``.
+"""One safetensors shard's header, parsed strictly: ``TensorEntry``, ``ShardHeader``,
+``parse_header`` (the dtype table, ``DTYPES`` / ``dtype_code``, is dtype_table.py's, re-exported).
 
 Only headers are read here (never tensor data). Every check the loader relies on later
 (offsets tile the data region, span = numel x itemsize, file size matches) is done once,
@@ -17,12 +17,14 @@ from operator import add, itemgetter, le, mul, sub
 from dataclasses import dataclass
 from pathlib import Path
 from functools import partial
-from typing import Mapping, NamedTuple, Optional
-
-import torch
+from typing import TYPE_CHECKING, Mapping, NamedTuple, Optional
 
 from ..errors import CheckpointError
+from .dtype_table import DTYPES, ITEMSIZE, dtype_code
 from .gcpause import without_gc
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 try:  # optional (extra "fast"): 1.4x faster JSON; the stdlib parser is the fallback
     import orjson as _orjson
@@ -38,23 +40,6 @@ MAX_HEADER_BYTES = 100 * 1024 * 1024
 #: Kimi-K2 checkpoint has 92 k / 140 k over 60+ files); checked by counting "{" bytes before
 #: parsing, so a hostile million-tensor header costs its bytes (<= MAX_HEADER_BYTES), not a parse
 MAX_TENSORS = 1 << 18
-
-#: safetensors dtype code -> (torch dtype, bytes per element)
-DTYPES: Mapping[str, tuple[torch.dtype, int]] = {
-    "F64": (torch.float64, 8), "F32": (torch.float32, 4), "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2), "I64": (torch.int64, 8), "I32": (torch.int32, 4),
-    "I16": (torch.int16, 2), "I8": (torch.int8, 1), "U8": (torch.uint8, 1),
-    "U16": (torch.uint16, 2), "U32": (torch.uint32, 4), "U64": (torch.uint64, 8),
-    "BOOL": (torch.bool, 1), "F8_E4M3": (torch.float8_e4m3fn, 1),
-    "F8_E5M2": (torch.float8_e5m2, 1), "F8_E8M0": (torch.float8_e8m0fnu, 1),
-}
-_DTYPE_CODE = {dt: code for code, (dt, _) in DTYPES.items()}
-
-
-def dtype_code(dtype: torch.dtype) -> str:
-    """safetensors code of a torch dtype (``torch.bfloat16`` -> ``"BF16"``)."""
-    return _DTYPE_CODE[dtype]
-
 
 @dataclass(frozen=True)
 class FileIdentity:
@@ -106,12 +91,12 @@ class TensorEntry(NamedTuple):
         return math.prod(self.shape)
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype][0]
+    def torch_dtype(self) -> "torch.dtype":
+        return DTYPES[self.dtype][0]  # imports torch (tensor-making code only)
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return ITEMSIZE[self.dtype]
 
 
 @dataclass(frozen=True)
@@ -331,7 +316,7 @@ def _metadata(file: str, metadata: object) -> dict:
 
 
 #: dtype code -> bytes per element (the fast path's lookup)
-_ITEMSIZE = {code: size for code, (_, size) in DTYPES.items()}
+_ITEMSIZE = dict(ITEMSIZE)
 #: a TensorEntry from its six fields as one tuple (no per-field ``__init__`` call)
 _make_entry = partial(tuple.__new__, TensorEntry)
 
@@ -420,17 +405,17 @@ def _entry(file: str, tname: str, info: object, data_start: int, data_len: int) 
     if type(info) is not dict or len(info) != 3 or not _ENTRY_KEYS.issuperset(info):
         raise bad("entry must be an object with exactly dtype, shape and data_offsets")
     dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-    if type(dtype) is not str or dtype not in DTYPES:
-        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(DTYPES)})")
+    if type(dtype) is not str or dtype not in ITEMSIZE:
+        raise bad(f"unknown dtype {dtype!r} (known: {', '.join(ITEMSIZE)})")
     if type(shape) is not list or not _nonnegative_ints(shape):
         raise bad(f"shape must be a list of non-negative integers, got {_short(shape)}")
     if (type(offsets) is not list or len(offsets) != 2 or not _nonnegative_ints(offsets)
             or offsets[0] > offsets[1]):
         raise bad(f"data_offsets must be two integers 0 <= begin <= end, got {_short(offsets)}")
     begin, end = offsets
-    span = _span_bytes(shape, DTYPES[dtype][1])
+    span = _span_bytes(shape, ITEMSIZE[dtype])
     if span is None:
-        raise bad(f"size overflow: shape {_short(shape)} x {DTYPES[dtype][1]} bytes does not fit "
+        raise bad(f"size overflow: shape {_short(shape)} x {ITEMSIZE[dtype]} bytes does not fit "
                   "in 64 bits")
     if end - begin != span:
         raise bad(f"byte span {end - begin} != numel x itemsize = {span} for shape "

@@ -11,7 +11,8 @@ from operator import attrgetter, itemgetter, lt, not_
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional, Sequence
 
 from ..errors import PlanError
-from .checkpoint import DTYPES, CheckpointIndex, TensorEntry
+from .checkpoint import CheckpointIndex, TensorEntry
+from .dtype_table import ITEMSIZE
 from .shard import DEFAULT_RANGE_COST_BYTES, Interval, Selection, byte_runs, tp_selection
 from .topology import Topology
 
@@ -44,7 +45,7 @@ class ReadItem(NamedTuple):
 
     @property
     def itemsize(self) -> int:
-        return DTYPES[self.dtype][1]
+        return ITEMSIZE[self.dtype]
 
     @property
     def read_bytes(self) -> int:

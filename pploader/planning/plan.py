@@ -349,15 +349,17 @@ def plan_all(spec: ModelSpec, index: CheckpointIndex, pp: int, tp: int = 1, ep: 
              cache_bytes: Optional[Sequence[int]] = None,
              range_cost_bytes: int = DEFAULT_RANGE_COST_BYTES,
              exchange_cost: Optional[float] = DEFAULT_EXCHANGE_COST,
-             exchange_batch_bytes: Optional[int] = None) -> list[RankPlan]:
-    """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints)."""
+             exchange_batch_bytes: Optional[int] = None,
+             ranks: Optional[Sequence[int]] = None) -> list[RankPlan]:
+    """Plans of every rank of a PP x EP x TP layout (what ``pploader plan`` prints), or of
+    ``ranks`` only (``pploader plan --rank``: the same plans, the other stages not planned)."""
     roles = checkpoint_roles(spec, index)
     windows = make_windows(roles.spec, index, pp, partition, cache_bytes=cache_bytes, roles=roles)
     topo = Topology(pp, tp, ep)
     plans = [plan_rank(roles.spec, index, t, windows[t.pp_rank], strict=strict,
                        range_cost_bytes=range_cost_bytes, exchange_cost=exchange_cost,
                        exchange_batch_bytes=exchange_batch_bytes, roles=roles)
-             for t in topo.all_ranks()]
+             for t in topo.all_ranks() if ranks is None or t.rank in ranks]
     if logger.isEnabledFor(logging.INFO):  # the sums walk every item: only when logged
         logger.info("planned %d rank(s) (pp %d x ep %d x tp %d, %s): %d bytes to read in all, "
                     "ideal %d", len(plans), pp, ep, tp, partition,

@@ -6,9 +6,7 @@ import logging
 import os
 from dataclasses import dataclass, replace
 from types import MappingProxyType
-from typing import Any, Iterable, Mapping, Optional, Sequence
-
-import torch
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Optional, Sequence
 
 from ..errors import ConfigError
 from ..families import FAMILIES, Family, find_family
@@ -16,19 +14,22 @@ from ..families.base import cfg
 from .config_limits import (MAX_CONFIG_BYTES, check_config_counts, check_config_types,
                             check_counts_against_checkpoint, parse_json_limited,
                             read_bytes_limited)
+from .dtype_table import CONFIG_DTYPES
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
 
 __all__ = ["ModelSpec", "load_spec", "read_config", "spec_from_config"]
 
 logger = logging.getLogger(__name__)
 
-_DTYPE_NAMES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-                "float64": torch.float64, "fp32": torch.float32, "fp16": torch.float16,
-                "bf16": torch.bfloat16}
-
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """The model as pploader sees it: layers, their kinds, experts, dtype, tying."""
+    """The model as pploader sees it: layers, their kinds, experts, dtype, tying.
+
+    The dtype is kept by name (``dtype_name``, e.g. ``"bfloat16"``) so planning never imports
+    torch; ``dtype`` gives the torch dtype to code that makes tensors."""
 
     family: Family
     architecture: str
@@ -39,8 +40,14 @@ class ModelSpec:
     moe_layers: frozenset[builtins.int]
     num_experts: builtins.int
     num_mtp_layers: builtins.int
-    dtype: torch.dtype
+    dtype_name: str                      # torch dtype name: "bfloat16", "float16", ...
     tie_word_embeddings: bool
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        """The model dtype as a torch dtype (imports torch)."""
+        from .dtype_table import torch_dtype
+        return torch_dtype(self.dtype_name)
 
     def get(self, *keys: str) -> object:
         """A config value by the first present key (clear error otherwise)."""
@@ -97,17 +104,17 @@ class ModelSpec:
         return spec
 
 
-def _dtype(config: Mapping, outer: Mapping) -> torch.dtype:
+def _dtype(config: Mapping, outer: Mapping) -> str:
     raw = config.get("dtype") or config.get("torch_dtype") or outer.get("dtype") \
         or outer.get("torch_dtype")
     if raw is None:
         raise ConfigError("config.json has no dtype / torch_dtype: pploader will not guess the "
                           "checkpoint's dtype", file="config.json")
     name = str(raw).replace("torch.", "")
-    if name not in _DTYPE_NAMES:
-        raise ConfigError(f"unsupported dtype {raw!r} (known: {', '.join(_DTYPE_NAMES)})",
+    if name not in CONFIG_DTYPES:
+        raise ConfigError(f"unsupported dtype {raw!r} (known: {', '.join(CONFIG_DTYPES)})",
                           file="config.json")
-    return _DTYPE_NAMES[name]
+    return CONFIG_DTYPES[name]
 
 
 def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] = None) -> ModelSpec:
@@ -134,7 +141,7 @@ def spec_from_config(config: Mapping[str, object], *, family: Optional[Family] =
         full_config=MappingProxyType(dict(config)), num_layers=layout.num_layers,
         layer_kinds=layout.layer_kinds, moe_layers=layout.moe_layers,
         num_experts=layout.num_experts, num_mtp_layers=layout.num_mtp_layers,
-        dtype=_dtype(text, config), tie_word_embeddings=bool(tie))
+        dtype_name=_dtype(text, config), tie_word_embeddings=bool(tie))
 
 
 def _find_family(config: Mapping[str, object]) -> tuple[Family, str]:

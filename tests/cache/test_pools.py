@@ -59,8 +59,8 @@ def test_layer_geometry_equals_hand_numbers(name: str, tp: int, real: bool) -> N
         assert c.kind == kind and c.kv_bytes_per_token == kv_bytes
         assert {s.name: s.shape for s in c.states} == states
         conv = {s.name: s.dtype for s in c.states}
-        # defaults: conv in the model dtype, ssm / temporal float32
-        assert all(d == (torch.bfloat16 if n == "conv" else torch.float32) for n, d in conv.items())
+        # defaults: conv in the model dtype, ssm / temporal float32 (kept by name: no torch)
+        assert all(d == ("bfloat16" if n == "conv" else "float32") for n, d in conv.items())
         assert c.state_bytes_per_request == sum(
             math.prod(shape) * (BF16 if n == "conv" else F32) for n, shape in states.items())
         if c.kv is not None:
@@ -71,11 +71,13 @@ def test_dtypes_are_configurable_and_kinds_are_all_known() -> None:
     config, kinds, _ = CASES["nemotron_h"]
     spec = toy_spec(config, kinds)
     c = layer_cache(spec, 0, 1, CacheDtypes(conv=torch.float32, ssm=torch.bfloat16))
-    assert [(s.name, s.dtype) for s in c.states] == [("conv", torch.float32),
-                                                       ("ssm", torch.bfloat16)]
+    assert [(s.name, s.dtype) for s in c.states] == [("conv", "float32"), ("ssm", "bfloat16")]
+    # a torch dtype and its name are the same choice
+    assert CacheDtypes(conv=torch.float32, ssm=torch.bfloat16) == \
+        CacheDtypes.of(conv="float32", ssm="torch.bfloat16")
     assert c.state_bytes_per_request == 128 * 3 * F32 + 8 * 8 * 16 * BF16
     spec16 = toy_spec({**config, "mamba_ssm_cache_dtype": "float16"}, kinds)
-    assert layer_cache(spec16, 0).states[1].dtype == torch.float16  # nemotron's config key
+    assert layer_cache(spec16, 0).states[1].dtype == "float16"  # nemotron's config key
     kv8 = layer_cache(toy_spec(*CASES["llama"][:2]), 0, 1, CacheDtypes(kv=torch.float8_e4m3fn))
     assert kv8.kv_bytes_per_token == 2 * 2 * 16 * 1
     assert set(LAYER_KINDS) - {"unknown"} <= set(KIND_CACHES)  # unknown: refused by design

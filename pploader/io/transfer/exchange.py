@@ -17,7 +17,7 @@ import queue
 import threading
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import torch
 
@@ -26,6 +26,7 @@ from ...planning.rank_plan import RankPlan
 from ...planning.redistribute import ExchangeItem, Redistribute, piece_selection
 from ..backend import ReadBackend, ReadOptions, ReadStats, collect, sum_stats
 from ..registry import open_backend, shared_staging
+from .auto_cost import AUTO_EXCHANGE_COSTS, auto_exchange_cost  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ...distributed.comm import Comm
@@ -319,33 +320,3 @@ def _gather_rows(share: torch.Tensor, item: ExchangeItem, first: int, rows: int,
             return torch.empty(0, dtype=torch.uint8, device=share.device)
         t = parts[0] if len(parts) == 1 else torch.cat(parts, dim)
     return t
-
-
-#: ``exchange_cost`` that ``auto`` uses, per device kind: (page cache warm, cold), in bytes of
-#: sequential read per exchanged byte. CPU: bench/tp_costs on a 2-core VM (gloo over loopback,
-#: docs/tensor-parallel.md: 2.27 warm, 1.58 cold). CUDA: the TP exchange runs over NVLink on
-#: the device while reads run at page-cache or disk speed (docs/benchmarks-gpu.md, TP rows).
-AUTO_EXCHANGE_COSTS: dict[str, tuple[float, float]] = {"cpu": (2.27, 1.58),
-                                                       "cuda": (0.25, 0.02)}
-
-
-def auto_exchange_cost(paths: Sequence[str], device_type: str = "cpu"
-                       ) -> tuple[float, float]:
-    """(exchange_cost, page-cache resident fraction) for ``exchange_cost='auto'``: the sampled
-    residency (mincore, no data read) of the shards ``paths`` (missing ones skipped) picks the
-    warm or the cold cost of ``device_type`` (AUTO_EXCHANGE_COSTS). Warm: direct reads are
-    page-cache copies, so redistribution pays only where the link is much faster than them;
-    cold: every byte not read saves a device read, so read once and redistribute."""
-    import os
-    from ..pagecache import resident_bytes_of_ranges
-    resident = total = 0
-    for path in paths:
-        try:
-            size = os.path.getsize(path)
-        except OSError:
-            continue
-        r, t = resident_bytes_of_ranges(str(path), [(0, size)])
-        resident, total = resident + r, total + t
-    fraction = resident / total if total else 0.0
-    warm, cold = AUTO_EXCHANGE_COSTS.get(device_type, AUTO_EXCHANGE_COSTS["cpu"])
-    return (warm if fraction >= 0.5 else cold), fraction
