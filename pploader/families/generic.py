@@ -315,6 +315,9 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if "indexer" in tokens[:-1] and _int(text, "index_head_dim"):
         return ShardRule(pattern, None)  # DeepSeek sparse attention's indexer (V3.2, GLM-5):
         # vLLM's ``Indexer`` is replicated ("no tensor parallel"), its k_norm included
+    mla = _mla_rule(pattern, role, kind, shape, text, heads or 0)
+    if mla is not None:
+        return mla
     if len(shape) == 2 and shape[0] == 1 and role.endswith("gate"):
         return ShardRule(pattern, None)  # a one-output gate (``shared_expert_gate``)
     if kind not in ("weight", "bias"):
@@ -353,6 +356,43 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if role in ("down_proj", "w2") and (role == "down_proj" or "experts" in tokens):
         return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
     return refuse(f"role {role!r} {list(shape)} is not a known projection")
+
+
+#: MLA's low-rank inputs and their norms: component role -> the config sizes of its width
+_MLA_INPUTS = {"q_a_proj": ("q_lora_rank",), "q_a_layernorm": ("q_lora_rank",),
+               "kv_a_proj_with_mqa": ("kv_lora_rank", "qk_rope_head_dim"),
+               "kv_a_layernorm": ("kv_lora_rank",)}
+
+
+def _mla_rule(pattern: str, role: str, kind: str, shape: tuple[int, ...],
+              text: Mapping[str, Any], heads: int) -> Optional[ShardRule]:
+    """The TP rule of a multi-head latent attention tensor (DeepSeek-V2 / V3 / V3.2, GLM-5,
+    ``kv_lora_rank`` in the config), as vLLM's ``DeepseekV2MLAAttention`` and SGLang's
+    ``DeepseekV2AttentionMLA`` hold it: the low-rank inputs ``q_a_proj`` /
+    ``kv_a_proj_with_mqa`` and their norms replicated (vLLM: ``ReplicatedLinear`` /
+    ``disable_tp``), ``q_b_proj`` / ``q_proj`` / ``kv_b_proj`` column-parallel by heads,
+    ``o_proj`` row-parallel by heads (its bias whole). None: not an MLA tensor of these
+    widths (the generic rules decide)."""
+    kv_rank, rope = _int(text, "kv_lora_rank"), _int(text, "qk_rope_head_dim")
+    nope, v = _int(text, "qk_nope_head_dim"), _int(text, "v_head_dim")
+    if not (kv_rank and rope and nope is not None and v and heads) or not shape:
+        return None
+    sizes = _MLA_INPUTS.get(role)
+    if sizes is not None:
+        width = [_int(text, k) for k in sizes]
+        return ShardRule(pattern, None) if None not in width and shape[0] == sum(
+            w for w in width if w is not None) else None
+    if kind == "bias":
+        return ShardRule(pattern, None) if role == "o_proj" and shape == (
+            _int(text, "hidden_size"),) else None
+    if kind != "weight" or len(shape) != 2:
+        return None
+    if role in ("q_b_proj", "q_proj") and shape[0] == heads * (nope + rope) or \
+            role == "kv_b_proj" and shape[0] == heads * (nope + v):
+        return ShardRule(pattern, 0, units=_heads)
+    if role == "o_proj" and shape[1] == heads * v:
+        return ShardRule(pattern, 1, units=_heads)
+    return None
 
 
 #: names of per-head attention sinks (gpt-oss ``self_attn.sinks``): split with the heads
