@@ -119,6 +119,7 @@ def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
     return dict(layer_prefix=naming.layer_prefix, globals=tuple(globals_),
                 expert_pattern=naming.expert_pattern, fused_expert_pattern=fused,
                 template=template_of, format=naming.name, shared=naming.shared,
+                unrun=frozenset(naming.unrun),
                 shard_rules=shard_rules(naming, meta, mtp_only))
 
 
