@@ -289,6 +289,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
             row["tp2"] = "ok"
         except PPLoaderError as exc:
             row["tp2"] = f"refused: {exc.tensor or exc.detail[:60]}"
+            row["tp2_reason"] = exc.detail
     except Timeout:
         raise
     except PPLoaderError as exc:
