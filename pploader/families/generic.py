@@ -243,6 +243,16 @@ def _halved_rule(pattern: str, comp: str, comps: Mapping[str, tuple[int, ...]],
     shapes. None: not such a tensor (the generic rule decides)."""
     if comp not in halved:
         return None
+    if comp.endswith((".weight", ".bias")):  # a linear MLP's: [2I, H] (bias [2I]), [H, I]
+        stem = comp.rsplit(".", 2)[0]
+        gate_up = comps.get(stem + ".gate_up_proj.weight")
+        down = comps.get(stem + ".down_proj.weight")
+        if gate_up is None or down is None or len(gate_up) != 2 or len(down) != 2 or \
+                gate_up[0] != 2 * down[1] or gate_up[1] != down[0]:
+            return None
+        if ".down_proj." in comp:
+            return ShardRule(pattern, 1)
+        return ShardRule(pattern, 0, segments=partial(_halves, down[1]))
     stem, _, kind = comp.rpartition(".")
     gate_up, down = comps.get(stem + ".gate_up_proj"), comps.get(stem + ".down_proj")
     if gate_up is None or down is None or len(gate_up) != 3 or len(down) != 3:
