@@ -279,7 +279,8 @@ def _halves(inter: int, _spec: SpecView) -> tuple[int, ...]:
 #: backend, whose tp_plan gathers the projections' outputs: ``colwise_gather_output``)
 PROJECTION_NORMS = {"MiniMaxM2ForCausalLM": "heads", "OlmoeForCausalLM": "replicated",
                     "Olmo2ForCausalLM": "replicated", "Olmo3ForCausalLM": "replicated"}
-_Q_NORMS, _K_NORMS = ("q_norm", "query_layernorm"), ("k_norm", "key_layernorm")
+_Q_NORMS = ("q_norm", "query_layernorm", "q_layernorm")
+_K_NORMS = ("k_norm", "key_layernorm", "k_layernorm")
 
 
 def _projection_norm(pattern: str, role: str, width: int, heads: int, kv: int, head_dim: int,
@@ -312,7 +313,9 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     kind = tokens[-1]
     role = tokens[-2] if len(tokens) >= 2 else ""
     refuse = lambda why: ShardRule(pattern, 0, segments=_refuse(comp, why))  # noqa: E731
-    if comp in (naming.embed, naming.head):
+    if comp in (naming.embed, naming.head) or naming.head and kind == "bias" and \
+            comp == naming.head[:-len("weight")] + "bias":  # (Phi's head bias: vLLM's
+        #                                                    ParallelLMHead splits it too)
         return ShardRule(pattern, 0, pad=True) if shape and shape[0] == vocab else \
             refuse(f"vocabulary dim {shape[:1]} != vocab_size {vocab}")
     if comp in encoders:
@@ -329,11 +332,14 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     mla = _mla_rule(pattern, role, kind, shape, text, heads or 0)
     if mla is not None:
         return mla
+    if role in _POSITIONS and kind == "weight" and len(shape) == 2 and shape[1] == hidden:
+        return ShardRule(pattern, None)  # learned absolute positions: vLLM's OPT / GPT-2
+        #                                  hold them whole (``nn.Embedding``)
     if len(shape) == 2 and shape[0] == 1 and role.endswith("gate"):
         return ShardRule(pattern, None)  # a one-output gate (``shared_expert_gate``)
     if kind not in ("weight", "bias"):
         return refuse(f"{list(shape)} is not a weight or bias of a known projection")
-    if len(shape) == 1 and re.search(r"norm", role):
+    if len(shape) == 1 and re.search(r"norm|^ln(_\w+)?$", role, re.IGNORECASE):
         if role in _Q_NORMS + _K_NORMS:
             return _projection_norm(pattern, role, shape[0], heads or 0, kv, head_dim or 0,
                                     architecture) or \
@@ -356,7 +362,8 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if role in ("k_proj", "v_proj"):
         return ShardRule(pattern, 0, units=_kv_heads) if shape[0] == kv * head_dim else \
             refuse(f"rows {shape[0]} != kv heads {kv} x head_dim {head_dim}")
-    if role == "o_proj":
+    if role == "o_proj" or role in ("out_proj", "dense") and len(tokens) >= 3 and \
+            re.search(r"attn|attention", tokens[-3]):  # OPT / GPT-J's out_proj, Phi's dense
         if kind == "bias":
             return ShardRule(pattern, None)
         return ShardRule(pattern, 1, units=_heads) if shape[1] == heads * head_dim else \
@@ -364,6 +371,9 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if role in ("gate_proj", "up_proj", "w1", "w3") and len(tokens) >= 3 and (
             role.startswith(("gate", "up")) or "experts" in tokens):
         return ShardRule(pattern, 0)
+    if role in _FC_PAIRS and "experts" not in tokens and len(shape) <= 2:
+        return _fc_rule(pattern, role, kind, shape, comps_of_fc(naming, comp, role)) or \
+            refuse(f"{role} {list(shape)} does not pair with {_FC_PAIRS[role]}")
     if role in ("down_proj", "w2") and (role == "down_proj" or "experts" in tokens):
         return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
     return refuse(f"role {role!r} {list(shape)} is not a known projection")
@@ -404,6 +414,49 @@ def _mla_rule(pattern: str, role: str, kind: str, shape: tuple[int, ...],
     if role == "o_proj" and shape[1] == heads * v:
         return ShardRule(pattern, 1, units=_heads)
     return None
+
+
+#: module names of learned absolute position embeddings (replicated under TP)
+_POSITIONS = {"embed_positions", "wpe", "position_embeddings", "positions_embed"}
+
+
+#: the two linear layers of a plain MLP under other names: input -> output layer, both ways
+_FC_INPUTS = {"fc1": "fc2", "fc_in": "fc_out", "dense_h_to_4h": "dense_4h_to_h"}
+_FC_PAIRS = {**_FC_INPUTS, **{v: k for k, v in _FC_INPUTS.items()}}
+
+
+def comps_of_fc(naming: Naming, comp: str, role: str
+                ) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]], bool]:
+    """The weight shapes of the (input, output) MLP pair ``comp`` belongs to (same parent),
+    from any layer of the template, and whether ``role`` is the input one."""
+    first = role in _FC_INPUTS
+    pair = (role, _FC_PAIRS[role]) if first else (_FC_PAIRS[role], role)
+    stem = comp.rsplit(".", 2)[0] + "." if comp.count(".") >= 2 else ""
+    found: dict[str, tuple[int, ...]] = {}
+    for name, shape in naming.template.items():
+        for r in pair:
+            if r not in found and (name == stem + r + ".weight" or
+                                   name.endswith("." + stem + r + ".weight")):
+                found[r] = tuple(shape)
+        if len(found) == 2:
+            break
+    return found.get(pair[0]), found.get(pair[1]), first
+
+
+def _fc_rule(pattern: str, role: str, kind: str, shape: tuple[int, ...],
+             pair: tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]], bool]
+             ) -> Optional[ShardRule]:
+    """An MLP of two linear layers, input [I, H] / output [H, I] (``fc1`` / ``fc2``: OPT, Phi,
+    XGLM; ``fc_in`` / ``fc_out``: GPT-J; ``dense_h_to_4h`` / ``dense_4h_to_h``: Bloom,
+    Falcon, Persimmon): the input column-parallel (its bias too), the output row-parallel
+    (bias whole), as vLLM's OPT / GPT-J / Bloom / Falcon and SGLang's Phi hold them. None: the
+    pair's shapes do not match."""
+    fc1, fc2, first = pair
+    if fc1 is None or fc2 is None or len(fc1) != 2 or fc1 != (fc2[1], fc2[0]):
+        return None
+    if first:
+        return ShardRule(pattern, 0) if shape[0] == fc1[0] else None
+    return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
 
 
 #: names of per-head attention sinks (gpt-oss ``self_attn.sinks``): split with the heads
