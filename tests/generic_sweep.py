@@ -81,6 +81,7 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
     from pploader.planning.plan import plan_all
     plans = plan_all(spec, index, pp, 1, ep)
     seen: dict[str, set[int]] = {}
+    lent: dict[str, set[int]] = {}
     total = 0
     resolved = spec.for_checkpoint(index.weight_map)
     shared_targets = {t for t, _, w in resolved.family.shared if w != "every"}
@@ -104,6 +105,11 @@ def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:
                     shared_targets}  # a tied copy's source, read for a layer of this stage
         for name in set(plan.tensors) - borrowed:
             seen.setdefault(name, set()).add(plan.topology.pp_rank)
+        for name in borrowed:
+            lent.setdefault(name, set()).add(plan.topology.pp_rank)
+    # a stored tensor no stage runs under its own name (a per-layer adapter kept in a tied
+    # block's first layer): planned by the stages borrowing it for the layer that runs it
+    seen.update({n: s for n, s in lent.items() if n not in seen})
     missing = sorted(set(index.weight_map) - set(seen))
     if missing:
         raise AssertionError(f"never planned: {missing[:4]}")
@@ -124,8 +130,39 @@ def stage_needs(model: torch.nn.Module, layer: int, raw: bool = False) -> set[st
     from transformers.core_model_loading import revert_weight_conversion
     from pploader.families.hf_meta import find_layers_path
     path = find_layers_path(model, len(_decoder_layers(model)))
-    state = {k: v for k, v in model.state_dict().items() if k.startswith(f"{path}.{layer}.")}
+    idle = tuple(p + "." for p in unrun_adapters(model))
+    state = {k: v for k, v in model.state_dict().items() if k.startswith(f"{path}.{layer}.")
+             and not k.startswith(idle)}
     return set(state) if raw else set(revert_weight_conversion(model, state))
+
+
+_UNRUN: dict[int, frozenset[str]] = {}
+
+
+def unrun_adapters(model: torch.nn.Module) -> frozenset[str]:
+    """Module paths of per-layer adapter list entries (``*_adapter_list.{k}``, Zamba2's shared
+    block LoRA adapters) that a forward of ``model`` never calls, observed with forward hooks
+    (not from the model's own bookkeeping): a tied block holds every hybrid layer's adapter,
+    each layer runs one. Empty for models without such lists."""
+    found = _UNRUN.get(id(model))
+    if found is not None:
+        return found
+    lists = [(n, m) for n, m in model.named_modules(remove_duplicate=False)
+             if n.endswith("_adapter_list") and isinstance(m, torch.nn.ModuleList)]
+    every = {f"{n}.{k}" for n, m in lists for k in range(len(m))}
+    called: set[str] = set()
+    hooks = [entry.register_forward_hook(lambda *_a, p=f"{n}.{k}": called.add(p))
+             for n, m in lists for k, entry in enumerate(m)]
+    try:
+        if hooks:
+            vocab = model.config.get_text_config().vocab_size
+            with torch.no_grad():
+                model(input_ids=torch.arange(5).unsqueeze(0) % vocab, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    found = _UNRUN[id(model)] = frozenset(every - called)
+    return found
 
 
 def _decoder_layers(model: torch.nn.Module) -> list:
@@ -148,7 +185,7 @@ def exactness_check(model: torch.nn.Module, spec: Any, index: Any, pp: int) -> N
         resolved.num_layers))) <= set(index.weight_map)                  # names, every layer
     for plan in plans:
         targets = {i.target for i in plan.items}
-        loaded |= targets
+        loaded |= targets | {i.name for i in plan.items}  # stored ones read for a copy too
         w = plan.window
         need: set[str] = set()
         for layer in range(w.start_layer, w.end_layer):
@@ -252,6 +289,7 @@ def check(model_type: str, arch: str, workdir: Path, *, forward: bool = True) ->
             row["tp2"] = "ok"
         except PPLoaderError as exc:
             row["tp2"] = f"refused: {exc.tensor or exc.detail[:60]}"
+            row["tp2_reason"] = exc.detail
     except Timeout:
         raise
     except PPLoaderError as exc:

@@ -221,6 +221,11 @@ class Family:
     #: outside the layers, run inside the loop over them)). A stage using a target whose
     #: source it does not hold reads the source under the target's name (Zamba's shared block)
     shared: tuple[tuple[str, str, str], ...] = ()
+    #: layer tensors their own layer does not run: stored ones are read only as a ``shared``
+    #: source by the stage whose layer runs the copy; tied copies' names are read by none
+    #: (Zamba2's shared-block LoRA adapters: the block stored in its first hybrid layer holds
+    #: every hybrid layer's adapter, each layer runs one; integrations leave the others empty)
+    unrun: frozenset[str] = frozenset()
     native_dtypes: Mapping[str, str] = field(default_factory=dict)  # tensor name -> the
     #   safetensors dtype the model itself gives it whatever config.json's dtype (integer
     #   buffers such as a router's lookup table); stored so, it is loaded as stored

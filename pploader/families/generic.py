@@ -121,6 +121,7 @@ def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
     return dict(layer_prefix=naming.layer_prefix, globals=tuple(globals_),
                 expert_pattern=naming.expert_pattern, fused_expert_pattern=fused,
                 template=template_of, format=naming.name, shared=naming.shared,
+                unrun=frozenset(naming.unrun),
                 shard_rules=shard_rules(naming, meta, mtp_only))
 
 
@@ -292,6 +293,16 @@ def _halved_rule(pattern: str, comp: str, comps: Mapping[str, tuple[int, ...]],
     shapes. None: not such a tensor (the generic rule decides)."""
     if comp not in halved:
         return None
+    if comp.endswith((".weight", ".bias")):  # a linear MLP's: [2I, H] (bias [2I]), [H, I]
+        stem = comp.rsplit(".", 2)[0]
+        gate_up = comps.get(stem + ".gate_up_proj.weight")
+        down = comps.get(stem + ".down_proj.weight")
+        if gate_up is None or down is None or len(gate_up) != 2 or len(down) != 2 or \
+                gate_up[0] != 2 * down[1] or gate_up[1] != down[0]:
+            return None
+        if ".down_proj." in comp:
+            return ShardRule(pattern, 1)
+        return ShardRule(pattern, 0, segments=partial(_halves, down[1]))
     stem, _, kind = comp.rpartition(".")
     gate_up, down = comps.get(stem + ".gate_up_proj"), comps.get(stem + ".down_proj")
     if gate_up is None or down is None or len(gate_up) != 3 or len(down) != 3:
@@ -318,7 +329,8 @@ def _halves(inter: int, _spec: SpecView) -> tuple[int, ...]:
 #: backend, whose tp_plan gathers the projections' outputs: ``colwise_gather_output``)
 PROJECTION_NORMS = {"MiniMaxM2ForCausalLM": "heads", "OlmoeForCausalLM": "replicated",
                     "Olmo2ForCausalLM": "replicated", "Olmo3ForCausalLM": "replicated"}
-_Q_NORMS, _K_NORMS = ("q_norm", "query_layernorm"), ("k_norm", "key_layernorm")
+_Q_NORMS = ("q_norm", "query_layernorm", "q_layernorm")
+_K_NORMS = ("k_norm", "key_layernorm", "k_layernorm")
 
 
 def _projection_norm(pattern: str, role: str, width: int, heads: int, kv: int, head_dim: int,
@@ -351,7 +363,9 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     kind = tokens[-1]
     role = tokens[-2] if len(tokens) >= 2 else ""
     refuse = lambda why: ShardRule(pattern, 0, segments=_refuse(comp, why))  # noqa: E731
-    if comp in (naming.embed, naming.head):
+    if comp in (naming.embed, naming.head) or naming.head and kind == "bias" and \
+            comp == naming.head[:-len("weight")] + "bias":  # (Phi's head bias: vLLM's
+        #                                                    ParallelLMHead splits it too)
         return ShardRule(pattern, 0, pad=True) if shape and shape[0] == vocab else \
             refuse(f"vocabulary dim {shape[:1]} != vocab_size {vocab}")
     if comp in encoders:
@@ -365,11 +379,17 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if "indexer" in tokens[:-1] and _int(text, "index_head_dim"):
         return ShardRule(pattern, None)  # DeepSeek sparse attention's indexer (V3.2, GLM-5):
         # vLLM's ``Indexer`` is replicated ("no tensor parallel"), its k_norm included
+    mla = _mla_rule(pattern, role, kind, shape, text, heads or 0)
+    if mla is not None:
+        return mla
+    if role in _POSITIONS and kind == "weight" and len(shape) == 2 and shape[1] == hidden:
+        return ShardRule(pattern, None)  # learned absolute positions: vLLM's OPT / GPT-2
+        #                                  hold them whole (``nn.Embedding``)
     if len(shape) == 2 and shape[0] == 1 and role.endswith("gate"):
         return ShardRule(pattern, None)  # a one-output gate (``shared_expert_gate``)
     if kind not in ("weight", "bias"):
         return refuse(f"{list(shape)} is not a weight or bias of a known projection")
-    if len(shape) == 1 and re.search(r"norm", role):
+    if len(shape) == 1 and re.search(r"norm|^ln(_\w+)?$", role, re.IGNORECASE):
         if role in _Q_NORMS + _K_NORMS:
             return _projection_norm(pattern, role, shape[0], heads or 0, kv, head_dim or 0,
                                     architecture) or \
@@ -392,7 +412,8 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if role in ("k_proj", "v_proj"):
         return ShardRule(pattern, 0, units=_kv_heads) if shape[0] == kv * head_dim else \
             refuse(f"rows {shape[0]} != kv heads {kv} x head_dim {head_dim}")
-    if role == "o_proj":
+    if role == "o_proj" or role in ("out_proj", "dense") and len(tokens) >= 3 and \
+            re.search(r"attn|attention", tokens[-3]):  # OPT / GPT-J's out_proj, Phi's dense
         if kind == "bias":
             return ShardRule(pattern, None)
         return ShardRule(pattern, 1, units=_heads) if shape[1] == heads * head_dim else \
@@ -400,9 +421,92 @@ def _rule(pattern: str, comp: str, shape: tuple[int, ...], naming: Naming,
     if role in ("gate_proj", "up_proj", "w1", "w3") and len(tokens) >= 3 and (
             role.startswith(("gate", "up")) or "experts" in tokens):
         return ShardRule(pattern, 0)
+    if role in _FC_PAIRS and "experts" not in tokens and len(shape) <= 2:
+        return _fc_rule(pattern, role, kind, shape, comps_of_fc(naming, comp, role)) or \
+            refuse(f"{role} {list(shape)} does not pair with {_FC_PAIRS[role]}")
     if role in ("down_proj", "w2") and (role == "down_proj" or "experts" in tokens):
         return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
     return refuse(f"role {role!r} {list(shape)} is not a known projection")
+
+
+#: MLA's low-rank inputs and their norms: component role -> the config sizes of its width
+_MLA_INPUTS = {"q_a_proj": ("q_lora_rank",), "q_a_layernorm": ("q_lora_rank",),
+               "kv_a_proj_with_mqa": ("kv_lora_rank", "qk_rope_head_dim"),
+               "kv_a_layernorm": ("kv_lora_rank",)}
+
+
+def _mla_rule(pattern: str, role: str, kind: str, shape: tuple[int, ...],
+              text: Mapping[str, Any], heads: int) -> Optional[ShardRule]:
+    """The TP rule of a multi-head latent attention tensor (DeepSeek-V2 / V3 / V3.2, GLM-5,
+    ``kv_lora_rank`` in the config), as vLLM's ``DeepseekV2MLAAttention`` and SGLang's
+    ``DeepseekV2AttentionMLA`` hold it: the low-rank inputs ``q_a_proj`` /
+    ``kv_a_proj_with_mqa`` and their norms replicated (vLLM: ``ReplicatedLinear`` /
+    ``disable_tp``), ``q_b_proj`` / ``q_proj`` / ``kv_b_proj`` column-parallel by heads,
+    ``o_proj`` row-parallel by heads (its bias whole). None: not an MLA tensor of these
+    widths (the generic rules decide)."""
+    kv_rank, rope = _int(text, "kv_lora_rank"), _int(text, "qk_rope_head_dim")
+    nope, v = _int(text, "qk_nope_head_dim"), _int(text, "v_head_dim")
+    if not (kv_rank and rope and nope is not None and v and heads) or not shape:
+        return None
+    sizes = _MLA_INPUTS.get(role)
+    if sizes is not None:
+        width = [_int(text, k) for k in sizes]
+        return ShardRule(pattern, None) if None not in width and shape[0] == sum(
+            w for w in width if w is not None) else None
+    if kind == "bias":
+        return ShardRule(pattern, None) if role == "o_proj" and shape == (
+            _int(text, "hidden_size"),) else None
+    if kind != "weight" or len(shape) != 2:
+        return None
+    if role in ("q_b_proj", "q_proj") and shape[0] == heads * (nope + rope) or \
+            role == "kv_b_proj" and shape[0] == heads * (nope + v):
+        return ShardRule(pattern, 0, units=_heads)
+    if role == "o_proj" and shape[1] == heads * v:
+        return ShardRule(pattern, 1, units=_heads)
+    return None
+
+
+#: module names of learned absolute position embeddings (replicated under TP)
+_POSITIONS = {"embed_positions", "wpe", "position_embeddings", "positions_embed"}
+
+
+#: the two linear layers of a plain MLP under other names: input -> output layer, both ways
+_FC_INPUTS = {"fc1": "fc2", "fc_in": "fc_out", "dense_h_to_4h": "dense_4h_to_h"}
+_FC_PAIRS = {**_FC_INPUTS, **{v: k for k, v in _FC_INPUTS.items()}}
+
+
+def comps_of_fc(naming: Naming, comp: str, role: str
+                ) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]], bool]:
+    """The weight shapes of the (input, output) MLP pair ``comp`` belongs to (same parent),
+    from any layer of the template, and whether ``role`` is the input one."""
+    first = role in _FC_INPUTS
+    pair = (role, _FC_PAIRS[role]) if first else (_FC_PAIRS[role], role)
+    stem = comp.rsplit(".", 2)[0] + "." if comp.count(".") >= 2 else ""
+    found: dict[str, tuple[int, ...]] = {}
+    for name, shape in naming.template.items():
+        for r in pair:
+            if r not in found and (name == stem + r + ".weight" or
+                                   name.endswith("." + stem + r + ".weight")):
+                found[r] = tuple(shape)
+        if len(found) == 2:
+            break
+    return found.get(pair[0]), found.get(pair[1]), first
+
+
+def _fc_rule(pattern: str, role: str, kind: str, shape: tuple[int, ...],
+             pair: tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]], bool]
+             ) -> Optional[ShardRule]:
+    """An MLP of two linear layers, input [I, H] / output [H, I] (``fc1`` / ``fc2``: OPT, Phi,
+    XGLM; ``fc_in`` / ``fc_out``: GPT-J; ``dense_h_to_4h`` / ``dense_4h_to_h``: Bloom,
+    Falcon, Persimmon): the input column-parallel (its bias too), the output row-parallel
+    (bias whole), as vLLM's OPT / GPT-J / Bloom / Falcon and SGLang's Phi hold them. None: the
+    pair's shapes do not match."""
+    fc1, fc2, first = pair
+    if fc1 is None or fc2 is None or len(fc1) != 2 or fc1 != (fc2[1], fc2[0]):
+        return None
+    if first:
+        return ShardRule(pattern, 0) if shape[0] == fc1[0] else None
+    return ShardRule(pattern, None) if kind == "bias" else ShardRule(pattern, 1)
 
 
 #: names of per-head attention sinks (gpt-oss ``self_attn.sinks``): split with the heads

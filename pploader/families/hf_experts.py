@@ -68,13 +68,22 @@ def halved_experts(layer: Any) -> set[str]:
     """``{path.gate_up_proj, path.down_proj}`` of the stacked-expert modules of ``layer`` whose
     code splits the fused gate/up output in halves, gate first (``chunk(2, dim=-1)`` in its
     ``forward`` or gate function: transformers' experts but gpt-oss's, which interleaves), so
-    a TP split of the intermediate dim takes the same rows of each half."""
+    a TP split of the intermediate dim takes the same rows of each half; and likewise
+    ``{path.gate_up_proj.weight, path.gate_up_proj.bias, path.down_proj.weight}`` of an MLP
+    whose fused gate/up is a linear layer (GLM / GLM-4's ``mlp.gate_up_proj``: vLLM's
+    ``MergedColumnParallelLinear``)."""
     import inspect
     out = set()
     for path, module in layer.named_modules():
         own = dict(module.named_parameters(recurse=False))
         gate_up, down = own.get("gate_up_proj"), own.get("down_proj")
-        if gate_up is None or down is None or gate_up.dim() != 3 or down.dim() != 3:
+        linear = False
+        if gate_up is None and down is None:  # an MLP of two linear layers
+            gu, dn = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+            gate_up, down = getattr(gu, "weight", None), getattr(dn, "weight", None)
+            linear = True
+        if gate_up is None or down is None or gate_up.dim() != down.dim() or \
+                gate_up.dim() != (2 if linear else 3):
             continue
         code = []
         for attr in ("forward", "_apply_gate"):
@@ -85,5 +94,7 @@ def halved_experts(layer: Any) -> set[str]:
                 continue
         text = "\n".join(code)
         if "chunk(2, dim=-1)" in text and "::2]" not in text:
-            out |= {f"{path}.gate_up_proj", f"{path}.down_proj"}
+            out |= {f"{path}.gate_up_proj.weight", f"{path}.gate_up_proj.bias",
+                    f"{path}.down_proj.weight"} if linear else \
+                {f"{path}.gate_up_proj", f"{path}.down_proj"}
     return out

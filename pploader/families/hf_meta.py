@@ -26,7 +26,8 @@ from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
 from .hf_experts import declared_experts, halved_experts, ids_below, routed_count
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
-from .hf_ties import first_uses, loop_uses, revert_one, saved_pairs, tied_copies
+from .hf_ties import (first_uses, loop_uses, revert_one, saved_names, saved_pairs,
+                      tied_copies, unrun_entries)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ class Naming:
     #: would spell it, the stored source, where the target is used: "layer" / "first" / "last")
     shared: tuple[tuple[str, str, str], ...] = ()
     encoder: tuple[str, ...] = ()               # first-stage names of vision / audio encoders
+    unrun: tuple[str, ...] = ()                 # stored layer names their layer does not run
 
 
 @dataclass(frozen=True)
@@ -289,6 +291,9 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
                if m is head_mod}  # the head's own name, not another tied copy's (ProphetNet)
         head_key = next((n for n in aliases if n in own), aliases[0] if aliases else None)
     shared_pairs = tied_copies(model, tied, state, every_key, lp, order, head_key)
+    idle = unrun_entries(model, layers_path)  # per-layer list entries a layer does not run
+    shared_pairs = [p for p in shared_pairs if not idle(p[0])]
+    unrun = [k for k in every_key if idle(k)]  # stored ones and tied copies' targets
     loop = loop_uses(model, layers_path)  # stored once outside the layers, run by each
     shared_pairs += [(k, k, "every") for k in keys if not k.startswith(lp)
                      and any(k.startswith(p + ".") or k == p for p in loop)]
@@ -305,7 +310,8 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
                                            lp, stage_of, per_layer_experts, num_experts,
                                            embed_key, head_key, encoders, fmt == "original")
                 namings.append(replace(naming, name=fmt,
-                                       shared=saved_pairs(how, model, state, shared_pairs)))
+                                       shared=saved_pairs(how, model, state, shared_pairs),
+                                       unrun=saved_names(how, model, full_state, unrun)))
                 names_of.append(of_layer)
             except ConfigError as exc:
                 if fmt != PREFIXED:

@@ -5,7 +5,10 @@
   stored once (the first hybrid layer) and tied into every later hybrid layer. A stage using a
   copy must read its source (``Family.shared``, planning/roles.py ``shared_reads``);
 - tensors stored outside the decoder layers but run inside the forward's loop over them
-  (``for layer in self.layers: ... self.shared(...)``): needed by every stage.
+  (``for layer in self.layers: ... self.shared(...)``): needed by every stage;
+- entries of per-layer lists inside a tied block that a layer does not run (Zamba2's LoRA
+  adapters, one per hybrid layer, all stored in the block's first layer): ``Family.unrun``,
+  read only by the stage of the layer that runs each, as a tied copy's source.
 
 Read from the meta model (``hf_meta._derive`` calls these), with the two meta-model readers they
 share with it (``first_uses``: an attribute's first use in a forward; ``revert_one``: a
@@ -13,11 +16,12 @@ parameter's saved name); nothing here reads weights.
 """
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError
 
-__all__ = ["tied_copies", "saved_pairs", "loop_uses", "first_uses", "revert_one"]
+__all__ = ["tied_copies", "saved_pairs", "saved_names", "unrun_entries", "loop_uses",
+           "first_uses", "revert_one"]
 
 
 def tied_copies(model: Any, tied: list[tuple[str, str]], state: dict, every_key: list[str],
@@ -73,6 +77,46 @@ def saved_pairs(fmt: str, model: Any, state: dict, pairs: list[tuple[str, str, s
                               f"{len(tgt)} and {len(src)} tensors", file="config.json")
         out.extend(zip(tgt, src, [where] * len(src)))
     return tuple(out)
+
+
+def saved_names(fmt: str, model: Any, state: dict, names: list[str]) -> tuple[str, ...]:
+    """``names`` (state-dict keys) as the naming ``fmt`` stores them."""
+    if fmt == "transformers":
+        return tuple(names)
+    return tuple(n for key in names for n in revert_one(model, key, state[key]))
+
+
+def unrun_entries(model: Any, layers_path: str) -> Callable[[str], bool]:
+    """Whether a state-dict key is an entry of a per-layer list that its layer does not run:
+    a ``ModuleList`` named ``*_adapter_list`` under a module mapping layer ids to list
+    positions (``layer_dic``). Zamba2's shared transformer block holds one LoRA adapter per
+    hybrid layer (``gate_up_proj_adapter_list.{k}``, ``linear_{q,k,v}_adapter_list.{k}``)
+    and runs entry ``layer_dic[layer_idx]`` only: the block stored in its first hybrid layer
+    holds the adapters of every hybrid layer that ties to it."""
+    from torch import nn
+    layers = model.get_submodule(layers_path)
+    prefixes: dict[int, tuple[str, ...]] = {}
+    for i, layer in enumerate(layers):
+        found = []
+        for path, module in layer.named_modules(remove_duplicate=False):
+            dic = getattr(module, "layer_dic", None)
+            if not isinstance(dic, dict) or i not in dic:
+                continue
+            for name, child in module.named_children():
+                if isinstance(child, nn.ModuleList) and name.endswith("_adapter_list"):
+                    found += [f"{layers_path}.{i}.{path}.{name}.{k}." for k in range(len(child))
+                              if k != dic[i]]
+        if found:
+            prefixes[i] = tuple(found)
+    lp = layers_path + "."
+
+    def idle(key: str) -> bool:
+        if not prefixes or not key.startswith(lp):
+            return False
+        idx = key[len(lp):].partition(".")[0]
+        found = prefixes.get(int(idx)) if idx.isdecimal() else None
+        return found is not None and key.startswith(found)
+    return idle
 
 
 def loop_uses(model: Any, layers_path: str) -> set[str]:

@@ -245,10 +245,12 @@ def stage_skeleton(config: Any, window: StageWindow, *, dtype: torch.dtype,
 
 
 def load_stage_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *,
-                       window: StageWindow, strict: bool = True, rank: Optional[int] = None
-                       ) -> None:
+                       window: StageWindow, strict: bool = True, rank: Optional[int] = None,
+                       unrun: frozenset[str] = frozenset()) -> None:
     """Place checkpoint-named ``tensors`` into a stage skeleton the way ``from_pretrained`` does
-    (transformers' conversion mapping), then build non-persistent buffers on the CPU."""
+    (transformers' conversion mapping), then build non-persistent buffers on the CPU.
+    ``unrun`` (``Family.unrun``): parameters the stage's layers hold but never run (Zamba2's
+    other hybrid layers' adapters), not read: left as zeros, not counted as missing."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import convert_and_load_state_dict_in_model
     from transformers.modeling_utils import LoadStateDictConfig
@@ -271,6 +273,12 @@ def load_stage_weights(model: nn.Module, tensors: dict[str, torch.Tensor], *,
             owner = model.get_submodule(parent) if parent else model
             owner._buffers[name] = torch.empty_like(buf, device="cpu")
     model.initialize_weights()
+    for key, value in model.state_dict(keep_vars=True).items():
+        if value.is_meta and key in unrun:
+            parent, _, name = key.rpartition(".")
+            owner = model.get_submodule(parent) if parent else model
+            owner._parameters[name] = nn.Parameter(torch.zeros_like(value, device="cpu"),
+                                                   requires_grad=False)
     meta = sorted(k for k, v in model.state_dict(keep_vars=True).items() if v.is_meta)
     unexpected = sorted(info.unexpected_keys) + [k for k, *_ in sorted(info.mismatched_keys)]
     errors = list(info.error_msgs) + [f"{k}: {v}" for k, v in info.conversion_errors.items()]
@@ -406,7 +414,8 @@ def build_stage(model_dir: os.PathLike | str, topology: Topology, *,
         for item in plan.items:
             if item.name != item.target and item.name not in tensors:
                 tensors[item.name] = tensors[item.target]
-    load_stage_weights(model, tensors, window=window, strict=strict, rank=topology.rank)
+    load_stage_weights(model, tensors, window=window, strict=strict, rank=topology.rank,
+                       unrun=spec.for_checkpoint(index.weight_map).family.unrun)
     return HFStage(model, window, topology, spec, plan, reader.stats,
                    model.get_submodule(anatomy.layers), config.get_text_config().hidden_size)
 

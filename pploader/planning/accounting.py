@@ -101,8 +101,8 @@ def _layer_signatures(roles: CheckpointRoles, entries: Mapping[str, TensorEntry]
     and the layers
     whose signature equals one checked before or an earlier layer's of this window. Only
     with a per-layer template and all experts (an EP rank's stage is small)."""
-    if roles.layered is None or experts is not None:
-        return {}, []
+    if roles.layered is None or experts is not None or roles.spec.family.unrun:
+        return {}, []  # (unrun names: a layer's names and its template differ by them)
     _, components_of, ids = roles.layered
     out: dict[int, tuple[tuple, Sequence[str], int]] = {}
     like: list[int] = []

@@ -187,7 +187,8 @@ class CheckpointRoles:
             for name, role in self.layer_roles(layer).items():
                 if role.expert is None or experts[0] <= role.expert < experts[1]:
                     chosen[name] = role
-        return chosen
+        unrun = self.spec.family.unrun  # stored here, run by another layer (shared_reads)
+        return {n: r for n, r in chosen.items() if n not in unrun} if unrun else chosen
 
     def stage_value(self, key: tuple, make: Callable[[], Any]) -> Any:
         """``make()``, worked out once per ``key`` (e.g. ``("columns", window, experts)``):
@@ -214,8 +215,16 @@ class CheckpointRoles:
         """(template names -> shapes, those absent from the index -> their role) covering what
         ``window`` can read: the whole template, or with ``layered`` only the globals and the
         window's layers (names of other layers are never wanted by it). None: no template."""
+        unrun = self.spec.family.unrun  # read by the stages running them, as tied sources
         if self.layered is None:
-            return None if self.template is None else (self.template, self.template_only)
+            if self.template is None or not unrun:
+                return None if self.template is None else (self.template, self.template_only)
+            found = self._stage_memo.get(("template",))
+            if found is None:
+                found = self._stage_memo["template",] = (
+                    {n: s for n, s in self.template.items() if n not in unrun},
+                    {n: r for n, r in self.template_only.items() if n not in unrun})
+            return found
         key = ("template", window.start_layer, window.end_layer)
         found = self._stage_memo.get(key)
         if found is None:
@@ -225,6 +234,8 @@ class CheckpointRoles:
                 if i in ids:
                     part.update(self.layer_template(i))
             fam, n, m = self.spec.family, self.spec.num_layers, self.spec.num_mtp_layers
+            for name in unrun & part.keys():
+                del part[name]
             found = self._stage_memo[key] = (part, {
                 t: fam.classify(t, n, m) for t in part.keys() - self._index_names})
         return found
@@ -259,7 +270,8 @@ class CheckpointRoles:
             if not self.shared_used(target, where, window, experts):
                 continue
             role = self.source_role(source)
-            if role is None or wanted(role, window, experts):
+            if role is None or wanted(role, window, experts) and \
+                    source not in self.spec.family.unrun:
                 continue  # absent (the strict check names it) or read anyway: tied locally
             out.append((source, role, target))
         return out

@@ -69,8 +69,7 @@ def test_projection_norms_follow_the_engine(tmp_path: Path, model_type: str, arc
 
 def test_deepseek_v32_indexer_is_replicated(tmp_path: Path) -> None:
     """Its indexer's rules (wq_b, wk, weights_proj, k_norm weight and bias): whole on every
-    rank. (DeepSeek-V3.2 at TP>1 through the generic family is still refused, on its MLA
-    latent norms: ``kv_a_layernorm``.)"""
+    rank (its MLA under TP: tests/families/test_mla_tp.py)."""
     generic_sweep._checkpoint("deepseek_v32", "DeepseekV32ForCausalLM", tmp_path)
     spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
     spec = spec.for_checkpoint(index.weight_map)
