@@ -68,7 +68,8 @@ COLD_THREADS = 4
 #: destinations: copied from the mapping like warm ones, on the copy threads, after
 #: ``MADV_NORMAL`` on their pages so each fault reads around it in large requests, as an
 #: ``mmap`` reader such as torch's ``HuggingFaceStorageReader`` does; without destinations
-#: as ``read``). On the 2-core VM ``fault`` read a cold PP2 x TP2 DCP stage at torch's
+#: as ``read``; without ``fault_budget`` no residency is asked: the mapping is ``MADV_NORMAL``
+#: and every item is copied from it). On the 2-core VM ``fault`` read a cold PP2 x TP2 DCP stage at torch's
 #: speed where ``read`` (one ``preadv`` per dim-1 row) took 1.1-1.5x its time.
 COLD_MODES = ("read", "readahead", "fault")
 MADV_NORMAL = 0
@@ -156,6 +157,14 @@ class MappedBackend:
             else:
                 out.append(not pages or 1.0 - missing / pages >= self.warm_fraction)
         return out
+
+    def _all_mapped(self, files: dict[str, MappedFile]) -> list[bool]:
+        """``cold="fault"`` without a fault budget: every item is copied from the mapping
+        (``MADV_NORMAL``: resident pages are mapped by fault-around, missing ones read
+        around), so no residency is asked (files opened and mapped only)."""
+        for item in self.plan.items:
+            self._open(files, item)
+        return [bool(item.ranges) for item in self.plan.items]
 
     def _from_mapping(self, f: MappedFile, item: ReadItem, dst: Optional[torch.Tensor]
                       ) -> torch.Tensor:
@@ -256,7 +265,8 @@ class MappedBackend:
         try:
             if self.cold == "readahead":
                 return dict(self._each_ahead(files, destinations))
-            warm = self._warm(files)
+            warm = self._warm(files) if self.fault_budget is not None or \
+                self.cold != "fault" else self._all_mapped(files)
             hot = [i for i, w in zip(self.plan.items, warm) if w]
             jobs: list[Callable[[], object]] = [
                 partial(self._from_mapping, files[i.file], i, destinations[i.target])
