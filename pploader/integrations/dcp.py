@@ -428,7 +428,8 @@ class PPLoaderStorageReader(StorageReader):
         kernel's fault-around, its missing ones read around each fault in large requests,
         as torch's reader's ``safe_open`` mapping does), else the device's default."""
         if device.type == "cpu" and self.io_backend is None:
-            return open_mapped(plan, device, self._options(device), cold="fault")
+            return open_mapped(plan, device, self._options(device), cold="fault",
+                               cold_threads=self.threads or COLD_THREADS)
         return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:

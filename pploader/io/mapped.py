@@ -85,7 +85,8 @@ class MappedBackend:
     module docstring). ``stats.read_bytes``: every planned byte delivered, warm or cold (a
     ``whole`` item's own ranges); ``mapped_bytes``: those of them taken from the mapping (no
     read syscall: /proc's rchar does not count them); ``readahead_bytes``: of those, the cold
-    ones faulted in ahead (``readahead``); ``mapped_items``: items served from the mapping.
+    ones faulted in ahead (``readahead``); ``mapped_items``: items served from the mapping;
+    ``faulting``: (``cold="fault"``, no fault budget) the sample found pages to read.
 
     Which items are warm: by default those with at least ``warm_fraction`` of their pages
     resident (the few missing are faulted in with the kernel's read-around). ``fault_budget``
@@ -115,6 +116,7 @@ class MappedBackend:
         self.warm_items = self.mapped_items = 0
         self._runs: dict[str, list[Run]] = {}
         self._missing: dict[str, tuple[int, int]] = {}  # (pages missing, touched) by target
+        self.faulting = False  # cold="fault": copies that will wait on storage (sampled)
 
     def _err(self, msg: str, item: ReadItem) -> ReadError:
         return ReadError(msg, file=item.file, tensor=item.name, rank=self.plan.topology.rank)
@@ -159,11 +161,18 @@ class MappedBackend:
         return out
 
     def _all_mapped(self, files: dict[str, MappedFile]) -> list[bool]:
-        """``cold="fault"`` without a fault budget: every item is copied from the mapping
-        (``MADV_NORMAL``: resident pages are mapped by fault-around, missing ones read
-        around), so no residency is asked (files opened and mapped only)."""
+        """``cold="fault"``, no fault budget: every item copied from the ``MADV_NORMAL``
+        mapping, no item's residency asked; a sample of each file's span says whether the
+        copies will wait on storage (then ``cold_threads`` copy: waits leave cores idle)."""
+        spans: dict[str, tuple[int, int]] = {}
         for item in self.plan.items:
             self._open(files, item)
+            if item.ranges:
+                lo, hi = span_of(item.ranges)
+                was = spans.get(item.file, (lo, hi))
+                spans[item.file] = (min(was[0], lo), max(was[1], hi))
+        self.faulting = any(not files[f].nearly_resident(lo, hi)
+                             for f, (lo, hi) in spans.items())
         return [bool(item.ranges) for item in self.plan.items]
 
     def _from_mapping(self, f: MappedFile, item: ReadItem, dst: Optional[torch.Tensor]
@@ -343,7 +352,10 @@ class MappedBackend:
         """Run the copies from the mapping on ``threads`` threads (copy_ releases the GIL)."""
         if item is not None:
             self._check_cancel(item)
-        threads = min(self.options.threads or COLD_THREADS, len(jobs))
+        threads = self.options.threads or COLD_THREADS
+        if self.faulting and self.cold_threads:
+            threads = max(threads, self.cold_threads)
+        threads = min(threads, len(jobs))
         if threads > 1:
             with ThreadPoolExecutor(threads, thread_name_prefix="pploader-copy") as pool:
                 for fut in [pool.submit(job) for job in jobs]:

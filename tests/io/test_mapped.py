@@ -123,9 +123,10 @@ def test_fault_budget_reads_cold_items_straight_into_destinations(llama: Path) -
 
 
 def test_cold_fault_without_budget_asks_no_residency(llama: Path, monkeypatch) -> None:
-    """``cold="fault"`` without ``fault_budget`` (the DCP reader's CPU path): no page is
-    looked up; every item, half the files evicted, is copied from the mapping into its
-    destination bitwise (dim-1 row runs included), with no read syscall."""
+    """``cold="fault"`` without ``fault_budget`` (the DCP reader's CPU path): no item's
+    pages are looked up; every item, half the files evicted, is copied from the mapping into
+    its destination bitwise (dim-1 row runs included), with no read syscall; the sampled
+    check finds the evicted pages on the first load only (then ``cold_threads`` copy)."""
     from pploader.io import mapped_file
     staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
     assert any(len(i.ranges) > 1 for i in staged.plan.items)
@@ -137,11 +138,13 @@ def test_cold_fault_without_budget_asks_no_residency(llama: Path, monkeypatch) -
     def asked(*_: object) -> None:
         raise AssertionError("residency asked")
     monkeypatch.setattr(mapped_file.MappedFile, "missing", asked)
-    monkeypatch.setattr(mapped_file, "cached_pages", asked)
+    monkeypatch.setattr(mapped_file.MappedFile, "resident", asked)
     dst = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
     for threads in (1, 3):
-        backend = MappedBackend(staged.plan, ReadOptions(threads=threads), cold="fault")
+        backend = MappedBackend(staged.plan, ReadOptions(threads=threads), cold="fault",
+                                cold_threads=4)
         out = backend.load(dst)
+        assert backend.faulting == (threads == 1)  # the sample saw evicted pages, once
         for k, v in ref.items():
             assert out[k] is dst[k] and torch.equal(dst[k], v), (threads, k)
         assert backend.stats.read_bytes == backend.mapped_bytes == staged.plan.read_bytes
