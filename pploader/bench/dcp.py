@@ -33,7 +33,8 @@ __all__ = ["main", "READERS"]
 GB = 1e9
 #: reader name -> what it is (the table's legend)
 READERS = {"pploader": "dcp.load + pploader.integrations.dcp.PPLoaderStorageReader",
-           "torch_hf": "dcp.load + torch's HuggingFaceStorageReader(thread_count=T)"}
+           "torch_hf": "dcp.load + torch's HuggingFaceStorageReader(thread_count=T)",
+           "pploader_base": "the same pploader reader imported from --base DIR (A/B)"}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -66,6 +67,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--hf-threads", type=int, default=None,
                    help="HuggingFaceStorageReader thread_count (default: 8 on cuda, 1 on cpu, "
                    "torch's fastest on the 2-core VM)")
+    p.add_argument("--base", metavar="DIR", default=None,
+                   help="a checkout (or `git archive`) of another pploader commit: adds the "
+                   "reader pploader_base, its ranks importing pploader from DIR, alternated "
+                   "with the others on the same files (A/B of a change)")
     p.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "ppbench-dcp"))
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--json", action="store_true", help="print the JSON document, not tables")
@@ -210,7 +215,8 @@ def _group(args: argparse.Namespace, model: str, layout: str, reader: str, cache
     ranks = _ranks(args.ranks, world)
     init = f"tcp://127.0.0.1:{_free_port()}"
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(args.base).resolve()) if reader == "pploader_base" else \
+        str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     solo = len(ranks) < world
     if solo and args.tp > 1:
@@ -297,11 +303,19 @@ def _summary(rows: list[dict]) -> list[dict]:
 
 
 def _ratios(summary: list[dict]) -> list[dict]:
-    """pploader's median wall / torch's, per (cache, load) where both ran."""
+    """pploader's median wall / torch's, per (cache, load) where both ran (and the --base
+    reader's: ``base_over_torch``)."""
     walls = {(s["cache"], s["load"], s["reader"]): s["wall_s"] for s in summary}
-    return [{"cache": c, "load": ld, "pploader_over_torch": walls[(c, ld, "pploader")]
-             / walls[(c, ld, "torch_hf")]} for c, ld, r in walls
-            if r == "pploader" and (c, ld, "torch_hf") in walls]
+    out = []
+    for c, ld, r in walls:
+        if r != "pploader" or (c, ld, "torch_hf") not in walls:
+            continue
+        row = {"cache": c, "load": ld,
+               "pploader_over_torch": walls[(c, ld, r)] / walls[(c, ld, "torch_hf")]}
+        if (c, ld, "pploader_base") in walls:
+            row["base_over_torch"] = walls[(c, ld, "pploader_base")] / walls[(c, ld, "torch_hf")]
+        out.append(row)
+    return out
 
 
 def _markdown(doc: dict) -> str:
@@ -324,8 +338,12 @@ def _markdown(doc: dict) -> str:
         lines.append(f"| {s['cache']} | {s['load']} | {s['reader']} | {s['wall_s']:.3f} | "
                      f"{trials} | {s['gbps']:.2f} | {s['cpu_s']:.2f} | {ratios} |")
     if doc["ratios"]:
-        lines += ["", "| cache | load | pploader's median time / torch's |", "|---|---|---|"]
+        base = any("base_over_torch" in r for r in doc["ratios"])
+        lines += ["", "| cache | load | pploader's median time / torch's |"
+                  + (" --base's / torch's |" if base else ""),
+                  "|---|---|---|" + ("---|" if base else "")]
         lines += [f"| {r['cache']} | {r['load']} | {r['pploader_over_torch']:.2f} |"
+                  + (f" {r['base_over_torch']:.2f} |" if base else "")
                   for r in doc["ratios"]]
     return "\n".join(lines) + "\n"
 
@@ -348,6 +366,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from .data import checkpoint_files, write_synthetic
     readers = [r for r in args.readers.split(",") if r]
+    if args.base is not None and "pploader_base" not in readers:
+        readers.insert(1, "pploader_base")
+    if "pploader_base" in readers and args.base is None:
+        raise SystemExit("bench --dcp: the reader pploader_base needs --base DIR")
     caches = [c for c in args.caches.split(",") if c]
     if not set(readers) <= set(READERS) or not set(caches) <= {"warm", "cold"}:
         raise SystemExit(f"bench --dcp: readers from {', '.join(READERS)}, caches warm,cold")
@@ -365,6 +387,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # install; a checkout under PYTHONDONTWRITEBYTECODE=1 would compile them in every rank's
     # first load, inside the clock: torch's own modules are compiled)
     compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
+    if args.base is not None:
+        compileall.compile_dir(str(Path(args.base) / "pploader"), quiet=2)
     if args.hf_threads is None:
         args.hf_threads = 8 if args.device == "cuda" else 1
     rows: list[dict] = []

@@ -457,9 +457,18 @@ def run_guarded(comm: Optional[Comm], fn: Callable[[], T], *, rank: Optional[int
 
 
 def gather_refusals(refusal: Optional[str], group: Any = None) -> dict[int, str]:
-    """Every rank's refusal (None: ready) in ``group``, by group rank: one all-gather, for a
-    step every rank of the group is known to reach (DCP's ``read_data``), so it cannot wait
-    on a rank that never comes (a rank that dies there fails the collective's own timeout)."""
+    """Every rank's refusal (None: ready) in ``group``, by group rank, for a step every rank
+    of the group is known to reach (DCP's ``read_data``), so it cannot wait on a rank that
+    never comes (a rank that dies there fails the collective's own timeout). One all-reduce
+    of a flag when every rank is ready (the common case: no pickling, one round trip); the
+    messages are all-gathered only when some rank refused."""
+    backend = str(dist.get_backend(group))
+    device = torch.device("cpu") if "gloo" in backend or "nccl" not in backend else \
+        torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    if not int(flag.item()):
+        return {}
     found: list[Optional[str]] = [None] * dist.get_world_size(group)
     dist.all_gather_object(found, refusal, group=group)
     return {r: str(e) for r, e in enumerate(found) if e is not None}

@@ -11,8 +11,9 @@ and the headers, each shard's header parsed only when the planner first asks for
 and lengths of one local shard) into a pploader read item of exactly those byte ranges (dim-1
 shards as row runs, as the planner makes them) and reads them straight into the destination
 tensors: on CUDA with the device's read backend (``io/registry.py``: the pinned ring), on CPU
-with the ``mapped`` backend (a shard in the page cache is one strided copy from a mapping;
-a cold one exact positional reads). Strict: stored dtype = destination dtype, box inside the
+with the ``mapped`` backend (every shard one strided copy from a mapping of its file, a cold
+one's pages read around each fault; as many copy threads as the ranks on this host leave
+cores: dcp_metadata.py). Strict: stored dtype = destination dtype, box inside the
 stored shape, files unchanged since their headers were read; errors name the rank, file and
 tensor.
 """
@@ -23,22 +24,19 @@ import logging
 import math
 import os
 import uuid
-from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence, TypeVar
 
 import torch
 from torch.distributed.checkpoint import StorageReader
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata,
-                                                   MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
 from torch.futures import Future
 
 from ..errors import CheckpointError, PlanError, PPLoaderError, ReadError
 from ..io.backend import ReadBackend, ReadOptions, ReadStats, merge_stats
-from ..io.mapped import open_mapped
+from ..io.mapped import COLD_THREADS, open_mapped
 from ..io.read import default_window_bytes
 from ..io.registry import open_backend, prepare_staging, select_backend
 from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
@@ -49,6 +47,8 @@ from ..planning.partition import StageWindow
 from ..planning.rank_plan import RankPlan
 from ..planning.shard import Selection
 from ..planning.topology import Topology
+from .dcp_metadata import (GlobalStep, LazyStorage, LazyTensors, LocalFacts, copy_threads,
+                           file_identities)
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..bind.names import NameMap
@@ -60,65 +60,6 @@ T = TypeVar("T")
 
 #: the header metadata key torch's HF writer sets on distributed (unconsolidated) saves
 DCP_SHARDING_KEY = "DCP_SHARDING_INFO"
-#: CPU destinations: a shard is copied from the page cache (a mapping) when the pages of it
-#: that are not resident (each read alone by its fault) hold at most this share of its bytes
-FAULT_BUDGET = 0.01
-
-
-@dataclasses.dataclass(frozen=True)
-class _GlobalStep:
-    """What DCP's global plan step tells each rank's plan (``LoadPlan.storage_data``)."""
-
-    ranks: int
-
-
-class _LazyTensors(Mapping):
-    """``Metadata.state_dict_metadata``: every state-dict key of the checkpoint, each entry's
-    ``TensorStorageMetadata`` built (and its shard's header parsed) on first access."""
-
-    def __init__(self, reader: "PPLoaderStorageReader", keys: Mapping[str, str]) -> None:
-        self._reader, self._keys = reader, keys
-        self._built: dict[str, TensorStorageMetadata] = {}
-
-    def __getitem__(self, key: str) -> TensorStorageMetadata:
-        md = self._built.get(key)
-        if md is None:
-            entry = self._reader.entry(key)
-            size = torch.Size(entry.shape)
-            md = TensorStorageMetadata(
-                properties=TensorProperties(dtype=DTYPES[entry.dtype][0]), size=size,
-                chunks=[ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
-            self._built[key] = md
-        return md
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-
-class _LazyStorage(Mapping):
-    """``Metadata.storage_data``: ``MetadataIndex`` (key, zero offsets) -> the checkpoint name
-    (an HF checkpoint holds each tensor whole, as one chunk at offset 0)."""
-
-    def __init__(self, keys: Mapping[str, str]) -> None:
-        self._keys = keys
-
-    def __getitem__(self, index: MetadataIndex) -> str:
-        return self._keys[index.fqn]
-
-    def __contains__(self, index: object) -> bool:
-        return isinstance(index, MetadataIndex) and index.fqn in self._keys
-
-    def __iter__(self) -> Iterator[MetadataIndex]:
-        return (MetadataIndex(k) for k in self._keys)
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
 
 class PPLoaderStorageReader(StorageReader):
@@ -127,8 +68,9 @@ class PPLoaderStorageReader(StorageReader):
     ``names`` (a ``NameMap``) or ``rename`` (checkpoint name -> state-dict key, None to leave
     a tensor out) give the state-dict keys; by default they are the checkpoint names, as with
     torch's ``HuggingFaceStorageReader``. ``io_backend`` / ``threads`` / ``window_bytes`` pick
-    and size the read backend (``None``: on CPU ``mapped`` with ``FAULT_BUDGET``, else the
-    device's default). ``range_cost_bytes``: 0 reads
+    and size the read backend (``None``: on CPU ``mapped``, every shard copied from a mapping
+    of its file, else the device's default; ``threads`` None: on CPU the host's cores shared
+    among the ranks on it, as DCP's global plan step finds them, at most 4). ``range_cost_bytes``: 0 reads
     exactly the requested bytes (a dim-1 shard as one range per row); above 0, a strided shard
     whose runs would cost more than that many bytes each is read as its covering box and
     gathered (fewer requests, more bytes). ``topology``: the rank named in errors and plans
@@ -182,6 +124,7 @@ class PPLoaderStorageReader(StorageReader):
         self._planned: Optional[tuple[tuple[DCPReadItem, ...], list[ReadItem]]] = None
         self._relative: dict[tuple, ReadItem] = {}  # read items at offset 0, by kind
         self._rank: Optional[int] = None
+        self._copy_threads: Optional[int] = None  # this load's CPU threads (the global step)
         #: each local shard's identity when ``read_metadata`` ran: a header parsed later must
         #: come from the same file, and the reads check their descriptors against it
         self._pinned: dict[str, FileIdentity] = {}
@@ -225,9 +168,9 @@ class PPLoaderStorageReader(StorageReader):
                                       file=index.source, tensor=name, rank=self._rank)
             keys[key] = name
         self._index, self._keys, self._planned, self._relative = index, keys, None, {}
-        self._pinned, self._verified = _identities(index), set()
-        metadata = Metadata(state_dict_metadata=_LazyTensors(self, keys),  # type: ignore[arg-type]
-                            storage_data=_LazyStorage(keys))
+        self._pinned, self._verified = file_identities(index), set()
+        metadata = Metadata(state_dict_metadata=LazyTensors(self.entry, keys),  # type: ignore[arg-type]
+                            storage_data=LazyStorage(keys))
         metadata.storage_meta = StorageMeta(load_id=self.load_id)
         return metadata
 
@@ -246,14 +189,18 @@ class PPLoaderStorageReader(StorageReader):
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """Plan every request's bytes now (headers only): a bad request fails on every rank
-        (DCP gathers the error) before any rank reads a byte."""
+        (DCP gathers the error) before any rank reads a byte. The plan carries this rank's
+        host and CPUs to the coordinator."""
         self._plan_items(plan.items)
-        return plan
+        return dataclasses.replace(plan, storage_data=LocalFacts.here())
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """Tell each rank's plan how many ranks load (the coordinator sees every plan), so
-        ``read_data`` knows whether its destination checks must be agreed on first."""
-        return [dataclasses.replace(p, storage_data=_GlobalStep(len(plans))) for p in plans]
+        ``read_data`` knows whether its destination checks must be agreed on first, and how
+        many CPU copy threads it gets (its host's cores shared among the ranks there)."""
+        threads = copy_threads([p.storage_data for p in plans], COLD_THREADS)
+        return [dataclasses.replace(p, storage_data=GlobalStep(len(plans), n))
+                for p, n in zip(plans, threads)]
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read each request's bytes straight into ``planner.resolve_tensor(request)``, once
@@ -270,7 +217,10 @@ class PPLoaderStorageReader(StorageReader):
                 targets.append((req, dst))
         except Exception as exc:  # noqa: BLE001 - agreed on below, then re-raised
             refusal = exc
-        self._agree(refusal, getattr(plan, "storage_data", None))
+        step = getattr(plan, "storage_data", None)
+        self._agree(refusal, step)
+        self._copy_threads = self.threads or (
+            step.copy_threads if isinstance(step, GlobalStep) else None)
         direct: dict[torch.device, list[tuple[ReadItem, torch.Tensor]]] = {}
         copied: list[tuple[ReadItem, torch.Tensor]] = []
         for (req, dst), item in zip(targets, items):
@@ -290,7 +240,7 @@ class PPLoaderStorageReader(StorageReader):
                 window = self.window_bytes or min(default_window_bytes(sub),
                                                   max(total, sub.largest_item_bytes))
                 backend = open_backend(sub, "cpu", ReadOptions(
-                    window_bytes=window, threads=self.threads, mode="borrowed"),
+                    window_bytes=window, threads=self._copy_threads, mode="borrowed"),
                     self._backend_name(torch.device("cpu")))
                 for target, tensor in backend:
                     views[target].copy_(tensor)  # synchronous: the ring slot is free after
@@ -312,7 +262,7 @@ class PPLoaderStorageReader(StorageReader):
         the global plan step saw as many plans as the job has ranks; a subgroup is used when
         given as ``process_group``; otherwise (a custom planner dropped ``storage_data``) each
         rank checks only its own requests."""
-        ranks = step.ranks if isinstance(step, _GlobalStep) else 1
+        ranks = step.ranks if isinstance(step, GlobalStep) else 1
         group = self.process_group
         dist = torch.distributed
         if group is None and not (ranks > 1 and dist.is_available() and dist.is_initialized()
@@ -473,13 +423,13 @@ class PPLoaderStorageReader(StorageReader):
 
     def _open(self, plan: RankPlan, device: torch.device) -> ReadBackend:
         """The read backend of ``plan`` onto ``device``: the configured one, else on CPU the
-        ``mapped`` backend (resident shards copied from a mapping, one strided copy each; a
-        shard partly resident split, its missing bytes read; a cold one copied from the
-        mapping too, its pages faulted in with the kernel's read-around: ``cold="fault"``),
-        else the device's default."""
+        ``mapped`` backend with ``cold="fault"`` and no residency checks: every shard one
+        strided copy from a ``MADV_NORMAL`` mapping, its resident pages mapped by the
+        kernel's fault-around, its missing ones read around each fault in large requests,
+        as torch's reader's ``safe_open`` mapping does), else the device's default."""
         if device.type == "cpu" and self.io_backend is None:
-            return open_mapped(plan, device, self._options(device), fault_budget=FAULT_BUDGET,
-                               cold_threads=self.threads or 1, cold="fault")
+            return open_mapped(plan, device, self._options(device), cold="fault",
+                               cold_threads=self.threads or COLD_THREADS)
         return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:
@@ -503,7 +453,7 @@ class PPLoaderStorageReader(StorageReader):
         # no ring: the backend lends the process's staging (io/staging.py), which
         # ``_start_staging`` started; the load pauses its page-locking and reads with it
         return ReadOptions(window_bytes=self.window_bytes if device.type != "cpu" else None,
-                           threads=self.threads)
+                           threads=self._copy_threads if device.type == "cpu" else self.threads)
 
     def _rank_plan(self, items: Sequence[ReadItem]) -> RankPlan:
         """The pploader plan of these items (what the read backends take)."""
@@ -529,19 +479,3 @@ class PPLoaderStorageReader(StorageReader):
 def _same(name: str) -> str:
     return name
 
-
-def _identities(index: CheckpointIndex) -> dict[str, FileIdentity]:
-    """Each local shard's identity now (a stat; headers parsed already give theirs)."""
-    if index.storage is not None:  # objects: every ranged GET names the planned ETag
-        return {}
-    parsed = set(index.opened_files())
-    out = {}
-    for file, path in index.paths.items():
-        if file in parsed:
-            out[file] = index.header(file).identity
-        else:
-            try:
-                out[file] = FileIdentity.of(os.stat(path))
-            except OSError:
-                continue  # refused, naming the file, when its header is read
-    return out

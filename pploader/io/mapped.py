@@ -68,7 +68,8 @@ COLD_THREADS = 4
 #: destinations: copied from the mapping like warm ones, on the copy threads, after
 #: ``MADV_NORMAL`` on their pages so each fault reads around it in large requests, as an
 #: ``mmap`` reader such as torch's ``HuggingFaceStorageReader`` does; without destinations
-#: as ``read``). On the 2-core VM ``fault`` read a cold PP2 x TP2 DCP stage at torch's
+#: as ``read``; without ``fault_budget`` no residency is asked: the mapping is ``MADV_NORMAL``
+#: and every item is copied from it). On the 2-core VM ``fault`` read a cold PP2 x TP2 DCP stage at torch's
 #: speed where ``read`` (one ``preadv`` per dim-1 row) took 1.1-1.5x its time.
 COLD_MODES = ("read", "readahead", "fault")
 MADV_NORMAL = 0
@@ -84,7 +85,8 @@ class MappedBackend:
     module docstring). ``stats.read_bytes``: every planned byte delivered, warm or cold (a
     ``whole`` item's own ranges); ``mapped_bytes``: those of them taken from the mapping (no
     read syscall: /proc's rchar does not count them); ``readahead_bytes``: of those, the cold
-    ones faulted in ahead (``readahead``); ``mapped_items``: items served from the mapping.
+    ones faulted in ahead (``readahead``); ``mapped_items``: items served from the mapping;
+    ``faulting``: (``cold="fault"``, no fault budget) the sample found pages to read.
 
     Which items are warm: by default those with at least ``warm_fraction`` of their pages
     resident (the few missing are faulted in with the kernel's read-around). ``fault_budget``
@@ -114,6 +116,7 @@ class MappedBackend:
         self.warm_items = self.mapped_items = 0
         self._runs: dict[str, list[Run]] = {}
         self._missing: dict[str, tuple[int, int]] = {}  # (pages missing, touched) by target
+        self.faulting = False  # cold="fault": copies that will wait on storage (sampled)
 
     def _err(self, msg: str, item: ReadItem) -> ReadError:
         return ReadError(msg, file=item.file, tensor=item.name, rank=self.plan.topology.rank)
@@ -156,6 +159,21 @@ class MappedBackend:
             else:
                 out.append(not pages or 1.0 - missing / pages >= self.warm_fraction)
         return out
+
+    def _all_mapped(self, files: dict[str, MappedFile]) -> list[bool]:
+        """``cold="fault"``, no fault budget: every item copied from the ``MADV_NORMAL``
+        mapping, no item's residency asked; a sample of each file's span says whether the
+        copies will wait on storage (then ``cold_threads`` copy: waits leave cores idle)."""
+        spans: dict[str, tuple[int, int]] = {}
+        for item in self.plan.items:
+            self._open(files, item)
+            if item.ranges:
+                lo, hi = span_of(item.ranges)
+                was = spans.get(item.file, (lo, hi))
+                spans[item.file] = (min(was[0], lo), max(was[1], hi))
+        self.faulting = any(not files[f].nearly_resident(lo, hi)
+                             for f, (lo, hi) in spans.items())
+        return [bool(item.ranges) for item in self.plan.items]
 
     def _from_mapping(self, f: MappedFile, item: ReadItem, dst: Optional[torch.Tensor]
                       ) -> torch.Tensor:
@@ -256,7 +274,8 @@ class MappedBackend:
         try:
             if self.cold == "readahead":
                 return dict(self._each_ahead(files, destinations))
-            warm = self._warm(files)
+            warm = self._warm(files) if self.fault_budget is not None or \
+                self.cold != "fault" else self._all_mapped(files)
             hot = [i for i, w in zip(self.plan.items, warm) if w]
             jobs: list[Callable[[], object]] = [
                 partial(self._from_mapping, files[i.file], i, destinations[i.target])
@@ -333,7 +352,10 @@ class MappedBackend:
         """Run the copies from the mapping on ``threads`` threads (copy_ releases the GIL)."""
         if item is not None:
             self._check_cancel(item)
-        threads = min(self.options.threads or COLD_THREADS, len(jobs))
+        threads = self.options.threads or COLD_THREADS
+        if self.faulting and self.cold_threads:
+            threads = max(threads, self.cold_threads)
+        threads = min(threads, len(jobs))
         if threads > 1:
             with ThreadPoolExecutor(threads, thread_name_prefix="pploader-copy") as pool:
                 for fut in [pool.submit(job) for job in jobs]:

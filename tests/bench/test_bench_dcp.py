@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from helpers import run
-from pploader.bench.dcp import _ranks
+from pploader.bench.dcp import _ranks, _ratios
 
 
 def test_ranks_option() -> None:
@@ -17,6 +17,16 @@ def test_ranks_option() -> None:
     assert _ranks("0,2", 4) == [0, 2]
     with pytest.raises(SystemExit, match="outside 0..3"):
         _ranks("4", 4)
+
+
+def test_ratios_with_a_base_reader() -> None:
+    """``--base DIR`` adds pploader_base: its median over torch's beside pploader's."""
+    summary = [{"cache": "warm", "load": "first", "reader": r, "wall_s": w}
+               for r, w in (("pploader", 0.3), ("pploader_base", 0.6), ("torch_hf", 0.4))]
+    (row,) = _ratios(summary)
+    assert row["pploader_over_torch"] == pytest.approx(0.75)
+    assert row["base_over_torch"] == pytest.approx(1.5)
+    assert "base_over_torch" not in _ratios(summary[::2])[0]
 
 
 @pytest.mark.slow

@@ -122,6 +122,37 @@ def test_fault_budget_reads_cold_items_straight_into_destinations(llama: Path) -
         MappedBackend(staged.plan, ReadOptions(), fault_budget=-1)
 
 
+def test_cold_fault_without_budget_asks_no_residency(llama: Path, monkeypatch) -> None:
+    """``cold="fault"`` without ``fault_budget`` (the DCP reader's CPU path): no item's
+    pages are looked up; every item, half the files evicted, is copied from the mapping into
+    its destination bitwise (dim-1 row runs included), with no read syscall; the sampled
+    check finds the evicted pages on the first load only (then ``cold_threads`` copy)."""
+    from pploader.io import mapped_file
+    staged = plan_stage(llama, Topology(1, 2, 1, 1), range_cost_bytes=0)
+    assert any(len(i.ranges) > 1 for i in staged.plan.items)
+    ref = load_stage(staged, io_backend="threaded").state_dict
+    gc.collect()
+    for f in sorted({i.file for i in staged.plan.items})[::2]:
+        evict_or_skip([llama / f])
+
+    def asked(*_: object) -> None:
+        raise AssertionError("residency asked")
+    monkeypatch.setattr(mapped_file.MappedFile, "missing", asked)
+    monkeypatch.setattr(mapped_file.MappedFile, "resident", asked)
+    dst = {k: torch.full_like(v, float("nan")) for k, v in ref.items()}
+    for threads in (1, 3):
+        backend = MappedBackend(staged.plan, ReadOptions(threads=threads), cold="fault",
+                                cold_threads=4)
+        out = backend.load(dst)
+        assert backend.faulting == (threads == 1)  # the sample saw evicted pages, once
+        for k, v in ref.items():
+            assert out[k] is dst[k] and torch.equal(dst[k], v), (threads, k)
+        assert backend.stats.read_bytes == backend.mapped_bytes == staged.plan.read_bytes
+        assert backend.stats.syscalls == 0
+        for t in dst.values():
+            t.fill_(float("nan"))
+
+
 def test_cached_pages_counts_resident_pages(tmp_path: Path,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """cachestat's count of a byte range: every page after a read, fewer after eviction;
