@@ -46,18 +46,15 @@ def test_engine_partition_is_sglangs_get_pp_indices_and_reads_the_env(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.distributed.utils import get_pp_indices
 
+    from engine_suite import check_partition
     from pploader.integrations.sglang import engine_partition
     from pploader.planning.partition import engine_layer_counts
+    check_partition(engine_partition, get_pp_indices, "SGLANG_PP_LAYER_PARTITION", monkeypatch)
     monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
     for layers in range(4, 40):
         for pp in range(1, 5):
-            sizes = engine_partition(layers, pp)
-            starts = [sum(sizes[:r]) for r in range(pp)]
-            assert [(s, s + n) for s, n in zip(starts, sizes)] == \
-                [get_pp_indices(layers, r, pp) for r in range(pp)]
-            assert list(sizes) == engine_layer_counts("sglang", layers, pp)
-    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,4")
-    assert engine_partition(5, 2) == (1, 4)
+            assert list(engine_partition(layers, pp)) == \
+                engine_layer_counts("sglang", layers, pp)
 
 
 def test_written_parameters_are_tracked_then_the_loaders_restored() -> None:
