@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -44,19 +45,24 @@ LOAD_END = re.compile(r"PP(\d+)(?: TP(\d+))?[^\]]*\] Load weight end\. elapsed=(
 FORMATS = {"default": "auto", "pploader": "pploader"}
 
 
+def _engine(model: str, load_format: str, pp: int, log_level: str) -> "Any":
+    """A CPU engine as the tests start one (tests/sglang/engine.py)."""
+    import sglang
+    return sglang.Engine(model_path=model, load_format=load_format, pp_size=pp, device="cpu",
+                         skip_tokenizer_init=True, disable_overlap_schedule=True,
+                         max_total_tokens=512, max_running_requests=4,
+                         chunked_prefill_size=-1, disable_cuda_graph=True,
+                         disable_radix_cache=True, random_seed=0, dtype="bfloat16",
+                         mem_fraction_static=0.5, log_level=log_level)
+
+
 def trial(model: str, loader: str, pp: int, out_json: str) -> None:
     """One engine: start, one generate, stop (its schedulers log the load times)."""
     sys.path.insert(0, str(ROOT / "tests" / "sglang"))
     from engine import _threads_bind   # type: ignore[import-not-found]
-    import sglang
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = _threads_bind(pp)
     t0 = time.perf_counter()
-    llm = sglang.Engine(model_path=model, load_format=FORMATS[loader], pp_size=pp,
-                        device="cpu", skip_tokenizer_init=True, disable_overlap_schedule=True,
-                        max_total_tokens=512, max_running_requests=4,
-                        chunked_prefill_size=-1, disable_cuda_graph=True,
-                        disable_radix_cache=True, random_seed=0, dtype="bfloat16",
-                        mem_fraction_static=0.5, log_level="info")
+    llm = _engine(model, FORMATS[loader], pp, "info")
     startup = time.perf_counter() - t0
     try:
         out = llm.generate(input_ids=[[1, 5, 9, 200, 17]],
@@ -122,13 +128,7 @@ def reloads(model: Path, pp: int, repeat: int, json_out: Path,
     for key, value in ENV.items():
         os.environ.setdefault(key, value)
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = _threads_bind(pp)
-    import sglang
-    llm = sglang.Engine(model_path=str(model), load_format="pploader", pp_size=pp,
-                        device="cpu", skip_tokenizer_init=True, disable_overlap_schedule=True,
-                        max_total_tokens=512, max_running_requests=4,
-                        chunked_prefill_size=-1, disable_cuda_graph=True,
-                        disable_radix_cache=True, random_seed=0, dtype="bfloat16",
-                        mem_fraction_static=0.5, log_level="error")
+    llm = _engine(str(model), "pploader", pp, "error")
     params = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
     rows = []
     try:
@@ -201,20 +201,16 @@ def main() -> None:
     m.add_argument("--hidden", type=int, default=2048)
     m.add_argument("--intermediate", type=int, default=5632)
     m.add_argument("--vocab", type=int, default=32000)
-    r = sub.add_parser("run")
-    r.add_argument("model", type=Path)
-    r.add_argument("--pp", type=int, default=2)
-    r.add_argument("--repeat", type=int, default=3)
-    r.add_argument("--json", type=Path, required=True)
-    r.add_argument("--caches", default="cold,warm", help="which cells, in this order per repeat")
+    for cmd, repeat in (("run", 3), ("reloads", 5)):
+        r = sub.add_parser(cmd)
+        r.add_argument("model", type=Path)
+        r.add_argument("--pp", type=int, default=2)
+        r.add_argument("--repeat", type=int, default=repeat)
+        r.add_argument("--json", type=Path, required=True)
+        r.add_argument("--caches", default="cold,warm",
+                       help="which cells, in this order per repeat")
     sm = sub.add_parser("summary")
     sm.add_argument("json", type=Path)
-    rl = sub.add_parser("reloads")
-    rl.add_argument("model", type=Path)
-    rl.add_argument("--pp", type=int, default=2)
-    rl.add_argument("--repeat", type=int, default=5)
-    rl.add_argument("--json", type=Path, required=True)
-    rl.add_argument("--caches", default="cold,warm", help="which cells, in this order per repeat")
     t = sub.add_parser("trial")
     for name in ("model", "loader", "pp", "out_json"):
         t.add_argument(name)
