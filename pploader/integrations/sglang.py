@@ -112,6 +112,19 @@ def _place(num_layers: int) -> tuple[Topology, tuple[int, ...]]:
     return topology, engine_partition(num_layers, topology.pp_size)
 
 
+def _mtp_checkpoint(model_dir: str) -> bool:
+    """A local checkpoint whose config declares MTP layers (``num_nextn_predict_layers``):
+    its draft model is one of them."""
+    if not os.path.isdir(model_dir):
+        return False
+    from ..planning.spec import load_spec
+    try:
+        return load_spec(model_dir).num_mtp_layers > 0
+    except Exception as exc:  # noqa: BLE001 - not pploader's to plan: SGLang's loader reads it
+        logger.debug("draft %s not planned: %s", model_dir, exc)
+        return False
+
+
 def _track_loaders(model: nn.Module) -> tuple[set[str], Callable[[], None]]:
     """Wrap every parameter's ``weight_loader`` (SGLang's or the default) so that the names
     of the parameters a load wrote are recorded; returns (that set, undo)."""
@@ -189,10 +202,16 @@ class PPLoaderModelLoader(DefaultModelLoader):  # type: ignore[misc, valid-type]
     def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
         """SGLang's ``DefaultModelLoader.load_model``, with this rank's stage planned in the
         background while the model is built and only that stage read."""
-        self.download_model(model_config)
         model_dir = model_config.model_path
         draft = getattr(model_config, "is_draft_model", False) or \
             getattr(self.load_config, "draft_model_idx", None) is not None
+        if draft and not _mtp_checkpoint(model_dir):
+            # a draft checkpoint of its own (EAGLE, a hub id): it is the whole draft model
+            logger.info("pploader: draft %s has no MTP layers; SGLang's default loader loads "
+                        "it", model_dir)
+            self._draft = True
+            return super().load_model(model_config=model_config, device_config=device_config)
+        self.download_model(model_config)
         early = None if draft else start_early_plan(model_dir, self.tp_mode,
                                                     self.range_cost_bytes, _place)
         target_device = torch.device(device_config.device)

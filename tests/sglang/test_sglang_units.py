@@ -4,6 +4,7 @@ split, the written-parameter tracking. Marked ``sglang`` (needs sglang importabl
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -86,3 +87,21 @@ def test_written_parameters_are_tracked_then_the_loaders_restored() -> None:
     assert model.a.weight_loader is own  # type: ignore[attr-defined]
     assert "weight_loader" not in model.b.__dict__
     assert model.c.weight_loader is own
+
+
+def test_only_a_checkpoint_with_mtp_layers_gets_the_stage_only_draft_load(
+        tmp_path: Path) -> None:
+    """The draft worker plans an MTP layer only where the draft's checkpoint declares MTP
+    layers (a NextN draft of the target's own checkpoint); a draft checkpoint of its own
+    (EAGLE) or a hub id goes to SGLang's default loader, as before."""
+    from helpers import CONFIGS, make_model, tiny_config
+
+    from pploader.integrations.sglang import _mtp_checkpoint
+    import json
+    raw = json.loads((CONFIGS / "tiny-deepseek_v3.json").read_text())
+    raw.pop("pploader_tiny")
+    assert _mtp_checkpoint(str(make_model(tmp_path / "ds", raw, shard_bytes=150_000)))
+    assert not _mtp_checkpoint(str(make_model(tmp_path / "llama", tiny_config())))
+    assert not _mtp_checkpoint("some-org/some-eagle-draft")
+    (tmp_path / "broken").mkdir()
+    assert not _mtp_checkpoint(str(tmp_path / "broken"))
