@@ -44,9 +44,13 @@ def run_engines(script: Path, runs: list[dict[str, Any]], prompts: list[list[int
 
 
 def engine_main(one_run: Callable[[dict[str, Any], list[list[int]], int], dict[str, Any]],
-                spec_path: str, out_path: str) -> None:
-    """An engine script's main: each run of SPEC through ``one_run``, OUT rewritten after
-    each (partial results survive a later crash)."""
+                env: dict[str, str]) -> None:
+    """An engine script's main (``script SPEC OUT``): the engine's environment ``env`` set
+    where not set already, each run of SPEC through ``one_run``, OUT rewritten after each
+    (partial results survive a later crash)."""
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    spec_path, out_path = sys.argv[1], sys.argv[2]
     spec = json.loads(Path(spec_path).read_text())
     results = []
     for run in spec["runs"]:

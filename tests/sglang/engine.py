@@ -168,11 +168,9 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
 
 
 if __name__ == "__main__":
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
     # the CPU-op stand-in first on the path, in this process and the schedulers it spawns
     stubs = str(HERE / "stubs")
     sys.path.insert(0, stubs)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [stubs] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    engine_main(one_run, sys.argv[1], sys.argv[2])
+    engine_main(one_run, ENV)

@@ -15,7 +15,6 @@ were kept.
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 from pathlib import Path
@@ -115,6 +114,4 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
 
 
 if __name__ == "__main__":
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
-    engine_main(one_run, sys.argv[1], sys.argv[2])
+    engine_main(one_run, ENV)
