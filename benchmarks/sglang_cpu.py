@@ -15,6 +15,16 @@ built, its weights loaded and post-processed), the slowest rank per trial; the e
 start wall and one greedy generate (the same tokens for both loaders) are recorded too.
 SGLang's CPU engine here needs the test stand-in for its CPU kernels
 (tests/sglang/stubs) and the environment of tests/sglang/engine.py.
+
+``reloads`` measures the two loaders inside one engine instead (no engine start per trial,
+so many alternated trials fit in minutes, and the model build, identical for both, is out of
+the time): the engine starts with ``pploader``, then each trial is
+``Engine.update_weights_from_disk(model, load_format=...)`` with ``auto`` (SGLang's
+``DefaultModelLoader``) or ``pploader``, alternated (the order flips every repeat), cold then
+warm as in ``run``. The time is the call's wall (both PP stages load one after another, as
+SGLang runs the request); the same greedy tokens are checked after every trial:
+
+    $PY benchmarks/sglang_cpu.py reloads /tmp/sb/ckpt --pp 2 --repeat 5 --json /tmp/sb/rl.json
 """
 from __future__ import annotations
 
@@ -27,6 +37,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -34,19 +45,24 @@ LOAD_END = re.compile(r"PP(\d+)(?: TP(\d+))?[^\]]*\] Load weight end\. elapsed=(
 FORMATS = {"default": "auto", "pploader": "pploader"}
 
 
+def _engine(model: str, load_format: str, pp: int, log_level: str) -> "Any":
+    """A CPU engine as the tests start one (tests/sglang/engine.py)."""
+    import sglang
+    return sglang.Engine(model_path=model, load_format=load_format, pp_size=pp, device="cpu",
+                         skip_tokenizer_init=True, disable_overlap_schedule=True,
+                         max_total_tokens=512, max_running_requests=4,
+                         chunked_prefill_size=-1, disable_cuda_graph=True,
+                         disable_radix_cache=True, random_seed=0, dtype="bfloat16",
+                         mem_fraction_static=0.5, log_level=log_level)
+
+
 def trial(model: str, loader: str, pp: int, out_json: str) -> None:
     """One engine: start, one generate, stop (its schedulers log the load times)."""
     sys.path.insert(0, str(ROOT / "tests" / "sglang"))
     from engine import _threads_bind   # type: ignore[import-not-found]
-    import sglang
     os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = _threads_bind(pp)
     t0 = time.perf_counter()
-    llm = sglang.Engine(model_path=model, load_format=FORMATS[loader], pp_size=pp,
-                        device="cpu", skip_tokenizer_init=True, disable_overlap_schedule=True,
-                        max_total_tokens=512, max_running_requests=4,
-                        chunked_prefill_size=-1, disable_cuda_graph=True,
-                        disable_radix_cache=True, random_seed=0, dtype="bfloat16",
-                        mem_fraction_static=0.5, log_level="info")
+    llm = _engine(model, FORMATS[loader], pp, "info")
     startup = time.perf_counter() - t0
     try:
         out = llm.generate(input_ids=[[1, 5, 9, 200, 17]],
@@ -104,6 +120,54 @@ def run(model: Path, pp: int, repeat: int, json_out: Path,
     json_out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
 
 
+def reloads(model: Path, pp: int, repeat: int, json_out: Path,
+            caches: tuple[str, ...] = ("cold", "warm")) -> None:
+    """One engine, alternated ``update_weights_from_disk`` trials (module docstring)."""
+    from bench_vllm import _evict   # type: ignore[import-not-found]
+    from engine import ENV, _threads_bind   # type: ignore[import-not-found]
+    for key, value in ENV.items():
+        os.environ.setdefault(key, value)
+    os.environ["SGLANG_CPU_OMP_THREADS_BIND"] = _threads_bind(pp)
+    llm = _engine(str(model), "pploader", pp, "error")
+    params = {"temperature": 0.0, "max_new_tokens": 4, "ignore_eos": True}
+    rows = []
+    try:
+        for rep in range(repeat):
+            for cache in caches:
+                for loader in (("default", "pploader") if rep % 2 == 0
+                               else ("pploader", "default")):
+                    if cache == "cold":
+                        resident = _evict(model)
+                    else:
+                        resident = None
+                        for path in model.glob("*.safetensors"):
+                            with open(path, "rb") as fh:
+                                while fh.read(64 << 20):
+                                    pass
+                    load1 = os.getloadavg()[0]
+                    t0 = time.perf_counter()
+                    ok, message = llm.update_weights_from_disk(
+                        str(model), load_format=FORMATS[loader])[:2]
+                    seconds = time.perf_counter() - t0
+                    if not ok:
+                        raise SystemExit(f"{loader} reload failed: {message}")
+                    out = llm.generate(input_ids=[[1, 5, 9, 200, 17]], sampling_params=params)
+                    row = {"loader": loader, "cache": cache, "repeat": rep,
+                           "resident_before": resident, "reload_seconds": seconds,
+                           "load_seconds_by_pp_rank": [seconds], "loadavg_1min": load1,
+                           "tokens": [list(o["output_ids"]) for o in out]}
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    finally:
+        llm.shutdown()
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "machine": f"{platform.node()} {platform.processor() or platform.machine()}, "
+                       f"{os.cpu_count()} cores", "model": str(model), "pp": pp,
+            "checkpoint_bytes": sum(p.stat().st_size for p in model.glob("*.safetensors")),
+            "what": "update_weights_from_disk wall, both stages", "command": " ".join(sys.argv)}
+    json_out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+
+
 def summary(path: Path) -> str:
     """Markdown: per cache and loader, the slowest rank's model-load time (median over
     trials, every trial's value), pploader's speed relative to the default loader (the ratio
@@ -118,8 +182,8 @@ def summary(path: Path) -> str:
         tokens.setdefault(row["cache"], set()).add(json.dumps(row["tokens"]))
     m = data["meta"]
     lines = [f"PP={m['pp']}, {m['checkpoint_bytes'] / 1e9:.2f} GB, {m['date']}, {m['machine']}",
-             "", "| cache | loader | model load s, slowest rank (median; trials) | speed vs "
-             "default | same tokens |", "|---|---|---|---|---|"]
+             "", f"| cache | loader | {m.get('what', 'model load s, slowest rank')} "
+             "(median; trials) | speed vs default | same tokens |", "|---|---|---|---|---|"]
     for (cache, loader), values in sorted(cells.items()):
         base = median(cells.get((cache, "default"), [float("nan")]))
         trials = ", ".join(f"{x:.2f}" for x in values)
@@ -137,12 +201,14 @@ def main() -> None:
     m.add_argument("--hidden", type=int, default=2048)
     m.add_argument("--intermediate", type=int, default=5632)
     m.add_argument("--vocab", type=int, default=32000)
-    r = sub.add_parser("run")
-    r.add_argument("model", type=Path)
-    r.add_argument("--pp", type=int, default=2)
-    r.add_argument("--repeat", type=int, default=3)
-    r.add_argument("--json", type=Path, required=True)
-    r.add_argument("--caches", default="cold,warm", help="which cells, in this order per repeat")
+    for cmd, repeat in (("run", 3), ("reloads", 5)):
+        r = sub.add_parser(cmd)
+        r.add_argument("model", type=Path)
+        r.add_argument("--pp", type=int, default=2)
+        r.add_argument("--repeat", type=int, default=repeat)
+        r.add_argument("--json", type=Path, required=True)
+        r.add_argument("--caches", default="cold,warm",
+                       help="which cells, in this order per repeat")
     sm = sub.add_parser("summary")
     sm.add_argument("json", type=Path)
     t = sub.add_parser("trial")
@@ -158,6 +224,14 @@ def main() -> None:
         sys.path.insert(0, str(ROOT / "tests" / "sglang"))
         args.json.parent.mkdir(parents=True, exist_ok=True)
         run(args.model, args.pp, args.repeat, args.json, tuple(args.caches.split(",")))
+    elif args.cmd == "reloads":
+        sys.path.insert(0, str(ROOT / "tests" / "sglang"))
+        sys.path.insert(0, str(ROOT / "tests" / "sglang" / "stubs"))
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT / "tests" / "sglang" / "stubs"), str(ROOT)]
+            + [p for p in [os.environ.get("PYTHONPATH")] if p])
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        reloads(args.model, args.pp, args.repeat, args.json, tuple(args.caches.split(",")))
     else:
         trial(args.model, args.loader, int(args.pp), args.out_json)
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 from .base import ShardRule
 from .hf_meta import Naming
 
-__all__ = ["EXTRAS", "num_mtp_layers", "with_mtp", "mtp_rule"]
+__all__ = ["EXTRAS", "TARGET_SHARED", "num_mtp_layers", "with_mtp", "mtp_rule"]
 
 #: the MTP block's tensors besides its decoder layer: component -> shape in units of
 #: (hidden, vocab); the vocabulary ones are split like the model's embedding under TP
@@ -32,6 +32,9 @@ EXTRAS: Mapping[str, tuple[str, ...]] = {
     "hnorm.weight": ("hidden",), "eh_proj.weight": ("hidden", "2hidden"),
     "shared_head.norm.weight": ("hidden",), "shared_head.head.weight": ("vocab", "hidden")}
 _VOCAB = ("embed_tokens.weight", "shared_head.head.weight")
+#: the MTP block's components a NextN draft takes from the target model instead of reading its
+#: own copies (SGLang's DeepSeek-V3 / GLM-4.5 NextN drafts: ``set_embed_and_head``)
+TARGET_SHARED: frozenset[str] = frozenset(_VOCAB)
 
 
 def num_mtp_layers(text: Mapping[str, Any]) -> int:

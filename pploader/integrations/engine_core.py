@@ -9,7 +9,8 @@ device stream with the pinned ring the loader started early, :func:`early_stagin
 engine's own ``load_weights``, then check that every parameter of the stage was written
 (:func:`check_all_loaded`, :func:`check_no_unread`) and record what was read
 (:class:`LoadState` on the model, :data:`LAST` in the process). Reloads agree through
-integrations/engine_reload.py.
+integrations/engine_reload.py. A draft worker's load (:func:`load_engine_draft`) streams one
+MTP layer the same way.
 """
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from ..errors import PlanError
 from ..io.backend import ReadBackend
 from ..planning.topology import Topology
 from ..stage import StagePlan, plan_stage
-from .engine_plan import engine_stage
+from .engine_plan import engine_draft, engine_stage
 from .placed import DEFAULT_BACKEND, NAN_DTYPES, rchar_bytes, stage_weights
 
 logger = logging.getLogger(__name__)
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 __all__ = ["TP_MODES", "LAST", "LoadState", "EarlyPlan", "start_early_plan",
            "plan_engine_stage", "read_topology", "model_window", "check_all_loaded",
            "check_no_unread", "early_staging", "model_device", "load_summary",
-           "load_engine_stage", "loader_options"]
+           "load_engine_stage", "loader_options", "load_engine_draft", "share_engine_logging"]
 
 TP_MODES = ("placed", "full", "sliced")
 
@@ -292,6 +293,67 @@ def load_summary(state: LoadState, reader: ReadBackend, seconds: float, rchar0: 
             "model_dir": state.model_dir}
 
 
+def _device_options(device: torch.device, staging: Any) -> Any:
+    """The read options of a load onto ``device``: None on CPU; on a GPU the device stream
+    through the pinned ring the loader started (``staging``), its page-locking stopped."""
+    if device.type == "cpu":
+        return None
+    from ..io.backend import ReadOptions
+    if staging is not None:
+        staging.stop_preparing()  # never page-lock beside the load's own reads
+    return ReadOptions(ring=staging)
+
+
+def load_engine_draft(model: nn.Module, model_dir: str, mtp_layer: int,
+                      load_weights: LoadWeights, *, rank: int = 0,
+                      shared: frozenset[str] = frozenset(),
+                      io_backend: str = DEFAULT_BACKEND, staging: Any = None,
+                      engine: str = "vLLM",
+                      ignore: Callable[[str], bool] = lambda name: False) -> dict[str, Any]:
+    """A draft worker's load: only MTP layer ``mtp_layer`` of the checkpoint
+    (integrations/engine_plan.py :func:`engine_draft`, less the ``shared`` components the
+    engine takes from the target), streamed lazily into the draft model's ``load_weights``;
+    every parameter not ``ignore``d (the ones the engine shares in later) must be written.
+    Returns the report, also ``LAST["draft"]``."""
+    rchar0, start = rchar_bytes(), time.perf_counter()
+    staged = engine_draft(model_dir, mtp_layer, shared=shared)
+    device = model_device(model)
+    reader, weights = stage_weights(staged, "full", io_backend,
+                                    _device_options(device, staging), device)
+    loaded = load_weights(weights)
+    rchar1, seconds = rchar_bytes(), time.perf_counter() - start
+    try:
+        check_all_loaded(model, loaded, staged, ignore=ignore)
+    except PlanError as exc:
+        raise PlanError(f"{engine}'s draft model (MTP layer {mtp_layer} of {model_dir}): {exc}",
+                        rank=rank) from exc
+    plan = staged.plan
+    report = {"rank": rank, "engine": engine, "mtp_layer": mtp_layer,
+              "layer": staged.spec.num_layers + mtp_layer, "model_dir": model_dir,
+              "tensors": list(plan.tensors), "read_bytes": reader.stats.read_bytes,
+              "ideal_bytes": plan.ideal_bytes, "header_bytes": plan.header_bytes,
+              "mapped_bytes": int(getattr(reader, "mapped_bytes", 0)),
+              "rchar_bytes": None if rchar0 is None or rchar1 is None else rchar1 - rchar0,
+              "seconds": seconds, "io_backend": io_backend}
+    LAST["draft"] = report
+    logger.info("pploader %s rank %d: draft model from MTP layer %d (checkpoint layer %d): "
+                "read %d bytes of %d tensor(s) in %.2f s", engine, rank, mtp_layer,
+                report["layer"], reader.stats.read_bytes, len(plan.tensors), seconds)
+    return report
+
+
+def share_engine_logging(engine_logger: str) -> None:
+    """Let pploader's log records out through the engine's handlers (the engine configures
+    its own logger, not the root's): pploader's logger takes the engine logger's handlers and
+    level, once, when it has none of its own."""
+    ours, theirs = logging.getLogger("pploader"), logging.getLogger(engine_logger)
+    if not ours.handlers and theirs.handlers:
+        for handler in theirs.handlers:
+            ours.addHandler(handler)
+        ours.setLevel(theirs.getEffectiveLevel())
+        ours.propagate = False
+
+
 def load_engine_stage(model: nn.Module, model_dir: str, topology: Topology,
                       partition: Sequence[int], load_weights: LoadWeights, *,
                       tp_mode: str = "placed", io_backend: str = DEFAULT_BACKEND,
@@ -310,13 +372,9 @@ def load_engine_stage(model: nn.Module, model_dir: str, topology: Topology,
                                range_cost_bytes=range_cost_bytes, local_experts=local_experts,
                                planned=planned, engine=engine, split=split)
     device = model_device(model)
-    options = None
-    if device.type != "cpu":  # the device stream: pinned ring -> the GPU, D2D copy_
-        from ..io.backend import ReadOptions
-        if staging is not None:
-            staging.stop_preparing()  # never page-lock beside the load's own reads
-        options = ReadOptions(ring=staging)
-    reader, weights = stage_weights(staged, tp_mode, io_backend, options, device)
+    # on a GPU the device stream: pinned ring -> the GPU, D2D copy_
+    reader, weights = stage_weights(staged, tp_mode, io_backend,
+                                    _device_options(device, staging), device)
     loaded = load_weights(weights)
     rchar1, seconds = rchar_bytes(), time.perf_counter() - start
     check_all_loaded(model, loaded, staged, ignore=ignore, defaulted=defaulted)

@@ -16,6 +16,9 @@ Where a serving engine's stage differs from ``plan_stage``'s:
 * **A stored head under a tied config**: vLLM skips ``lm_head.weight`` as an alias and needs
   the embedding on the last stage; the embedding (its first-stage item, same TP rank) is read
   instead of the unused stored head.
+* **An MTP / NextN draft** (:func:`engine_draft`): the engine's draft worker loads one MTP layer
+  of the checkpoint under its checkpoint names, whole (its loaders split TP), less the
+  components it shares from the target model.
 """
 from __future__ import annotations
 
@@ -23,13 +26,14 @@ from dataclasses import replace
 from typing import AbstractSet, Optional, Sequence
 
 from ..errors import PlanError
-from ..planning.plan import ReadItem
+from ..planning.checkpoint import open_checkpoint
+from ..planning.plan import ReadItem, plan_mtp
 from ..planning.spec import load_spec
 from ..planning.topology import Topology
 from ..stage import StagePlan, plan_stage
 
 __all__ = ["engine_stage", "engine_names", "expert_of", "linear_experts",
-           "round_robin_experts"]
+           "round_robin_experts", "engine_draft"]
 
 
 def linear_experts(num_experts: int, ep_size: int, ep_rank: int) -> frozenset[int]:
@@ -138,3 +142,24 @@ def engine_names(staged: StagePlan, item: ReadItem) -> tuple[str, ...]:
     plus pploader's target where that differs (the tied head: ``model.embed_tokens.weight``
     and ``lm_head.weight``, one tensor)."""
     return (item.name,) if item.target == item.name else (item.name, item.target)
+
+
+def engine_draft(model_dir: str, mtp_layer: int, *,
+                 shared: AbstractSet[str] = frozenset()) -> StagePlan:
+    """A draft worker's plan: MTP layer ``mtp_layer`` of the checkpoint (``plan_mtp``: that
+    layer's tensors only, checked strictly), each tensor whole and handed under its checkpoint
+    name (the engine's draft model maps the names and splits TP itself). ``shared``: MTP
+    components the engine takes from the target model instead (the family names them, e.g.
+    ``generic_mtp.TARGET_SHARED``), never read."""
+    spec, index = load_spec(model_dir), open_checkpoint(model_dir)
+    plan = plan_mtp(spec, index, mtp_layer)
+    items = []
+    for item in plan.items:
+        role = spec.family.classify(item.name, spec.num_layers, spec.num_mtp_layers)
+        if role is not None and role.component in shared:
+            continue
+        items.append(item._replace(target=item.name))
+    if not items:
+        raise PlanError(f"MTP layer {mtp_layer} of {model_dir} holds only components the "
+                        f"engine shares from the target ({sorted(shared)}): nothing to load")
+    return _with_items(StagePlan(spec, index, plan), items)

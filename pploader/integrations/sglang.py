@@ -31,8 +31,13 @@ checkpoint (headers, sizes, shapes: the same files give every rank the same verd
 it writes. A refused checkpoint is refused on every rank, nothing is written, the engine keeps
 serving the old weights and ``model_path`` points back at them.
 
-An MTP / NextN draft model (SGLang's draft runner) is loaded and reloaded as SGLang's
-``DefaultModelLoader`` does: not yet stage-only.
+An MTP / NextN draft model (SGLang's draft worker, its own ``load_model`` call: the model
+config's ``is_draft_model``, ``load_config.draft_model_idx`` for multi-layer EAGLE) reads only
+its MTP layer (integrations/engine_plan.py ``engine_draft``: the family's MTP knowledge,
+families/generic_mtp.py), lazily, under the checkpoint's names, into the draft model's own
+``load_weights``; the MTP layer's own embedding and head copies are not read, since SGLang's
+draft takes the target's (``set_embed_and_head``; under PP its embedding from the checkpoint,
+pp_draft_embedding.py). A draft is reloaded as SGLang's ``DefaultModelLoader`` does.
 """
 from __future__ import annotations
 
@@ -53,11 +58,12 @@ from sglang.srt.model_loader.weight_utils import (  # type: ignore[import-not-fo
     default_weight_loader)
 
 from ..errors import PlanError
+from ..families.generic_mtp import TARGET_SHARED
 from ..planning.topology import Topology
 from ..stage import StagePlan
 from .engine_core import (LAST, EarlyPlan, LoadState, check_all_loaded, early_staging,
-                          load_engine_stage, loader_options, plan_engine_stage,
-                          start_early_plan)
+                          load_engine_draft, load_engine_stage, loader_options,
+                          plan_engine_stage, share_engine_logging, start_early_plan)
 from .engine_reload import record_served, same_layout, served_state
 from .placed import rchar_bytes, read_stage
 
@@ -74,6 +80,9 @@ SPLIT = "get_pp_indices (SGLANG_PP_LAYER_PARTITION)"
 _MISSING = object()
 #: where this process writes its reports (``report_dir``), kept for reloads
 _REPORT_DIR: dict[str, str] = {}
+#: SGLang's NextN draft parameters that its speculative worker replaces with the target's
+#: (``set_embed_and_head``) after the load: never written by the draft's ``load_weights``
+DRAFT_SHARED_PARAMS = frozenset({"model.embed_tokens.weight", "lm_head.weight"})
 #: the model this process serves, loaded by pploader: SGLang's reload hands the loader only
 #: ``Source.init_new(config, model)``, which does not keep the model
 _SERVED: dict[str, "weakref.ref[nn.Module]"] = {}
@@ -101,6 +110,19 @@ def engine_partition(num_layers: int, pp_size: int) -> tuple[int, ...]:
 def _place(num_layers: int) -> tuple[Topology, tuple[int, ...]]:
     topology = engine_topology()
     return topology, engine_partition(num_layers, topology.pp_size)
+
+
+def _mtp_checkpoint(model_dir: str) -> bool:
+    """A local checkpoint whose config declares MTP layers (``num_nextn_predict_layers``):
+    its draft model is one of them."""
+    if not os.path.isdir(model_dir):
+        return False
+    from ..planning.spec import load_spec
+    try:
+        return load_spec(model_dir).num_mtp_layers > 0
+    except Exception as exc:  # noqa: BLE001 - not pploader's to plan: SGLang's loader reads it
+        logger.debug("draft %s not planned: %s", model_dir, exc)
+        return False
 
 
 def _track_loaders(model: nn.Module) -> tuple[set[str], Callable[[], None]]:
@@ -180,24 +202,44 @@ class PPLoaderModelLoader(DefaultModelLoader):  # type: ignore[misc, valid-type]
     def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
         """SGLang's ``DefaultModelLoader.load_model``, with this rank's stage planned in the
         background while the model is built and only that stage read."""
-        if getattr(model_config, "is_draft_model", False) or \
-                getattr(self.load_config, "draft_model_idx", None) is not None:
-            # not yet stage-only: an MTP / NextN draft is loaded as SGLang's default does
-            logger.info("pploader: the draft model is loaded by SGLang's default loader")
+        model_dir = model_config.model_path
+        draft = getattr(model_config, "is_draft_model", False) or \
+            getattr(self.load_config, "draft_model_idx", None) is not None
+        if draft and not _mtp_checkpoint(model_dir):
+            # a draft checkpoint of its own (EAGLE, a hub id): it is the whole draft model
+            logger.info("pploader: draft %s has no MTP layers; SGLang's default loader loads "
+                        "it", model_dir)
             self._draft = True
             return super().load_model(model_config=model_config, device_config=device_config)
         self.download_model(model_config)
-        model_dir = model_config.model_path
-        early = start_early_plan(model_dir, self.tp_mode, self.range_cost_bytes, _place)
+        early = None if draft else start_early_plan(model_dir, self.tp_mode,
+                                                    self.range_cost_bytes, _place)
         target_device = torch.device(device_config.device)
         quant_config = _sgl_loader._get_quantization_config(model_config, self.load_config)
         with _sgl_loader.set_default_torch_dtype(model_config.dtype):
             with target_device:
                 model = _sgl_loader._initialize_model(model_config, self.load_config,
                                                       quant_config)
-            self._load_stage(model, model_dir, target_device, early)
+            if draft:
+                self._draft = True
+                self._load_draft(model, model_dir, target_device)
+            else:
+                self._load_stage(model, model_dir, target_device, early)
         self.counter_after_loading_weights = time.perf_counter()
         return model.eval()
+
+    def _load_draft(self, model: nn.Module, model_dir: str, target_device: torch.device
+                    ) -> None:
+        """The draft worker's load: its MTP layer only (``draft_model_idx``, else the first),
+        then SGLang's post-processing."""
+        rank = engine_topology().rank
+        load_engine_draft(
+            model, model_dir, int(getattr(self.load_config, "draft_model_idx", None) or 0),
+            lambda weights: _load_tracked(model, weights, target_device), rank=rank,
+            shared=TARGET_SHARED, io_backend=self.io_backend, staging=self.staging,
+            engine=ENGINE, ignore=DRAFT_SHARED_PARAMS.__contains__)
+        DefaultModelLoader.postprocess_weights(model, target_device)
+        _write_report(rank)
 
     def _load_stage(self, model: nn.Module, model_dir: str, target_device: torch.device,
                     early: Optional[EarlyPlan]) -> LoadState:
@@ -343,12 +385,7 @@ def register() -> None:
         add_load_format_choices([LOAD_FORMAT])
     HookRegistry.register("sglang.srt.configs.load_config.LoadConfig._verify_load_format",
                           _resolve_format, HookType.AROUND)
-    ours, theirs = logging.getLogger("pploader"), logging.getLogger("sglang")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(theirs.getEffectiveLevel())
-        ours.propagate = False
+    share_engine_logging("sglang")
 
 
 def load_report() -> dict[str, Any]:

@@ -56,7 +56,8 @@ if TYPE_CHECKING:  # pragma: no cover
 # the engine-neutral core (integrations/engine_core.py); re-exported for callers of this module
 from .engine_core import (TP_MODES, EarlyPlan, LoadState,  # noqa: F401
                           check_no_unread, early_staging, load_engine_stage, load_summary,
-                          loader_options, plan_engine_stage, read_topology)
+                          loader_options, plan_engine_stage, read_topology,
+                          share_engine_logging)
 from .engine_core import check_all_loaded as _check_all_loaded
 from .engine_core import start_early_plan as _start_early_plan
 from .vllm_reload import LAST as _LAST
@@ -224,12 +225,7 @@ def register() -> None:
         _LOAD_FORMAT_TO_MODEL_LOADER)
     if _LOAD_FORMAT_TO_MODEL_LOADER.get(LOAD_FORMAT) is not PPLoaderModelLoader:
         register_model_loader(LOAD_FORMAT)(PPLoaderModelLoader)
-    ours, theirs = logging.getLogger("pploader"), logging.getLogger("vllm")
-    if not ours.handlers and theirs.handlers:
-        for handler in theirs.handlers:
-            ours.addHandler(handler)
-        ours.setLevel(theirs.getEffectiveLevel())
-        ours.propagate = False
+    share_engine_logging("vllm")
 
 
 # ---- worker-side functions (collective_rpc); reloads: integrations/vllm_reload.py --------

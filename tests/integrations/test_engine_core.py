@@ -104,3 +104,68 @@ def test_reload_layout_check_names_the_changed_tensor(tiny_llama: Path, tmp_path
     assert err.value.tensor is not None and "mlp" in err.value.tensor
     same_layout(served, plan_engine_stage(str(tiny_llama), Topology(2, rank=1), split,
                                           "placed"), 1)
+
+
+class _Draft(torch.nn.Module):
+    """An engine's NextN draft model, SGLang-shaped: a parameter per checkpoint tensor of
+    its MTP layer, the embedding and head it takes from the target later; ``load_weights``
+    keeps only names of that layer (as SGLang's does) and returns what it wrote."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], prefix: str) -> None:
+        super().__init__()
+        self.names = {n: f"p{i}" for i, n in enumerate(sorted(shapes))}
+        self.prefix = prefix
+        for name, attr in self.names.items():
+            self.register_parameter(attr, torch.nn.Parameter(
+                torch.zeros(shapes[name], dtype=torch.bfloat16), requires_grad=False))
+        self.shared = torch.nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.seen: list[str] = []
+
+    def load_weights(self, weights: object) -> set[str]:
+        written = set()
+        for name, tensor in weights:  # type: ignore[attr-defined]
+            self.seen.append(name)
+            if name.startswith(self.prefix) and name in self.names:
+                getattr(self, self.names[name]).data.copy_(tensor)
+                written.add(self.names[name])
+        return written
+
+
+def test_a_draft_worker_reads_only_its_mtp_layer_less_what_it_shares(tmp_path: Path) -> None:
+    """tiny-deepseek_v3 (4 layers + MTP layers 4 and 5): the draft of MTP layer k is handed
+    exactly layer 4+k's tensors under their checkpoint names, less the embedding and head it
+    shares from the target, with the bytes read equal to theirs; the other MTP layer, the
+    decoder layers and the shared copies are never read; a draft parameter left unwritten is
+    an error naming the draft."""
+    from pploader.families.generic_mtp import TARGET_SHARED
+    from pploader.integrations.engine_core import load_engine_draft
+    from pploader.planning.spec import load_spec
+
+    from helpers import CONFIGS, reference_tensors
+    import json
+    raw = json.loads((CONFIGS / "tiny-deepseek_v3.json").read_text())
+    raw.pop("pploader_tiny")
+    model_dir = make_model(tmp_path / "ds", raw, shard_bytes=150_000)
+    ref = reference_tensors(model_dir)
+    layers = load_spec(model_dir).num_layers
+    seen: list[set[str]] = []
+    for k in range(2):
+        prefix = f"model.layers.{layers + k}."
+        mine = {n: tuple(t.shape) for n, t in ref.items() if n.startswith(prefix)
+                and not n.endswith(("embed_tokens.weight", "shared_head.head.weight"))}
+        draft = _Draft(mine, prefix)
+        report = load_engine_draft(draft, str(model_dir), k, draft.load_weights,
+                                   shared=TARGET_SHARED, engine="SGLang",
+                                   ignore=lambda name: name == "shared")
+        assert set(draft.seen) == set(mine) == set(report["tensors"])
+        assert report["read_bytes"] == report["ideal_bytes"] == sum(
+            ref[n].numel() * ref[n].element_size() for n in mine)
+        assert LAST["draft"] is report and report["layer"] == layers + k
+        for name, attr in draft.names.items():
+            assert torch.equal(getattr(draft, attr), ref[name]), name
+        seen.append(set(mine))
+    assert not seen[0] & seen[1]
+    draft = _Draft(dict(mine, **{f"{prefix}extra.weight": (2,)}), prefix)
+    with pytest.raises(PlanError, match="SGLang's draft model .MTP layer 1.*not loaded"):
+        load_engine_draft(draft, str(model_dir), 1, draft.load_weights, shared=TARGET_SHARED,
+                          engine="SGLang", ignore=lambda name: name == "shared")

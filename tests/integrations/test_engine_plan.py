@@ -104,3 +104,41 @@ def test_tied_last_stage_names_and_a_stored_head(tmp_path: Path) -> None:
     got = dict(stream)
     ref = reference_tensors(model)
     assert torch.equal(got["model.embed_tokens.weight"], ref["model.embed_tokens.weight"])
+
+
+#: GLM-4.5-style (the generic family's DeepSeek-style MTP layers): 3 layers + MTP layer 3
+GLM_MTP = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+           "dtype": "bfloat16", "vocab_size": 512, "hidden_size": 64, "intermediate_size": 128,
+           "moe_intermediate_size": 32, "num_hidden_layers": 3, "first_k_dense_replace": 1,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+           "partial_rotary_factor": 0.5, "attention_bias": True, "use_qk_norm": False,
+           "n_routed_experts": 4, "n_shared_experts": 1, "num_experts_per_tok": 2,
+           "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.0,
+           "norm_topk_prob": True, "num_nextn_predict_layers": 1, "hidden_act": "silu",
+           "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 64,
+           "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+
+
+def test_engine_draft_is_the_mtp_layer_under_checkpoint_names(tmp_path: Path) -> None:
+    """A draft's plan on the generic family: exactly checkpoint layer 3's tensors, handed
+    whole under their checkpoint names, with the shared components left out; the bytes
+    streamed equal the checkpoint's; a layer of nothing but shared components is refused."""
+    from pploader import PlanError
+    from pploader.families.generic_mtp import TARGET_SHARED
+    from pploader.integrations.engine_plan import engine_draft
+    model_dir = make_model(tmp_path / "glm", GLM_MTP, shard_bytes=40_000)
+    ref = reference_tensors(model_dir)
+    mtp = {n for n in ref if n.startswith("model.layers.3.")}
+    staged = engine_draft(str(model_dir), 0, shared=TARGET_SHARED)
+    kept = mtp - {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    assert set(staged.plan.tensors) == kept
+    assert all(i.target == i.name for i in staged.plan.items)
+    _, stream = stage_weights(staged, "full")
+    got = dict(stream)
+    assert set(got) == kept and all(torch.equal(got[n], ref[n]) for n in kept)
+    assert set(engine_draft(str(model_dir), 0).plan.tensors) == mtp
+    everything = {n.removeprefix("model.layers.3.") for n in mtp}
+    with pytest.raises(PlanError, match="only components the engine shares"):
+        engine_draft(str(model_dir), 0, shared=frozenset(everything))
+    with pytest.raises(PlanError, match="MTP layer 1 requested"):
+        engine_draft(str(model_dir), 1)

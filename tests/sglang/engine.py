@@ -3,7 +3,8 @@
 Run as a subprocess: ``python tests/sglang/engine.py SPEC.json OUT.json``. SPEC: ``{"prompts":
 [[ids]], "max_tokens": n, "runs": [{"name", "model", "load_format", "pp"?, "tp"?, "env"?:
 {VAR: value} (set while the engine starts: SGLANG_PP_LAYER_PARTITION), "extra"?: loader
-config, "engine"?: {Engine kwargs}, "evict"?: bool, "reloads"?: [dir, ...]}]}``.
+config, "engine"?: {Engine kwargs}, "evict"?: bool, "reloads"?: [dir, ...], "report_dir"?:
+where the ranks write their reports (default: a fresh temporary directory)}]}``.
 ``load_format`` ``"pploader"`` is the plugin's name (the ``sglang.srt.plugins`` entry point),
 ``"pploader-class"`` the loader class itself. ``evict``: drop the checkpoint's pages from the
 page cache first (a cold load). ``reloads``: ``Engine.update_weights_from_disk(dir,
@@ -25,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
+sys.path.append(str(HERE.parent))   # last: tests/sglang must not shadow the real sglang
+from engine_suite import engine_main, evict  # noqa: E402 - tests/ put on the path first
 #: SGLang's CPU engine on a 2-core box (issue 39): one OMP thread per rank, a missing NCCL
 #: library (the CUDA build's pynccl would otherwise break the PP group on CPU)
 ENV = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0|1|0|1",
@@ -66,12 +69,6 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[i
 def reports(report_dir: str) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in
             sorted(Path(report_dir).glob("rank*.json"), key=lambda p: int(p.stem[4:]))]
-
-
-def evict(model: str) -> int:
-    """Drop a checkpoint's clean pages from the page cache; bytes still resident after."""
-    from pploader.bench.methods import evict as evict_paths
-    return evict_paths([str(p) for p in Path(model).glob("*.safetensors")])
 
 
 def serve(run: dict[str, Any], report_dir: str, max_tokens: int) -> dict[str, Any]:
@@ -131,7 +128,7 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
     if run.get("server"):
         return serve(run, tempfile.mkdtemp(prefix=f"sglang-{run['name']}-"), max_tokens)
     resident = evict(run["model"]) if run.get("evict") else None
-    report_dir = tempfile.mkdtemp(prefix=f"sglang-{run['name']}-")
+    report_dir = run.get("report_dir") or tempfile.mkdtemp(prefix=f"sglang-{run['name']}-")
     saved = {k: os.environ.get(k) for k in run.get("env", {})}
     os.environ.update(run.get("env", {}))
     start = time.perf_counter()
@@ -170,21 +167,10 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
     return out
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
-    results = []
-    for run in spec["runs"]:
-        results.append(one_run(run, spec["prompts"], spec.get("max_tokens", 8)))
-        with open(out_path, "w") as fh:  # partial results survive a later crash
-            json.dump(results, fh, indent=1)
-
-
 if __name__ == "__main__":
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
     # the CPU-op stand-in first on the path, in this process and the schedulers it spawns
     stubs = str(HERE / "stubs")
     sys.path.insert(0, stubs)
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [stubs] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-    main(sys.argv[1], sys.argv[2])
+    engine_main(one_run, ENV)

@@ -12,15 +12,16 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
 import struct
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from engine_suite import loads as _loads
+from engine_suite import metadata_bytes as _metadata_bytes
+from engine_suite import run_engines
 
 _SPEC = importlib.util.find_spec("sglang")
 HAVE_SGLANG = _SPEC is not None and _SPEC.origin is not None
@@ -51,6 +52,22 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
              "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
              "bos_token_id": 1, "eos_token_id": 2}
+
+#: GLM-4.5-style MoE with one NextN (MTP) layer (checkpoint layer 3): SGLang's
+#: Glm4MoeForCausalLMNextN is its draft model
+GLM_MTP = {"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe",
+           "dtype": "bfloat16", "vocab_size": 2048, "hidden_size": 256,
+           "intermediate_size": 512, "moe_intermediate_size": 128, "num_hidden_layers": 3,
+           "first_k_dense_replace": 1, "num_attention_heads": 8, "num_key_value_heads": 4,
+           "head_dim": 32, "partial_rotary_factor": 0.5, "attention_bias": True,
+           "use_qk_norm": False, "n_routed_experts": 8, "n_shared_experts": 1,
+           "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+           "routed_scaling_factor": 1.0, "norm_topk_prob": True, "num_nextn_predict_layers": 1,
+           "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+           "max_position_embeddings": 256, "tie_word_embeddings": False, "bos_token_id": 1,
+           "eos_token_id": 2}
+NEXTN = {"speculative_algorithm": "NEXTN", "speculative_num_steps": 1,
+         "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 2}
 
 
 def _runs(d: dict[str, Path]) -> list[dict[str, Any]]:
@@ -144,37 +161,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> dict[str, dict[str, Any]]:
-    recorded = os.environ.get("PPLOADER_SGLANG_RESULTS")   # re-check a finished run's out.json
-    if recorded:
-        return {r["name"]: r for r in json.loads(Path(recorded).read_text())}
-    work = tmp_path_factory.mktemp("sglang-runs")
-    spec, out = work / "spec.json", work / "out.json"
-    spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": 8,
-                                "runs": _runs(checkpoints)}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE.parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, str(HERE / "engine.py"), str(spec), str(out)],
-                          env=env, cwd=work, capture_output=True, text=True,
-                          timeout=int(os.environ.get("PPLOADER_SGLANG_TIMEOUT", "3600")))
-    (work / "engine.log").write_text(proc.stdout + proc.stderr)
-    done = {r["name"]: r for r in json.loads(out.read_text())} if out.exists() else {}
-    if proc.returncode != 0:
-        pytest.fail(f"engine runs failed (rc {proc.returncode}; finished {sorted(done)}); "
-                    f"log {work / 'engine.log'}:\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return done
-
-
-def _loads(run: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r["load"] for r in run["reports"]]
-
-
-def _metadata_bytes(load: dict[str, Any]) -> int:
-    """What a rank reads besides tensor data: the shards' headers it parses, plus config.json
-    and the index (read by the spec, the checkpoint index and the engine window: three times
-    at most)."""
-    root = Path(load["model_dir"])
-    files = [root / "config.json", root / "model.safetensors.index.json"]
-    return load["header_bytes"] + 3 * sum(f.stat().st_size for f in files if f.exists())
+    return run_engines(HERE / "engine.py", _runs(checkpoints), PROMPTS,
+                       tmp_path_factory.mktemp("sglang-runs"), "sglang")
 
 
 def _check_bytes(run: dict[str, Any], *, limit: float = 1.02, tp: int = 1) -> None:
@@ -323,3 +311,55 @@ def test_server_with_load_format_pploader_answers_a_completion(results: dict) ->
     loads = _loads(run)
     assert [(x["start_layer"], x["end_layer"]) for x in loads] == [(0, 2), (2, 4)]
     _check_bytes(run)
+
+
+@pytest.fixture(scope="module")
+def nextn(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """SGLang's NEXTN speculative decoding with load format pploader: the scheduler loads the
+    target, then its draft worker loads the draft model (its own ``load_model`` call). On
+    SGLang 0.5.23's CPU path the engine then stops: its EAGLE worker shares the target's
+    embedding and head with ``set_embed_and_head``, which calls ``torch.cuda.synchronize()``.
+    So this engine runs alone (SGLang ends its launcher when a scheduler fails) and the test
+    reads the report the rank wrote when it loaded."""
+    from helpers import make_model
+    work = tmp_path_factory.mktemp("sglang-nextn")
+    model = make_model(work / "glm_mtp", GLM_MTP, shard_bytes=1_500_000, seed=7)
+    report_dir = work / "reports"
+    report_dir.mkdir()
+    done = run_engines(HERE / "engine.py", [
+        {"name": "nextn", "model": str(model), "load_format": "pploader", "engine": NEXTN,
+         "report_dir": str(report_dir)}], PROMPTS, work, "sglang", check=False)
+    ranks = sorted(report_dir.glob("rank*.json"))
+    return {"model": model, "done": done, "log": (work / "engine.log").read_text(),
+            "reports": [json.loads(p.read_text()) for p in ranks]}
+
+
+def test_nextn_draft_worker_reads_only_its_mtp_layer(nextn: dict[str, Any]) -> None:
+    """The draft model (Glm4MoeForCausalLMNextN) is handed exactly the MTP layer's tensors
+    (checkpoint layer 3) less the embedding and head copies SGLang takes from the target,
+    and reads exactly their bytes; the target's stage never reads the MTP layer. SGLang's
+    default loader hands the draft every tensor of the checkpoint."""
+    from pploader.planning.checkpoint import open_checkpoint
+    assert len(nextn["reports"]) == 1, nextn["log"][-4000:]
+    report = nextn["reports"][0]
+    index = open_checkpoint(nextn["model"])
+    layer = GLM_MTP["num_hidden_layers"]
+    mtp = {n for n in index.weight_map if n.startswith(f"model.layers.{layer}.")}
+    shared = {f"model.layers.{layer}.embed_tokens.weight",
+              f"model.layers.{layer}.shared_head.head.weight"}
+    draft = report["draft"]
+    assert draft["layer"] == layer and draft["mtp_layer"] == 0
+    assert set(draft["tensors"]) == mtp - shared
+    want = sum(index.entry(n).nbytes for n in mtp - shared)
+    assert draft["read_bytes"] == draft["ideal_bytes"] == want
+    count, total = _checkpoint_tensors(nextn["model"])
+    assert count == len(index.weight_map) and want < 0.5 * total
+    assert draft["rchar_bytes"] is not None and \
+        draft["rchar_bytes"] <= draft["read_bytes"] - draft["mapped_bytes"] + \
+        _metadata_bytes(draft)
+    load = report["load"]
+    assert (load["start_layer"], load["end_layer"]) == (0, layer)
+    assert load["read_bytes"] <= 1.02 * load["ideal_bytes"]
+    assert load["ideal_bytes"] + want <= total
+    if nextn["done"].get("nextn", {}).get("tokens") is None:   # the CPU path's stop, named
+        assert "set_embed_and_head" in nextn["log"], nextn["log"][-4000:]

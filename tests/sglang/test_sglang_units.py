@@ -4,6 +4,7 @@ split, the written-parameter tracking. Marked ``sglang`` (needs sglang importabl
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -46,18 +47,15 @@ def test_engine_partition_is_sglangs_get_pp_indices_and_reads_the_env(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from sglang.srt.distributed.utils import get_pp_indices
 
+    from engine_suite import check_partition
     from pploader.integrations.sglang import engine_partition
     from pploader.planning.partition import engine_layer_counts
+    check_partition(engine_partition, get_pp_indices, "SGLANG_PP_LAYER_PARTITION", monkeypatch)
     monkeypatch.delenv("SGLANG_PP_LAYER_PARTITION", raising=False)
     for layers in range(4, 40):
         for pp in range(1, 5):
-            sizes = engine_partition(layers, pp)
-            starts = [sum(sizes[:r]) for r in range(pp)]
-            assert [(s, s + n) for s, n in zip(starts, sizes)] == \
-                [get_pp_indices(layers, r, pp) for r in range(pp)]
-            assert list(sizes) == engine_layer_counts("sglang", layers, pp)
-    monkeypatch.setenv("SGLANG_PP_LAYER_PARTITION", "1,4")
-    assert engine_partition(5, 2) == (1, 4)
+            assert list(engine_partition(layers, pp)) == \
+                engine_layer_counts("sglang", layers, pp)
 
 
 def test_written_parameters_are_tracked_then_the_loaders_restored() -> None:
@@ -89,3 +87,21 @@ def test_written_parameters_are_tracked_then_the_loaders_restored() -> None:
     assert model.a.weight_loader is own  # type: ignore[attr-defined]
     assert "weight_loader" not in model.b.__dict__
     assert model.c.weight_loader is own
+
+
+def test_only_a_checkpoint_with_mtp_layers_gets_the_stage_only_draft_load(
+        tmp_path: Path) -> None:
+    """The draft worker plans an MTP layer only where the draft's checkpoint declares MTP
+    layers (a NextN draft of the target's own checkpoint); a draft checkpoint of its own
+    (EAGLE) or a hub id goes to SGLang's default loader, as before."""
+    from helpers import CONFIGS, make_model, tiny_config
+
+    from pploader.integrations.sglang import _mtp_checkpoint
+    import json
+    raw = json.loads((CONFIGS / "tiny-deepseek_v3.json").read_text())
+    raw.pop("pploader_tiny")
+    assert _mtp_checkpoint(str(make_model(tmp_path / "ds", raw, shard_bytes=150_000)))
+    assert not _mtp_checkpoint(str(make_model(tmp_path / "llama", tiny_config())))
+    assert not _mtp_checkpoint("some-org/some-eagle-draft")
+    (tmp_path / "broken").mkdir()
+    assert not _mtp_checkpoint(str(tmp_path / "broken"))

@@ -15,11 +15,13 @@ were kept.
 from __future__ import annotations
 
 import gc
-import json
-import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.append(str(Path(__file__).resolve().parents[1]))   # last: tests/vllm must not
+from engine_suite import engine_main, evict  # noqa: E402   # shadow the real vllm
 
 ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
        "OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
@@ -50,14 +52,6 @@ def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[i
                             detokenize=False)
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def evict(model: str) -> int:
-    """Drop a checkpoint's clean pages from the page cache; bytes still resident after."""
-    from pathlib import Path
-
-    from pploader.bench.methods import evict as evict_paths
-    return evict_paths([str(p) for p in Path(model).glob("*.safetensors")])
 
 
 def data_ptrs(llm: Any) -> Any:
@@ -119,16 +113,5 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
     return out
 
 
-def main(spec_path: str, out_path: str) -> None:
-    spec = json.loads(open(spec_path).read())
-    results = []
-    for run in spec["runs"]:
-        results.append(one_run(run, spec["prompts"], spec.get("max_tokens", 8)))
-        with open(out_path, "w") as fh:  # partial results survive a later crash
-            json.dump(results, fh, indent=1)
-
-
 if __name__ == "__main__":
-    for key, value in ENV.items():
-        os.environ.setdefault(key, value)
-    main(sys.argv[1], sys.argv[2])
+    engine_main(one_run, ENV)

@@ -7,15 +7,15 @@ another, since each start costs about a minute here; the tests below read its re
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from engine_suite import loads as _loads
+from engine_suite import metadata_bytes as _metadata_bytes
+from engine_suite import run_engines
 
 # tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
 # a real installed vllm (a regular package, with an __init__ file) counts
@@ -181,37 +181,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="module")
 def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
             ) -> dict[str, dict[str, Any]]:
-    recorded = os.environ.get("PPLOADER_VLLM_RESULTS")   # re-check a finished run's out.json
-    if recorded:
-        return {r["name"]: r for r in json.loads(Path(recorded).read_text())}
-    work = tmp_path_factory.mktemp("vllm-runs")
-    spec, out = work / "spec.json", work / "out.json"
-    spec.write_text(json.dumps({"prompts": PROMPTS, "max_tokens": 8,
-                                "runs": _runs(checkpoints)}))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(HERE.parents[1])] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
-    proc = subprocess.run([sys.executable, str(HERE / "engine.py"), str(spec), str(out)],
-                          env=env, cwd=work, capture_output=True, text=True,
-                          timeout=int(os.environ.get("PPLOADER_VLLM_TIMEOUT", "3600")))
-    (work / "engine.log").write_text(proc.stdout + proc.stderr)
-    done = {r["name"]: r for r in json.loads(out.read_text())} if out.exists() else {}
-    if proc.returncode != 0:
-        pytest.fail(f"engine runs failed (rc {proc.returncode}; finished {sorted(done)}); "
-                    f"log {work / 'engine.log'}:\n{(proc.stdout + proc.stderr)[-6000:]}")
-    return done
-
-
-def _loads(run: dict[str, Any]) -> list[dict[str, Any]]:
-    return [r["load"] for r in run["reports"]]
-
-
-def _metadata_bytes(load: dict[str, Any]) -> int:
-    """What a worker reads besides tensor data: the shards' headers it parses, plus
-    config.json and the index (read by the spec, the checkpoint index and the engine window:
-    three times at most). Negligible at real scale; ~1% of these tiny models' stages."""
-    root = Path(load["model_dir"])
-    files = [root / "config.json", root / "model.safetensors.index.json"]
-    return load["header_bytes"] + 3 * sum(f.stat().st_size for f in files if f.exists())
+    return run_engines(HERE / "engine.py", _runs(checkpoints), PROMPTS,
+                       tmp_path_factory.mktemp("vllm-runs"), "vllm")
 
 
 #: what vLLM itself may read during ``load_weights`` besides the checkpoint (seen: ~13 KB at

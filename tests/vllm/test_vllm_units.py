@@ -31,16 +31,9 @@ def test_engine_partition_is_get_pp_indices_and_reads_the_env(monkeypatch: pytes
                                                               ) -> None:
     from vllm.distributed.utils import get_pp_indices
 
+    from engine_suite import check_partition
     from pploader.integrations.vllm import engine_partition
-    monkeypatch.delenv("VLLM_PP_LAYER_PARTITION", raising=False)
-    for layers in range(4, 40):
-        for pp in range(1, 5):
-            sizes = engine_partition(layers, pp)
-            starts = [sum(sizes[:r]) for r in range(pp)]
-            assert [(s, s + n) for s, n in zip(starts, sizes)] == \
-                [get_pp_indices(layers, r, pp) for r in range(pp)]
-    monkeypatch.setenv("VLLM_PP_LAYER_PARTITION", "1,4")
-    assert engine_partition(5, 2) == (1, 4)
+    check_partition(engine_partition, get_pp_indices, "VLLM_PP_LAYER_PARTITION", monkeypatch)
 
 
 def test_plan_window_checked_against_the_engine(llama: Path) -> None:

@@ -2,13 +2,17 @@
 
 SGLang's CPU kernels are not on PyPI (the wheel there is the CUDA build), and a llama on CPU
 calls one of them: ``assign_req_to_token_pool_cpu``. It is written here in plain torch from
-the Triton kernel of the same name in SGLang (``mem_cache/allocation.py``). SGLang imports
+the Triton kernel of the same name in SGLang (``mem_cache/allocation.py``); speculative
+decoding's KV pool also calls ``copy_all_layer_kv_cache_cpu`` (from the Triton kernel in
+``kernels/ops/kvcache/cache_move.py``). SGLang imports
 other names at module level; each is a function that raises when called, so a test never
 runs on something this module only pretends to provide.
 """
 from __future__ import annotations
 
 from typing import Any
+
+import ctypes
 
 import torch
 
@@ -24,6 +28,15 @@ def assign_req_to_token_pool_cpu(req_pool_indices: torch.Tensor, req_to_token: t
         row = req_to_token[int(req_pool_indices[i])]
         row[start:end] = out_cache_loc[out:out + end - start].to(row.dtype)
         out += end - start
+
+
+def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor,
+                                tgt_loc: torch.Tensor, src_loc: torch.Tensor) -> None:
+    """In every layer's buffer (base address ``data_ptrs[b]``, ``strides[b]`` bytes a slot),
+    slot ``src_loc[i]``'s bytes are copied to slot ``tgt_loc[i]``."""
+    for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
+        for src, tgt in zip(src_loc.tolist(), tgt_loc.tolist()):
+            ctypes.memmove(base + tgt * stride, base + src * stride, stride)
 
 
 def __getattr__(name: str) -> Any:
