@@ -15,6 +15,15 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+#: the prompts every engine test decodes greedily, and the tiny llama both suites serve
+PROMPTS = [[1, 5, 9, 200, 17], [3, 1000, 42, 7]]
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048,
+         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+         "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
+         "bos_token_id": 1, "eos_token_id": 2}
+
 
 def run_engines(script: Path, runs: list[dict[str, Any]], prompts: list[list[int]],
                 work: Path, engine: str, max_tokens: int = 8, *, check: bool = True

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import shutil
-import struct
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import pytest
 
 from engine_suite import loads as _loads
 from engine_suite import metadata_bytes as _metadata_bytes
-from engine_suite import run_engines
+from engine_suite import LLAMA, PROMPTS, run_engines
 
 _SPEC = importlib.util.find_spec("sglang")
 HAVE_SGLANG = _SPEC is not None and _SPEC.origin is not None
@@ -31,13 +30,6 @@ pytestmark = [pytest.mark.sglang, pytest.mark.slow,
                                  reason="sglang is not installed here: run .ci/sglang-suite.sh")]
 
 HERE = Path(__file__).resolve().parent
-PROMPTS = [[1, 5, 9, 200, 17], [3, 1000, 42, 7]]
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048,
-         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-         "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
-         "bos_token_id": 1, "eos_token_id": 2}
 QWEN2_TIED = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,
               "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
               "num_key_value_heads": 4, "vocab_size": 2048, "max_position_embeddings": 256,

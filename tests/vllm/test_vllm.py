@@ -15,7 +15,7 @@ import pytest
 
 from engine_suite import loads as _loads
 from engine_suite import metadata_bytes as _metadata_bytes
-from engine_suite import run_engines
+from engine_suite import LLAMA, PROMPTS, run_engines
 
 # tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
 # a real installed vllm (a regular package, with an __init__ file) counts
@@ -27,13 +27,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow,
                                  reason="vllm is not installed here: run .ci/vllm-suite.sh")]
 
 HERE = Path(__file__).resolve().parent
-PROMPTS = [[1, 5, 9, 200, 17], [3, 1000, 42, 7]]
-LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
-         "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "head_dim": 32, "vocab_size": 2048,
-         "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
-         "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
-         "bos_token_id": 1, "eos_token_id": 2}
 MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dtype": "bfloat16",
            "vocab_size": 2048, "hidden_size": 256, "intermediate_size": 256,
            "num_hidden_layers": 4, "num_attention_heads": 8, "num_key_value_heads": 4,
