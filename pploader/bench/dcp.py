@@ -57,8 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1,
                    help="fresh-process trials per reader and cache, alternated (medians)")
     p.add_argument("--loads", default="first,reload",
-                   help="timed loads per process: first (reader import and set-up included), "
+                   help="timed loads per process: first (the reader made and set up, its import too with "
+                   "--import-in-clock), "
                    "reload (a new reader, same process) (default both)")
+    p.add_argument("--import-in-clock", action="store_true",
+                   help="time the reader's import inside the first load (default: each rank "
+                   "imports it at its start, as the docs' job does with `from pploader import "
+                   "PPLoaderStorageReader` beside `import torch.distributed.checkpoint`; the "
+                   "import's seconds are reported apart either way)")
     p.add_argument("--threads", type=int, default=None,
                    help="pploader reader threads (default: the backend's default)")
     p.add_argument("--range-cost", type=int, default=0,
@@ -83,7 +89,7 @@ def _parser() -> argparse.ArgumentParser:
 def _layout(model_dir: str, pp: int, tp: int) -> list[list[list[Any]]]:
     """Per rank: ``[name, stored shape, dtype, TP dim or None]`` of its stage's tensors, from
     pploader's plan (made in the parent, so a rank imports no pploader module before its
-    clock: the first load pays pploader's imports as a job's would)."""
+    clock: each rank imports only what a job imports)."""
     from ..planning.stage import plan_stage
     from ..planning.topology import Topology
     out = []
@@ -129,18 +135,32 @@ def _proc_io() -> dict[str, int]:
         return {}
 
 
-def _make_reader(spec: dict, mesh: Any) -> Any:
+def _import_reader(spec: dict) -> tuple[Any, float]:
+    """The reader's class, imported as the docs' job does at its top
+    (integration.md, "Torch-native jobs": ``from pploader import PPLoaderStorageReader``;
+    torch's with ``import torch.distributed.checkpoint``), and the seconds that took."""
+    t0 = time.perf_counter()
+    reader_class: Any
+    if spec["reader"].startswith("pploader"):
+        from pploader import PPLoaderStorageReader
+        reader_class = PPLoaderStorageReader
+    else:
+        from torch.distributed.checkpoint import HuggingFaceStorageReader
+        reader_class = HuggingFaceStorageReader
+    return reader_class, time.perf_counter() - t0
+
+
+def _make_reader(spec: dict, mesh: Any, reader_class: Any) -> Any:
     """The reader as the docs make it (integration.md, "Torch-native jobs"): pploader's with
     the mesh's topology, torch's with ``thread_count``; made inside the clock."""
-    import torch.distributed.checkpoint as dcp
     if not spec["reader"].startswith("pploader"):
-        return dcp.HuggingFaceStorageReader(spec["model"], thread_count=spec["hf_threads"])
+        return reader_class(spec["model"], thread_count=spec["hf_threads"])
     import pploader
     topo = pploader.mesh_topology(mesh) if mesh is not None else \
         pploader.Topology(spec["pp"], 1, rank=spec["rank"])
     extra = {k: v for k, v in (("threads", spec["threads"]),
                                ("range_cost_bytes", spec["range_cost"])) if v}
-    return pploader.PPLoaderStorageReader(spec["model"], topology=topo, **extra)
+    return reader_class(spec["model"], topology=topo, **extra)
 
 
 def _worker(spec: dict) -> None:
@@ -169,6 +189,7 @@ def _worker(spec: dict) -> None:
     local = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
     if cuda:
         torch.cuda.synchronize()
+    reader_class, import_s = (None, 0.0) if spec["import_in_clock"] else _import_reader(spec)
     for load in spec["loads"]:
         if not solo:
             dist.barrier()
@@ -176,7 +197,9 @@ def _worker(spec: dict) -> None:
         if sys.stdin.readline().strip() != "GO":
             raise SystemExit("bench --dcp worker: no GO")
         io0, ru0, t0 = _proc_io(), resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        reader = _make_reader(spec, mesh)
+        if reader_class is None:  # --import-in-clock: the first load pays the import
+            reader_class, import_s = _import_reader(spec)
+        reader = _make_reader(spec, mesh, reader_class)
         dcp.load(state, storage_reader=reader, no_dist=solo)
         if cuda:
             torch.cuda.synchronize()
@@ -184,6 +207,7 @@ def _worker(spec: dict) -> None:
         ru1 = resource.getrusage(resource.RUSAGE_SELF)
         ours = spec["reader"].startswith("pploader")
         row = {"rank": rank, "reader": spec["reader"], "load": load, "seconds": seconds,
+               "import_s": import_s if load == spec["loads"][0] else 0.0,
                "local_bytes": sum(t.nbytes for t in local.values()),
                "reader_bytes": reader.read_bytes if ours else None,
                "header_bytes": reader.header_bytes if ours else None,
@@ -227,7 +251,8 @@ def _group(args: argparse.Namespace, model: str, layout: str, reader: str, cache
         spec = dict(rank=rank, local_rank=i, world=world, pp=args.pp, tp=args.tp,
                     device=args.device, model=model, layout=layout, reader=reader, init=init,
                     solo=solo, threads=args.threads, hf_threads=args.hf_threads,
-                    range_cost=args.range_cost, loads=loads)
+                    range_cost=args.range_cost, loads=loads,
+                    import_in_clock=args.import_in_clock)
         procs.append(subprocess.Popen([sys.executable, "-m", "pploader.bench.dcp", "--worker",
                                        json.dumps(spec)], stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, text=True, env=env))
@@ -289,8 +314,11 @@ def _summary(rows: list[dict]) -> list[dict]:
                 mine = sorted((r for r in reps if r["rep"] == mid), key=lambda r: r["rank"])
                 total = sum(r["local_bytes"] for r in mine)
                 cpu = {k: sum(r["cpu_s"] for r in reps if r["rep"] == k) for k in walls}
+                imports = {k: max(r.get("import_s", 0.0) for r in reps if r["rep"] == k)
+                           for k in walls}
                 out.append({"cache": cache, "load": load, "reader": reader,
                             "cpu_s": statistics.median(cpu.values()),
+                            "import_s": statistics.median(imports.values()),
                             "wall_s": statistics.median(walls.values()),
                             "walls_s": [walls[k] for k in walls],
                             "gbps": total / statistics.median(walls.values()) / GB, "ranks": [
@@ -326,8 +354,9 @@ def _markdown(doc: dict) -> str:
              f"checkpoint {doc['checkpoint_bytes'] / GB:.3f} GB, {doc['repeat']} fresh-process "
              f"trials per cell (alternated); `{doc['command']}`", "",
              "| cache | load | reader | median wall s | trials (s) | GB/s (all ranks) | CPU s "
-             "(all ranks, median) | bytes read / local shards (reader; rchar; storage) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "(all ranks, median) | import s (slowest rank, median) | bytes read / local "
+             "shards (reader; rchar; storage) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for s in doc["summary"]:
         ratios = "; ".join(
             f"r{r['rank']}: " + (f"{r['reader_bytes'] / r['local_bytes']:.3f}; "
@@ -336,7 +365,8 @@ def _markdown(doc: dict) -> str:
             for r in s["ranks"])
         trials = ", ".join(f"{w:.3f}" for w in s["walls_s"])
         lines.append(f"| {s['cache']} | {s['load']} | {s['reader']} | {s['wall_s']:.3f} | "
-                     f"{trials} | {s['gbps']:.2f} | {s['cpu_s']:.2f} | {ratios} |")
+                     f"{trials} | {s['gbps']:.2f} | {s['cpu_s']:.2f} | "
+                     f"{s.get('import_s', 0.0):.3f} | {ratios} |")
     if doc["ratios"]:
         base = any("base_over_torch" in r for r in doc["ratios"])
         lines += ["", "| cache | load | pploader's median time / torch's |"

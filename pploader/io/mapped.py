@@ -47,10 +47,11 @@ from ..planning.items import ReadItem
 from ..planning.rank_plan import RankPlan
 from .backend import ReadOptions, ReadStats, check_identity, item_dtype, materialise
 from .mapped_file import MappedFile, map_file
-from .mapped_split import Run, copy_stretch, run_bytes, split_resident, strided_runs
+from .mapped_split import Run, run_bytes, split_into, strided_runs
 from .pagecache import MADV_POPULATE_READ, PAGE_BYTES, advise
 from .read import Reader
-from .readahead import Prefetch, advise_sequential, page_span, span_of
+from .readahead import (AskAhead, Prefetch, advise_sequential, merge_span, page_span,
+                        span_of)
 
 __all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "COLD_MODES",
            "READAHEAD_WINDOW", "strided_runs"]
@@ -164,15 +165,13 @@ class MappedBackend:
         """``cold="fault"``, no fault budget: every item copied from the ``MADV_NORMAL``
         mapping, no item's residency asked; a sample of each file's span says whether the
         copies will wait on storage (then ``cold_threads`` copy: waits leave cores idle)."""
-        spans: dict[str, tuple[int, int]] = {}
+        spans: dict[str, list[tuple[int, int]]] = {}  # per file: the items' spans, merged
         for item in self.plan.items:
             self._open(files, item)
             if item.ranges:
-                lo, hi = span_of(item.ranges)
-                was = spans.get(item.file, (lo, hi))
-                spans[item.file] = (min(was[0], lo), max(was[1], hi))
-        self.faulting = any(not files[f].nearly_resident(lo, hi)
-                             for f, (lo, hi) in spans.items())
+                merge_span(spans.setdefault(item.file, []), *span_of(item.ranges))
+        self.faulting = any(not files[f].nearly_resident(lo, lo + n)
+                             for f, pieces in spans.items() for lo, n in pieces)
         return [bool(item.ranges) for item in self.plan.items]
 
     def _from_mapping(self, f: MappedFile, item: ReadItem, dst: Optional[torch.Tensor]
@@ -304,7 +303,13 @@ class MappedBackend:
                 jobs.extend(copies)
                 mapped += run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
                 parts.update(reads)
-            self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
+            ahead = AskAhead(page_span(files[i.file].base.data_ptr(), *span_of(i.ranges))
+                             for i in hot if i.ranges) if self.faulting else None
+            try:
+                self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
+            finally:
+                if ahead is not None:
+                    ahead.close()
             for item in hot:
                 self._count_warm(item)
             self.stats.items += len(hot)
@@ -335,18 +340,7 @@ class MappedBackend:
         if 2 * missing > pages:  # mostly cold: one exact read of it beats a split
             return None
         f = files[item.file]
-        runs = self._item_runs(item)
-        end = max(off + (count - 1) * stride + n for off, n, count, stride in runs)
-        if end > f.base.numel():
-            return None  # the positional reads name the truncation
-        stretches, reads = split_resident(item, runs, f.resident, PAGE_BYTES)
-        if not stretches:
-            return None
-        flat = dst.reshape(-1).view(torch.uint8)
-        copies: list[Callable[[], object]] = [partial(copy_stretch, f.base, flat, s)
-                                            for s in stretches]
-        views = {r: flat[int(r.target.rsplit("@", 1)[1]):][:r.nbytes] for r in reads}
-        return copies, views
+        return split_into(item, self._item_runs(item), f.base, f.resident, dst)
 
     def _run_copies(self, jobs: list[Callable[[], object]], item: Optional[ReadItem]) -> None:
         """Run the copies from the mapping on ``threads`` threads (copy_ releases the GIL)."""

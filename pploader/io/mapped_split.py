@@ -11,7 +11,8 @@ only those rows (or, of a one-range shard, those pages' bytes) are read.
 """
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Sequence
+from functools import partial
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -19,7 +20,7 @@ from ..planning.items import ReadItem
 from .pagecache import PAGE_BYTES
 
 __all__ = ["Run", "Stretch", "strided_runs", "touched", "run_bytes", "split_resident",
-           "copy_stretch"]
+           "copy_stretch", "split_into"]
 
 #: ``(offset, length, count, stride)``: ``count`` byte ranges of ``length``, ``stride`` apart
 Run = tuple[int, int, int, int]
@@ -155,3 +156,23 @@ def copy_stretch(base: torch.Tensor, flat: torch.Tensor, s: Stretch) -> None:
     """Copy one stretch from the mapping ``base`` into the destination bytes ``flat``."""
     flat[s.pos:s.pos + s.length * s.rows].view(s.rows, s.length).copy_(
         base.as_strided((s.rows, s.length), (s.stride, 1), s.offset))
+
+
+def split_into(item: ReadItem, runs: Sequence[Run], base: torch.Tensor,
+               resident: Callable[[int, int], bytes], dst: torch.Tensor
+               ) -> Optional[tuple[list[Callable[[], object]], dict[ReadItem, torch.Tensor]]]:
+    """A partly resident ``item`` bound to its destination: the copies of its resident
+    stretches from the mapping ``base`` and the read items of its missing bytes with their
+    views of ``dst``; None to read it whole (nothing resident, or the file is shorter than
+    the item: the positional reads name the truncation)."""
+    end = max(off + (count - 1) * stride + n for off, n, count, stride in runs)
+    if end > base.numel():
+        return None
+    stretches, reads = split_resident(item, runs, resident, PAGE_BYTES)
+    if not stretches:
+        return None
+    flat = dst.reshape(-1).view(torch.uint8)
+    copies: list[Callable[[], object]] = [partial(copy_stretch, base, flat, s)
+                                        for s in stretches]
+    views = {r: flat[int(r.target.rsplit("@", 1)[1]):][:r.nbytes] for r in reads}
+    return copies, views
