@@ -42,6 +42,7 @@ _EXPORTS: dict[str, str] = {
     "EngineSplit": "planning.partition",
     "get_pp_indices": "planning.partition",
     "check_engine_window": "planning.partition",
+    "use_structure_cache": "families.meta_store",
     "make_stage_layers": "bind.stage_layers",
     "MissingLayer": "bind.stage_layers",
     # into a module: bind, post-process, reload, layerwise
@@ -86,7 +87,7 @@ __all__ = [
     "StageLoadOptions", "StageLoad", "plan_job", "JobPlan", "measure_exchange_cost",
     "plan_stage", "StagePlan", "StageWindow", "iter_stage_weights", "load_stage", "StageResult", "iter_mtp_weights",
     "owned", "is_borrowed", "start_staging", "release_staging", "EngineSplit", "get_pp_indices",
-    "check_engine_window",
+    "check_engine_window", "use_structure_cache",
     "make_stage_layers", "MissingLayer", "load_stage_into", "BindResult", "LoadRecord",
     "NameMap", "NameRule", "bind_derived", "reload_from_disk", "ReloadResult", "load_layerwise",
     "LayerwiseReport", "LayerTracker", "LayerOrderWarning", "is_ready", "ensure_ready",
@@ -120,6 +121,7 @@ if TYPE_CHECKING:  # pragma: no cover - what type checkers and IDEs see
     from .stage import (StageResult, iter_mtp_weights, iter_stage_weights,
                         load_stage)
     from .planning.partition import EngineSplit, StageWindow, check_engine_window, get_pp_indices
+    from .families.meta_store import use_structure_cache
     from .io.read import is_borrowed, owned
     from .bind.stage_layers import MissingLayer, make_stage_layers
     from .bind.place import BindResult, LoadRecord, load_stage_into

@@ -420,9 +420,23 @@ def _silence_stdout() -> None:
         pass
 
 
+def _use_meta_store() -> None:
+    """Keep the generic family's derived model structure between runs (families/
+    meta_store.py) under ``$PPLOADER_CACHE_DIR`` (default ``$XDG_CACHE_HOME/pploader`` or
+    ``~/.cache/pploader``; empty: off), so planning a model again imports no transformers."""
+    root = os.environ.get("PPLOADER_CACHE_DIR")
+    if root is None:
+        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or
+                            os.path.join(os.path.expanduser("~"), ".cache"), "pploader")
+    if root:
+        from . import use_structure_cache
+        use_structure_cache(os.path.join(root, "meta"))
+
+
 def _run(args: argparse.Namespace) -> int:
     """The chosen command (exceptions go to main's one-line handlers)."""
     if args.command in ("plan", "files", "load"):
+        _use_meta_store()
         world = (args.pp or 1) * args.tp * args.ep
         if world > MAX_RANKS:
             raise UsageError(f"--pp x --tp x --ep = {world} ranks, more than {MAX_RANKS}: give "

@@ -1,4 +1,6 @@
+import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -6,6 +8,9 @@ import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+# the CLI keeps the generic family's derived structures under PPLOADER_CACHE_DIR: the tests'
+# runs (in process and in their subprocesses) keep them in a directory of their own
+os.environ.setdefault("PPLOADER_CACHE_DIR", tempfile.mkdtemp(prefix="pploader-test-cache-"))
 
 from helpers import make_model, reference_tensors, tiny_config  # noqa: E402
 

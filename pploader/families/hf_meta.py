@@ -19,8 +19,7 @@ import logging
 import re
 from contextlib import nullcontext
 from dataclasses import dataclass, field, replace
-from functools import lru_cache
-from typing import Any, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Mapping, Optional
 
 from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
@@ -29,9 +28,12 @@ from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_p
 from .hf_ties import (first_uses, loop_uses, revert_one, saved_names, saved_pairs,
                       tied_copies, unrun_entries)
 
+if TYPE_CHECKING:  # pragma: no cover
+    from .meta_store import MetaStore
+
 logger = logging.getLogger(__name__)
 
-__all__ = ["Naming", "MetaModel", "derive", "build_meta_model", "hf_config", "loop_uses"]
+__all__ = ["Naming", "MetaModel", "derive", "use_store", "build_meta_model", "hf_config", "loop_uses"]
 
 Shapes = dict[str, tuple[int, ...]]
 _DIGIT = re.compile(r"\d+")
@@ -116,14 +118,33 @@ def build_meta_model(config: Mapping[str, Any]) -> Any:
     return model
 
 
-@lru_cache(maxsize=64)
-def _derive_cached(key: str) -> MetaModel:
-    return _derive(json.loads(key))
+_MEMO: dict[str, MetaModel] = {}   # per config (its sorted JSON), at most _MEMO_SIZE
+_MEMO_SIZE = 64
+#: where derived structures are kept between processes (meta_store.py); the CLI sets it
+_STORE: list[Optional["MetaStore"]] = [None]
+
+
+def use_store(store: Optional["MetaStore"]) -> None:
+    """Keep derived structures in ``store`` (None: in memory only, the library default)."""
+    _STORE[0] = store
 
 
 def derive(config: Mapping[str, Any]) -> MetaModel:
-    """The checkpoint structure of ``config`` (cached per config; builds the model once)."""
-    return _derive_cached(json.dumps(config, sort_keys=True, default=str))
+    """The checkpoint structure of ``config`` (cached per config: the model is built once
+    per process, or once per machine with a store)."""
+    key = json.dumps(config, sort_keys=True, default=str)
+    meta = _MEMO.get(key)
+    if meta is None:
+        store = _STORE[0]
+        meta = store.load(key) if store is not None else None
+        if meta is None:
+            meta = _derive(json.loads(key))
+            if store is not None:
+                store.save(key, meta)
+        if len(_MEMO) >= _MEMO_SIZE:
+            _MEMO.pop(next(iter(_MEMO)))
+        _MEMO[key] = meta
+    return meta
 
 
 def find_layers_path(model: Any, num_hidden: Optional[int]) -> str:
