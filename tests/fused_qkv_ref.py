@@ -2,7 +2,7 @@
 
 Two views of what TP rank ``rank`` holds of a stored tensor, both spelled from the engines'
 loaders (vLLM 0.32: ``gpt2.py``, ``bloom.py``, ``falcon.py``, ``exaone.py``, ``sarvam.py`` /
-``bailing_moe.py``, its transformers backend's ``colwise`` / ``rowwise`` for GPT-NeoX and
+``bailing_moe.py``, ``lfm2.py``, its transformers backend's ``colwise`` / ``rowwise`` for GPT-NeoX and
 CodeGen; SGLang 0.5.23: ``gpt_bigcode.py``, ``persimmon.py``, ``starcoder2.py``):
 
 - :func:`engine_param`: the parameter the engine builds on that rank from the *whole* stored
@@ -24,8 +24,8 @@ CONV1D = {"gpt2", "gpt-sw3"}             # transformers Conv1D: stored [in, out]
 CONV1D_MODULES = {"c_attn", "c_proj", "c_fc"}   # what vLLM's gpt2 ``_transpose_conv1d`` flips
 PER_HEAD = {"bloom", "persimmon", "gpt_neox"}   # query_key_value rows [heads, 3, head_dim]
 COLUMN = {"c_fc", "c_fc_0", "c_fc_1", "dense_h_to_4h", "fc_in", "q_proj", "k_proj", "v_proj",
-          "gate_proj", "up_proj"}
-ROW = {"c_proj", "dense", "dense_4h_to_h", "fc_out", "out_proj", "o_proj", "down_proj"}
+          "gate_proj", "up_proj", "w1", "w3"}
+ROW = {"c_proj", "dense", "dense_4h_to_h", "fc_out", "out_proj", "o_proj", "down_proj", "w2"}
 VOCAB = {"wte", "word_embeddings", "embed_in", "embed_out", "embed_tokens", "lm_head"}
 
 

@@ -31,6 +31,8 @@ orders its rows per model. Keyed by ``model_type``; each split is the engine's l
   columns (bias whole).
 - **EXAONE** (vLLM ``exaone.py``): ``mlp.c_fc_0`` / ``c_fc_1`` rows (``gate_up_proj``),
   ``mlp.c_proj`` columns; its ``attn.attention.*`` projections are the generic rules'.
+- **LFM2, LFM2-MoE** (vLLM ``lfm2.py`` / ``lfm2_moe.py``): the dense ``feed_forward.w1`` /
+  ``w3`` rows (``w13``), ``w2`` columns (their short-convolution mixers are not ruled here).
 - **Sarvam-MoE** (vLLM ``sarvam.py`` = Bailing-MoE's attention): ``attention.query_key_value``
   rows q | k | v, q by heads, k / v by KV heads; ``attention.dense`` is the generic rules'.
 
@@ -207,6 +209,11 @@ def _sarvam(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return _qkv_rows(comp, shape, hidden, heads, kv, head_dim)
 
 
+#: LFM2's dense MLP: w1 (gate) and w3 (up) column-parallel, w2 row-parallel (vLLM lfm2.py /
+#: lfm2_moe.py load w1 / w3 into ``w13``, a MergedColumnParallelLinear; routed experts'
+#: ``experts.{e}.w1`` stay the generic rules')
+_LFM2_COLUMNS = ("feed_forward.w1", "feed_forward.w3")
+
 #: model_type -> the builder of its engine rules (component, shape, text config -> rule)
 FUSED_TP_TYPES: dict[str, _Builder] = {
     "gpt2": _gpt2, "gpt-sw3": _gpt2, "gpt_bigcode": _gpt_bigcode,
@@ -215,6 +222,8 @@ FUSED_TP_TYPES: dict[str, _Builder] = {
     "starcoder2": lambda comp, _s, _t: _linear_mlp(comp, ("mlp.c_fc",), ("mlp.c_proj",)),
     "exaone": lambda comp, _s, _t: _linear_mlp(comp, ("mlp.c_fc_0", "mlp.c_fc_1"),
                                                ("mlp.c_proj",)),
+    "lfm2": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
+    "lfm2_moe": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
 }
 
 

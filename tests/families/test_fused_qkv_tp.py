@@ -3,8 +3,8 @@
 tensor of every rank bitwise equal to tests/fused_qkv_ref.py's stored slice, and each fused
 qkv / Conv1D piece, put through the engine's own load transform with the rank's head counts,
 equal to the parameter the engine builds from the whole tensor. Before, all of these were
-refused at TP=2 (``c_attn``, ``query_key_value``, ``qkv_proj``, ``c_fc``, ``c_fc_0``: "not a
-known projection"); MPT (no engine) still is.
+refused at TP=2 (``c_attn``, ``query_key_value``, ``qkv_proj``, ``c_fc``, ``c_fc_0``, LFM2's
+``feed_forward.w1``: "not a known projection"); MPT (no engine) still is.
 """
 from __future__ import annotations
 
@@ -82,6 +82,7 @@ CASES = {  # model type -> (overrides, modules that must be split)
     "starcoder2": ({}, {"c_fc", "c_proj", "q_proj"}),
     "exaone": ({}, {"c_fc_0", "c_fc_1", "c_proj", "out_proj"}),
     "sarvam_moe": ({}, {"query_key_value", "dense"}),
+    "lfm2": ({}, {"w1", "w3", "w2"}),        # the tiny one's layers are all attention
 }
 
 
@@ -147,3 +148,11 @@ def test_mpt_still_refused(tmp_path: Path) -> None:
     _build("mpt", tmp_path)
     exc = _refusal(tmp_path, 2)
     assert "Wqkv" in str(exc.tensor)
+
+
+def test_gpt2_mlp_not_dividing_refused(tmp_path: Path) -> None:
+    """vLLM's ColumnParallelLinear asserts its output divides by TP: an MLP width of 66 at
+    TP=4 is refused naming the Conv1D ``mlp.c_fc`` (its columns), heads dividing."""
+    _build("gpt2", tmp_path, n_inner=66)
+    exc = _refusal(tmp_path, 4)
+    assert "mlp.c_fc" in str(exc.tensor) and "does not divide" in str(exc)
