@@ -49,7 +49,7 @@ from .base import ShardRule, SpecView
 from .hf_meta import MetaModel, Naming
 from .mxfp4 import engine_tp_rules
 
-__all__ = ["engine_rules", "fused_tp_rules", "FUSED_TP_TYPES"]
+__all__ = ["engine_rules", "fused_tp_rules", "kv_aliases", "FUSED_TP_TYPES"]
 
 RuleFactory = Callable[[str], ShardRule]
 _Builder = Callable[[str, tuple[int, ...], Mapping[str, Any]], Optional[RuleFactory]]
@@ -148,7 +148,7 @@ def _gpt_bigcode(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     module, kind = _leaf(comp)
     hidden, heads, head_dim = _geometry(text)
     if module == "attn.c_attn":
-        kv = 1 if text.get("multi_query", True) else heads
+        kv = _kv_heads("gpt_bigcode", text) or heads
         return _qkv_rows(comp, shape, hidden, heads, kv, head_dim)
     if module == "attn.c_proj":
         return _rule(None) if kind == "bias" else _rule(1, units=heads)
@@ -167,16 +167,33 @@ def _per_head(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return _rule(0, units=heads)
 
 
+def _kv_heads(model_type: str, text: Mapping[str, Any]) -> Optional[int]:
+    """The KV heads of a fused qkv whose config does not say ``num_key_value_heads``: Falcon's
+    ``num_kv_heads`` (new decoder architecture), else 1 with ``multi_query`` (also
+    GPT-BigCode), else every head; None for other model types."""
+    heads = _geometry(text)[1]
+    if model_type == "falcon" and text.get("new_decoder_architecture"):
+        return _int(text, "num_kv_heads") or heads
+    if model_type in ("falcon", "gpt_bigcode"):
+        return 1 if text.get("multi_query", True) else heads
+    return None
+
+
+def kv_aliases(model_type: str, text: Mapping[str, Any]) -> dict[str, int]:
+    """``{"num_key_value_heads": n}`` for the models whose config spells the KV heads its own
+    way (Falcon, GPT-BigCode): the spec's KV heads, for the TP head check and the KV cache
+    pools (a config.json stating ``num_key_value_heads`` still wins)."""
+    kv = _kv_heads(model_type, text)
+    return {} if kv is None else {"num_key_value_heads": kv}
+
+
 def _falcon(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
             ) -> Optional[RuleFactory]:
     module, _ = _leaf(comp)
     if module.rpartition(".")[2] != "query_key_value":
         return None
     hidden, heads, head_dim = _geometry(text)
-    if text.get("new_decoder_architecture"):
-        kv = _int(text, "num_kv_heads") or heads
-    else:
-        kv = 1 if text.get("multi_query", True) else heads
+    kv = _kv_heads("falcon", text) or heads
     if not heads or not kv or heads % kv or not shape or \
             shape[0] != (heads + 2 * kv) * head_dim:
         return _refuse(comp, f"{list(shape)} is not [{kv} KV groups, {heads // max(kv, 1)} + 2 "

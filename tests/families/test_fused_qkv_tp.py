@@ -156,3 +156,14 @@ def test_gpt2_mlp_not_dividing_refused(tmp_path: Path) -> None:
     _build("gpt2", tmp_path, n_inner=66)
     exc = _refusal(tmp_path, 4)
     assert "mlp.c_fc" in str(exc.tensor) and "does not divide" in str(exc)
+
+
+@pytest.mark.parametrize("layout,kv", [("mha", 4), ("multi_query", 1), ("groups", 2)])
+def test_falcon_kv_heads_for_pools(layout: str, kv: int, tmp_path: Path) -> None:
+    """Falcon spells its KV heads ``num_kv_heads`` / ``multi_query``; the spec's KV heads (the
+    TP head check, the KV cache pools) are the groups its query_key_value holds."""
+    config = _build("falcon", tmp_path, **FALCON[layout])
+    assert "num_key_value_heads" not in config
+    spec = load_spec(tmp_path)
+    assert spec.num_kv_heads == kv
+    assert spec.family.cache_dims.of_gqa(spec).kv_heads == kv
