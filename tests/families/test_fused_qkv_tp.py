@@ -98,13 +98,15 @@ FALCON = {  # the three query_key_value layouts: [heads, 3, hd], [heads + 2, hd]
     "mha": dict(multi_query=False, new_decoder_architecture=False, bias=True),
     "multi_query": dict(multi_query=True, new_decoder_architecture=False, bias=True),
     "groups": dict(new_decoder_architecture=True, num_kv_heads=2, num_attention_heads=4),
+    "groups4": dict(new_decoder_architecture=True, num_kv_heads=4, num_attention_heads=8,
+                    bias=True),   # two groups of 2 q heads a rank at TP=2, one at TP=4
 }
 
 
 @pytest.mark.parametrize("layout", sorted(FALCON))
 def test_falcon_layouts_tp2(layout: str, tmp_path: Path) -> None:
     config = _build("falcon", tmp_path, **FALCON[layout])
-    assert config.get("new_decoder_architecture") == (layout == "groups")
+    assert config.get("new_decoder_architecture") == layout.startswith("groups")
     split = _check("falcon", tmp_path, config, 2)
     assert {"query_key_value", "dense", "dense_h_to_4h"} <= split
 
@@ -113,6 +115,7 @@ def test_falcon_layouts_tp2(layout: str, tmp_path: Path) -> None:
     ("gpt_bigcode", {}),                     # one KV head replicated on 4 ranks
     ("sarvam_moe", {}),                      # 2 KV heads over 4 ranks: each on 2
     ("falcon", FALCON["multi_query"]),
+    ("falcon", FALCON["groups4"]),
     ("gpt2", {}),
     ("codegen", {}),                         # 4 blocks, one a rank
 ])
@@ -158,7 +161,8 @@ def test_gpt2_mlp_not_dividing_refused(tmp_path: Path) -> None:
     assert "mlp.c_fc" in str(exc.tensor) and "does not divide" in str(exc)
 
 
-@pytest.mark.parametrize("layout,kv", [("mha", 4), ("multi_query", 1), ("groups", 2)])
+@pytest.mark.parametrize("layout,kv", [("mha", 4), ("multi_query", 1), ("groups", 2),
+                                       ("groups4", 4)])
 def test_falcon_kv_heads_for_pools(layout: str, kv: int, tmp_path: Path) -> None:
     """Falcon spells its KV heads ``num_kv_heads`` / ``multi_query``; the spec's KV heads (the
     TP head check, the KV cache pools) are the groups its query_key_value holds."""
