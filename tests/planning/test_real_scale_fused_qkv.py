@@ -1,5 +1,6 @@
 """Real-scale fused QKV layouts through the generic family (sparse files:
-tests/real_layouts.py ``build_generic_layout``; configs in tests/data/real_configs_generic/).
+tests/real_layouts.py ``build_generic_layout``; configs in tests/data/real_configs_generic/,
+written by hand from the published tiiuae/falcon-40b and bigscience/bloom config.json).
 
 Falcon-40B (``query_key_value`` in 8 KV groups of 16 + 2 heads, no biases) and BLOOM-176B
 (112 heads stored ``[heads, 3, head_dim]``, biases) at PP=2 x TP=8: every item of every rank
