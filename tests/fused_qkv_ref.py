@@ -2,8 +2,8 @@
 
 Two views of what TP rank ``rank`` holds of a stored tensor, both spelled from the engines'
 loaders (vLLM 0.32: ``gpt2.py``, ``bloom.py``, ``falcon.py``, ``exaone.py``, ``sarvam.py`` /
-``bailing_moe.py``, ``lfm2.py``, its transformers backend's ``colwise`` / ``rowwise`` for GPT-NeoX and
-CodeGen; SGLang 0.5.23: ``gpt_bigcode.py``, ``persimmon.py``, ``starcoder2.py``):
+``bailing_moe.py``, ``lfm2.py``, ``mimo_v2.py``, its transformers backend's ``colwise`` / ``rowwise`` for GPT-NeoX and
+CodeGen; SGLang 0.5.23: ``gpt_bigcode.py``, ``persimmon.py``, ``starcoder2.py``, ``beam.py``):
 
 - :func:`engine_param`: the parameter the engine builds on that rank from the *whole* stored
   tensor (its load-time reorder / transpose, then ``QKVParallelLinear`` / column / row
@@ -27,6 +27,7 @@ COLUMN = {"c_fc", "c_fc_0", "c_fc_1", "dense_h_to_4h", "fc_in", "q_proj", "k_pro
           "gate_proj", "up_proj", "w1", "w3"}
 ROW = {"c_proj", "dense", "dense_4h_to_h", "fc_out", "out_proj", "o_proj", "down_proj", "w2"}
 VOCAB = {"wte", "word_embeddings", "embed_in", "embed_out", "embed_tokens", "lm_head"}
+HEAD_VECTORS = {"attention_sink_bias", "gate_bias"}   # one value per query head: heads / tp
 
 
 def geometry(config: Mapping[str, Any]) -> tuple[int, int, int, int]:
@@ -104,6 +105,8 @@ def engine_param(model_type: str, name: str, full: torch.Tensor, config: Mapping
 
 
 def _plain(module: str, leaf: str, w: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    if leaf in HEAD_VECTORS:  # vLLM's MiMo-V2 / SGLang's Beam: narrow(0, rank * n / tp, n / tp)
+        return w[_share(w.shape[0], tp, rank)]
     if module in VOCAB:  # ParallelLMHead / VocabParallelEmbedding: ceil(V / tp), zero padded
         per = -(-w.shape[0] // tp)
         part = w[rank * per:(rank + 1) * per]

@@ -1,4 +1,4 @@
-"""TP rules for fused QKV projections and per-model MLP names, as the serving engines split them.
+"""TP rules for fused QKV projections and per-model names, as the serving engines split them.
 
 The generic family refuses what it cannot read from a tensor's name alone; these layouts need
 the model: the same name means different things (``mlp.c_fc`` is a transposed ``Conv1D`` in
@@ -33,6 +33,8 @@ orders its rows per model. Keyed by ``model_type``; each split is the engine's l
   ``mlp.c_proj`` columns; its ``attn.attention.*`` projections are the generic rules'.
 - **LFM2, LFM2-MoE** (vLLM ``lfm2.py`` / ``lfm2_moe.py``): the dense ``feed_forward.w1`` /
   ``w3`` rows (``w13``), ``w2`` columns (their short-convolution mixers are not ruled here).
+- **MiMo-V2-Flash** (vLLM ``mimo_v2.py``) and **Beam** (SGLang ``beam.py``): the per-head
+  vectors ``self_attn.attention_sink_bias`` / ``self_attn.gate_bias``, ``heads / tp`` a rank.
 - **Sarvam-MoE** (vLLM ``sarvam.py`` = Bailing-MoE's attention): ``attention.query_key_value``
   rows q | k | v, q by heads, k / v by KV heads; ``attention.dense`` is the generic rules'.
 
@@ -226,6 +228,13 @@ def _sarvam(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return _qkv_rows(comp, shape, hidden, heads, kv, head_dim)
 
 
+def _head_vector(comp: str, name: str) -> Optional[RuleFactory]:
+    """A vector of one value per query head of its layer (``[heads]``), split as the engine
+    narrows it: ``heads / tp`` a rank (vLLM's MiMo-V2 ``attention_sink_bias``, SGLang's Beam
+    ``load_gate_bias``); the layer's own length, as its heads may differ from the config's."""
+    return _rule(0) if comp == name else None
+
+
 #: LFM2's dense MLP: w1 (gate) and w3 (up) column-parallel, w2 row-parallel (vLLM lfm2.py /
 #: lfm2_moe.py load w1 / w3 into ``w13``, a MergedColumnParallelLinear; routed experts'
 #: ``experts.{e}.w1`` stay the generic rules')
@@ -239,6 +248,8 @@ FUSED_TP_TYPES: dict[str, _Builder] = {
     "starcoder2": lambda comp, _s, _t: _linear_mlp(comp, ("mlp.c_fc",), ("mlp.c_proj",)),
     "exaone": lambda comp, _s, _t: _linear_mlp(comp, ("mlp.c_fc_0", "mlp.c_fc_1"),
                                                ("mlp.c_proj",)),
+    "mimo_v2_flash": lambda comp, _s, _t: _head_vector(comp, "self_attn.attention_sink_bias"),
+    "beam": lambda comp, _s, _t: _head_vector(comp, "self_attn.gate_bias"),
     "lfm2": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
     "lfm2_moe": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
 }
@@ -257,7 +268,7 @@ def fused_tp_rules(model_type: str, naming: Naming, text: Mapping[str, Any]
     for name, shape in naming.template.items():
         m = prefix.match(name)
         comp = name[m.end():] if m else None
-        if comp is None or comp in out or not comp.endswith((".weight", ".bias")):
+        if comp is None or comp in out:
             continue
         factory = build(comp, tuple(shape), text)
         if factory is not None:

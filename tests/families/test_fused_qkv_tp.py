@@ -83,6 +83,8 @@ CASES = {  # model type -> (overrides, modules that must be split)
     "exaone": ({}, {"c_fc_0", "c_fc_1", "c_proj", "out_proj"}),
     "sarvam_moe": ({}, {"query_key_value", "dense"}),
     "lfm2": ({}, {"w1", "w3", "w2"}),        # the tiny one's layers are all attention
+    "mimo_v2_flash": ({}, {"self_attn"}),    # attention_sink_bias (module "self_attn")
+    "beam": ({}, {"self_attn", "gate_proj"}),  # gate_bias, the attention's gate_proj
 }
 
 
