@@ -34,7 +34,8 @@ from .cache_dims import key_projection, param_cache_dims
 from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
-from .mxfp4 import engine_tp_rules, is_mxfp4, mxfp4_naming
+from .fused_qkv import engine_rules, kv_aliases
+from .mxfp4 import is_mxfp4, mxfp4_naming
 from .windows import layout_windows
 
 
@@ -76,10 +77,10 @@ def _family(meta: MetaModel) -> Family:
         if marker is not None:
             changes = {k: v for k, v in _naming_fields(naming, meta).items() if k != "format"}
             formats.append(CheckpointFormat(naming.name, marker, tuple(changes.items())))
-    aliases = {k: v for k, v in text.items()  # the config class's defaults, as transformers
+    aliases = {k: v for k, v in {**text, **kv_aliases(meta.model_type, text)}.items()
                if k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                         "vocab_size", "num_hidden_layers", "tie_word_embeddings")}
-    #                                                    (Gemma-3 ties by default)
+    # the config class's defaults, as transformers (Gemma-3 ties by default; Falcon's KV heads)
     params = tuple(dict(p) for p in meta.layer_params)
     dims = replace(param_cache_dims(kinds, params, _gqa_from_params(kinds, params)),
                    windows=lambda _spec: layout_windows(text, kinds))  # class-normalised
@@ -270,9 +271,8 @@ def shard_rules(naming: Naming, meta: MetaModel,
         if em is not None:
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
         comps.setdefault(comp, shape)
-    engine = engine_tp_rules(meta.architecture, naming)  # gpt-oss MXFP4: vLLM's split
-    rules = []
-    encoders = frozenset(naming.encoder)
+    engine = engine_rules(meta, naming)  # the engines' splits of fused / per-model layouts
+    rules, encoders = [], frozenset(naming.encoder)
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
         rule = mtp_rule(pattern, comp, shape, text) if comp in mtp_only else None

@@ -86,7 +86,9 @@ class ShardRule:
     ``ceil`` splits the units unevenly, as an engine does for that tensor: each rank takes
     ``ceil(units / tp)`` of them and the last ranks fewer (``families.heads.ceil_share``:
     vLLM's gpt-oss experts: MXFP4 in whole 32-value blocks of the intermediate dim, bf16 in
-    elements).
+    elements). ``replicate`` False refuses a segment with fewer units than TP ranks instead
+    of replicating them: units that hold query heads the engine splits and never copies
+    (Falcon's KV groups, CodeGen's four qkv blocks; families/fused_qkv.py).
     """
 
     pattern: str
@@ -95,6 +97,7 @@ class ShardRule:
     units: Optional[Callable[[SpecView], Union[int, tuple[int, ...]]]] = None
     pad: bool = False
     ceil: bool = False
+    replicate: bool = True
 
 
 def cfg(config: Mapping, *keys: str) -> Any:  # JSON: the caller converts

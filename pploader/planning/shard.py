@@ -96,6 +96,10 @@ def tp_selection(rule: Optional[ShardRule], shape: tuple[int, ...], spec: "Model
                         f"split {where}", tensor=name)
     intervals, offset = [], 0
     for seg, seg_units in zip(segments, per_segment):
+        if seg and seg_units is not None and seg_units < tp_size and not rule.replicate:
+            raise PlanError(f"{seg_units} units of {seg // max(seg_units, 1)} are fewer than "
+                            f"the {tp_size} TP ranks and the engine does not replicate them: "
+                            f"cannot split {where}", tensor=name)
         intervals.append(_segment_piece(seg, seg_units, offset, tp_rank, tp_size, where, name,
                                         rule.ceil))
         offset += seg
