@@ -34,7 +34,8 @@ from .cache_dims import key_projection, param_cache_dims
 from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
-from .mxfp4 import engine_tp_rules, is_mxfp4, mxfp4_naming
+from .mxfp4 import is_mxfp4, mxfp4_naming
+from .tp_mixers import layout_tp_rules
 from .windows import layout_windows
 
 
@@ -270,7 +271,7 @@ def shard_rules(naming: Naming, meta: MetaModel,
         if em is not None:
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
         comps.setdefault(comp, shape)
-    engine = engine_tp_rules(meta.architecture, naming)  # gpt-oss MXFP4: vLLM's split
+    engine = layout_tp_rules(meta, naming)  # per-architecture engine splits (tp_mixers.py)
     rules = []
     encoders = frozenset(naming.encoder)
     for comp, shape in comps.items():

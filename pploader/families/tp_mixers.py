@@ -1,0 +1,158 @@
+"""TP rules of sequence mixers without attention heads (SSM, short convolution) and of the
+layouts ``tp_experts3d`` knows, for the generic family, as the serving engine splits them.
+:func:`layout_tp_rules` is the generic family's one hook for rules an engine defines per
+architecture (gpt-oss's MXFP4 experts, families/mxfp4.py, included).
+
+- Mamba / FalconMamba (vLLM ``MambaMixer``): ``in_proj`` ``[2I, H]`` = [x, z] halves, each
+  split (``MergedColumnParallelLinear``); ``conv1d`` ``[I, 1, K]``, ``dt_proj`` ``[I, R]``,
+  ``A_log`` ``[I, N]``, ``D`` ``[I]`` split on dim 0; ``x_proj`` ``[R + 2N, I]`` and
+  ``out_proj`` ``[H, I]`` row-parallel (dim 1), their biases whole; the dt/B/C RMS norms
+  whole.
+- Mamba2 (vLLM ``MambaMixer2``): ``in_proj`` = [z, x, B, C, dt], z / x / dt by heads, B / C
+  by groups (one group: whole on every rank, as ``mamba_v2_sharded_weight_loader``
+  duplicates it); ``conv1d`` over [x, B, C] the same; ``A_log`` / ``D`` / ``dt_bias`` by
+  heads; the gated norm and ``out_proj`` (dim 1) by heads. Sizes from the layer's own
+  parameters and the config's group count (``cache_dims.param_mamba2_dims``), the same the
+  cache geometry reads.
+- LFM2 / LFM2-MoE (vLLM ``ShortConv`` and ``Lfm2MLP``): ``conv.in_proj`` ``[3D, H]`` = [B,
+  C, x] thirds, each split; ``conv.conv`` ``[D, 1, L]`` on dim 0; ``conv.out_proj``
+  row-parallel; the dense ``feed_forward.w1`` / ``w3`` column-, ``w2`` row-parallel.
+
+Every rule is gated by architecture (the engines' model files), never inferred for an
+architecture no engine names; a TP size that does not divide is refused by the planner,
+naming the tensor.
+"""
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Callable, Mapping, Optional, Union
+
+from .blocks import Mamba2Dims
+from .cache_dims import param_mamba2_dims
+from .hf_meta import MetaModel, Naming
+from .mxfp4 import engine_tp_rules
+from .spec_view import ShardRule, SpecView
+from .tp_experts3d import EXPERT3D_ARCHITECTURES, expert3d_tp_rules
+
+__all__ = ["layout_tp_rules", "layer_components", "MIXER_ARCHITECTURES"]
+
+Factory = Callable[[str], ShardRule]
+
+_MAMBA1 = frozenset({"MambaForCausalLM", "FalconMambaForCausalLM"})
+_MAMBA2 = frozenset({"Mamba2ForCausalLM"})
+_SHORT_CONV = frozenset({"Lfm2ForCausalLM", "Lfm2MoeForCausalLM"})
+
+#: architectures whose mixers this module splits (vLLM's model files above)
+MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV
+
+
+def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
+    """``{component: pattern -> ShardRule}`` of every component of ``naming`` whose split
+    an engine defines for ``meta.architecture`` beyond the generic rules: gpt-oss's experts
+    (families/mxfp4.py), the stacked expert layouts of families/tp_experts3d.py and the
+    mixers above. Empty for any other architecture."""
+    arch = meta.architecture
+    out = dict(engine_tp_rules(arch, naming))
+    if arch not in MIXER_ARCHITECTURES and arch not in EXPERT3D_ARCHITECTURES:
+        return out
+    comps = layer_components(naming)
+    out.update(expert3d_tp_rules(arch, comps, meta.num_experts))
+    if arch in _MAMBA1:
+        out.update(_mamba1(comps))
+    elif arch in _MAMBA2:
+        out.update(_mamba2(comps))
+    elif arch in _SHORT_CONV:
+        out.update(_short_conv(comps))
+    return out
+
+
+def layer_components(naming: Naming) -> dict[str, tuple[int, ...]]:
+    """Every layer component of ``naming`` (the name after the layer prefix) -> its shape in
+    the first layer that has it."""
+    rx = re.compile(naming.layer_prefix)
+    out: dict[str, tuple[int, ...]] = {}
+    for name, shape in naming.template.items():
+        m = rx.match(name)
+        if m is not None:
+            out.setdefault(name[m.end():], tuple(shape))
+    return out
+
+
+def _const(value: Union[int, tuple[int, ...]], _spec: SpecView) -> Union[int, tuple[int, ...]]:
+    return value
+
+
+def _rule(pattern: str, dim: Optional[int], segments: Optional[tuple[int, ...]] = None
+          ) -> ShardRule:
+    return ShardRule(pattern, dim, segments=partial(_const, segments) if segments else None)
+
+
+def _mixer_prefixes(comps: Mapping[str, tuple[int, ...]], ndim: int, *needs: str) -> list[str]:
+    """Prefixes ``p`` with ``p + "A_log"`` of ``ndim`` dims and every ``p + need``."""
+    return [c[:-len("A_log")] for c, s in comps.items() if c.endswith("A_log") and
+            len(s) == ndim and all(c[:-len("A_log")] + n in comps for n in needs)]
+
+
+def _mamba1(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
+    out: dict[str, Factory] = {}
+    for p in _mixer_prefixes(comps, 2, "in_proj.weight", "conv1d.weight", "x_proj.weight",
+                             "dt_proj.weight", "out_proj.weight"):
+        inner = comps[p + "A_log"][0]
+        if comps[p + "in_proj.weight"][0] != 2 * inner:
+            continue  # not [x, z] of d_inner each: the generic rule refuses it
+        for c in ("in_proj.weight", "in_proj.bias"):
+            out[p + c] = partial(_rule, dim=0, segments=(inner, inner))
+        for c in ("conv1d.weight", "conv1d.bias", "dt_proj.weight", "dt_proj.bias", "A_log",
+                  "D"):
+            out[p + c] = partial(_rule, dim=0)
+        for c in ("x_proj.weight", "out_proj.weight"):
+            out[p + c] = partial(_rule, dim=1)
+        for c in ("x_proj.bias", "out_proj.bias", "dt_layernorm.weight", "b_layernorm.weight",
+                  "c_layernorm.weight"):
+            out[p + c] = partial(_rule, dim=None)
+    return {c: f for c, f in out.items() if c in comps}
+
+
+def _mamba2(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
+    out: dict[str, Factory] = {}
+    for p in _mixer_prefixes(comps, 1, "in_proj.weight", "conv1d.weight", "out_proj.weight"):
+        dims = param_mamba2_dims({c: s for c, s in comps.items() if c.startswith(p)})
+        for c in ("in_proj.weight", "in_proj.bias"):
+            out[p + c] = partial(_mamba2_rule, dims=dims, part="in_proj")
+        for c in ("conv1d.weight", "conv1d.bias"):
+            out[p + c] = partial(_mamba2_rule, dims=dims, part="conv")
+        for c in ("A_log", "D", "dt_bias"):
+            out[p + c] = partial(_rule, dim=0)
+        out[p + "norm.weight"] = partial(_mamba2_rule, dims=dims, part="norm")
+        out[p + "out_proj.weight"] = partial(_mamba2_rule, dims=dims, part="out")
+        out[p + "out_proj.bias"] = partial(_rule, dim=None)
+    return {c: f for c, f in out.items() if c in comps}
+
+
+def _mamba2_rule(pattern: str, dims: Callable[[SpecView], Mamba2Dims], part: str) -> ShardRule:
+    if part == "in_proj":
+        return ShardRule(pattern, 0, segments=lambda s: dims(s).in_proj_segments,
+                         units=lambda s: dims(s).in_proj_units)
+    if part == "conv":
+        return ShardRule(pattern, 0, segments=lambda s: dims(s).conv_segments,
+                         units=lambda s: dims(s).conv_units)
+    return ShardRule(pattern, 0 if part == "norm" else 1, units=lambda s: dims(s).n_heads)
+
+
+def _short_conv(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
+    out: dict[str, Factory] = {}
+    conv, inp = comps.get("conv.conv.weight"), comps.get("conv.in_proj.weight")
+    if conv is not None and inp is not None and len(conv) == 3 and inp[0] == 3 * conv[0]:
+        for c in ("conv.in_proj.weight", "conv.in_proj.bias"):
+            out[c] = partial(_rule, dim=0, segments=(conv[0],) * 3)
+        for c in ("conv.conv.weight", "conv.conv.bias"):
+            out[c] = partial(_rule, dim=0)
+        out["conv.out_proj.weight"] = partial(_rule, dim=1)
+        out["conv.out_proj.bias"] = partial(_rule, dim=None)
+    w1, w2 = comps.get("feed_forward.w1.weight"), comps.get("feed_forward.w2.weight")
+    if w1 is not None and w2 is not None and len(w1) == 2 and w1 == (w2[1], w2[0]) and \
+            comps.get("feed_forward.w3.weight") == w1:
+        out["feed_forward.w1.weight"] = out["feed_forward.w3.weight"] = partial(_rule, dim=0)
+        out["feed_forward.w2.weight"] = partial(_rule, dim=1)
+    return {c: f for c, f in out.items() if c in comps}
