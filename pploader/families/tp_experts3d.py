@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Optional
 
 from .spec_view import ShardRule, SpecView
 
-__all__ = ["expert3d_tp_rules", "EXPERT3D_ARCHITECTURES"]
+__all__ = ["expert3d_tp_rules", "plain_rule", "EXPERT3D_ARCHITECTURES"]
 
 Factory = Callable[[str], ShardRule]
 
@@ -41,8 +41,9 @@ def _const(value: tuple[int, ...], _spec: SpecView) -> tuple[int, ...]:
     return value
 
 
-def _rule(pattern: str, dim: Optional[int], segments: Optional[tuple[int, ...]] = None
-          ) -> ShardRule:
+def plain_rule(pattern: str, dim: Optional[int], segments: Optional[tuple[int, ...]] = None
+               ) -> ShardRule:
+    """A split on ``dim`` (None: whole) in fixed ``segments`` (each split on its own)."""
     return ShardRule(pattern, dim, segments=partial(_const, segments) if segments else None)
 
 
@@ -71,7 +72,7 @@ def _dbrx(comps: Mapping[str, tuple[int, ...]], num_experts: int) -> dict[str, F
             continue
         segments = (shape[0] // num_experts,) * num_experts  # E experts of I rows each
         for p in ("w1", "v1", "w2"):
-            out[stem + p] = partial(_rule, dim=0, segments=segments)
+            out[stem + p] = partial(plain_rule, dim=0, segments=segments)
     return out
 
 
@@ -98,6 +99,6 @@ def _pairs(comps: Mapping[str, tuple[int, ...]], up: str, down: str, *, transpos
             inter, dims = other[1], (0, 1)
         else:
             continue
-        out[comp] = partial(_rule, dim=dims[0], segments=(inter, inter))
-        out[stem + down] = partial(_rule, dim=dims[1])
+        out[comp] = partial(plain_rule, dim=dims[0], segments=(inter, inter))
+        out[stem + down] = partial(plain_rule, dim=dims[1])
     return out

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping
 
 from .blocks import Mamba2Dims
 from .cache_dims import param_mamba2_dims
@@ -34,6 +34,7 @@ from .hf_meta import MetaModel, Naming
 from .mxfp4 import engine_tp_rules
 from .spec_view import ShardRule, SpecView
 from .tp_experts3d import EXPERT3D_ARCHITECTURES, expert3d_tp_rules
+from .tp_experts3d import plain_rule as _rule
 
 __all__ = ["layout_tp_rules", "layer_components", "MIXER_ARCHITECTURES"]
 
@@ -77,15 +78,6 @@ def layer_components(naming: Naming) -> dict[str, tuple[int, ...]]:
         if m is not None:
             out.setdefault(name[m.end():], tuple(shape))
     return out
-
-
-def _const(value: Union[int, tuple[int, ...]], _spec: SpecView) -> Union[int, tuple[int, ...]]:
-    return value
-
-
-def _rule(pattern: str, dim: Optional[int], segments: Optional[tuple[int, ...]] = None
-          ) -> ShardRule:
-    return ShardRule(pattern, dim, segments=partial(_const, segments) if segments else None)
 
 
 def _mixer_prefixes(comps: Mapping[str, tuple[int, ...]], ndim: int, *needs: str) -> list[str]:
