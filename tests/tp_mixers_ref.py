@@ -131,6 +131,8 @@ def engine_piece(name: str, shape: Sequence[int], config: Mapping[str, Any], tp:
         inter = config["intermediate_size"]
         return ((2, _parts([inter, inter], tp, rank)) if module == "fc1"
                 else (1, (_even(inter, tp, rank),))), 0
+    if mt == "kimi_linear":
+        return _kimi(name, module, leaf, shape, config, tp, rank)
     if mt == "dbrx" and leaf in ("w1", "v1", "w2"):
         inter = config["ffn_config"]["ffn_hidden_size"]
         experts = config["ffn_config"]["moe_num_experts"]
@@ -150,6 +152,48 @@ def engine_piece(name: str, shape: Sequence[int], config: Mapping[str, Any], tp:
     if module == "down_proj":
         return (1, (_even(shape[1], tp, rank),)), 0
     return None, 0                                    # norms, routers, expert bias
+
+
+def _kimi(name: str, module: str, leaf: str, shape: Sequence[int], config: Mapping[str, Any],
+          tp: int, rank: int) -> tuple[Piece | None, int]:
+    """Kimi-Linear: KDA layers as SGLang's ``KimiDeltaAttention`` (q / k / v / f_b / g_b /
+    b rows, per-channel convs and dt_bias by heads, ``A_log`` [1, 1, H, 1] on dim 2, f_a / g_a
+    and the head-dim ``o_norm`` whole, ``o_proj`` columns), experts' w1 / w3 rows and w2
+    columns, the MLA layers and the rest by tests/mla_ref.py."""
+    from mla_ref import mla_slices
+    parts = name.split(".")
+    layer = int(parts[2]) if name.startswith("model.layers.") else None
+    if layer is not None and config["layer_types"][layer] == "linear_attention" and \
+            ".self_attn." in name:
+        heads, hd = config["linear_num_heads"], config["linear_head_dim"]
+        proj = heads * hd
+        if module in ("f_a_proj", "g_a_proj", "o_norm"):
+            return None, 0
+        if leaf == "A_log":
+            return (2, (_even(heads, tp, rank),)), 0
+        if module == "b_proj":
+            return (0, (_even(heads, tp, rank),)), 0
+        if module == "o_proj":
+            return (1, (_even(proj, tp, rank),)), 0
+        if module == "conv1d":  # transformers' naming: [q | k | v] convs stacked
+            return (0, _parts([proj] * 3, tp, rank)), 0
+        assert module in ("q_proj", "k_proj", "v_proj", "f_b_proj", "g_b_proj", "q_conv1d",
+                          "k_conv1d", "v_conv1d") or leaf == "dt_bias", name
+        return (0, (_even(proj, tp, rank),)), 0
+    inter = config["moe_intermediate_size"]
+    if ".experts." in name and module in ("w1", "w3", "w2"):
+        return ((1 if module == "w2" else 0), (_even(inter, tp, rank),)), 0
+    if ".experts." in name and leaf == "gate_up_proj":   # [E, 2I, H]: gate and up halves
+        return (1, _parts([inter, inter], tp, rank)), 0
+    if ".experts." in name and leaf == "down_proj":      # [E, H, I]
+        return (2, (_even(inter, tp, rank),)), 0
+    slices, pad = mla_slices(name, shape, config, tp, rank)
+    cut = [(d, s) for d, s in enumerate(slices) if (s.start, s.stop) != (0, shape[d])]
+    assert len(cut) <= 1, (name, slices)
+    if not cut:
+        return (None, 0) if not pad else ((0, ((0, shape[0]),)), pad)
+    d, s = cut[0]
+    return (d, ((s.start, s.stop),)), pad
 
 
 def take(full: Any, piece: Piece | None, pad: int) -> Any:

@@ -43,9 +43,10 @@ Factory = Callable[[str], ShardRule]
 _MAMBA1 = frozenset({"MambaForCausalLM", "FalconMambaForCausalLM"})
 _MAMBA2 = frozenset({"Mamba2ForCausalLM"})
 _SHORT_CONV = frozenset({"Lfm2ForCausalLM", "Lfm2MoeForCausalLM"})
+_KDA = frozenset({"KimiLinearForCausalLM"})
 
 #: architectures whose mixers this module splits (vLLM's model files above)
-MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV
+MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV | _KDA
 
 
 def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
@@ -65,6 +66,8 @@ def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
         out.update(_mamba2(comps))
     elif arch in _SHORT_CONV:
         out.update(_short_conv(comps))
+    elif arch in _KDA:
+        out.update(_kda(comps))
     return out
 
 
@@ -147,4 +150,27 @@ def _short_conv(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
             comps.get("feed_forward.w3.weight") == w1:
         out["feed_forward.w1.weight"] = out["feed_forward.w3.weight"] = partial(_rule, dim=0)
         out["feed_forward.w2.weight"] = partial(_rule, dim=1)
+    return {c: f for c, f in out.items() if c in comps}
+
+
+def _kda(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
+    """Kimi delta attention as SGLang's ``KimiDeltaAttention`` holds it (its q / k / v and
+    ``o_proj`` follow the generic attention rules)."""
+    out: dict[str, Factory] = {}
+    for comp, shape in comps.items():
+        if not comp.endswith("A_log") or len(shape) != 4 or shape[:2] != (1, 1) or shape[3] != 1:
+            continue
+        p = comp[:-len("A_log")]  # the mixer, or its ``forget_gate.`` (transformers naming)
+        m = p[:-len("forget_gate.")] if p.endswith("forget_gate.") else p
+        out[p + "A_log"] = partial(_rule, dim=2)
+        out[p + "dt_bias"] = partial(_rule, dim=0)
+        for g in (p, m):
+            out[g + "f_a_proj.weight"] = out[g + "g_a_proj.weight"] = partial(_rule, dim=None)
+            out[g + "f_b_proj.weight"] = out[g + "g_b_proj.weight"] = partial(_rule, dim=0)
+        for c in ("b_proj.weight", "q_conv1d.weight", "k_conv1d.weight", "v_conv1d.weight"):
+            out[m + c] = partial(_rule, dim=0)
+        out[m + "o_norm.weight"] = partial(_rule, dim=None)
+        conv, q = comps.get(m + "conv1d.weight"), comps.get(m + "q_proj.weight")
+        if conv is not None and q is not None and conv[0] == 3 * q[0]:
+            out[m + "conv1d.weight"] = partial(_rule, dim=0, segments=(q[0],) * 3)
     return {c: f for c, f in out.items() if c in comps}

@@ -51,10 +51,19 @@ CASES: dict[str, tuple[dict[str, Any], set[str]]] = {
                          {"block_sparse_moe.input_linear.weight",
                           "shared_mlp.input_linear.weight", "shared_mlp.output_linear.weight"}),
     "aria_text": ({}, {"mlp.experts.fc1.weight", "mlp.experts.fc2.weight"}),
+    "kimi_linear": ({}, {"self_attn.A_log", "self_attn.b_proj.weight", "self_attn.f_b_proj.weight",
+                         "self_attn.q_conv1d.weight", "self_attn.dt_bias",
+                         "self_attn.kv_b_proj.weight"}),
+    # transformers' own naming: the q / k / v convs stacked, A_log / dt_bias / f_* under
+    # ``forget_gate``, 3-D experts
+    "kimi_linear:transformers": ({}, {"self_attn.conv1d.weight", "self_attn.forget_gate.A_log",
+                                      "self_attn.forget_gate.f_b_proj.weight",
+                                      "mlp.experts.gate_up_proj"}),
 }
 
 
 def _checkpoint(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
+    model_type, _, naming = model_type.partition(":")
     arch = generic_sweep.causal_lm_types()[model_type]
     cls = getattr(transformers, arch)
     config = model_config(tiny_config(model_type), cls)
@@ -62,7 +71,8 @@ def _checkpoint(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
         setattr(config, key, value)
     config.architectures = [arch]
     torch.manual_seed(0)
-    cls._from_config(config, dtype=torch.float32).save_pretrained(out, max_shard_size="40KB")
+    cls._from_config(config, dtype=torch.float32).save_pretrained(
+        out, max_shard_size="40KB", save_original_format=naming != "transformers")
     return json.loads((out / "config.json").read_text())
 
 
