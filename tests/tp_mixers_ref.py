@@ -81,9 +81,13 @@ def engine_piece(name: str, shape: Sequence[int], config: Mapping[str, Any], tp:
         if module in ("x_proj", "out_proj") and leaf == "weight":
             return (1, (_even(inner, tp, rank),)), 0
         return None, 0
-    if mt == "mamba2" and ".mixer." in name:
-        nh, hd, g, n = config["num_heads"], config["head_dim"], config["n_groups"], \
-            config["state_size"]
+    if mt == "mamba2" and ".mixer." in name or mt == "zamba2" and ".mamba." in name:
+        if mt == "zamba2":
+            nh, g, n = config["n_mamba_heads"], config["mamba_ngroups"], config["mamba_d_state"]
+            hd = config["mamba_expand"] * hidden // nh
+        else:
+            nh, hd, g, n = config["num_heads"], config["head_dim"], config["n_groups"], \
+                config["state_size"]
         inner, gs = nh * hd, g * n
         one = g == 1  # the single group duplicated on every rank
         assert one or g % tp == 0, "vLLM refuses n_groups % tp != 0 unless n_groups == 1"
@@ -99,6 +103,10 @@ def engine_piece(name: str, shape: Sequence[int], config: Mapping[str, Any], tp:
         if module == "out_proj" and leaf == "weight":
             return (1, (_even(inner, tp, rank),)), 0
         return None, 0
+    if mt == "zamba2":
+        z = _zamba2(name, module, leaf, config, tp, rank)
+        if z is not False:
+            return z, 0  # type: ignore[return-value]
     if mt in ("lfm2", "lfm2_moe") and ".conv." in name:
         if module == "in_proj":
             return (0, _parts([hidden] * 3, tp, rank)), 0
@@ -152,6 +160,31 @@ def engine_piece(name: str, shape: Sequence[int], config: Mapping[str, Any], tp:
     if module == "down_proj":
         return (1, (_even(shape[1], tp, rank),)), 0
     return None, 0                                    # norms, routers, expert bias
+
+
+def _zamba2(name: str, module: str, leaf: str, config: Mapping[str, Any], tp: int,
+            rank: int) -> Any:
+    """Zamba2's shared block as vLLM's ``zamba2.py``; False: not one of its tensors."""
+    if ".shared_transformer." not in name and not name.endswith(".linear.weight"):
+        return False
+    inter, rank_rows = config["intermediate_size"], config["adapter_rank"]
+    attn = config["num_attention_heads"] * config["attention_head_dim"]
+    parts = name.split(".")
+    if "_adapter_list" in name:           # ...adapter_list.<k>.<0: A | 1: B>.weight
+        if parts[-2] == "0":
+            return (0, (_even(rank_rows, tp, rank),))
+        if "gate_up_proj_adapter" in name:
+            return (0, _parts([inter, inter], tp, rank))
+        return (0, (_even(attn, tp, rank),))
+    if module == "gate_up_proj":
+        return (0, _parts([inter, inter], tp, rank))
+    if module == "down_proj":
+        return (1, (_even(inter, tp, rank),))
+    if module in ("q_proj", "k_proj", "v_proj"):
+        return (0, (_even(attn, tp, rank),))
+    if module == "o_proj":
+        return (1, (_even(attn, tp, rank),))
+    return None                           # linear, norms
 
 
 def _kimi(name: str, module: str, leaf: str, shape: Sequence[int], config: Mapping[str, Any],

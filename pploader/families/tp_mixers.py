@@ -44,9 +44,10 @@ _MAMBA1 = frozenset({"MambaForCausalLM", "FalconMambaForCausalLM"})
 _MAMBA2 = frozenset({"Mamba2ForCausalLM"})
 _SHORT_CONV = frozenset({"Lfm2ForCausalLM", "Lfm2MoeForCausalLM"})
 _KDA = frozenset({"KimiLinearForCausalLM"})
+_ZAMBA2 = frozenset({"Zamba2ForCausalLM"})
 
 #: architectures whose mixers this module splits (vLLM's model files above)
-MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV | _KDA
+MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV | _KDA | _ZAMBA2
 
 
 def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
@@ -64,6 +65,9 @@ def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
         out.update(_mamba1(comps))
     elif arch in _MAMBA2:
         out.update(_mamba2(comps))
+    elif arch in _ZAMBA2:
+        out.update(_mamba2(comps))
+        out.update(_zamba2_shared(comps))
     elif arch in _SHORT_CONV:
         out.update(_short_conv(comps))
     elif arch in _KDA:
@@ -173,4 +177,33 @@ def _kda(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
         conv, q = comps.get(m + "conv1d.weight"), comps.get(m + "q_proj.weight")
         if conv is not None and q is not None and conv[0] == 3 * q[0]:
             out[m + "conv1d.weight"] = partial(_rule, dim=0, segments=(q[0],) * 3)
+    return {c: f for c, f in out.items() if c in comps}
+
+
+_ADAPTER = re.compile(r"(.+_adapter_list\.\d+\.)([01])\.weight")
+
+
+def _zamba2_shared(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
+    """Zamba2's shared transformer block as vLLM's ``zamba2.py`` holds it (its attention
+    follows the generic rules): ``linear`` replicated (``ReplicatedLinear``), the block's
+    input norm over the concatenated ``2 x hidden`` whole, ``feed_forward.gate_up_proj``
+    ``[2I, H]`` in halves, each LoRA adapter's ``A`` (``.0``) split on its rank rows
+    (``ColumnParallelLinear``, output gathered) and ``B`` (``.1``) on its output rows, a
+    gate/up adapter's in halves (``MergedColumnParallelLinear``)."""
+    out: dict[str, Factory] = {"linear.weight": partial(_rule, dim=None),
+                               "shared_transformer.input_layernorm.weight":
+                                   partial(_rule, dim=None)}
+    gate_up = comps.get("shared_transformer.feed_forward.gate_up_proj.weight")
+    down = comps.get("shared_transformer.feed_forward.down_proj.weight")
+    inter = down[1] if down is not None and len(down) == 2 else None
+    if gate_up is not None and inter is not None and gate_up[0] == 2 * inter:
+        out["shared_transformer.feed_forward.gate_up_proj.weight"] = partial(
+            _rule, dim=0, segments=(inter, inter))
+    for comp, shape in comps.items():
+        m = _ADAPTER.fullmatch(comp)
+        if m is None or len(shape) != 2:
+            continue
+        halves = m.group(2) == "1" and "gate_up_proj_adapter" in comp and inter is not None \
+            and shape[0] == 2 * inter
+        out[comp] = partial(_rule, dim=0, segments=(inter, inter) if halves and inter else None)
     return {c: f for c, f in out.items() if c in comps}

@@ -54,6 +54,12 @@ CASES: dict[str, tuple[dict[str, Any], set[str]]] = {
     "kimi_linear": ({}, {"self_attn.A_log", "self_attn.b_proj.weight", "self_attn.f_b_proj.weight",
                          "self_attn.q_conv1d.weight", "self_attn.dt_bias",
                          "self_attn.kv_b_proj.weight"}),
+    # heads x head dim = 2 x hidden, as vLLM's zamba2 requires; q / k / v LoRA adapters on
+    "zamba2": ({"attention_head_dim": 32, "use_shared_attention_adapter": True},
+               {"mamba.in_proj.weight", "mamba.conv1d.weight", "mamba_decoder.mamba.norm.weight",
+                "shared_transformer.feed_forward.gate_up_proj.weight",
+                "shared_transformer.feed_forward.gate_up_proj_adapter_list.0.1.weight",
+                "shared_transformer.self_attn.linear_q_adapter_list.0.0.weight"}),
     # transformers' own naming: the q / k / v convs stacked, A_log / dt_bias / f_* under
     # ``forget_gate``, 3-D experts
     "kimi_linear:transformers": ({}, {"self_attn.conv1d.weight", "self_attn.forget_gate.A_log",
