@@ -9,6 +9,9 @@ from the vLLM model files' loaders (config sizes only, never the planner's rules
   groups when ``n_groups % tp == 0``, the one group whole when ``n_groups == 1``
   (``mamba_v2_sharded_weight_loader``'s duplicated group); conv over [x | B | C] the same;
   ``A_log`` / ``D`` / ``dt_bias`` / gated ``norm`` by heads; ``out_proj`` columns.
+- OLMo-hybrid (``OlmoHybridGatedDeltaNetAttention``): q / k (and their convs) rows of the
+  key width, v / g rows of the value width, the fused conv [q | k | v] each part split,
+  a / b / ``A_log`` / ``dt_bias`` rows of the value heads, ``o_proj`` columns, ``o_norm`` whole.
 - LFM2 (``ShortConv``, ``Lfm2MLP``): ``conv.in_proj`` thirds [B | C | x] each split,
   ``conv.conv`` rows, ``conv.out_proj`` columns; ``feed_forward.w1`` / ``w3`` rows of the
   adjusted ``ff_dim`` (vLLM's ``block_auto_adjust_ff_dim`` arithmetic), ``w2`` columns.
@@ -139,6 +142,21 @@ def engine_piece(name: str, shape: Sequence[int], config: Mapping[str, Any], tp:
         inter = config["intermediate_size"]
         return ((2, _parts([inter, inter], tp, rank)) if module == "fc1"
                 else (1, (_even(inter, tp, rank),))), 0
+    if mt == "olmo_hybrid" and ".linear_attn." in name:
+        key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+        value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+        vh = config["linear_num_value_heads"]
+        if module in ("q_proj", "k_proj", "q_conv1d", "k_conv1d"):
+            return (0, (_even(key, tp, rank),)), 0
+        if module in ("v_proj", "g_proj", "v_conv1d"):
+            return (0, (_even(value, tp, rank),)), 0
+        if module == "conv1d":
+            return (0, _parts([key, key, value], tp, rank)), 0
+        if module in ("a_proj", "b_proj") or leaf in ("A_log", "dt_bias"):
+            return (0, (_even(vh, tp, rank),)), 0
+        if module == "o_proj":
+            return (1, (_even(value, tp, rank),)), 0
+        return None, 0                                # o_norm (head_v_dim)
     if mt == "kimi_linear":
         return _kimi(name, module, leaf, shape, config, tp, rank)
     if mt == "dbrx" and leaf in ("w1", "v1", "w2"):

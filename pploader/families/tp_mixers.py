@@ -14,6 +14,8 @@ architecture (gpt-oss's MXFP4 experts, families/mxfp4.py, included).
   heads; the gated norm and ``out_proj`` (dim 1) by heads. Sizes from the layer's own
   parameters and the config's group count (``cache_dims.param_mamba2_dims``), the same the
   cache geometry reads.
+- Zamba2 (vLLM ``zamba2.py``), Kimi-Linear (SGLang ``KimiDeltaAttention``), OLMo-hybrid
+  (vLLM ``OlmoHybridGatedDeltaNetAttention``): see their functions below.
 - LFM2 / LFM2-MoE (vLLM ``ShortConv`` and ``Lfm2MLP``): ``conv.in_proj`` ``[3D, H]`` = [B,
   C, x] thirds, each split; ``conv.conv`` ``[D, 1, L]`` on dim 0; ``conv.out_proj``
   row-parallel; the dense ``feed_forward.w1`` / ``w3`` column-, ``w2`` row-parallel.
@@ -26,8 +28,9 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional, Union
 
+from ..errors import PlanError
 from .blocks import Mamba2Dims
 from .cache_dims import param_mamba2_dims
 from .hf_meta import MetaModel, Naming
@@ -45,9 +48,10 @@ _MAMBA2 = frozenset({"Mamba2ForCausalLM"})
 _SHORT_CONV = frozenset({"Lfm2ForCausalLM", "Lfm2MoeForCausalLM"})
 _KDA = frozenset({"KimiLinearForCausalLM"})
 _ZAMBA2 = frozenset({"Zamba2ForCausalLM"})
+_OLMO_GDN = frozenset({"OlmoHybridForCausalLM"})
 
 #: architectures whose mixers this module splits (vLLM's model files above)
-MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV | _KDA | _ZAMBA2
+MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV | _KDA | _ZAMBA2 | _OLMO_GDN
 
 
 def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
@@ -72,6 +76,8 @@ def layout_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, Factory]:
         out.update(_short_conv(comps))
     elif arch in _KDA:
         out.update(_kda(comps))
+    elif arch in _OLMO_GDN:
+        out.update(_olmo_gdn(comps, meta.text_config))
     return out
 
 
@@ -207,3 +213,59 @@ def _zamba2_shared(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
             and shape[0] == 2 * inter
         out[comp] = partial(_rule, dim=0, segments=(inter, inter) if halves and inter else None)
     return {c: f for c, f in out.items() if c in comps}
+
+
+def _olmo_gdn(comps: Mapping[str, tuple[int, ...]], text: Mapping[str, object]
+              ) -> dict[str, Factory]:
+    """OLMo-hybrid's gated delta net as vLLM's ``OlmoHybridGatedDeltaNetAttention`` holds it:
+    q / k projections and convs by key heads, v / g by value heads (``in_proj_qkvg`` = [q, k,
+    v, g], the convs fused as [q, k, v], each part split on its own), ``a_proj`` / ``b_proj``
+    / ``A_log`` / ``dt_bias`` by value heads, the head-dim ``o_norm`` whole, ``o_proj``
+    columns by value heads; the attention layers' q / k norms whole. A conv whose rows are not its part's width (transformers'
+    original naming chunks the fused conv in three equal parts) gets no rule: refused."""
+    sizes = [text.get(k) for k in ("linear_num_key_heads", "linear_num_value_heads",
+                                   "linear_key_head_dim", "linear_value_head_dim")]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
+        return {}
+    kh, vh, kd, vd = (int(v) for v in sizes)  # type: ignore[call-overload]
+    key, value = kh * kd, vh * vd
+    out: dict[str, Factory] = {}
+    m = "linear_attn."
+    for c, (units, width) in {"q_proj": (kh, key), "k_proj": (kh, key), "v_proj": (vh, value),
+                              "g_proj": (vh, value), "q_conv1d": (kh, key),
+                              "k_conv1d": (kh, key), "v_conv1d": (vh, value)}.items():
+        shape = comps.get(m + c + ".weight")
+        if shape is not None and shape[0] == width:
+            out[m + c + ".weight"] = partial(_units_rule, dim=0, units=(units,))
+        elif shape is not None:
+            out[m + c + ".weight"] = partial(_refused, why=(
+                f"{c} has {shape[0]} rows, not its part's width {width} (vLLM's "
+                "olmo_hybrid loads [key, key, value] convs; transformers' original naming "
+                "chunks the fused conv in three equal parts)"))
+    conv = comps.get(m + "conv1d.weight")
+    if conv is not None and conv[0] == 2 * key + value:
+        out[m + "conv1d.weight"] = partial(_units_rule, dim=0, units=(kh, kh, vh),
+                                           segments=(key, key, value))
+    for c in ("a_proj.weight", "b_proj.weight", "A_log", "dt_bias"):
+        out[m + c] = partial(_rule, dim=0)
+    # its full-attention layers' QK norms span the projection; vLLM gathers q / k first
+    # (``OlmoHybridAttention._apply_qk_norm``): whole on every rank
+    out["self_attn.q_norm.weight"] = out["self_attn.k_norm.weight"] = partial(_rule, dim=None)
+    out[m + "o_norm.weight"] = partial(_rule, dim=None)
+    out[m + "o_proj.weight"] = partial(_units_rule, dim=1, units=(vh,))
+    return {c: f for c, f in out.items() if c in comps}
+
+
+def _units_rule(pattern: str, dim: int, units: tuple[int, ...],
+                segments: Optional[tuple[int, ...]] = None) -> ShardRule:
+    """A split of whole units (heads) on ``dim``, per segment when there are several."""
+    count: Union[int, tuple[int, ...]] = units if segments else units[0]
+    return ShardRule(pattern, dim, segments=(lambda _s: segments) if segments else None,
+                     units=lambda _s: count)
+
+
+def _refused(pattern: str, why: str) -> ShardRule:
+    """A rule that refuses TP > 1 saying ``why`` (the planner names the tensor)."""
+    def refuse(spec: SpecView) -> tuple[int, ...]:
+        raise PlanError(f"tensor parallelism refused for {spec.architecture}: {why}")
+    return ShardRule(pattern, 0, segments=refuse)

@@ -60,6 +60,12 @@ CASES: dict[str, tuple[dict[str, Any], set[str]]] = {
                 "shared_transformer.feed_forward.gate_up_proj.weight",
                 "shared_transformer.feed_forward.gate_up_proj_adapter_list.0.1.weight",
                 "shared_transformer.self_attn.linear_q_adapter_list.0.0.weight"}),
+    # key heads = value heads: the original naming's three equal conv chunks are q / k / v
+    "olmo_hybrid": ({"linear_num_key_heads": 4},
+                    {"linear_attn.q_conv1d.weight", "linear_attn.v_conv1d.weight",
+                     "linear_attn.g_proj.weight", "linear_attn.A_log", "linear_attn.o_proj.weight"}),
+    "olmo_hybrid:transformers": ({}, {"linear_attn.conv1d.weight", "linear_attn.q_proj.weight",
+                                      "linear_attn.v_proj.weight", "linear_attn.b_proj.weight"}),
     # transformers' own naming: the q / k / v convs stacked, A_log / dt_bias / f_* under
     # ``forget_gate``, 3-D experts
     "kimi_linear:transformers": ({}, {"self_attn.conv1d.weight", "self_attn.forget_gate.A_log",
@@ -124,6 +130,17 @@ def test_mamba2_heads_that_tp_does_not_divide_are_refused(tmp_path: Path) -> Non
     spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
     with pytest.raises(PlanError, match=r"mixer\.(A_log|D|dt_bias|in_proj|norm|conv1d)"):
         plan_all(spec, index, 1, 8, 1)
+
+
+def test_olmo_hybrid_convs_of_the_wrong_width_are_refused(tmp_path: Path) -> None:
+    """2 key heads, 4 value heads: transformers' original naming stores the fused conv as
+    three equal chunks (43 / 43 / 42 rows), not [key, key, value] (32 / 32 / 64) as vLLM loads
+    them: TP is refused naming the conv, PP still plans."""
+    _checkpoint("olmo_hybrid", tmp_path)
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    with pytest.raises(PlanError, match=r"linear_attn\.[qk]_conv1d.*not its part's width 32"):
+        plan_all(spec, index, 2, 2, 1)
+    assert plan_all(spec, index, 2, 1, 1)
 
 
 def _one_plan(path: Path, item: object) -> RankPlan:
