@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
-from typing import Callable, Mapping, Optional, Union
+from typing import Callable, Mapping
 
 from ..errors import PlanError
 from .blocks import Mamba2Dims
@@ -217,12 +217,12 @@ def _zamba2_shared(comps: Mapping[str, tuple[int, ...]]) -> dict[str, Factory]:
 
 def _olmo_gdn(comps: Mapping[str, tuple[int, ...]], text: Mapping[str, object]
               ) -> dict[str, Factory]:
-    """OLMo-hybrid's gated delta net as vLLM's ``OlmoHybridGatedDeltaNetAttention`` holds it:
-    q / k projections and convs by key heads, v / g by value heads (``in_proj_qkvg`` = [q, k,
-    v, g], the convs fused as [q, k, v], each part split on its own), ``a_proj`` / ``b_proj``
-    / ``A_log`` / ``dt_bias`` by value heads, the head-dim ``o_norm`` whole, ``o_proj``
-    columns by value heads; the attention layers' q / k norms whole. A conv whose rows are not its part's width (transformers'
-    original naming chunks the fused conv in three equal parts) gets no rule: refused."""
+    """OLMo-hybrid's gated delta net as vLLM's ``OlmoHybridGatedDeltaNetAttention`` loads it:
+    ``in_proj_qkvg`` = [q, k, v, g] and the fused conv [q, k, v], each part's rows split
+    evenly (``width // tp`` a rank, as its loaders cut them), ``a_proj`` / ``b_proj`` /
+    ``A_log`` / ``dt_bias`` by value heads, the head-dim ``o_norm`` whole, ``o_proj`` columns;
+    the attention layers' q / k norms whole. A conv whose rows are not its part's width
+    (transformers' original naming chunks the fused conv in three equal parts) is refused."""
     sizes = [text.get(k) for k in ("linear_num_key_heads", "linear_num_value_heads",
                                    "linear_key_head_dim", "linear_value_head_dim")]
     if not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in sizes):
@@ -231,12 +231,11 @@ def _olmo_gdn(comps: Mapping[str, tuple[int, ...]], text: Mapping[str, object]
     key, value = kh * kd, vh * vd
     out: dict[str, Factory] = {}
     m = "linear_attn."
-    for c, (units, width) in {"q_proj": (kh, key), "k_proj": (kh, key), "v_proj": (vh, value),
-                              "g_proj": (vh, value), "q_conv1d": (kh, key),
-                              "k_conv1d": (kh, key), "v_conv1d": (vh, value)}.items():
+    for c, width in {"q_proj": key, "k_proj": key, "v_proj": value, "g_proj": value,
+                     "q_conv1d": key, "k_conv1d": key, "v_conv1d": value}.items():
         shape = comps.get(m + c + ".weight")
         if shape is not None and shape[0] == width:
-            out[m + c + ".weight"] = partial(_units_rule, dim=0, units=(units,))
+            out[m + c + ".weight"] = partial(_rule, dim=0)
         elif shape is not None:
             out[m + c + ".weight"] = partial(_refused, why=(
                 f"{c} has {shape[0]} rows, not its part's width {width} (vLLM's "
@@ -244,24 +243,15 @@ def _olmo_gdn(comps: Mapping[str, tuple[int, ...]], text: Mapping[str, object]
                 "chunks the fused conv in three equal parts)"))
     conv = comps.get(m + "conv1d.weight")
     if conv is not None and conv[0] == 2 * key + value:
-        out[m + "conv1d.weight"] = partial(_units_rule, dim=0, units=(kh, kh, vh),
-                                           segments=(key, key, value))
+        out[m + "conv1d.weight"] = partial(_rule, dim=0, segments=(key, key, value))
     for c in ("a_proj.weight", "b_proj.weight", "A_log", "dt_bias"):
         out[m + c] = partial(_rule, dim=0)
+    out[m + "o_norm.weight"] = partial(_rule, dim=None)
+    out[m + "o_proj.weight"] = partial(_rule, dim=1)
     # its full-attention layers' QK norms span the projection; vLLM gathers q / k first
     # (``OlmoHybridAttention._apply_qk_norm``): whole on every rank
     out["self_attn.q_norm.weight"] = out["self_attn.k_norm.weight"] = partial(_rule, dim=None)
-    out[m + "o_norm.weight"] = partial(_rule, dim=None)
-    out[m + "o_proj.weight"] = partial(_units_rule, dim=1, units=(vh,))
     return {c: f for c, f in out.items() if c in comps}
-
-
-def _units_rule(pattern: str, dim: int, units: tuple[int, ...],
-                segments: Optional[tuple[int, ...]] = None) -> ShardRule:
-    """A split of whole units (heads) on ``dim``, per segment when there are several."""
-    count: Union[int, tuple[int, ...]] = units if segments else units[0]
-    return ShardRule(pattern, dim, segments=(lambda _s: segments) if segments else None,
-                     units=lambda _s: count)
 
 
 def _refused(pattern: str, why: str) -> ShardRule:

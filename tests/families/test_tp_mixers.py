@@ -98,20 +98,29 @@ def _bytes(t: torch.Tensor) -> bytes:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
+#: (pp, tp) layouts; TP=4 also splits 2 KV heads by replication (LFM2) and, for Mamba2, would
+#: give 2 groups over 4 ranks, which vLLM refuses (see docs/families.md): not run there
+LAYOUTS = [(2, 2), (1, 4)]
+
+
+@pytest.mark.parametrize("pp,tp", LAYOUTS)
 @pytest.mark.parametrize("model_type", sorted(CASES))
-def test_pp2_tp2_every_rank_equals_the_engine_slices(model_type: str, tmp_path: Path) -> None:
+def test_every_rank_equals_the_engine_slices(model_type: str, pp: int, tp: int,
+                                             tmp_path: Path) -> None:
+    if tp == 4 and model_type == "mamba2":
+        pytest.skip("2 Mamba2 groups over 4 ranks: vLLM refuses it, pploader replicates")
     overrides, must_split = CASES[model_type]
     config = _checkpoint(model_type, tmp_path, **overrides)
     spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
     ref = reference_tensors(tmp_path)
     seen: set[str] = set()
     split: set[str] = set()
-    for plan in plan_all(spec, index, 2, TP, 1, exchange_cost=None):
+    for plan in plan_all(spec, index, pp, tp, 1, exchange_cost=None):
         got = dict(Reader(plan))
         assert {i.target for i in plan.items} == set(got)
         for item in plan.items:
             full = ref[item.name]
-            piece, pad = engine_piece(item.name, tuple(full.shape), config, TP,
+            piece, pad = engine_piece(item.name, tuple(full.shape), config, tp,
                                       plan.topology.tp_rank)
             want = take(full, piece, pad)
             assert tuple(got[item.target].shape) == tuple(want.shape), (item.name, plan.topology)
