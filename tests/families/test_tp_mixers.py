@@ -1,11 +1,13 @@
-"""SSM / short-convolution mixers and other stacked expert layouts under TP through the
-generic family (families/tp_mixers.py, tp_experts3d.py): tiny ``save_pretrained``
-checkpoints of Mamba, FalconMamba, Mamba2, LFM2, LFM2-MoE, GraniteMoE, GraniteMoeShared and
-Aria loaded at PP=2 x TP=2 (the CPU reader), every tensor of every rank bitwise equal to the
-slice tests/tp_mixers_ref.py writes from vLLM's loaders; DBRX's ``[E x I, H]`` experts (its
+"""SSM / short-convolution / delta-rule mixers and other stacked expert layouts under TP
+through the generic family (families/tp_mixers.py, tp_experts3d.py): tiny ``save_pretrained``
+checkpoints of Mamba, FalconMamba, Mamba2, Zamba2, LFM2, LFM2-MoE, Kimi-Linear and
+OLMo-hybrid (both namings), GraniteMoE, GraniteMoeShared and Aria loaded at PP=2 x TP=2 and
+PP=1 x TP=4 (the CPU reader), every tensor of every rank bitwise equal to the slice
+tests/tp_mixers_ref.py writes from the engines' loaders; DBRX's ``[E x I, H]`` experts (its
 fused ``Wqkv`` aside) read at TP=2 and at EP=2 x TP=2 (each rank: its experts, the rows of
-its TP share in each). Before, all were refused at TP > 1 ("no unambiguous split" for
-``A_log``, ``conv.conv``, ``feed_forward.w1``, ``input_linear``, ``fc1``, ``v1``).
+its TP share in each); (marked slow) a real 4-rank gloo job for Mamba2 and GraniteMoE. Before,
+all were refused at TP > 1 ("no unambiguous split" for ``A_log``, ``conv.conv``,
+``feed_forward.w1``, ``input_linear``, ``fc1``, ``v1``).
 """
 from __future__ import annotations
 
@@ -188,3 +190,38 @@ def test_dbrx_experts_per_expert_rows(ep: int, tmp_path: Path) -> None:
             per = inter // TP
             want = full[:, topo.tp_rank * per:(topo.tp_rank + 1) * per].reshape(-1, full.shape[2])
             assert _bytes(got) == _bytes(want), (rank, name)
+
+
+# ---- a real gloo job: PP=2 x TP=2, plain and exchanged ----------------------------------------
+def _gloo_rank(rank: int, world: int, model: str) -> dict:
+    from pploader import Topology, load_stage, plan_stage
+    from pploader.distributed.comm import Comm
+    topo = Topology.for_world(world, rank, pp=2, tp=2)
+    comm = Comm(topo, timeout_s=60)
+    plain = load_stage(plan_stage(model, topo, exchange_cost=None))
+    exchanged = load_stage(plan_stage(model, topo, exchange_cost=0.0), comm=comm)
+    comm.agree(None)
+    comm.close()
+    return {"tp_rank": topo.tp_rank,
+            **{kind: {k: _bytes(v) for k, v in load.state_dict.items()}
+               for kind, load in (("plain", plain), ("exchanged", exchanged))}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model_type", ["mamba2", "granitemoe"])
+def test_gloo_job_loads_the_engine_slices(model_type: str, tmp_path: Path) -> None:
+    """4 gloo ranks (PP=2 x TP=2) load a mixer and a 3-D expert model plain and exchanged
+    (row shares + all-to-all over the TP group): every rank's bytes are the reference slices
+    of its stage's tensors."""
+    from helpers import run_ranks
+    config = _checkpoint(model_type, tmp_path, **CASES[model_type][0])
+    ref = reference_tensors(tmp_path)  # (both untied: every loaded name is a stored one)
+    results = run_ranks(_gloo_rank, 4, str(tmp_path))
+    seen: set[str] = set()
+    for res in results:
+        assert res["plain"] == res["exchanged"]
+        for name, raw in res["plain"].items():
+            piece, pad = engine_piece(name, tuple(ref[name].shape), config, 2, res["tp_rank"])
+            assert raw == _bytes(take(ref[name], piece, pad)), (res["tp_rank"], name)
+        seen |= set(res["plain"])
+    assert seen == set(ref)
