@@ -1,5 +1,6 @@
-"""TP rules of sequence mixers without attention heads (SSM, short convolution) and of the
-layouts ``tp_experts3d`` knows, for the generic family, as the serving engine splits them.
+"""TP rules of sequence mixers without attention heads (SSM, short convolution, delta-rule
+attention), Zamba2's shared block and the expert layouts ``tp_experts3d`` knows, for the
+generic family, as the serving engine splits them.
 :func:`layout_tp_rules` is the generic family's one hook for rules an engine defines per
 architecture (gpt-oss's MXFP4 experts, families/mxfp4.py, included).
 
@@ -50,7 +51,7 @@ _KDA = frozenset({"KimiLinearForCausalLM"})
 _ZAMBA2 = frozenset({"Zamba2ForCausalLM"})
 _OLMO_GDN = frozenset({"OlmoHybridForCausalLM"})
 
-#: architectures whose mixers this module splits (vLLM's model files above)
+#: architectures whose mixers this module splits (the engines' model files above)
 MIXER_ARCHITECTURES = _MAMBA1 | _MAMBA2 | _SHORT_CONV | _KDA | _ZAMBA2 | _OLMO_GDN
 
 
