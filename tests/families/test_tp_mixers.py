@@ -225,3 +225,31 @@ def test_gloo_job_loads_the_engine_slices(model_type: str, tmp_path: Path) -> No
             assert raw == _bytes(take(ref[name], piece, pad)), (res["tp_rank"], name)
         seen |= set(res["plain"])
     assert seen == set(ref)
+
+
+@pytest.mark.parametrize("model_type, gate_up, down", [
+    ("granitemoe", "block_sparse_moe.input_linear.weight", "block_sparse_moe.output_linear.weight"),
+    ("aria_text", "mlp.experts.fc1.weight", "mlp.experts.fc2.weight"),
+])
+def test_expert_shards_compute_the_whole(model_type: str, gate_up: str, down: str,
+                                         tmp_path: Path) -> None:
+    """What the split is for, checked without the reference: transformers' own experts module
+    (its ``gate_up_proj`` / ``down_proj`` are the checkpoint's ``input_linear`` /
+    ``output_linear`` and ``fc1`` / ``fc2``, same layouts) run on each TP rank's shards,
+    summed over the ranks, equals the module on the whole tensors."""
+    from test_stacked_experts_tp import _experts, _run
+    arch = generic_sweep.causal_lm_types()[model_type]
+    model = generic_sweep._checkpoint(model_type, arch, tmp_path)
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    ref = reference_tensors(tmp_path)
+    up_name = next(n for n in ref if ".layers.0." in n and n.endswith(gate_up))
+    down_name = up_name[:-len(gate_up)] + down
+    _, module = _experts(model)
+    shards = [dict(Reader(p)) for p in plan_all(spec, index, 1, TP, 1)]
+    assert all(s[up_name].shape != ref[up_name].shape for s in shards)  # split, not whole
+    experts = ref[up_name].shape[0]
+    x = torch.randn(4 * experts, spec.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        whole = _run(module, ref[up_name], ref[down_name], x, experts)
+        parts = sum(_run(module, s[up_name], s[down_name], x, experts) for s in shards)
+    assert torch.allclose(parts, whole, atol=1e-5, rtol=1e-4), (parts - whole).abs().max()
