@@ -36,6 +36,7 @@ from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecV
 from .hf_meta import MetaModel, Naming, derive
 from .fused_qkv import engine_rules, kv_aliases
 from .mxfp4 import is_mxfp4, mxfp4_naming
+from .tp_mixers import layout_tp_rules
 from .windows import layout_windows
 
 
@@ -271,7 +272,8 @@ def shard_rules(naming: Naming, meta: MetaModel,
         if em is not None:
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
         comps.setdefault(comp, shape)
-    engine = engine_rules(meta, naming)  # the engines' splits of fused / per-model layouts
+    # the engines' splits of fused / per-model layouts (fused_qkv.py), mixers and 3-D experts
+    engine = {**engine_rules(meta, naming), **layout_tp_rules(meta, naming)}  # (tp_mixers.py)
     rules, encoders = [], frozenset(naming.encoder)
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")

@@ -149,9 +149,19 @@ def _logical_selection(spec: ModelSpec, role: TensorRole, name: str, shape: tupl
                             f"num_experts {spec.num_experts}", tensor=name)
         rows = 1 if extra else shape[0] // spec.num_experts
         if experts != (0, spec.num_experts):
-            sel = Selection(((0, ((experts[0] * rows, (experts[1] - experts[0]) * rows),)),)
-                            ).merged(sel)
+            sel = _expert_block(sel, experts[0] * rows, experts[1] * rows)
     return sel
+
+
+def _expert_block(sel: Selection, lo: int, hi: int) -> Selection:
+    """``sel`` cut to dim-0 rows ``[lo, hi)`` (the rank's experts). A TP split on dim 0 too
+    (DBRX's ``[E x I, H]``: rows of every expert) keeps its intervals inside the block."""
+    dims = dict(sel.dims)
+    if 0 not in dims:
+        return Selection(((0, ((lo, hi - lo),)),)).merged(sel)
+    dims[0] = tuple((max(a, lo), min(a + n, hi) - max(a, lo)) for a, n in dims[0]
+                    if a < hi and a + n > lo)
+    return Selection(tuple(sorted(dims.items())), sel.pad_rows)
 
 
 def tensor_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo: Topology,
