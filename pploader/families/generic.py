@@ -34,9 +34,9 @@ from .cache_dims import key_projection, param_cache_dims
 from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
+from .hf_tp_plan import with_plan
 from .mxfp4 import engine_tp_rules, is_mxfp4, mxfp4_naming
 from .windows import layout_windows
-
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
 
@@ -280,7 +280,7 @@ def shard_rules(naming: Naming, meta: MetaModel,
                               _halved_rule(pattern, comp, comps, meta.halved) or
                               _rule(pattern, comp, shape, naming, text, meta.num_experts,
                                     encoders, meta.architecture)))
-    return tuple(rules)
+    return with_plan(rules, comps, meta.tp_plan)  # vLLM's transformers backend (hf_tp_plan)
 
 
 def _halved_rule(pattern: str, comp: str, comps: Mapping[str, tuple[int, ...]],
