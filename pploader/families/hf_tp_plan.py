@@ -93,23 +93,46 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
     prefix = base_path + "." if base_path else ""
     layers = layers_path + "."
     out: dict[str, str] = {}
-    for key in model.state_dict():
+    heads = _head_keys(model)
+    state = model.state_dict()
+    for key, tensor in state.items():
+        if _expert(key):
+            continue  # vLLM's FusedMoE: the generic rules' stacked / per-expert split
         if not key.startswith(prefix):
-            how = VOCAB if key in _head_keys(model) else \
+            how = VOCAB if key in heads else \
                 "refuse:not held by vLLM's transformers backend (it builds the base model " \
                 "and an lm_head of weight and bias only)"
         else:
             how = found.get(key[len(prefix):], WHOLE)
-        if _expert(key):
-            continue  # vLLM's FusedMoE: the generic rules' stacked / per-expert split
-        comp = key
-        if key.startswith(layers):
-            idx, _, comp = key[len(layers):].partition(".")
-            if not idx.isdigit():
-                comp = key
-        if out.setdefault(comp, how) != how:
-            out[comp] = f"refuse:its layers are held differently ({out[comp]}, {how})"
+        comp = _comp(key, layers)
+        if comp in out:
+            if out[comp] != how:
+                out[comp] = f"refuse:its layers are held differently ({out[comp]}, {how})"
+            continue
+        out[comp] = how
+        for name in _saved(model, key, tensor):  # the checkpoint's spelling (save_pretrained)
+            out.setdefault(_comp(name, layers), how)
     return out
+
+
+def _comp(key: str, layers: str) -> str:
+    """``key`` inside its decoder layer (``self_attn.q_proj.weight``), or whole."""
+    if key.startswith(layers):
+        idx, _, comp = key[len(layers):].partition(".")
+        if idx.isdigit():
+            return comp
+    return key
+
+
+def _saved(model: Any, key: str, tensor: Any) -> list[str]:
+    """The name(s) ``save_pretrained`` writes ``key`` under (transformers' conversion
+    mapping reverted); none where the conversion needs several tensors at once."""
+    from ..errors import ConfigError
+    from .hf_ties import revert_one
+    try:
+        return [n for n in revert_one(model, key, tensor) if n != key]
+    except ConfigError:
+        return []
 
 
 def _join(rel: str, name: str) -> str:
@@ -131,14 +154,14 @@ def _linear_splits(module: Any, linears: Mapping[str, Any], styles: Mapping[str,
     mergeable: dict[tuple[int, bool], list[str]] = {}  # what vLLM's fusers could merge
     for name, lin in linears.items():
         mergeable.setdefault((lin.in_features, lin.bias is None), []).append(name)
-    column = [n for n in linears if styles[n] in COLUMN]
+    column = [n for n in linears if isinstance(styles[n], str) and styles[n] in COLUMN]
     for name, lin in linears.items():
         style = styles[name]
         if not isinstance(style, str):
             out[name] = f"refuse:plan style {style!r} is not a string (vLLM raises)"
-        elif style in COLUMN:
+        elif style in COLUMN:  # (style: a string from here on)
             group = [n for n in mergeable[(lin.in_features, lin.bias is None)]
-                     if styles[n] in COLUMN]
+                     if isinstance(styles[n], str) and styles[n] in COLUMN]
             hd = getattr(module, "head_dim", None) or head_dim
             out[name] = f"heads:{hd}" if len(group) >= 3 and isinstance(hd, int) and hd > 0 \
                 and lin.out_features % hd == 0 else DIM0  # q / k / v: QKVParallelLinear
