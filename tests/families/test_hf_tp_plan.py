@@ -140,3 +140,27 @@ def test_style_lookup_is_vllms_prefix_match() -> None:
     assert _style(plan, "embed_tokens_extend.proj") == "embedding_rowwise"  # a prefix
     assert _style(plan, "layers.3.mlp.fc") == "rowwise"  # the first key that matches wins
     assert _style(plan, "norm") == "replicate"
+
+
+def test_kv_heads_fewer_than_tp_are_replicated_as_the_fused_qkv_holds_them(
+        tmp_path: Path) -> None:
+    # Doge's q / k / v are column-parallel side by side: vLLM fuses them into one
+    # QKVParallelLinear, which puts a whole KV head on each rank when there are fewer than TP
+    from transformers import DogeConfig, DogeForCausalLM
+    config = DogeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, intermediate_size=128,
+                        max_position_embeddings=64, is_moe=False)
+    config.architectures = ["DogeForCausalLM"]
+    torch.manual_seed(0)
+    DogeForCausalLM(config).save_pretrained(tmp_path)
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    ref = reference_tensors(tmp_path)
+    got: dict[tuple[int, str], torch.Tensor] = {}
+    for plan in plan_all(spec, index, 1, 2, 1):
+        out = dict(Reader(plan))
+        for item in plan.items:
+            got[plan.topology.tp_rank, item.name] = out[item.target]
+    k, q = "model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.q_proj.weight"
+    assert ref[k].shape == (16, 64)  # one KV head of 16
+    assert torch.equal(got[0, k], ref[k]) and torch.equal(got[1, k], ref[k])
+    assert torch.equal(got[1, q], ref[q][32:])  # query heads 2-3 on rank 1
