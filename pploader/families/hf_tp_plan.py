@@ -22,11 +22,12 @@ model and walks its modules once, replacing them by vLLM's layers:
 architectures of :data:`TRANSFORMERS_BACKEND`; :func:`with_plan` turns it into the generic
 family's rules where its own would refuse. Refused, naming tensor and reason: a style the
 backend has no linear class for (it would fall back to a replicated linear, against the
-plan's split), a linear the plan leaves replicated beside a sibling the fusers could merge it with
-(the trace decides, not the plan), a head parameter other than the weight / bias. Sizes that
-do not divide are refused by the planner (``planning/shard.py``), as vLLM's ``divide``
-asserts. Stacked / per-expert expert tensors (vLLM's ``FusedMoE``) are left to the generic
-rules.
+plan's split; a non-string style, which it rejects), a linear the plan leaves replicated
+beside a sibling the fusers could merge it with (the trace decides, not the plan), a head
+parameter other than the weight / bias. Sizes that do not divide are refused by the planner
+(``planning/shard.py``), as vLLM's ``divide`` asserts. Stacked / per-expert expert tensors
+(vLLM's ``FusedMoE``) are left to the generic rules. The plan is the installed
+transformers' own: vLLM must run with the same version.
 """
 from __future__ import annotations
 
