@@ -35,10 +35,10 @@ from .generic_mtp import mtp_rule, num_mtp_layers, with_mtp
 from .base import CheckpointFormat, Family, GlobalRule, Layout, ShardRule, SpecView
 from .hf_meta import MetaModel, Naming, derive
 from .fused_qkv import engine_rules, kv_aliases
+from .hf_tp_plan import TRANSFORMERS_BACKEND, with_plan
 from .mxfp4 import is_mxfp4, mxfp4_naming
 from .tp_mixers import layout_tp_rules
 from .windows import layout_windows
-
 
 __all__ = ["family_for", "layer_kinds", "GENERIC_NAME"]
 
@@ -273,7 +273,12 @@ def shard_rules(naming: Naming, meta: MetaModel,
             comp = comp[:em.start(1)] + "#" + comp[em.end(1):]
         comps.setdefault(comp, shape)
     # the engines' splits of fused / per-model layouts (fused_qkv.py), mixers and 3-D experts
-    engine = {**engine_rules(meta, naming), **layout_tp_rules(meta, naming)}  # (tp_mixers.py)
+    # (tp_mixers.py); an architecture vLLM serves through its transformers backend takes
+    # the model's own tp plan (hf_tp_plan.py), which the backend follows, except CodeGen:
+    # its forward views qkv rows as 4 fixed blocks, so fused_qkv refuses a TP that cuts one
+    fused = engine_rules(meta, naming) if meta.architecture not in TRANSFORMERS_BACKEND or \
+        meta.model_type == "codegen" else {}
+    engine = {**fused, **layout_tp_rules(meta, naming)}
     rules, encoders = [], frozenset(naming.encoder)
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
@@ -282,7 +287,7 @@ def shard_rules(naming: Naming, meta: MetaModel,
                               _halved_rule(pattern, comp, comps, meta.halved) or
                               _rule(pattern, comp, shape, naming, text, meta.num_experts,
                                     encoders, meta.architecture)))
-    return tuple(rules)
+    return with_plan(rules, comps, meta.tp_plan)  # vLLM's transformers backend (hf_tp_plan)
 
 
 def _halved_rule(pattern: str, comp: str, comps: Mapping[str, tuple[int, ...]],

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Mapping, Optional
 from ..errors import ConfigError
 from .hf_check import check_conversion, pin_conversions, sampled_layers
 from .hf_experts import declared_experts, halved_experts, ids_below, routed_count
+from .hf_tp_plan import TRANSFORMERS_BACKEND, plan_splits
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
 from .hf_ties import (first_uses, loop_uses, revert_one, saved_names, saved_pairs,
                       tied_copies, unrun_entries)
@@ -79,6 +80,9 @@ class MetaModel:
     #: stacked experts' ``gate_up_proj`` / ``down_proj`` (relative to a layer) whose module
     #: splits the fused gate/up output in halves, gate first (``halved_experts``)
     halved: frozenset[str] = frozenset()
+    #: how vLLM's transformers backend holds each tensor (``hf_tp_plan.plan_splits``; only
+    #: for ``hf_tp_plan.TRANSFORMERS_BACKEND``)
+    tp_plan: Mapping[str, str] = field(default_factory=dict)
 
 
 def hf_config(config: Mapping[str, Any]) -> Any:
@@ -353,7 +357,9 @@ def _derive(config: Mapping[str, Any]) -> MetaModel:
     layer_params = tuple(tuple(ran[i]) for i in range(num_layers))
     return MetaModel(str(config["architectures"][0]), str(config.get("model_type")), num_layers,
                      num_experts, moe_layers, layer_params, tuple(namings), dtypes, tuple(tied),
-                     _text_values(text), halved)
+                     _text_values(text), halved,
+                     plan_splits(model, layers_path) if config["architectures"][0] in
+                     TRANSFORMERS_BACKEND else {})
 
 
 #: Standard config names, read through transformers' aliases (``attribute_map``: n_head...).
