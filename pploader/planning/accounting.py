@@ -194,7 +194,11 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
     weights share a handful of such keys. The keys are made, and the names whose expansion
     is themselves alone (not quantized) copied, in C passes; only quantized names are
-    expanded one by one (the result's order is immaterial: it is looked up and diffed)."""
+    expanded one by one (the result's order is immaterial: it is looked up and diffed).
+    Schemes per weight (compressed-tensors config groups) expand name by name."""
+    if scheme.mixed:
+        return expand_template(scheme, expected, dtype_of=lambda n: _dtype_of(
+            entries.get(n, _ABSENT)))
     names = list(expected)
     weight = scheme.naming.logical  # the template's weight name (stored: naming.weight)
     if weight in expected:  # a bare "weight" is weight-named too
