@@ -31,11 +31,13 @@ read it: ``awq.py``, ``gptq.py`` / ``gptq_marlin.py``, ``compressed_tensors`` sc
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError
+from ..families.base import QuantNaming
 from .quant_groups import Group, mixed_scheme
 from .quant_layout import IN, OUT, PLAIN, Axis, Companion, QuantScheme, blocks
 
@@ -143,9 +145,9 @@ def _gptq(qc: Mapping) -> QuantScheme:
 
 
 def _compressed(qc: Mapping) -> QuantScheme:
-    """compressed-tensors (llm-compressor): one scheme when every config group has the same
-    (groups that differ only in their targets), else a scheme per weight resolved from the
-    groups' targets and the ignore list (planning/quant_groups.py)."""
+    """compressed-tensors (llm-compressor): each weight's scheme resolved from the config
+    groups' targets and the ignore list (planning/quant_groups.py), groups of one scheme or
+    of several."""
     groups = dict(qc.get("config_groups") or {})
     if not groups:
         raise ConfigError("compressed-tensors config has no config_groups", file="config.json")
@@ -154,10 +156,7 @@ def _compressed(qc: Mapping) -> QuantScheme:
         raise ConfigError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is "
                           "not supported", file="config.json")
     schemes = {name: _compressed_group(g, qc.get("format")) for name, g in groups.items()}
-    first = next(iter(schemes.values()))
     ignore = tuple(qc.get("ignore") or ())
-    if all(s == first for s in schemes.values()):
-        return replace(first, ignore=ignore)
     targets = {name: g.get("targets") for name, g in groups.items()}
     for name, t in targets.items():
         if not isinstance(t, (list, tuple)):
@@ -287,11 +286,22 @@ def scheme_from_config(config: Mapping) -> Optional[QuantScheme]:
 
 def quant_scheme(spec: "ModelSpec") -> Optional[QuantScheme]:
     """The scheme of a ModelSpec (config.json top level first, then the text config), naming
-    companions as the spec's family does (its weight name stored under the scheme's)."""
-    scheme = scheme_from_config(spec.full_config) or scheme_from_config(spec.config)
-    if scheme is None:
-        return None
-    return scheme.with_naming(spec.family.quant_naming)
+    companions as the spec's family does (its weight name stored under the scheme's).
+
+    Kept per (quantization config, naming): the ranks of a plan share one scheme, and with it
+    a per-weight scheme's module matches (planning/quant_groups.py)."""
+    for config in (spec.full_config, spec.config):
+        for key in QUANT_CONFIG_KEYS:
+            if isinstance(config.get(key), Mapping):
+                text = json.dumps({key: config[key]}, sort_keys=True, default=repr)
+                return _scheme_of(text, spec.family.quant_naming)
+    return None
+
+
+@lru_cache(maxsize=32)
+def _scheme_of(text: str, naming: QuantNaming) -> Optional[QuantScheme]:
+    scheme = scheme_from_config(json.loads(text))
+    return None if scheme is None else scheme.with_naming(naming)
 
 
 # ---- templates ----------------------------------------------------------------------------

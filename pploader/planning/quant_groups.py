@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, replace
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence
 
 from ..errors import ConfigError, PlanError
@@ -48,9 +49,15 @@ class Group:
     scheme: QuantScheme
 
 
+#: ``re:`` targets compiled (``re.match``: anchored at the start of the module name only)
+_REGEX: dict[str, Callable[[str], Any]] = {}
+
+
 def _name_match(module: str, target: str) -> bool:
     if target.startswith("re:"):
-        return re.match(target[3:], module) is not None
+        found = _REGEX.get(target)
+        return (found(module) if found is not None else re.match(target[3:], module)) \
+            is not None
     return target == module
 
 
@@ -81,7 +88,8 @@ def mixed_scheme(groups: Sequence[Group], ignore: Iterable[str]) -> "MixedScheme
         for t in g.targets:
             _check_target(t, f"config group {g.name}")
     first = groups[0].scheme
-    return MixedScheme("mixed", first.weight, first.companions, ignore=ignore,
+    name = first.name if all(g.scheme == first for g in groups) else "mixed"
+    return MixedScheme(name, first.weight, first.companions, ignore=ignore,
                        groups=tuple(groups))
 
 
@@ -92,17 +100,30 @@ class MixedScheme(QuantScheme):
 
     groups: tuple[Group, ...] = ()
     _memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+    #: the distinct schemes in config order (each group holds one of these very objects)
+    schemes: tuple[QuantScheme, ...] = field(default=(), init=False, compare=False,
+                                             repr=False)
+    weight_dtypes: frozenset[str] = field(default=frozenset(), init=False, compare=False,  # type: ignore[assignment]
+                                          repr=False)
 
     mixed = True
 
-    @property
-    def schemes(self) -> tuple[QuantScheme, ...]:
-        """The distinct schemes, in config order."""
-        return tuple(dict.fromkeys(g.scheme for g in self.groups))
+    def __post_init__(self) -> None:
+        for t in self.ignore + tuple(t for g in self.groups for t in g.targets):
+            if t.startswith("re:") and t not in _REGEX:
+                _REGEX[t] = re.compile(t[3:]).match
+        canon = {s: s for s in reversed([g.scheme for g in self.groups])}  # the first of equals
+        groups = tuple(replace(g, scheme=canon[g.scheme]) for g in self.groups)
+        schemes = tuple({id(g.scheme): g.scheme for g in groups}.values())
+        object.__setattr__(self, "groups", groups)
+        object.__setattr__(self, "schemes", schemes)
+        object.__setattr__(self, "weight_dtypes", frozenset(s.weight.dtype for s in schemes))
 
-    @property
-    def weight_dtypes(self) -> frozenset[str]:
-        return frozenset(s.weight.dtype for s in self.schemes)
+    def scheme_index(self, scheme: Optional[QuantScheme]) -> int:
+        """The position of one of ``schemes`` (by identity; -1 for None)."""
+        if scheme is None:
+            return -1
+        return next(i for i, s in enumerate(self.schemes) if s is scheme)
 
     def with_naming(self, family: QuantNaming) -> "QuantScheme":
         groups = tuple(replace(g, scheme=g.scheme.with_naming(family)) for g in self.groups)
@@ -156,8 +177,9 @@ class MixedScheme(QuantScheme):
 
     # ---- names ---------------------------------------------------------------------------
     def naming_of(self, weight: str) -> QuantNaming:
+        last = weight.rsplit(".", 1)[-1]
         for s in self.schemes:
-            if s.naming.is_weight(weight):
+            if s.naming.weight == last:
                 return s.naming
         return self.naming
 
@@ -221,40 +243,48 @@ class MixedScheme(QuantScheme):
 
 def mixed_columns(scheme: QuantScheme, names: Sequence[str], roles: Sequence[TensorRole],
                   entries: Sequence[Any], weights: Sequence[Optional[str]],
-                  layer_roles: Callable[[int], Mapping[str, TensorRole]]) -> list[int]:
+                  layer_roles: Callable[[int], Mapping[str, TensorRole]],
+                  once: Callable[[tuple, Callable[[], Any]], Any]) -> list[int]:
     """Per tensor of a stage: the index of its scheme in ``scheme.schemes`` (a companion's:
     its weight's; -1: plain), part of the planning key. Checks every stored weight against
     its module's scheme, and that the experts of each of the stage's MoE layers (all of
     them, whatever the EP rank: ``layer_roles``) resolve to one scheme: vLLM and SGLang
-    build one fused-MoE method per layer from its first expert's scheme."""
-    schemes = scheme.schemes  # type: ignore[attr-defined]
-    at = {s: i for i, s in enumerate(schemes)}
+    build one fused-MoE method per layer from its first expert's scheme (checked ``once``
+    per layer: ``CheckpointRoles.stage_value``)."""
+    at = {id(s): i for i, s in enumerate(scheme.schemes)}  # type: ignore[attr-defined]
+    at[id(None)] = -1
     out: list[int] = []
     moe: set[Optional[int]] = set()
     for name, role, entry, weight in zip(names, roles, entries, weights):
         if weight is not None:  # a companion: its weight's scheme
-            s = scheme.resolve(weight)
-            out.append(-1 if s is None else at[s])
+            out.append(at[id(scheme.resolve(weight))])
             continue
         s = scheme.resolve(name) if scheme.is_quantized(name, entry.dtype,
                                                         len(entry.shape)) else None
-        out.append(-1 if s is None else at[s])
+        out.append(at[id(s)])
         if role.expert is not None or role.fused_experts:
             moe.add(role.layer)
     for layer in sorted(moe, key=lambda x: -1 if x is None else x):
-        if layer is None:
-            continue
-        first: Optional[tuple[str, Optional[QuantScheme]]] = None
-        for name, role in sorted(layer_roles(layer).items()):
-            if not (role.expert is not None or role.fused_experts) \
-                    or not scheme.naming_of(name).is_weight(name):
-                continue
-            s = scheme.resolve(name)  # the config's scheme of the module
-            first = first or (name, s)
-            if first[1] != s:
-                raise PlanError(
-                    f"the experts of layer {layer} mix quantization schemes: {first[0]} is "
-                    f"{first[1].name if first[1] else 'not quantized'}, this one "
-                    f"{s.name if s else 'not quantized'} (vLLM and SGLang load one MoE layer "
-                    "with one scheme)", tensor=name)
+        if layer is not None:
+            once(("expert schemes", layer), partial(_check_experts, scheme, layer,
+                                                    layer_roles))
     return out
+
+
+def _check_experts(scheme: QuantScheme, layer: int,
+                   layer_roles: Callable[[int], Mapping[str, TensorRole]]) -> bool:
+    """The experts' weights of ``layer`` (all of them) resolve to one scheme, or PlanError."""
+    first: Optional[tuple[str, Optional[QuantScheme]]] = None
+    for name, role in sorted(layer_roles(layer).items()):
+        if not (role.expert is not None or role.fused_experts) \
+                or not scheme.naming_of(name).is_weight(name):
+            continue
+        s = scheme.resolve(name)  # the config's scheme of the module
+        first = first or (name, s)
+        if first[1] is not s:
+            raise PlanError(
+                f"the experts of layer {layer} mix quantization schemes: {first[0]} is "
+                f"{first[1].name if first[1] else 'not quantized'}, this one "
+                f"{s.name if s else 'not quantized'} (vLLM and SGLang load one MoE layer "
+                "with one scheme)", tensor=name)
+    return True

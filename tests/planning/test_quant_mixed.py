@@ -224,3 +224,22 @@ def test_experts_of_one_layer_mixing_schemes_are_refused(tmp_path: Path, ep_rank
     with pytest.raises(PlanError, match=r"experts of layer 2 mix quantization schemes.*"
                                         r"model\.layers\.2\.mlp\.experts\.\d\.\w+_proj\.weight"):
         plan_stage(model, Topology(1, ep_size=2, rank=ep_rank), strict=False)
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda qc: qc["ignore"].append("model.layers.1.self_attn.o_proj"),
+     r"model\.layers\.1\.self_attn\.o_proj\.weight_packed.*ignore list names it"),
+    (lambda qc: qc["config_groups"]["group_0"].update(targets=[r"re:.*mlp\..*"]),
+     r"model\.layers\.\d\.self_attn\.\w_proj\.weight_packed.*no config group targets it"),
+])
+def test_one_scheme_checks_the_groups_and_ignore_list_too(tmp_path: Path, change: Callable,
+                                                          match: str) -> None:
+    """A config of one scheme (int4 W4A16): the same refusals, at PP=2 x TP=2."""
+    from quant_int4 import CONFIGS, write_int4
+    model, _ = write_int4(tmp_path / "w4a16", "w4a16")
+    plan_all(load_spec(model), open_checkpoint(model), pp=2, tp=2)
+    qc = json.loads(json.dumps(CONFIGS["w4a16"]))
+    change(qc)
+    bad = _with_config(model, tmp_path / "bad", qc)
+    with pytest.raises(PlanError, match=match):
+        plan_all(load_spec(bad), open_checkpoint(bad), pp=2, tp=2)
