@@ -250,7 +250,8 @@ def _stage_columns(index: CheckpointIndex, roles: CheckpointRoles, needed_files:
                map(_shape_of, ents), map(_dtype_of, ents), wshapes, wdtypes]
     if scheme is not None and scheme.mixed:  # a scheme per weight: checked, and in the key
         columns.append(mixed_columns(scheme, names, role_list, ents, weights,
-                                     roles.layer_roles, roles.stage_value))
+                                     roles.layer_roles, roles.stage_value,
+                                     roles.spec.family.fused_targets))
     keys = list(zip(*columns))
     return ents, weights, wents, keys, list(map(_start_of, ents))
 

@@ -293,7 +293,7 @@ def quant_scheme(spec: "ModelSpec") -> Optional[QuantScheme]:
     for config in (spec.full_config, spec.config):
         for key in QUANT_CONFIG_KEYS:
             if isinstance(config.get(key), Mapping):
-                text = json.dumps({key: config[key]}, sort_keys=True, default=repr)
+                text = json.dumps({key: config[key]}, default=repr)  # in order: groups' order counts
                 return _scheme_of(text, spec.family.quant_naming)
     return None
 

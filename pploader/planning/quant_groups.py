@@ -244,17 +244,20 @@ class MixedScheme(QuantScheme):
 def mixed_columns(scheme: QuantScheme, names: Sequence[str], roles: Sequence[TensorRole],
                   entries: Sequence[Any], weights: Sequence[Optional[str]],
                   layer_roles: Callable[[int], Mapping[str, TensorRole]],
-                  once: Callable[[tuple, Callable[[], Any]], Any]) -> list[int]:
+                  once: Callable[[tuple, Callable[[], Any]], Any],
+                  fusions: tuple = ()) -> list[int]:
     """Per tensor of a stage: the index of its scheme in ``scheme.schemes`` (a companion's:
     its weight's; -1: plain), part of the planning key. Checks every stored weight against
     its module's scheme, and that the experts of each of the stage's MoE layers (all of
     them, whatever the EP rank: ``layer_roles``) resolve to one scheme: vLLM and SGLang
-    build one fused-MoE method per layer from its first expert's scheme (checked ``once``
-    per layer: ``CheckpointRoles.stage_value``)."""
+    build one fused-MoE method per layer from its first expert's scheme; and that the pieces
+    of one fused linear (``fusions``: the family's q/k/v, gate/up) share one (vLLM: "Found
+    different quantization schemes for the shards"). Each layer is checked ``once``
+    (``CheckpointRoles.stage_value``)."""
     at = {id(s): i for i, s in enumerate(scheme.schemes)}  # type: ignore[attr-defined]
     at[id(None)] = -1
     out: list[int] = []
-    moe: set[Optional[int]] = set()
+    layers: set[Optional[int]] = set()
     for name, role, entry, weight in zip(names, roles, entries, weights):
         if weight is not None:  # a companion: its weight's scheme
             out.append(at[id(scheme.resolve(weight))])
@@ -262,20 +265,45 @@ def mixed_columns(scheme: QuantScheme, names: Sequence[str], roles: Sequence[Ten
         s = scheme.resolve(name) if scheme.is_quantized(name, entry.dtype,
                                                         len(entry.shape)) else None
         out.append(at[id(s)])
-        if role.expert is not None or role.fused_experts:
-            moe.add(role.layer)
-    for layer in sorted(moe, key=lambda x: -1 if x is None else x):
+        layers.add(role.layer)
+    for layer in sorted(layers, key=lambda x: -1 if x is None else x):
         if layer is not None:
-            once(("expert schemes", layer), partial(_check_experts, scheme, layer,
-                                                    layer_roles))
+            once(("linear schemes", layer), partial(_check_layer, scheme, layer,
+                                                    layer_roles, fusions))
     return out
 
 
-def _check_experts(scheme: QuantScheme, layer: int,
-                   layer_roles: Callable[[int], Mapping[str, TensorRole]]) -> bool:
+def _check_layer(scheme: QuantScheme, layer: int,
+                 layer_roles: Callable[[int], Mapping[str, TensorRole]],
+                 fusions: tuple) -> bool:
+    """``layer``'s experts, and the pieces of each fused linear, resolve to one scheme each."""
+    from ..families.fused import match_fused
+    roles = layer_roles(layer)
+    _check_experts(scheme, layer, roles)
+    pieces: dict[tuple, tuple[str, Optional[QuantScheme]]] = {}
+    for name, role in sorted(roles.items()):
+        naming = scheme.naming_of(name)
+        if role.expert is not None or role.fused_experts or not naming.is_weight(name):
+            continue
+        found = match_fused(fusions, naming.logical_of(role.component)) if fusions else None
+        if found is None or found.fusion.stacked:
+            continue
+        s = scheme.resolve(name)
+        first = pieces.setdefault(found.group, (name, s))
+        if first[1] is not s:
+            raise PlanError(
+                f"the pieces of fused {found.target} in layer {layer} have different "
+                f"quantization schemes: {first[0]} is "
+                f"{first[1].name if first[1] else 'not quantized'}, this one "
+                f"{s.name if s else 'not quantized'} (vLLM loads them as one layer of one "
+                "scheme)", tensor=name)
+    return True
+
+
+def _check_experts(scheme: QuantScheme, layer: int, roles: Mapping[str, TensorRole]) -> None:
     """The experts' weights of ``layer`` (all of them) resolve to one scheme, or PlanError."""
     first: Optional[tuple[str, Optional[QuantScheme]]] = None
-    for name, role in sorted(layer_roles(layer).items()):
+    for name, role in sorted(roles.items()):
         if not (role.expert is not None or role.fused_experts) \
                 or not scheme.naming_of(name).is_weight(name):
             continue
@@ -287,4 +315,3 @@ def _check_experts(scheme: QuantScheme, layer: int,
                 f"{first[1].name if first[1] else 'not quantized'}, this one "
                 f"{s.name if s else 'not quantized'} (vLLM and SGLang load one MoE layer "
                 "with one scheme)", tensor=name)
-    return True

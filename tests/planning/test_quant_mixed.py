@@ -243,3 +243,18 @@ def test_one_scheme_checks_the_groups_and_ignore_list_too(tmp_path: Path, change
     bad = _with_config(model, tmp_path / "bad", qc)
     with pytest.raises(PlanError, match=match):
         plan_all(load_spec(bad), open_checkpoint(bad), pp=2, tp=2)
+
+
+def test_fused_pieces_with_different_schemes_are_refused(tmp_path: Path) -> None:
+    """q_proj of layer 0 int4 by an exact target, k / v int8: vLLM's qkv_proj is one layer of
+    one scheme (the family's q/k/v fusion), so the plan is refused naming a piece."""
+    qc = json.loads(json.dumps(MIXED))
+    qc["config_groups"]["int4"]["targets"].append("model.layers.0.self_attn.q_proj")
+
+    def method(name: str) -> Optional[str]:
+        return "w4a16" if name.startswith("model.layers.0.self_attn.q_proj.") \
+            else mixed_method(name)
+    model, _ = write_mixed(tmp_path / "m", qc=qc, method_of=method)
+    with pytest.raises(PlanError, match=r"model\.layers\.0\.self_attn\.[kq]_proj\.weight.*"
+                                        r"fused self_attn\.qkv_proj\.weight in layer 0"):
+        plan_all(load_spec(model), open_checkpoint(model), pp=2)
