@@ -13,6 +13,7 @@ MoE layer whose experts mix schemes.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -48,12 +49,12 @@ def _owner(name: str, plan, ep: int, experts: int) -> bool:  # type: ignore[no-u
 
 
 def _check(model: Path, cfg: dict, pp: int, tp: int, ep: int,
-           method_of: Callable[[str], Optional[str]] = mixed_method) -> None:
+           method_of: Callable[[str], Optional[str]] = mixed_method,
+           kinds: frozenset = frozenset({None, "w8a8", "w4a16", "fp8-channel"})) -> None:
     ref = reference_tensors(model)
     plans = plan_all(load_spec(model), open_checkpoint(model), pp=pp, tp=tp, ep=ep)
     methods = {n: method_of(n.rsplit(".", 1)[0] + ".weight") for n in ref}
-    kinds = set(methods.values())
-    assert kinds == {None, "w8a8", "w4a16", "fp8-channel"}, kinds  # the test covers all
+    assert set(methods.values()) == kinds, set(methods.values())  # the test covers all
     for plan in plans:
         got = dict(Reader(plan))
         owned = {n for n in ref if _owner(n, plan, ep, cfg.get("num_local_experts", 0))}
@@ -74,8 +75,8 @@ def _check(model: Path, cfg: dict, pp: int, tp: int, ep: int,
         for name in items:
             method = methods[name]
             if name.endswith((".weight", ".weight_packed")):
-                want_dtype = {None: "BF16", "w8a8": "I8", "w4a16": "I32",
-                              "fp8-channel": "F8_E4M3"}[method]
+                want_dtype = {None: "BF16", "w8a8": "I8", "w4a16": "I32", "w4a16-asym-actorder":
+                              "I32", "fp8-channel": "F8_E4M3"}[method]
                 assert items[name] == want_dtype, (name, method, items[name])
 
 
@@ -99,6 +100,31 @@ def test_dense_ranks_hold_each_weights_schemes_slices(llama: tuple[Path, dict], 
 def test_moe_ranks_hold_each_weights_schemes_slices(moe: tuple[Path, dict], pp: int, tp: int,
                                                     ep: int) -> None:
     _check(*moe, pp, tp, ep)
+
+
+def _actorder_method(name: str) -> Optional[str]:
+    if not re.fullmatch(r"model\.layers\.\d+\..*_proj\.weight", name) or "lm_head" in name:
+        return None
+    return "w4a16-asym-actorder" if re.match(r"model\.layers\.[4-7]\.mlp\.", name) \
+        else "w4a16"
+
+
+@pytest.mark.parametrize("pp, tp", [(1, 2), (2, 2)])
+def test_same_shapes_under_two_schemes_are_sliced_each_by_its_own(tmp_path: Path, pp: int,
+                                                                  tp: int) -> None:
+    """Layers 0-3 int4 symmetric, layers 4-7's MLP int4 asymmetric with act-order: the same
+    component, shape and dtype (weight_packed, weight_scale [N, K/16]), but a row-parallel
+    down_proj's act-order scales are held whole while the others are split."""
+    from quant_int4 import CONFIGS
+    one = CONFIGS["w4a16"]["config_groups"]["group_0"]
+    act = CONFIGS["w4a16-asym-actorder"]["config_groups"]["group_1"]
+    qc = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+          "config_groups": {"sym": dict(one), "act": {
+              **act, "targets": [r"re:model\.layers\.[4-7]\.mlp\."]}},
+          "ignore": ["lm_head"]}
+    model, cfg = write_mixed(tmp_path / "m", qc=qc, method_of=_actorder_method)
+    _check(model, cfg, pp, tp, 1, _actorder_method,
+           frozenset({None, "w4a16", "w4a16-asym-actorder"}))
 
 
 def test_load_stage_is_bitwise_and_keeps_each_weights_dtype(llama: tuple[Path, dict]) -> None:
