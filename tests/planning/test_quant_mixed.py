@@ -5,10 +5,12 @@ PP=2 x EP=2 (x TP=2), on a tiny llama and a tiny qwen3_moe (per-expert experts).
 Each module's method is read from the config by hand (tests/quant_mixed.py); each rank's
 tensors must be, bitwise, the engine's slice of that method's stored tensors
 (``quant_int4.engine_slices``, from vLLM's parameter attributes), every tensor read by the
-ranks owning it and by no other. Refusals name the tensor: a weight stored quantized whose
-module no group targets, or the ignore list names, or another group's scheme covers; a
-module two groups match where compressed-tensors and vLLM would pick different schemes; a
-MoE layer whose experts mix schemes.
+ranks owning it and by no other; also one component under two int4 schemes of equal shapes
+(symmetric; asymmetric with act-order), each sliced by its own. Refusals name the tensor: a
+weight stored quantized whose module no group targets, or the ignore list names, or another
+group's scheme covers (one scheme too); a module two groups match where compressed-tensors
+and vLLM would pick different schemes; a MoE layer whose experts mix schemes; a fused q/k/v
+whose pieces do.
 """
 from __future__ import annotations
 
