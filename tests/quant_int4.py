@@ -14,7 +14,8 @@ inputs, group g):
   [N, K/8], ``weight_scale`` bf16 [N, K/g] ([N, 1] per channel), ``weight_zero_point`` int32
   [N/8, K/g] (asymmetric), ``weight_g_idx`` int32 [K] (actorder "group"), ``weight_shape``
   int64 [2]; ``int-quantized`` W8A8: int8 ``weight`` [N, K], ``weight_scale`` f32 [N, 1],
-  ``input_scale`` [1] (static); ``nvfp4-pack-quantized``: ``weight_packed`` uint8 [N, K/2],
+  ``input_scale`` [1] (static); ``float-quantized`` FP8 per channel: fp8 ``weight`` [N, K],
+  ``weight_scale`` f32 [N, 1]; ``nvfp4-pack-quantized``: ``weight_packed`` uint8 [N, K/2],
   fp8 ``weight_scale`` [N, K/16], ``weight_global_scale`` / ``input_global_scale`` f32 [1].
 
 The engine's rule (``engine_slices``) is spelled from vLLM's parameter attributes of each
@@ -99,6 +100,8 @@ def layouts(method: str, group: int = GROUP) -> dict[str, tuple[tuple[str, Optio
     if method == "w8a8":
         return {"weight": (("out", 1), ("in", 1)), "weight_scale": (("out", 1), ("in", None)),
                 "input_scale": ()}
+    if method == "fp8-channel":
+        return {"weight": (("out", 1), ("in", 1)), "weight_scale": (("out", 1), ("in", None))}
     if method == "nvfp4":
         return {"weight_packed": (("out", 1), ("in", 2)),
                 "weight_scale": (("out", 1), ("in", 16)),
@@ -168,6 +171,9 @@ def quantize(method: str, n: int, k: int, gen: torch.Generator, group: int = GRO
     if method == "w8a8":
         return {"weight": torch.randint(-127, 128, (n, k), generator=gen).to(torch.int8),
                 "weight_scale": torch.rand(n, 1, generator=gen), "input_scale": torch.rand(1)}
+    if method == "fp8-channel":  # compressed-tensors float-quantized, dynamic activations
+        return {"weight": torch.randn(n, k, generator=gen).to(torch.float8_e4m3fn),
+                "weight_scale": torch.rand(n, 1, generator=gen)}
     if method == "nvfp4":
         return {"weight_packed": torch.randint(0, 256, (n, k // 2), generator=gen
                                                ).to(torch.uint8),

@@ -59,6 +59,8 @@ def real_tensors(spec: ModelSpec) -> dict[str, tuple[str, tuple[int, ...]]]:
     template = spec.family.template(spec)  # type: ignore[misc]
     model_dtype = dtype_code(spec.dtype)
     scheme = quant_scheme(spec)
+    if scheme is not None and scheme.mixed:  # compressed-tensors: the layouts use one scheme
+        scheme = scheme.schemes[0]  # type: ignore[attr-defined]
     if scheme is None:
         stored: Mapping[str, tuple[int, ...]] = template
         dtypes = {n: model_dtype for n in template}

@@ -194,7 +194,15 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     (shape, stored dtype, weight-named) and applied by name: a layer's thousands of expert
     weights share a handful of such keys. The keys are made, and the names whose expansion
     is themselves alone (not quantized) copied, in C passes; only quantized names are
-    expanded one by one (the result's order is immaterial: it is looked up and diffed)."""
+    expanded one by one (the result's order is immaterial: it is looked up and diffed).
+    compressed-tensors config groups of several schemes expand name by name; of one scheme,
+    as that scheme (the stored weights are checked against the groups and the ignore list
+    when the stage's reads are planned: quant_groups.mixed_columns)."""
+    if scheme.mixed and len(scheme.schemes) > 1:  # type: ignore[attr-defined]
+        return expand_template(scheme, expected, dtype_of=lambda n: _dtype_of(
+            entries.get(n, _ABSENT)))
+    if scheme.mixed:
+        scheme = scheme.schemes[0]  # type: ignore[attr-defined]
     names = list(expected)
     weight = scheme.naming.logical  # the template's weight name (stored: naming.weight)
     if weight in expected:  # a bare "weight" is weight-named too

@@ -169,29 +169,41 @@ def tensor_selection(spec: ModelSpec, role: TensorRole, entry: TensorEntry, topo
                scheme: Optional[QuantScheme]) -> Selection:
     """The rank's selection of ``entry``; quantized weights and their companions are sliced
     from the weight's logical selection (planning/quant.py)."""
-    link = scheme.weight_of(entry.name) if scheme is not None else None
+    link = scheme.weight_of(entry.name, index.weight_map.__contains__) \
+        if scheme is not None else None
     if scheme is not None and link is not None and link[0] in index.weight_map:
-        weight, comp = index.entry(link[0]), link[1]
-        if not scheme.is_quantized(weight.name, weight.dtype, len(weight.shape)):
-            raise PlanError(f"{comp.suffix} of a weight stored as {weight.dtype} {list(weight.shape)}"
-                            f" ({scheme.name} weights are {scheme.weight_dtype}, >= 2-d)",
+        weight = index.entry(link[0])
+        own = scheme.resolve(weight.name)  # config groups: the weight's module's scheme
+        found = own.weight_of(entry.name) if own is not None else None
+        if own is None or found is None or not own.is_quantized(weight.name, weight.dtype,
+                                                                len(weight.shape)):
+            why = f"{own.name} weights are {own.weight_dtype}, >= 2-d" if own is not None \
+                else f"module {weight.name.rsplit('.', 1)[0]} is not quantized by the config"
+            if own is not None and found is None:
+                why = f"{own.name} has no {link[1].suffix}"
+            raise PlanError(f"{link[1].suffix} of a weight stored as {weight.dtype} "
+                            f"{list(weight.shape)} ({why})",
                             file=entry.file, tensor=entry.name, rank=topo.rank)
-        logical = scheme.logical_shape(weight.shape)
+        comp = found[1]
+        logical = own.logical_shape(weight.shape)
         from .quant import same_shape
         if not same_shape(comp.shape(logical), entry.shape):
-            raise PlanError(f"{scheme.name} {comp.suffix} has shape {list(entry.shape)}, expected "
+            raise PlanError(f"{own.name} {comp.suffix} has shape {list(entry.shape)}, expected "
                             f"{list(comp.shape(logical))} for weight {list(weight.shape)}",
                             file=entry.file, tensor=entry.name, rank=topo.rank)
-        wcomp = scheme.weight_of(role.component)  # the family's naming, not string cutting
-        wrole = role._replace(component=scheme.naming.logical_of(wcomp[0]) if wcomp is not None
+        wcomp = own.weight_of(role.component)  # the family's naming, not string cutting
+        wrole = role._replace(component=own.naming.logical_of(wcomp[0]) if wcomp is not None
                               else role.component)  # the TP rules are the logical weight's
         wsel = _logical_selection(spec, wrole, weight.name, logical, topo, experts)
-        return scheme.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
-    if scheme is not None and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
-        logical = scheme.logical_shape(entry.shape)
-        wrole = role._replace(component=scheme.naming.logical_of(role.component))
+        return own.companion_selection(comp, wsel, logical, weight.name, topo.tp_size)
+    if scheme is not None and entry.dtype in scheme.weight_dtypes \
+            and scheme.is_quantized(entry.name, entry.dtype, len(entry.shape)):
+        own = scheme.resolve(entry.name)
+        assert own is not None  # is_quantized: its module's scheme, stored as it stores
+        logical = own.logical_shape(entry.shape)
+        wrole = role._replace(component=own.naming.logical_of(role.component))
         wsel = _logical_selection(spec, wrole, entry.name, logical, topo, experts)
-        return scheme.weight_selection(wsel, logical, entry.name, topo.tp_size)
+        return own.weight_selection(wsel, logical, entry.name, topo.tp_size)
     return _logical_selection(spec, role, entry.name, entry.shape, topo, experts)
 
 

@@ -20,6 +20,7 @@ from .partition import (ENGINES, EngineSplit, StageWindow, balanced_windows, eng
                         even_windows, explicit_windows)
 from .accounting import check_expected, check_mtp
 from .quant import QuantScheme, quant_scheme
+from .quant_groups import mixed_columns
 from .roles import CheckpointRoles, checkpoint_roles
 from .items import (ReadItem, make_item, peer_selection, read_item, tensor_selection)
 from .shard import DEFAULT_RANGE_COST_BYTES, Selection, local_experts
@@ -151,10 +152,10 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     # for the first tensor of each kind (``_plan_one``) and for multi-range items
     ents, weights, wents, keys, starts = roles.stage_value(
         ("columns", window, experts),
-        partial(_stage_columns, index, roles, needed_files, names, role_list))
+        partial(_stage_columns, index, roles, needed_files, names, role_list, scheme))
     found: list[Any] = list(map(done.get, keys))
     at = -1
-    qdtype = scheme.weight_dtype if scheme is not None else None
+    qdtypes = scheme.weight_dtypes if scheme is not None else frozenset()
     while True:  # the first tensor of each kind
         try:
             at = found.index(None, at + 1)
@@ -165,7 +166,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         if got is None:
             got = done[key] = _plan_one(
                 spec, index, topology, experts, scheme, range_cost_bytes, exchanger,
-                selections, relative, roles.rule_index, qdtype, names[at], role_list[at],
+                selections, relative, roles.rule_index, qdtypes, names[at], role_list[at],
                 ents[at], weights[at], wents[at])
         found[at] = got
     made = list(map(_first, found))
@@ -229,7 +230,8 @@ def _stage_reads(spec: ModelSpec, index: CheckpointIndex, roles: CheckpointRoles
 
 
 def _stage_columns(index: CheckpointIndex, roles: CheckpointRoles, needed_files: set[str],
-                   names: list[str], role_list: list[TensorRole]) -> tuple[list, ...]:
+                   names: list[str], role_list: list[TensorRole],
+                   scheme: Optional[QuantScheme]) -> tuple[list, ...]:
     """Per tensor of a stage: its entry, its weight's name and entry (quantization
     companions; None otherwise), its planning key and its start offset (read-only lists
     the stage's TP ranks share). The key is what ``_plan_one`` derives an item from:
@@ -244,8 +246,13 @@ def _stage_columns(index: CheckpointIndex, roles: CheckpointRoles, needed_files:
         wents = [None if w is None else entries.get(w) or index.entry(w) for w in weights]
         wshapes = [None if w is None else w.shape for w in wents]
         wdtypes = [None if w is None else w.dtype for w in wents]
-    keys = list(zip(map(_component_of, role_list), map(_fused_of, role_list),
-                    map(_shape_of, ents), map(_dtype_of, ents), wshapes, wdtypes))
+    columns = [map(_component_of, role_list), map(_fused_of, role_list),
+               map(_shape_of, ents), map(_dtype_of, ents), wshapes, wdtypes]
+    if scheme is not None and scheme.mixed:  # a scheme per weight: checked, and in the key
+        columns.append(mixed_columns(scheme, names, role_list, ents, weights,
+                                     roles.layer_roles, roles.stage_value,
+                                     roles.spec.family.fused_targets))
+    keys = list(zip(*columns))
     return ents, weights, wents, keys, list(map(_start_of, ents))
 
 
@@ -253,23 +260,23 @@ def _plan_one(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
               experts: Optional[tuple[int, int]], scheme: Optional[QuantScheme],
               range_cost_bytes: int, exchanger: "Optional[Exchanger]",
               selections: dict[tuple, Selection], relative: dict[tuple, ReadItem],
-              rule_index: Callable[[str], int], qdtype: Optional[str], name: str,
+              rule_index: Callable[[str], int], qdtypes: frozenset[str], name: str,
               role: TensorRole, entry: TensorEntry, weight: Optional[str],
               wentry: Optional[TensorEntry]) -> tuple[ReadItem, Any]:
     """One tensor's read at offset 0 and its exchange choice (None: read directly)."""
     if weight is None:  # the selection depends on the TP rule, not on the name: tensors
         # with one rule, shape and dtype share it (e.g. all experts)
-        quantized = entry.dtype == qdtype and scheme.is_quantized(  # type: ignore[union-attr]
+        quantized = entry.dtype in qdtypes and scheme.is_quantized(  # type: ignore[union-attr]
             name, entry.dtype, len(entry.shape))
-        component = scheme.naming.logical_of(  # type: ignore[union-attr]
-            role.component) if quantized else role.component
-        key: tuple = (rule_index(component), role.fused_experts, entry.shape, entry.dtype,
-                      quantized)
+        own = scheme.resolve(name) if quantized else None  # type: ignore[union-attr]
+        component = own.naming.logical_of(role.component) if own is not None else role.component
+        key: tuple = (rule_index(component), role.fused_experts, entry.shape, entry.dtype, own)
     else:  # a quantization companion: sliced from its weight's logical selection
-        naming = scheme.naming  # type: ignore[union-attr]  # the family's, weight as stored
+        naming = scheme.naming_of(weight)  # type: ignore[union-attr]  # the family's, as stored
         wcomp = naming.logical_of(naming.weight_component(role.component, name, weight))
         key = (rule_index(wcomp), role.fused_experts, entry.shape, entry.dtype,
-               name[len(weight) - len(naming.weight):], wentry.shape, wentry.dtype)  # type: ignore[union-attr]
+               name[len(weight) - len(naming.weight):], wentry.shape, wentry.dtype,  # type: ignore[union-attr]
+               scheme.resolve(weight))  # type: ignore[union-attr]
     sel = selections.get(key)
     choice = None
     try:

@@ -31,11 +31,14 @@ read it: ``awq.py``, ``gptq.py`` / ``gptq_marlin.py``, ``compressed_tensors`` sc
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import replace
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from ..errors import ConfigError
+from ..families.base import QuantNaming
+from .quant_groups import Group, mixed_scheme
 from .quant_layout import IN, OUT, PLAIN, Axis, Companion, QuantScheme, blocks
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -142,8 +145,9 @@ def _gptq(qc: Mapping) -> QuantScheme:
 
 
 def _compressed(qc: Mapping) -> QuantScheme:
-    """compressed-tensors (llm-compressor): one scheme for every config group (groups that
-    differ only in their targets are one scheme; different schemes are refused)."""
+    """compressed-tensors (llm-compressor): each weight's scheme resolved from the config
+    groups' targets and the ignore list (planning/quant_groups.py), groups of one scheme or
+    of several."""
     groups = dict(qc.get("config_groups") or {})
     if not groups:
         raise ConfigError("compressed-tensors config has no config_groups", file="config.json")
@@ -152,12 +156,14 @@ def _compressed(qc: Mapping) -> QuantScheme:
         raise ConfigError(f"compressed-tensors sparsity format {sparsity.get('format')!r} is "
                           "not supported", file="config.json")
     schemes = {name: _compressed_group(g, qc.get("format")) for name, g in groups.items()}
-    first = next(iter(schemes.values()))
-    if any(s != first for s in schemes.values()):
-        raise ConfigError("compressed-tensors config groups with different schemes are not "
-                          "supported: " + ", ".join(f"{n} {s.name}" for n, s in schemes.items()),
-                          file="config.json")
-    return replace(first, ignore=tuple(qc.get("ignore") or ()))
+    ignore = tuple(qc.get("ignore") or ())
+    targets = {name: g.get("targets") for name, g in groups.items()}
+    for name, t in targets.items():
+        if not isinstance(t, (list, tuple)):
+            raise ConfigError(f"compressed-tensors config group {name}: targets must be a list, "
+                              f"got {t!r}", file="config.json")
+    return mixed_scheme([Group(name, tuple(targets[name]), s) for name, s in schemes.items()],
+                        ignore)
 
 
 def _compressed_group(group: Mapping, top_format: Optional[str]) -> QuantScheme:
@@ -280,14 +286,22 @@ def scheme_from_config(config: Mapping) -> Optional[QuantScheme]:
 
 def quant_scheme(spec: "ModelSpec") -> Optional[QuantScheme]:
     """The scheme of a ModelSpec (config.json top level first, then the text config), naming
-    companions as the spec's family does (its weight name stored under the scheme's)."""
-    scheme = scheme_from_config(spec.full_config) or scheme_from_config(spec.config)
-    if scheme is None:
-        return None
-    family = spec.family.quant_naming
-    naming = family if scheme.weight.suffix == "weight" else replace(
-        family, weight=scheme.weight.suffix, logical=family.weight)
-    return scheme if scheme.naming == naming else replace(scheme, naming=naming)
+    companions as the spec's family does (its weight name stored under the scheme's).
+
+    Kept per (quantization config, naming): the ranks of a plan share one scheme, and with it
+    a per-weight scheme's module matches (planning/quant_groups.py)."""
+    for config in (spec.full_config, spec.config):
+        for key in QUANT_CONFIG_KEYS:
+            if isinstance(config.get(key), Mapping):
+                text = json.dumps({key: config[key]}, default=repr)  # in order: groups' order counts
+                return _scheme_of(text, spec.family.quant_naming)
+    return None
+
+
+@lru_cache(maxsize=32)
+def _scheme_of(text: str, naming: QuantNaming) -> Optional[QuantScheme]:
+    scheme = scheme_from_config(json.loads(text))
+    return None if scheme is None else scheme.with_naming(naming)
 
 
 # ---- templates ----------------------------------------------------------------------------
@@ -299,25 +313,28 @@ def expand_template(scheme: QuantScheme, template: Mapping[str, tuple[int, ...]]
     get their stored shape and their companions are added (scalars have shape ``()``).
 
     With ``dtype_of`` (the checkpoint's stored dtype per name, None if absent) a weight is
-    quantized iff stored (under the scheme's weight name) in the scheme's dtype. Without it, every >= 2-d weight for which
-    ``layer_names`` is true (default: all) and that the config does not ignore is.
+    quantized iff stored (under the scheme's weight name) in the scheme's dtype (config
+    groups: its module's scheme's, else a PlanError). Without it, every >= 2-d weight for
+    which ``layer_names`` is true (default: all) and that the config does not ignore is.
     """
     out: dict[str, tuple[int, ...]] = {}
-    stored_name = scheme.naming.stored
     for name, shape in template.items():
         shape = tuple(shape)
-        stored = stored_name(name)  # x.weight -> x.qweight (AWQ / GPTQ), else itself
         if dtype_of is not None:
-            quantized = scheme.is_quantized(stored, dtype_of(stored), len(shape))
+            s = scheme.stored_scheme(name, len(shape), dtype_of)
         else:
-            quantized = (scheme.is_quantized(stored, scheme.weight_dtype, len(shape))
-                         and not scheme.ignored(name)
-                         and (layer_names is None or layer_names(name)))
-        if not quantized:
+            s = scheme.resolve(name)  # mixed groups: the module's scheme (None: ignored)
+            if s is not None and not (
+                    s.is_quantized(s.naming.stored(name), s.weight_dtype, len(shape))
+                    and not scheme.ignored(name)
+                    and (layer_names is None or layer_names(name))):
+                s = None
+        if s is None:
             out[name] = shape
             continue
-        out[stored] = scheme.stored_shape(shape, name)
-        for cname, c in scheme.companion_names(stored).items():
+        stored = s.naming.stored(name)  # x.weight -> x.qweight (AWQ / GPTQ), else itself
+        out[stored] = s.stored_shape(shape, name)
+        for cname, c in s.companion_names(stored).items():
             out[cname] = c.shape(shape)
     return out
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Callable, Optional
 
 from ..errors import PlanError
 from ..families.base import QuantNaming
@@ -89,13 +89,47 @@ class QuantScheme:
     def weight_dtype(self) -> str:
         return self.weight.dtype
 
+    @property
+    def weight_dtypes(self) -> frozenset[str]:
+        """Every stored dtype a quantized weight of this scheme may have."""
+        return frozenset((self.weight.dtype,))
+
+    #: True for per-weight schemes (compressed-tensors config groups, planning/quant_groups.py)
+    mixed = False
+
+    # ---- per weight (one scheme here; planning/quant_groups.py resolves several) ---------
+    def resolve(self, name: str) -> "Optional[QuantScheme]":
+        """The scheme of the weight (or companion) ``name``: this one."""
+        return self
+
+    def naming_of(self, weight: str) -> QuantNaming:
+        """The naming of stored weight ``weight``'s companions."""
+        return self.naming
+
+    def stored_scheme(self, name: str, ndim: int,
+                      dtype_of: Callable[[str], Optional[str]]) -> "Optional[QuantScheme]":
+        """The scheme logical weight ``name`` is stored under (None: stored plain), from the
+        stored dtype of each name (``dtype_of``; None when absent)."""
+        stored = self.naming.stored(name)
+        return self if self.is_quantized(stored, dtype_of(stored), ndim) else None
+
+    def with_naming(self, family: QuantNaming) -> "QuantScheme":
+        """This scheme with the family's companion naming, its weight stored under the
+        scheme's suffix."""
+        naming = family if self.weight.suffix == "weight" else replace(
+            family, weight=self.weight.suffix, logical=family.weight)
+        return self if self.naming == naming else replace(self, naming=naming)
+
     # ---- names ---------------------------------------------------------------------------
     def companion_names(self, weight: str) -> dict[str, Companion]:
         """``{name: companion}`` of a quantized weight stored as ``weight``."""
         return {self.naming.companion(weight, c.suffix): c for c in self.companions}
 
-    def weight_of(self, name: str) -> Optional[tuple[str, Companion]]:
-        """``(stored weight name, companion)`` when ``name`` is a companion's name, else None."""
+    def weight_of(self, name: str, exists: Optional[Callable[[str], bool]] = None
+                  ) -> Optional[tuple[str, Companion]]:
+        """``(stored weight name, companion)`` when ``name`` is a companion's name, else None
+        (``exists``: which stored weights the checkpoint holds, for schemes that differ per
+        weight; unused here)."""
         found = self.naming.weight_of(name, [c.suffix for c in self.companions])
         if found is None:
             return None

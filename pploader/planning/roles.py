@@ -18,7 +18,7 @@ from ..families.base import QuantNaming, TensorRole
 from .checkpoint import CheckpointIndex
 from .gcpause import without_gc
 from .partition import StageWindow
-from .quant import quant_scheme
+from .quant import QuantScheme, quant_scheme
 from .spec import ModelSpec
 
 __all__ = ["CheckpointRoles", "checkpoint_roles", "wanted"]
@@ -81,6 +81,13 @@ class CheckpointRoles:
     #: quantization companions' naming: the family's, its weight stored under the scheme's
     #: suffix (``qweight``...; planning/quant.py)
     naming: QuantNaming = QuantNaming()
+    #: the quantization scheme (None: not quantized); per weight with compressed-tensors
+    #: config groups of different schemes (planning/quant_groups.py)
+    scheme: Optional[QuantScheme] = None
+
+    def naming_of(self, weight: str) -> QuantNaming:
+        """The companion naming of stored weight ``weight``."""
+        return self.naming if self.scheme is None else self.scheme.naming_of(weight)
 
     def _link_layer(self, layer: int) -> None:
         """Add ``layer``'s companions to ``links`` (those whose weight the checkpoint holds)."""
@@ -94,7 +101,7 @@ class CheckpointRoles:
         self._link_layer(layer)  # a no-op once the layer is linked
         weight = self.links.get(name)
         if weight is not None:
-            naming = self.naming  # the family's naming, no string cutting
+            naming = self.naming_of(weight)  # the family's naming, no string cutting
             wcomp = naming.weight_component(component, name, weight)
             base = self._plain(weight, layer, wcomp)
             return TensorRole(base.placement,
@@ -133,7 +140,7 @@ class CheckpointRoles:
             if base is None:
                 role = out[name] = self.role(name, layer, component)
                 weight = component if not key[1] else \
-                    self.naming.weight_component(component, name, links[name])
+                    self.naming_of(links[name]).weight_component(component, name, links[name])
                 if known.get(weight) is not None and role.layer == layer \
                         and role.placement == placement:
                     memo[key] = role
@@ -314,6 +321,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
     fam, n, m = spec.family, spec.num_layers, spec.num_mtp_layers
     scheme = quant_scheme(spec)
     naming = scheme.naming if scheme is not None else fam.quant_naming
+    mixed = scheme is not None and scheme.mixed
     match = re.compile(fam.layer_prefix).match
     layers: dict[int, list[str]] = {}
     components: dict[str, Optional[TensorRole]] = {}
@@ -340,22 +348,31 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         comps = tuple(map(itemgetter(slice(cut, None)), names))
         known = by_comps.get(comps)
         if known is None:
-            for component in set(comps) - components.keys():
+            present = set(comps)
+            for component in present - components.keys():
                 role = fam.classify(prefix + component, n, m)
                 components[component] = (  # the role without its layer (a new value)
                     TensorRole(role.placement, role.component, None, role.expert,
                                role.fused_experts, role.role)
                     if role is not None and role.placement in ("layer", "mtp") else None)
-                link = scheme.weight_of(component) if scheme is not None else None
-                weight_of[component] = link[0] if link is not None else None
-                if link is not None:
-                    companions.add(component)
+                if not mixed:
+                    link = scheme.weight_of(component) if scheme is not None else None
+                    weight_of[component] = link[0] if link is not None else None
+                    if link is not None:
+                        companions.add(component)
                 if components[component] is None:
                     per_name.add(component)
-            at = [i for i, c in enumerate(comps) if c in companions]
+            if mixed:  # a companion's weight may differ by layer (weight / weight_packed)
+                here = {c: scheme.weight_of(c, present.__contains__)  # type: ignore[union-attr]
+                        for c in present}
+                at = [i for i, c in enumerate(comps) if here[c] is not None]
+                weight_comps = [here[comps[i]][0] for i in at]  # type: ignore[index]
+            else:
+                at = [i for i, c in enumerate(comps) if c in companions]
+                weight_comps = [weight_of[comps[i]] for i in at]  # type: ignore[misc]
             keep = None if per_name.isdisjoint(comps) else \
                 [components[c] is not None for c in comps]
-            known = by_comps[comps] = (at, [weight_of[comps[i]] for i in at], keep)  # type: ignore[misc]
+            known = by_comps[comps] = (at, weight_comps, keep)
         at, weight_comps, keep = known
         if at and keep is None:  # companions link to their weight when the checkpoint holds
             unlinked[layer] = (prefix, at, weight_comps)  # it: on the layer's first use
@@ -367,14 +384,15 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         layers[layer] = names
     if scheme is not None:
         for name in off_layer:
-            link = scheme.weight_of(name)
+            link = scheme.weight_of(name, wmap.__contains__)
             if link is not None and link[0] in wmap:
                 links[name] = link[0]
     for name in off_layer:
         weight = links.get(name, name)
         role = fam.classify(weight, n, m)
         if role is not None and weight != name:
-            role = role._replace(component=naming.companion_component(
+            role = role._replace(component=(naming if scheme is None else scheme.naming_of(
+                weight)).companion_component(
                 role.component, weight, name))
         if role is None:
             unknown.append(name)
@@ -393,7 +411,7 @@ def checkpoint_roles(spec: ModelSpec, index: CheckpointIndex) -> CheckpointRoles
         t: fam.classify(t, n, m) for t in template.keys() - index.weight_map.keys()}
     return CheckpointRoles(spec, {k: tuple(v) for k, v in layers.items()}, components, others,
                            links, template, only, layered, _index_names=index.weight_map.keys(),
-                           _unlinked=unlinked, naming=naming)
+                           _unlinked=unlinked, naming=naming, scheme=scheme)
 
 
 def _link(links: dict[str, str], names: Sequence[str], prefix: str, at: list[int],

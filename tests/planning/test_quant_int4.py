@@ -183,8 +183,9 @@ def test_missing_companion_is_named(tmp_path: Path) -> None:
                           "actorder": "dynamic"}}}}, "actorder .dynamic."),
     ({"quant_method": "compressed-tensors", "format": "mixed-precision", "config_groups": {
         "a": {**CONFIGS["w4a16"]["config_groups"]["group_0"], "format": "pack-quantized"},
-        "b": {**CONFIGS["w8a8"]["config_groups"]["group_0"], "format": "int-quantized"}}},
-     "different schemes .*: a w4a16-group, b int8-channel"),
+        "b": {**CONFIGS["w8a8"]["config_groups"]["group_0"], "format": "int-quantized",
+              "targets": ["Qwen3MoeSparseMoeBlock"]}}},
+     "config group b: class target 'Qwen3MoeSparseMoeBlock' is not supported"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {
         "a": {"weights": {"type": "int", "num_bits": 4, "strategy": "tensor"}}}},
      "strategy 'tensor'"),
