@@ -29,7 +29,7 @@ from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec, spec_from_config
-from pploader.families import generic
+from pploader.families import generic, generic_tp
 
 TINY = dict(vocab_size=128, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
             head_dim=8, intermediate_size=64, num_hidden_layers=4, max_position_embeddings=64,
@@ -298,7 +298,7 @@ def test_generic_tp_rules_for_small_tensors(comp: str, shape: tuple, split: obje
     naming = Naming("original", {}, r"model\.layers\.(\d+)\.", (), (), None, (), None, None)
     text = {"hidden_size": 64, "num_attention_heads": 8, "num_key_value_heads": 8,
             "vocab_size": 128}
-    rule = generic._rule(re.escape(comp), comp, shape, naming, text, 8)
+    rule = generic_tp._rule(re.escape(comp), comp, shape, naming, text, 8)
     if split == "refused":
         with pytest.raises(PlanError, match="no unambiguous split"):
             rule.segments(type("Spec", (), {"architecture": "X"})())  # type: ignore[misc]

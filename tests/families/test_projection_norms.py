@@ -83,7 +83,7 @@ def test_deepseek_v32_indexer_is_replicated(tmp_path: Path) -> None:
 
 
 def test_whole_projection_norm_without_an_engine_rule_is_refused() -> None:
-    from pploader.families.generic import _projection_norm
+    from pploader.families.generic_tp import _projection_norm
     assert _projection_norm("p", "k_norm", 64 * 4, 8, 4, 64, "SomeForCausalLM") is None
     assert _projection_norm("p", "k_norm", 64, 8, 4, 64, "SomeForCausalLM") == \
         ShardRule("p", None)  # one head wide: replicated
