@@ -34,6 +34,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
 from torch.futures import Future
 
+from ..arguments import check, check_callable, check_device, check_paths, check_type
+from ..distributed.comm import gather_refusals
 from ..errors import CheckpointError, PlanError, PPLoaderError, ReadError
 from ..io.backend import ReadBackend, ReadOptions, ReadStats, merge_stats
 from ..io.mapped import COLD_THREADS, open_mapped
@@ -47,6 +49,7 @@ from ..planning.partition import StageWindow
 from ..planning.rank_plan import RankPlan
 from ..planning.shard import Selection
 from ..planning.topology import Topology
+from ..storage import check_model_location
 from .dcp_metadata import (GlobalStep, LazyStorage, LazyTensors, LocalFacts, copy_threads,
                            file_identities)
 
@@ -96,9 +99,6 @@ class PPLoaderStorageReader(StorageReader):
         super().__init__()
         if names is not None and rename is not None:
             raise ValueError("give names= (a NameMap) or rename= (a callable), not both")
-        from ..arguments import (check, check_callable, check_device, check_paths,
-                                 check_type)
-        from ..storage import check_model_location
         check(io_backend=io_backend, threads=threads, window_bytes=window_bytes,
               range_cost_bytes=range_cost_bytes)  # the CLI's ranges (arguments.py)
         if names is not None:
@@ -270,7 +270,6 @@ class PPLoaderStorageReader(StorageReader):
             if refusal is not None:
                 raise refusal
             return
-        from ..distributed.comm import gather_refusals
         others = gather_refusals(None if refusal is None else str(refusal), group)
         if refusal is not None:
             raise refusal
