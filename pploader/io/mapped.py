@@ -50,8 +50,7 @@ from .mapped_file import MappedFile, map_file
 from .mapped_split import Run, run_bytes, split_into, strided_runs
 from .pagecache import MADV_POPULATE_READ, PAGE_BYTES, advise
 from .read import Reader
-from .readahead import (AskAhead, Prefetch, advise_sequential, merge_span, page_span,
-                        span_of)
+from .readahead import Prefetch, advise_sequential, merge_span, page_span, span_of
 
 __all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "COLD_MODES",
            "READAHEAD_WINDOW", "strided_runs"]
@@ -303,13 +302,7 @@ class MappedBackend:
                 jobs.extend(copies)
                 mapped += run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
                 parts.update(reads)
-            ahead = AskAhead(page_span(files[i.file].base.data_ptr(), *span_of(i.ranges))
-                             for i in hot if i.ranges) if self.faulting else None
-            try:
-                self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
-            finally:
-                if ahead is not None:
-                    ahead.close()
+            self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
             for item in hot:
                 self._count_warm(item)
             self.stats.items += len(hot)

@@ -9,12 +9,12 @@ so the caller learns which spans were warm without a whole-file bitmap."""
 from __future__ import annotations
 
 import threading
-from typing import Iterable, Sequence
+from typing import Sequence
 
 from .pagecache import (MADV_POPULATE_READ, MADV_SEQUENTIAL, MADV_WILLNEED, PAGE_BYTES, advise,
                         mapped_residency)
 
-__all__ = ["Prefetch", "AskAhead", "merge_span", "span_of", "page_span", "resident_fraction", "advise_sequential",
+__all__ = ["Prefetch", "merge_span", "span_of", "page_span", "resident_fraction", "advise_sequential",
            "LOOKAHEAD_BYTES"]
 
 #: cold bytes asked for ahead of the span being mapped (requests in flight)
@@ -117,29 +117,3 @@ class Prefetch:
             self.cond.notify()
         self.thread.join()
 
-
-class AskAhead:
-    """Asks the kernel for ``spans`` ((address, length) of a file mapping, page aligned, in
-    the order the copies fault them) with ``MADV_WILLNEED`` from a daemon thread, so a cold
-    load's storage reads are queued deep and early while the copies fault behind them (the
-    copies' own read-around keeps one request in flight per copying thread). Nothing is
-    mapped or waited for; ``close()`` stops before the next span and joins. Spans that touch
-    or overlap are merged (a TP shard's items: one request stream)."""
-
-    def __init__(self, spans: Iterable[tuple[int, int]]) -> None:
-        self.spans: list[tuple[int, int]] = []
-        for addr, length in spans:
-            merge_span(self.spans, addr, addr + length)
-        self._stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="pploader-askahead", daemon=True)
-        self.thread.start()
-
-    def _run(self) -> None:
-        for addr, length in self.spans:
-            if self._stop.is_set():
-                return
-            advise(addr, length, MADV_WILLNEED)  # asynchronous: returns once queued
-
-    def close(self) -> None:
-        self._stop.set()
-        self.thread.join()

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from pploader.io.readahead import (PAGE_BYTES, AskAhead, Prefetch, merge_span, page_span,
+from pploader.io.readahead import (PAGE_BYTES, Prefetch, merge_span, page_span,
                                   resident_fraction, span_of)
 
 
@@ -25,23 +25,6 @@ def test_merge_span_joins_touching_and_overlapping_spans_only() -> None:
     for lo, hi in [(0, 10), (10, 20), (15, 18), (5, 30), (40, 50), (30, 35)]:
         merge_span(spans, lo, hi)
     assert spans == [(0, 30), (40, 10), (30, 5)]   # a span behind the last one is kept apart
-
-
-def test_ask_ahead_brings_the_spans_in_and_stops(mapped_file) -> None:
-    """``AskAhead`` (the DCP reader's cold CPU path): the spans it asks for become resident
-    without being touched; ``close`` joins the thread."""
-    from pploader.bench.methods import evict
-    path, addr = mapped_file
-    if evict([str(path)]) > 0:
-        pytest.skip("this file system keeps the pages resident (no eviction)")
-    ahead = AskAhead([(addr, 16 * PAGE_BYTES), (addr + 16 * PAGE_BYTES, 16 * PAGE_BYTES)])
-    assert ahead.spans == [(addr, 32 * PAGE_BYTES)]
-    deadline = time.monotonic() + 10
-    while resident_fraction(addr, 32 * PAGE_BYTES) < 1.0 and time.monotonic() < deadline:
-        time.sleep(0.01)
-    ahead.close()
-    assert not ahead.thread.is_alive()
-    assert resident_fraction(addr, 32 * PAGE_BYTES) == 1.0
 
 
 @pytest.fixture()
