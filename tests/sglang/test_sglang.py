@@ -1,9 +1,10 @@
 """The SGLang load format inside real SGLang CPU engines, against SGLang's default loader.
 
 Marked ``sglang``: skipped unless this interpreter has sglang (run ``.ci/sglang-suite.sh``,
-which makes the pinned venv). All engines start in one subprocess (tests/sglang/engine.py),
+which makes the pinned venv). The engines start in one subprocess (tests/sglang/engine.py),
 one after another (each start is 1.5-2 minutes on a 2-core box), so the engines are few and
-each serves several checks; the tests below read its results. A pipeline split changes no
+each serves several checks; the tests below read its results. The hybrid's two engines and
+the NEXTN engine have their own subprocesses (``-k hybrid`` / ``-k nextn`` start only those). A pipeline split changes no
 arithmetic (each stage runs the same layers on the hidden states it is handed), so runs that
 differ from a default-loader run only in their PP split are compared with that run; TP
 changes the reductions and has its own default-loader run.
