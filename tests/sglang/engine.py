@@ -4,7 +4,8 @@ Run as a subprocess: ``python tests/sglang/engine.py SPEC.json OUT.json``. SPEC:
 [[ids]], "max_tokens": n, "runs": [{"name", "model", "load_format", "pp"?, "tp"?, "env"?:
 {VAR: value} (set while the engine starts: SGLANG_PP_LAYER_PARTITION), "extra"?: loader
 config, "engine"?: {Engine kwargs}, "evict"?: bool, "reloads"?: [dir, ...], "report_dir"?:
-where the ranks write their reports (default: a fresh temporary directory)}]}``.
+where the ranks write their reports (default: a fresh temporary directory), "logprobs"?:
+bool (also record each greedy token's log-probability)}]}``.
 ``load_format`` ``"pploader"`` is the plugin's name (the ``sglang.srt.plugins`` entry point),
 ``"pploader-class"`` the loader class itself. ``evict``: drop the checkpoint's pages from the
 page cache first (a cold load). ``reloads``: ``Engine.update_weights_from_disk(dir,
@@ -61,9 +62,17 @@ def engine(run: dict[str, Any], report_dir: str) -> Any:
 
 
 def generate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    return generate_logprobs(llm, prompts, max_tokens, False)[0]
+
+
+def generate_logprobs(llm: Any, prompts: list[list[int]], max_tokens: int, logprobs: bool
+                      ) -> tuple[list[list[int]], list[list[float]]]:
+    """Greedy tokens and (``logprobs``) each chosen token's log-probability."""
     params = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": True}
-    outs = llm.generate(input_ids=prompts, sampling_params=params)
-    return [list(o["output_ids"]) for o in outs]
+    outs = llm.generate(input_ids=prompts, sampling_params=params, return_logprob=logprobs)
+    probs = [[float(x[0]) for x in o["meta_info"]["output_token_logprobs"]] if logprobs
+             else [] for o in outs]
+    return [list(o["output_ids"]) for o in outs], probs
 
 
 def reports(report_dir: str) -> list[dict[str, Any]]:
@@ -143,7 +152,8 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
     out: dict[str, Any] = {"name": run["name"], "start_seconds": time.perf_counter() - start,
                            "resident_before": resident}
     try:
-        out["tokens"] = generate(llm, prompts, max_tokens)
+        out["tokens"], out["logprobs"] = generate_logprobs(llm, prompts, max_tokens,
+                                                           bool(run.get("logprobs")))
         out["reports"] = reports(report_dir)
         out["reloads"] = []
         for new_dir in run.get("reloads", []):

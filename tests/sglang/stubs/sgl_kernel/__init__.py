@@ -4,9 +4,12 @@ SGLang's CPU kernels are not on PyPI (the wheel there is the CUDA build), and a 
 calls one of them: ``assign_req_to_token_pool_cpu``. It is written here in plain torch from
 the Triton kernel of the same name in SGLang (``mem_cache/allocation.py``); speculative
 decoding's KV pool also calls ``copy_all_layer_kv_cache_cpu`` (from the Triton kernel in
-``kernels/ops/kvcache/cache_move.py``). SGLang imports
-other names at module level; each is a function that raises when called, so a test never
-runs on something this module only pretends to provide.
+``kernels/ops/kvcache/cache_move.py``). Qwen3.5's gated delta net on CPU calls more
+(``torch.ops.sgl_kernel.*_cpu`` and ``sgl_kernel.mamba``): plain-torch versions in ``gdn``,
+registered below on the ``torch.ops.sgl_kernel`` namespace. SGLang imports other names at
+module level; each is a function that raises when called, so a test never runs on something
+this module only pretends to provide (a ``torch.ops.sgl_kernel`` name not registered here
+raises AttributeError, so SGLang's AMX probe stays off).
 """
 from __future__ import annotations
 
@@ -37,6 +40,27 @@ def copy_all_layer_kv_cache_cpu(data_ptrs: torch.Tensor, strides: torch.Tensor,
     for base, stride in zip(data_ptrs.tolist(), strides.tolist()):
         for src, tgt in zip(src_loc.tolist(), tgt_loc.tolist()):
             ctypes.memmove(base + tgt * stride, base + src * stride, stride)
+
+
+def _register_torch_ops() -> None:
+    """The ops SGLang looks up as ``torch.ops.sgl_kernel.<name>`` for Qwen3.5 on CPU."""
+    from . import gdn
+    ops = {
+        "fused_gdn_gating_cpu": gdn.gdn_gating,
+        "fused_sigmoid_gating_delta_rule_update_cpu": gdn.sigmoid_gating_delta_rule_update,
+        "fused_sigmoid_mul_cpu": gdn.sigmoid_mul_,
+        "fused_qk_gemma_rmsnorm_cpu": gdn.qk_gemma_rmsnorm,
+        "fused_qk_gemma_rmsnorm_with_gate_cpu": gdn.qk_gemma_rmsnorm_with_gate,
+        "fused_qkvzba_split_reshape_cat_contiguous_cpu":
+            gdn.qkvzba_split_reshape_cat_contiguous,
+        "fused_rmsnorm_gated_cpu": gdn.rmsnorm_gated,
+    }
+    namespace = torch.ops.sgl_kernel
+    for name, fn in ops.items():
+        setattr(namespace, name, fn)
+
+
+_register_torch_ops()
 
 
 def __getattr__(name: str) -> Any:
