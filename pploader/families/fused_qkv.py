@@ -48,6 +48,12 @@ orders its rows per model. Keyed by ``model_type``; each split is the engine's l
   evenly, so the rule's units are the heads every layer's count divides into (their gcd): a
   TP that does not divide some layer's heads is refused, as vLLM asserts. The router's
   ``mlp.experts.e_score_correction_bias`` (stored under the experts) is replicated.
+- **dots3 Note** (vLLM ``models/dots3_note``): the attention gate ``self_attn.g_proj``, one
+  row per head (``headwise``, the only kind transformers' model builds), is vLLM's
+  ``ReplicatedLinear``: whole on every rank (SGLang's ``dots3`` narrows it to the rank's
+  heads; this follows vLLM, whose loader needs the whole gate; vLLM's elementwise gate,
+  ``heads x v_head_dim`` rows, is refused: transformers has no such layout). ``k_rope_only_layernorm`` (``RMSNorm`` of
+  ``qk_rope_head_dim``) is whole; its MLA projections and indexer are the generic rules'.
 
 MPT's ``Wqkv`` stays refused: vLLM removed MPT (0.28.0) and SGLang has no MPT model.
 """
@@ -270,6 +276,21 @@ def _laguna(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return _rule(1 if module == "self_attn.o_proj" else 0, units=heads, replicate=False)
 
 
+def _dots3(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
+           ) -> Optional[RuleFactory]:
+    """dots3 Note's headwise attention gate and its RoPE key norm, both replicated as vLLM's
+    dots3_note builds them."""
+    if comp == "self_attn.k_rope_only_layernorm.weight":
+        return _rule(None)
+    if comp != "self_attn.g_proj.weight":
+        return None
+    heads = _int(text, "num_attention_heads") or 0
+    if heads and shape[:1] == (heads,):
+        return _rule(None)   # headwise: vLLM's ReplicatedLinear
+    return _refuse(comp, f"{list(shape)} is not one row per head ({heads}): not a headwise "
+                   "gate")
+
+
 def _head_vector(comp: str, name: str) -> Optional[RuleFactory]:
     """A vector of one value per query head of its layer (``[heads]``), split as the engine
     narrows it: ``heads / tp`` a rank (vLLM's MiMo-V2 ``attention_sink_bias``, SGLang's Beam
@@ -294,6 +315,7 @@ FUSED_TP_TYPES: dict[str, _Builder] = {
     "beam": lambda comp, _s, _t: _head_vector(comp, "self_attn.gate_bias"),
     "dbrx": _dbrx,
     "laguna": _laguna,
+    "dots3_note": _dots3, "dots3_note_text": _dots3,
     "lfm2": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
     "lfm2_moe": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
 }

@@ -1,7 +1,8 @@
-"""DBRX's and Laguna's TP slices, written from the engines' loaders, independently of the planner.
+"""DBRX's, Laguna's and dots3 Note's TP slices, written from the engines' loaders, independently
+of the planner.
 
 What TP rank ``rank`` of ``tp`` holds of each stored tensor (vLLM 0.32 ``dbrx.py`` /
-``laguna.py``; SGLang 0.5.23 splits them alike):
+``laguna.py`` / ``models/dots3_note``; SGLang 0.5.23 splits DBRX and Laguna alike):
 
 - DBRX: ``Wqkv`` is q | k | v rows (``QKVParallelLinear``: q by ``n_heads``, k / v by
   ``attn_config.kv_n_heads``, one KV head copied on ``tp / kv`` ranks when fewer than TP);
@@ -12,7 +13,10 @@ What TP rank ``rank`` of ``tp`` holds of each stored tensor (vLLM 0.32 ``dbrx.py
   ``o_proj`` columns by those heads, ``g_proj`` rows (``ColumnParallelLinear``), ``k_proj`` /
   ``v_proj`` by KV heads, every MLP (dense, shared, each expert) gate / up rows and down
   columns; the router and its ``e_score_correction_bias`` whole;
-- both: the vocabulary rows ``ceil(V / tp)`` a rank, zero-padded (``VocabParallelEmbedding`` /
+- dots3 Note: DeepSeek-V3.2's MLA and indexer (tests/mla_ref.py), plus the attention gate
+  ``g_proj``, one row per head (headwise, transformers' only kind): vLLM's
+  ``ReplicatedLinear``, whole on every rank;
+- DBRX, Laguna: the vocabulary rows ``ceil(V / tp)`` a rank, zero-padded (``VocabParallelEmbedding`` /
   ``ParallelLMHead``); norms whole.
 """
 from __future__ import annotations
@@ -21,6 +25,8 @@ import re
 from typing import Any, Mapping
 
 import torch
+
+from mla_ref import mla_slices
 
 
 def _share(n: int, tp: int, rank: int) -> slice:
@@ -83,3 +89,13 @@ def laguna_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: i
     if module == "down_proj":
         return full[:, _share(full.shape[1], tp, rank)]
     return full   # norms, q / k norms of head_dim, the router and its score correction
+
+
+def dots3_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: int, rank: int
+                ) -> torch.Tensor:
+    if name.endswith("self_attn.g_proj.weight"):
+        assert full.shape[0] == config["num_attention_heads"], (name, full.shape)
+        return full                                       # headwise: replicated
+    slices, pad = mla_slices(name, full.shape, config, tp, rank)
+    want = full[slices]
+    return torch.cat([want, want.new_zeros((pad,) + tuple(want.shape[1:]))]) if pad else want

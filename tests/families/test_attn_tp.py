@@ -1,8 +1,8 @@
-"""DBRX and Laguna under TP through the generic family (families/fused_qkv.py): tiny
+"""DBRX, Laguna and dots3 Note under TP through the generic family (families/fused_qkv.py): tiny
 transformers checkpoints loaded at PP=2 x TP=k on the CPU, every tensor of every rank bitwise
-equal to tests/dbrx_laguna_ref.py's slice. Before, both were refused at TP=2 (DBRX's
-``Wqkv``, Laguna's ``g_proj``: "not a known projection"; Laguna's per-layer query heads did
-not match ``num_attention_heads``).
+equal to tests/attn_tp_ref.py's slice. Before, all were refused at TP=2 (DBRX's ``Wqkv``,
+Laguna's and dots3's ``g_proj``: "not a known projection"; Laguna's per-layer query heads did
+not match ``num_attention_heads``; dots3's ``k_rope_only_layernorm``: "norm of width").
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import generic_sweep
-from dbrx_laguna_ref import dbrx_slice, laguna_slice
+from attn_tp_ref import dbrx_slice, dots3_slice, laguna_slice
 from helpers import reference_tensors
 from pploader.errors import PlanError
 from pploader.io.read import Reader
@@ -25,7 +25,9 @@ from pploader.planning.spec import load_spec
 from sweep_shrink import model_config, tiny_config
 
 transformers = pytest.importorskip("transformers")
-REF: dict[str, Callable[..., torch.Tensor]] = {"dbrx": dbrx_slice, "laguna": laguna_slice}
+REF: dict[str, Callable[..., torch.Tensor]] = {
+    "dbrx": dbrx_slice, "laguna": laguna_slice, "dots3_note": dots3_slice,
+    "dots3_note_text": dots3_slice}
 
 
 def _build(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
@@ -96,3 +98,14 @@ def test_laguna_heads_not_dividing_refused(tmp_path: Path) -> None:
     with pytest.raises(PlanError) as err:
         plan_all(spec, index, 2, 4, 1)
     assert re.search(r"self_attn\.(q|o|g)_proj", str(err.value.tensor)), err.value
+
+
+@pytest.mark.parametrize("model_type", ["dots3_note", "dots3_note_text"])
+def test_dots3_headwise_gate_pp2_tp2_bytes(model_type: str, tmp_path: Path) -> None:
+    """transformers' dots3 gate is headwise ([heads, hidden]): whole on every rank, as vLLM's
+    ReplicatedLinear holds it; the MLA projections split by heads."""
+    config = _build(model_type, tmp_path)
+    split = _check(model_type, tmp_path, config, 2)
+    assert {"q_b_proj", "kv_b_proj", "o_proj", "down_proj"} <= split, split
+    assert not split & {"g_proj", "k_rope_only_layernorm", "wk", "weights_proj"}, split
+
