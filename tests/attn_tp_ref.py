@@ -1,8 +1,9 @@
-"""DBRX's, Laguna's and dots3 Note's TP slices, written from the engines' loaders, independently
+"""DBRX's, Laguna's, dots3 Note's and LongCat-Flash's TP slices, written from the engines' loaders, independently
 of the planner.
 
 What TP rank ``rank`` of ``tp`` holds of each stored tensor (vLLM 0.32 ``dbrx.py`` /
-``laguna.py`` / ``models/dots3_note``; SGLang 0.5.23 splits DBRX and Laguna alike):
+``laguna.py`` / ``models/dots3_note`` / ``longcat_flash.py``; SGLang 0.5.23 splits DBRX,
+Laguna and LongCat alike):
 
 - DBRX: ``Wqkv`` is q | k | v rows (``QKVParallelLinear``: q by ``n_heads``, k / v by
   ``attn_config.kv_n_heads``, one KV head copied on ``tp / kv`` ranks when fewer than TP);
@@ -16,6 +17,9 @@ What TP rank ``rank`` of ``tp`` holds of each stored tensor (vLLM 0.32 ``dbrx.py
 - dots3 Note: DeepSeek-V3.2's MLA and indexer (tests/mla_ref.py), plus the attention gate
   ``g_proj``, one row per head (headwise, transformers' only kind): vLLM's
   ``ReplicatedLinear``, whole on every rank;
+- LongCat-Flash: its two numbered MLA sub-blocks ``self_attn.{i}`` and dense ``mlps.{i}`` as
+  DeepSeek's (tests/mla_ref.py), the numbered norms and the router (``classifier``, rows the
+  routed plus the zero experts; ``e_score_correction_bias``) whole;
 - DBRX, Laguna: the vocabulary rows ``ceil(V / tp)`` a rank, zero-padded (``VocabParallelEmbedding`` /
   ``ParallelLMHead``); norms whole.
 """
@@ -96,6 +100,15 @@ def dots3_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: in
     if name.endswith("self_attn.g_proj.weight"):
         assert full.shape[0] == config["num_attention_heads"], (name, full.shape)
         return full                                       # headwise: replicated
+    slices, pad = mla_slices(name, full.shape, config, tp, rank)
+    want = full[slices]
+    return torch.cat([want, want.new_zeros((pad,) + tuple(want.shape[1:]))]) if pad else want
+
+
+def longcat_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: int, rank: int
+                  ) -> torch.Tensor:
+    if re.search(r"_layernorm\.\d\.weight$|\.router\.", name):
+        return full
     slices, pad = mla_slices(name, full.shape, config, tp, rank)
     want = full[slices]
     return torch.cat([want, want.new_zeros((pad,) + tuple(want.shape[1:]))]) if pad else want

@@ -54,6 +54,11 @@ orders its rows per model. Keyed by ``model_type``; each split is the engine's l
   heads; this follows vLLM, whose loader needs the whole gate; vLLM's elementwise gate,
   ``heads x v_head_dim`` rows, is refused: transformers has no such layout). ``k_rope_only_layernorm`` (``RMSNorm`` of
   ``qk_rope_head_dim``) is whole; its MLA projections and indexer are the generic rules'.
+- **LongCat-Flash** (vLLM / SGLang ``longcat_flash.py``): a layer's two attention and MLP
+  sub-blocks are numbered (``input_layernorm.{0,1}``, ``post_attention_layernorm.{0,1}``:
+  whole ``RMSNorm``s; ``self_attn.{i}`` MLA and ``mlps.{i}`` the generic rules'); the router
+  ``mlp.router.classifier`` and its ``e_score_correction_bias`` (rows: the routed plus the
+  zero experts) are whole (``GateLinear``, a plain parameter).
 
 MPT's ``Wqkv`` stays refused: vLLM removed MPT (0.28.0) and SGLang has no MPT model.
 """
@@ -291,6 +296,12 @@ def _dots3(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
                    "gate")
 
 
+#: LongCat-Flash's replicated components: the numbered norms and the router (rows: routed plus
+#: zero experts, which the generic router check, counting routed experts only, misses)
+_LONGCAT_WHOLE = re.compile(r"(input|post_attention)_layernorm\.\d+\.weight|"
+                            r"mlp\.router\.(classifier\.weight|e_score_correction_bias)")
+
+
 def _head_vector(comp: str, name: str) -> Optional[RuleFactory]:
     """A vector of one value per query head of its layer (``[heads]``), split as the engine
     narrows it: ``heads / tp`` a rank (vLLM's MiMo-V2 ``attention_sink_bias``, SGLang's Beam
@@ -316,6 +327,7 @@ FUSED_TP_TYPES: dict[str, _Builder] = {
     "dbrx": _dbrx,
     "laguna": _laguna,
     "dots3_note": _dots3, "dots3_note_text": _dots3,
+    "longcat_flash": lambda comp, _s, _t: _rule(None) if _LONGCAT_WHOLE.fullmatch(comp) else None,
     "lfm2": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
     "lfm2_moe": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
 }

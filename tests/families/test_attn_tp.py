@@ -1,8 +1,9 @@
-"""DBRX, Laguna and dots3 Note under TP through the generic family (families/fused_qkv.py): tiny
+"""DBRX, Laguna, dots3 Note and LongCat-Flash under TP through the generic family (families/fused_qkv.py): tiny
 transformers checkpoints loaded at PP=2 x TP=k on the CPU, every tensor of every rank bitwise
 equal to tests/attn_tp_ref.py's slice. Before, all were refused at TP=2 (DBRX's ``Wqkv``,
 Laguna's and dots3's ``g_proj``: "not a known projection"; Laguna's per-layer query heads did
-not match ``num_attention_heads``; dots3's ``k_rope_only_layernorm``: "norm of width").
+not match ``num_attention_heads``; dots3's ``k_rope_only_layernorm``: "norm of width"; LongCat's ``input_layernorm.0``: "role
+'0'").
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import generic_sweep
-from attn_tp_ref import dbrx_slice, dots3_slice, laguna_slice
+from attn_tp_ref import dbrx_slice, dots3_slice, laguna_slice, longcat_slice
 from helpers import reference_tensors
 from pploader.errors import PlanError
 from pploader.io.read import Reader
@@ -27,7 +28,7 @@ from sweep_shrink import model_config, tiny_config
 transformers = pytest.importorskip("transformers")
 REF: dict[str, Callable[..., torch.Tensor]] = {
     "dbrx": dbrx_slice, "laguna": laguna_slice, "dots3_note": dots3_slice,
-    "dots3_note_text": dots3_slice}
+    "dots3_note_text": dots3_slice, "longcat_flash": longcat_slice}
 
 
 def _build(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
@@ -109,3 +110,13 @@ def test_dots3_headwise_gate_pp2_tp2_bytes(model_type: str, tmp_path: Path) -> N
     assert {"q_b_proj", "kv_b_proj", "o_proj", "down_proj"} <= split, split
     assert not split & {"g_proj", "k_rope_only_layernorm", "wk", "weights_proj"}, split
 
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_longcat_flash_pp2_tp_bytes(tp: int, tmp_path: Path) -> None:
+    """Two MLA sub-blocks and two dense MLPs a layer, split by heads / rows; the numbered
+    norms and the router (4 routed + 4 zero experts) whole."""
+    config = _build("longcat_flash", tmp_path)
+    split = _check("longcat_flash", tmp_path, config, tp)
+    assert {"q_b_proj", "kv_b_proj", "o_proj", "gate_proj", "down_proj"} <= split, split
+    assert not split & {"0", "1", "classifier", "router"}, split
