@@ -54,8 +54,10 @@ def _vocab(w: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
     return torch.cat([part, part.new_zeros((pad,) + tuple(part.shape[1:]))]) if pad else part
 
 
-def dbrx_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: int, rank: int
-               ) -> torch.Tensor:
+def dbrx_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: int, rank: int,
+               ep: int = 1, ep_rank: int = 0) -> torch.Tensor:
+    """With ``ep`` > 1 a rank's experts are the ``ep_rank``-th of ``ep`` equal blocks, each
+    expert's rows its TP share (vLLM's expert parallelism inside the TP split)."""
     d, heads = config["d_model"], config["n_heads"]
     kv, hd = config["attn_config"]["kv_n_heads"], d // heads
     inter = config["ffn_config"]["ffn_hidden_size"]
@@ -68,7 +70,9 @@ def dbrx_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: int
     if name.endswith("attn.out_proj.weight"):
         return full[:, _share(full.shape[1], tp, rank)]
     if re.search(r"experts\.mlp\.(w1|v1|w2)$", name):
-        return full.reshape(-1, inter, d)[:, _share(inter, tp, rank)].reshape(-1, d)
+        experts = full.reshape(-1, inter, d)
+        block = experts[_share(experts.shape[0], ep, ep_rank)]
+        return block[:, _share(inter, tp, rank)].reshape(-1, d)
     return full   # norms, the router
 
 

@@ -74,6 +74,24 @@ def test_dbrx_pp2_tp_bytes(tp: int, tmp_path: Path) -> None:
     assert {"Wqkv", "out_proj", "mlp", "wte", "lm_head"} <= split, split
 
 
+def test_dbrx_pp2_ep2_tp2_bytes(tmp_path: Path) -> None:
+    """EP=2 x TP=2: a rank's 2 of the 4 experts, each expert's rows its TP share; the
+    attention by TP rank as without EP."""
+    config = _build("dbrx", tmp_path)
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    ref = reference_tensors(tmp_path)
+    seen: set[str] = set()
+    for plan in plan_all(spec, index, 2, 2, 2):
+        got = dict(Reader(plan))
+        topo = plan.topology
+        for item in plan.items:
+            want = dbrx_slice(item.name, ref[item.name], config, 2, topo.tp_rank, 2,
+                              topo.ep_rank)
+            assert torch.equal(got[item.target], want), (topo.rank, item.name)
+            seen.add(item.name)
+    assert seen == set(index.weight_map)
+
+
 def test_dbrx_kv_heads_split_tp2(tmp_path: Path) -> None:
     """Two KV heads at TP=2: one each, none copied."""
     attn = {**tiny_config("dbrx").to_dict()["attn_config"], "kv_n_heads": 2}
