@@ -37,11 +37,34 @@ orders its rows per model. Keyed by ``model_type``; each split is the engine's l
   vectors ``self_attn.attention_sink_bias`` / ``self_attn.gate_bias``, ``heads / tp`` a rank.
 - **Sarvam-MoE** (vLLM ``sarvam.py`` = Bailing-MoE's attention): ``attention.query_key_value``
   rows q | k | v, q by heads, k / v by KV heads; ``attention.dense`` is the generic rules'.
+- **DBRX** (vLLM / SGLang ``dbrx.py``): ``norm_attn_norm.attn.Wqkv`` rows q | k | v
+  (``QKVParallelLinear``), q by ``n_heads``, k / v by ``attn_config.kv_n_heads`` (a KV head
+  replicated on ``tp / kv`` ranks when fewer than TP); ``out_proj`` and the stacked experts
+  are the generic rules'.
+- **Laguna** (vLLM / SGLang ``laguna.py``): a layer's query heads are
+  ``num_attention_heads_per_layer[i]`` (not ``num_attention_heads``); ``q_proj`` rows and
+  ``o_proj`` columns by those heads, and the attention gate ``self_attn.g_proj`` (one row per
+  head, or per head channel; ``ColumnParallelLinear``) rows likewise. Each layer's rows split
+  evenly, so the rule's units are the heads every layer's count divides into (their gcd): a
+  TP that does not divide some layer's heads is refused, as vLLM asserts. The router's
+  ``mlp.experts.e_score_correction_bias`` (stored under the experts) is replicated.
+- **dots3 Note** (vLLM ``models/dots3_note``): the attention gate ``self_attn.g_proj``, one
+  row per head (``headwise``, the only kind transformers' model builds), is vLLM's
+  ``ReplicatedLinear``: whole on every rank (SGLang's ``dots3`` narrows it to the rank's
+  heads; this follows vLLM, whose loader needs the whole gate; vLLM's elementwise gate,
+  ``heads x v_head_dim`` rows, is refused: transformers has no such layout). ``k_rope_only_layernorm`` (``RMSNorm`` of
+  ``qk_rope_head_dim``) is whole; its MLA projections and indexer are the generic rules'.
+- **LongCat-Flash** (vLLM / SGLang ``longcat_flash.py``): a layer's two attention and MLP
+  sub-blocks are numbered (``input_layernorm.{0,1}``, ``post_attention_layernorm.{0,1}``:
+  whole ``RMSNorm``s; ``self_attn.{i}`` MLA and ``mlps.{i}`` the generic rules'); the router
+  ``mlp.router.classifier`` and its ``e_score_correction_bias`` (rows: the routed plus the
+  zero experts) are whole (``GateLinear``, a plain parameter).
 
 MPT's ``Wqkv`` stays refused: vLLM removed MPT (0.28.0) and SGLang has no MPT model.
 """
 from __future__ import annotations
 
+import math
 import re
 from functools import partial
 from typing import Any, Callable, Mapping, Optional
@@ -228,6 +251,57 @@ def _sarvam(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return _qkv_rows(comp, shape, hidden, heads, kv, head_dim)
 
 
+def _dbrx(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]) -> Optional[RuleFactory]:
+    """DBRX's fused ``Wqkv``: heads from ``n_heads``, KV heads from ``attn_config.kv_n_heads``
+    (vLLM's dbrx.py reads these, not the top-level ``num_key_value_heads``)."""
+    if comp != "norm_attn_norm.attn.Wqkv.weight":
+        return None
+    hidden, heads = _int(text, "d_model") or 0, _int(text, "n_heads") or 0
+    attn = text.get("attn_config")
+    kv = _int(attn, "kv_n_heads") if isinstance(attn, Mapping) else None
+    return _qkv_rows(comp, shape, hidden, heads, kv or heads, hidden // heads if heads else 0)
+
+
+def _laguna(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
+            ) -> Optional[RuleFactory]:
+    """Laguna's per-layer query heads: q_proj / g_proj rows and o_proj columns, ``1 / tp`` of
+    every layer's heads a rank (units: the gcd of the layers' head counts)."""
+    if comp == "mlp.experts.e_score_correction_bias":
+        return _rule(None)  # the router's score correction, stored under the experts
+    module, kind = _leaf(comp)
+    if kind != "weight" or module not in ("self_attn.q_proj", "self_attn.g_proj",
+                                          "self_attn.o_proj"):
+        return None
+    per_layer = text.get("num_attention_heads_per_layer")
+    counts = [h for h in per_layer if isinstance(h, int)] if isinstance(per_layer, list) \
+        else [_int(text, "num_attention_heads") or 0]
+    heads = math.gcd(*counts) if counts else 0
+    if not heads:
+        return _refuse(comp, "the config has no per-layer query head counts")
+    return _rule(1 if module == "self_attn.o_proj" else 0, units=heads, replicate=False)
+
+
+def _dots3(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
+           ) -> Optional[RuleFactory]:
+    """dots3 Note's headwise attention gate and its RoPE key norm, both replicated as vLLM's
+    dots3_note builds them."""
+    if comp == "self_attn.k_rope_only_layernorm.weight":
+        return _rule(None)
+    if comp != "self_attn.g_proj.weight":
+        return None
+    heads = _int(text, "num_attention_heads") or 0
+    if heads and shape[:1] == (heads,):
+        return _rule(None)   # headwise: vLLM's ReplicatedLinear
+    return _refuse(comp, f"{list(shape)} is not one row per head ({heads}): not a headwise "
+                   "gate")
+
+
+#: LongCat-Flash's replicated components: the numbered norms and the router (rows: routed plus
+#: zero experts, which the generic router check, counting routed experts only, misses)
+_LONGCAT_WHOLE = re.compile(r"(input|post_attention)_layernorm\.\d+\.weight|"
+                            r"mlp\.router\.(classifier\.weight|e_score_correction_bias)")
+
+
 def _head_vector(comp: str, name: str) -> Optional[RuleFactory]:
     """A vector of one value per query head of its layer (``[heads]``), split as the engine
     narrows it: ``heads / tp`` a rank (vLLM's MiMo-V2 ``attention_sink_bias``, SGLang's Beam
@@ -250,6 +324,10 @@ FUSED_TP_TYPES: dict[str, _Builder] = {
                                                ("mlp.c_proj",)),
     "mimo_v2_flash": lambda comp, _s, _t: _head_vector(comp, "self_attn.attention_sink_bias"),
     "beam": lambda comp, _s, _t: _head_vector(comp, "self_attn.gate_bias"),
+    "dbrx": _dbrx,
+    "laguna": _laguna,
+    "dots3_note": _dots3, "dots3_note_text": _dots3,
+    "longcat_flash": lambda comp, _s, _t: _rule(None) if _LONGCAT_WHOLE.fullmatch(comp) else None,
     "lfm2": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
     "lfm2_moe": lambda comp, _s, _t: _linear_mlp(comp, _LFM2_COLUMNS, ("feed_forward.w2",)),
 }
