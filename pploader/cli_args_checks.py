@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 from pathlib import Path
 from typing import Mapping, Optional
 
@@ -39,8 +38,8 @@ def check_writable_dir(path: os.PathLike | str, flag: str) -> Path:
         raise UsageError(f"{flag} {path}: exists and is not a directory; give a directory")
     try:
         out.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=out, prefix=".pploader-probe-"):
-            pass
+        from .outputs import probe_writable
+        probe_writable(out)
     except OSError as exc:
         raise UsageError(f"{flag} {path}: cannot write there ({exc.strerror or exc}); give a "
                          "writable directory") from None

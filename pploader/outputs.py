@@ -31,7 +31,7 @@ from typing import Iterable, Iterator, Optional, Sequence
 
 from .errors import UsageError
 
-__all__ = ["MARKER", "TEMP_PREFIX", "OutputDir", "claim_output", "staged_output",
+__all__ = ["MARKER", "TEMP_PREFIX", "OutputDir", "claim_output", "staged_output", "probe_writable",
            "publish_files", "begin_file", "commit_file", "retire_stale", "abandon",
            "own_entries", "release_entries",
            "discard_pending", "pending", "is_url", "FILE_MODE", "DIR_MODE"]
@@ -145,11 +145,17 @@ def _check_writable(out: Path, flag: str, text: str) -> None:
     if not probe.is_dir():
         raise UsageError(f"{flag} {text}: {probe} is not a directory; give another path")
     try:
-        with tempfile.NamedTemporaryFile(dir=probe, prefix=TEMP_PREFIX + "probe-"):
-            pass
+        probe_writable(probe)
     except OSError as exc:
         raise UsageError(f"{flag} {text}: cannot write there ({exc.strerror or exc}); give a "
                          "writable directory") from None
+
+
+def probe_writable(folder: Path) -> None:
+    """Create and remove a temporary file in ``folder`` (OSError when it cannot), under the
+    lock the signal watcher's cleanup takes, so a signal never strands the probe."""
+    with _lock, tempfile.NamedTemporaryFile(dir=folder, prefix=TEMP_PREFIX + "probe-"):
+        pass
 
 
 # ---- temporaries in progress (removed by the signal watcher) --------------------------------
