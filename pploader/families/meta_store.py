@@ -29,7 +29,7 @@ __all__ = ["MetaStore", "use_structure_cache", "encode", "decode"]
 logger = logging.getLogger(__name__)
 
 #: the JSON layout of an entry (bumped when ``encode`` changes)
-FORMAT = 1
+FORMAT = 2
 
 
 def encode(value: Any) -> Any:
@@ -41,10 +41,15 @@ def encode(value: Any) -> Any:
                 "fields": {f.name: encode(getattr(value, f.name))
                            for f in dataclasses.fields(value)}}
     if isinstance(value, tuple):
+        if all(type(v) is str for v in value):  # names: the common case, kept flat
+            return {"__strs__": list(value)}
         return {"__tuple__": [encode(v) for v in value]}
     if isinstance(value, frozenset):
         return {"__frozenset__": sorted((encode(v) for v in value), key=json.dumps)}
     if isinstance(value, Mapping):
+        if all(type(k) is str and type(v) is tuple and all(type(d) is int for d in v)
+               for k, v in value.items()):  # a template: name -> shape, kept flat
+            return {"__shapes__": {k: list(v) for k, v in value.items()}}
         return {"__dict__": [[encode(k), encode(v)] for k, v in value.items()]}
     if isinstance(value, list):
         return [encode(v) for v in value]
@@ -63,6 +68,10 @@ def decode(data: Any) -> Any:
     if "__dataclass__" in data:
         cls = {"MetaModel": MetaModel, "Naming": Naming}[data["__dataclass__"]]
         return cls(**{k: decode(v) for k, v in data["fields"].items()})
+    if "__shapes__" in data:
+        return {k: tuple(v) for k, v in data["__shapes__"].items()}
+    if "__strs__" in data:
+        return tuple(data["__strs__"])
     if "__tuple__" in data:
         return tuple(decode(v) for v in data["__tuple__"])
     if "__frozenset__" in data:
