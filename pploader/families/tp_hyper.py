@@ -13,18 +13,28 @@ layout:
   load), so ``mlp.linear_gate`` / ``mlp.shared_experts.linear_gate`` are the MLP gates:
   rows split as ``gate_proj`` (``MergedColumnParallelLinear`` ``gate_up_proj``). Its MLA,
   indexer and experts are the generic rules'.
-
-Qwen4-exp (vLLM ``models/qwen4_exp``) is not ruled here yet: its hyper-connection modules are
-whole on every rank there, but its gated-delta-net layers (``linear_attn.*``) and the
-indexer's ``index_qk_proj`` (a fourth shard of vLLM's ``qkv_proj``) have no generic rule, so
-it stays refused at TP > 1.
+- **Qwen4-exp** (vLLM ``models/qwen4_exp``): each layer's ``attn_hyper_connection`` /
+  ``mlp_hyper_connection`` and the final ``model.hyper_connection_mixer`` (``hc_norm``,
+  ``input_mix_weight_down`` with ``block_inject_weight``, ``input_mix_weight_up``) are whole
+  on every rank (``ReplicatedLinear``, and a ``MergedColumnParallelLinear`` built with
+  ``disable_tp``). The attention indexer's ``index_qk_proj`` is whole too: vLLM packs it as
+  a fourth shard of ``qkv_proj`` loaded at shard rank 0 with ``tp`` times its width, so every
+  rank holds all of it; its ``q_layernorm`` / ``k_layernorm`` are whole. The gated-delta-net
+  layers (``linear_attn.*``, Qwen3.5's split layout, vLLM's ``QwenGatedDeltaNetAttention``)
+  take the Qwen3.5 family's rules (``blocks.gdn_rules``): ``in_proj_qkv`` and ``conv1d`` per
+  q / k / v part by key / value heads, ``in_proj_z`` / ``b`` / ``a``, ``A_log``, ``dt_bias``
+  by value heads, ``out_proj`` columns, the norm whole. The gated attention's ``q_proj``
+  (``[q, gate]`` per head, ``2 x heads x head_dim`` rows) splits by heads as vLLM's
+  ``Qwen3NextAttention`` ``QKVParallelLinear`` does.
 """
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Any, Callable, Mapping, Optional
 
-from .base import ShardRule
+from .base import ShardRule, SpecView
+from .blocks import gdn_rules
 from .hf_meta import MetaModel, Naming
 
 __all__ = ["hyper_tp_rules", "HYPER_TP_TYPES"]
@@ -39,6 +49,14 @@ def _whole(pattern: str) -> ShardRule:
 
 def _rows(pattern: str) -> ShardRule:
     return ShardRule(pattern, 0)
+
+
+def _heads(spec: SpecView) -> int:
+    return spec.num_heads
+
+
+def _by_heads(pattern: str) -> ShardRule:
+    return ShardRule(pattern, 0, units=_heads, replicate=False)
 
 
 #: HY-V4's replicated hyper-connection parameters (a layer's mixers and the head's)
@@ -58,9 +76,45 @@ def _hy_v4(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return None
 
 
+#: Qwen4-exp's replicated hyper-connection modules (per layer and the final mixer) and its
+#: attention indexer (``index_qk_proj``: vLLM's replicated fourth ``qkv_proj`` shard), the
+#: gated-delta-net's per-head-channel norm (``v_head_dim`` wide)
+_QWEN4_WHOLE = re.compile(r"(attn_hyper_connection|mlp_hyper_connection|"
+                          r"model\.hyper_connection_mixer)\.\w+\.weight|"
+                          r"self_attn\.indexer\.(index_qk_proj|q_layernorm|k_layernorm)\.weight|"
+                          r"linear_attn\.norm\.weight")
+
+#: Qwen3.5's gated-delta-net components, which Qwen4-exp's linear-attention layers share
+_GDN = re.compile(r"linear_attn\.(in_proj_(qkv|z|b|a)\.weight|conv1d\.weight|A_log|dt_bias|"
+                  r"out_proj\.weight)")
+
+
+def _gdn(comp: str) -> RuleFactory:
+    """The Qwen3.5 family's rule for one ``linear_attn`` component, under the generic
+    family's pattern (its prefix ``linear_attn.`` stays in the component)."""
+    tail = comp[len("linear_attn."):]
+    rule = next(r for r in gdn_rules("") if re.fullmatch(r.pattern, tail))
+    return lambda pattern: replace(rule, pattern=pattern)
+
+
+def _qwen4_exp(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
+               ) -> Optional[RuleFactory]:
+    if _QWEN4_WHOLE.fullmatch(comp):
+        return _whole
+    if _GDN.fullmatch(comp):
+        return _gdn(comp)
+    if comp == "self_attn.q_proj.weight":
+        heads, head_dim = text.get("num_attention_heads"), text.get("head_dim")
+        if isinstance(heads, int) and isinstance(head_dim, int) and \
+                shape[:1] == (2 * heads * head_dim,):
+            return _by_heads  # [q, gate] per head (Qwen3-Next's gated attention)
+    return None
+
+
 #: model_type -> the builder of its rules (component or global name, shape, text config)
 HYPER_TP_TYPES: dict[str, _Builder] = {
     "hy_v4": _hy_v4,
+    "qwen4_exp": _qwen4_exp, "qwen4_exp_text": _qwen4_exp,
 }
 
 

@@ -1,7 +1,9 @@
-"""HY-V4 (hyper connections, gated MLA with sinks) under TP through the generic family
-(families/tp_hyper.py): a tiny transformers checkpoint loaded at PP=2 x TP=2 on the CPU, every
-tensor of every rank bitwise equal to tests/hyper_tp_ref.py's slice. Before, TP=2 was refused
-on ``hc_pre.hc_attn_layer.hc_base`` ("not a weight or bias of a known projection")."""
+"""Hyper-connection models under TP through the generic family (families/tp_hyper.py): HY-V4
+(hyper connections, gated MLA with sinks) and Qwen4-exp (hyper connections, gated-delta-net
+and gated attention with an indexer), tiny transformers checkpoints loaded at PP=2 x TP=k on
+the CPU, every tensor of every rank bitwise equal to tests/hyper_tp_ref.py's slice. Before,
+TP=2 was refused on ``hc_pre.hc_attn_layer.hc_base`` / ``attn_hyper_connection.*`` ("not a
+known projection")."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -11,7 +13,10 @@ import torch
 
 import generic_sweep
 from helpers import reference_tensors
-from hyper_tp_ref import stored_slice
+import json
+from typing import Callable
+
+from hyper_tp_ref import qwen4_exp_slice, stored_slice
 from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
@@ -20,14 +25,21 @@ from pploader.planning.spec import load_spec
 pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def hy_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("hy_v4")
-    generic_sweep._checkpoint("hy_v4", generic_sweep.causal_lm_types()["hy_v4"], out)
+def _build(model_type: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp(model_type)
+    generic_sweep._checkpoint(model_type, generic_sweep.causal_lm_types()[model_type], out)
     return out
 
 
-def _check(path: Path, tp: int) -> set[str]:
+@pytest.fixture(scope="module")
+def hy_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build("hy_v4", tmp_path_factory)
+
+
+Slice = Callable[[str, torch.Tensor, int, int], torch.Tensor]
+
+
+def _check(path: Path, tp: int, reference: Slice = stored_slice) -> set[str]:
     """Every rank's items against the reference; the components some rank holds a slice of."""
     spec, index = load_spec(path), open_checkpoint(path)
     ref = reference_tensors(path)
@@ -38,7 +50,7 @@ def _check(path: Path, tp: int) -> set[str]:
         rank = plan.topology.tp_rank
         for item in plan.items:
             full, piece = ref[item.name], got[item.target]
-            assert torch.equal(piece, stored_slice(item.name, full, tp, rank)), \
+            assert torch.equal(piece, reference(item.name, full, tp, rank)), \
                 (plan.topology.rank, item.name)
             seen[item.name] = seen.get(item.name, 0) + 1
             if piece.shape != full.shape:
@@ -56,3 +68,18 @@ def test_hy_v4_pp2_tp_bytes(hy_v4: Path, tp: int) -> None:
                  "mlp.linear_gate.weight", "mlp.experts.gate_up_proj"):
         assert comp in split, comp
     assert not any("hc_pre" in c or "indexer" in c for c in split), split
+
+
+@pytest.mark.parametrize("model_type", ["qwen4_exp", "qwen4_exp_text"])
+def test_qwen4_exp_pp2_tp2_bytes(model_type: str, tmp_path_factory: pytest.TempPathFactory
+                                 ) -> None:
+    path = _build(model_type, tmp_path_factory)
+    config = json.loads((path / "config.json").read_text())
+    text = config.get("text_config", config)
+    split = _check(path, 2, lambda name, full, tp, rank: qwen4_exp_slice(name, full, text, tp,
+                                                                          rank))
+    for comp in ("linear_attn.in_proj_qkv.weight", "linear_attn.conv1d.weight",
+                 "linear_attn.A_log", "linear_attn.out_proj.weight", "self_attn.q_proj.weight",
+                 "self_attn.k_proj.weight", "mlp.experts.0.gate_proj.weight"):
+        assert comp in split, comp
+    assert not any("hyper_connection" in c or "indexer" in c for c in split), split
