@@ -29,6 +29,17 @@ Qwen4-exp (:func:`qwen4_exp_slice`), from vLLM's ``models/qwen4_exp`` (``hyperco
   (KV heads no fewer than TP here), ``in_proj_z`` / ``b`` / ``a``, ``A_log``, ``dt_bias``,
   the experts' and shared expert's ``gate_proj`` / ``up_proj``;
 - columns ``1 / tp``: ``o_proj``, ``out_proj``, ``down_proj``.
+
+DeepSeek-V4 (:func:`deepseek_v4_slice`), from vLLM's ``models/deepseek_v4`` (``attention.py``,
+``compressor.py``, ``nvidia/model.py``):
+
+- whole: norms, the hyper connections (``hc_*`` plain parameters), ``wq_a`` / ``wkv`` (one
+  ``disable_tp`` GEMM) and their norms, the compressors (``ape``, ``wkv`` / ``wgate``
+  ``disable_tp``, ``norm``), the indexer (``ReplicatedLinear``), the router (``gate.*``);
+- rows ``1 / tp``: vocabulary (``embed_tokens``, ``head``), ``wq_b`` (heads), ``wo_a``
+  (``ColumnParallelLinear`` over ``o_groups x o_lora_rank``), ``attn_sink`` (narrowed to the
+  rank's heads), the experts' and shared expert's ``w1`` / ``w3``;
+- columns ``1 / tp``: ``wo_b`` (``RowParallelLinear``), ``w2``.
 """
 from __future__ import annotations
 
@@ -93,5 +104,22 @@ def qwen4_exp_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp
     if leaf in Q4_ROWS:
         return full[_even(full.shape[0], tp, rank)]
     if leaf in Q4_COLUMNS:
+        return full[:, _even(full.shape[1], tp, rank)]
+    raise AssertionError(f"the reference has no rule for {name} {list(full.shape)}")
+
+
+V4_WHOLE = ("norm.", "hc_", "wq_a", "attn.wkv", "compressor.", "indexer.", "ffn.gate.")
+V4_ROWS = ("embed_tokens", "head", "wq_b", "wo_a", "attn_sink", "w1", "w3")
+V4_COLUMNS = ("wo_b", "w2")
+
+
+def deepseek_v4_slice(name: str, full: torch.Tensor, tp: int, rank: int) -> torch.Tensor:
+    """DeepSeek-V4's rank piece of the stored tensor ``name`` (see the module docstring)."""
+    if name == "model.norm.weight" or any(t in name for t in V4_WHOLE):
+        return full
+    leaf = name.split(".")[-2] if name.endswith(".weight") else name.split(".")[-1]
+    if leaf in V4_ROWS:
+        return full[_even(full.shape[0], tp, rank)]
+    if leaf in V4_COLUMNS:
         return full[:, _even(full.shape[1], tp, rank)]
     raise AssertionError(f"the reference has no rule for {name} {list(full.shape)}")

@@ -26,6 +26,16 @@ layout:
   by value heads, ``out_proj`` columns, the norm whole. The gated attention's ``q_proj``
   (``[q, gate]`` per head, ``2 x heads x head_dim`` rows) splits by heads as vLLM's
   ``Qwen3NextAttention`` ``QKVParallelLinear`` does.
+- **DeepSeek-V4** (vLLM ``models/deepseek_v4``): the hyper connections (``hc_attn_*`` /
+  ``hc_ffn_*`` plain parameters, ``model.hc_head.*``), ``wq_a`` / ``wkv`` (one
+  ``disable_tp`` GEMM) with ``q_norm`` / ``norm``, the KV compressors (``ape``, ``wkv`` /
+  ``wgate`` built ``disable_tp``, ``norm``; the indexer's too), the indexer's ``wq_b`` /
+  ``weights_proj`` (``ReplicatedLinear``) and the router (``ffn.gate.*``, its hash table
+  ``tid2eid`` included) are whole. ``wq_b`` rows and ``attn_sink`` (narrowed by the loader)
+  split by heads; the grouped output LoRA ``wo_a`` (``ColumnParallelLinear``, rows
+  ``o_groups x o_lora_rank``) rows and ``wo_b`` (``RowParallelLinear``) columns by
+  ``o_groups`` (fewer groups than TP ranks refused: vLLM's ``n_groups // tp`` would be 0);
+  the shared expert's ``w1`` / ``w3`` rows, ``w2`` columns.
 """
 from __future__ import annotations
 
@@ -49,6 +59,10 @@ def _whole(pattern: str) -> ShardRule:
 
 def _rows(pattern: str) -> ShardRule:
     return ShardRule(pattern, 0)
+
+
+def _columns(pattern: str) -> ShardRule:
+    return ShardRule(pattern, 1)
 
 
 def _heads(spec: SpecView) -> int:
@@ -111,9 +125,43 @@ def _qwen4_exp(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
     return None
 
 
+#: DeepSeek-V4's replicated components: the hyper connections (a layer's ``hc_attn_*`` /
+#: ``hc_ffn_*``, the head's ``model.hc_head.*``), the latent down-projections and their
+#: norms, the KV compressors (attention's and the indexer's), the indexer, the router
+_DSV4_WHOLE = re.compile(r"hc_(attn|ffn)_(fn|base|scale)|model\.hc_head\.hc_(fn|base|scale)|"
+                         r"attn\.(wq_a|wkv|q_norm|norm)\.weight|"
+                         r"attn\.(indexer\.)?compressor\.(ape|(wkv|wgate|norm)\.weight)|"
+                         r"attn\.indexer\.(wq_b|weights_proj)\.weight|"
+                         r"ffn\.gate\.(weight|bias|tid2eid)")
+
+
+#: DeepSeek-V4's shared expert (``w1`` / ``w3``: vLLM's ``gate_up_proj``, ``w2``: ``down_proj``;
+#: the routed experts' ``w1`` / ``w2`` / ``w3`` are the generic rules')
+_DSV4_MLP = re.compile(r"ffn\.shared_experts\.w[123]\.weight")
+
+
+def _groups(spec: SpecView) -> int:
+    return spec.int("o_groups")
+
+
+def _deepseek_v4(comp: str, shape: tuple[int, ...], text: Mapping[str, Any]
+                 ) -> Optional[RuleFactory]:
+    if _DSV4_WHOLE.fullmatch(comp):
+        return _whole
+    if comp in ("attn.wq_b.weight", "attn.attn_sink"):
+        return _by_heads
+    if _DSV4_MLP.fullmatch(comp):   # w1 / w3 column-, w2 row-parallel
+        return _rows if not comp.endswith("w2.weight") else _columns
+    if comp == "attn.wo_a.weight":   # [groups x o_lora_rank, heads x head_dim / groups]
+        return lambda pattern: ShardRule(pattern, 0, units=_groups, replicate=False)
+    if comp == "attn.wo_b.weight":   # [hidden, groups x o_lora_rank]
+        return lambda pattern: ShardRule(pattern, 1, units=_groups, replicate=False)
+    return None
+
+
 #: model_type -> the builder of its rules (component or global name, shape, text config)
 HYPER_TP_TYPES: dict[str, _Builder] = {
-    "hy_v4": _hy_v4,
+    "hy_v4": _hy_v4, "deepseek_v4": _deepseek_v4,
     "qwen4_exp": _qwen4_exp, "qwen4_exp_text": _qwen4_exp,
 }
 

@@ -1,9 +1,10 @@
 """Hyper-connection models under TP through the generic family (families/tp_hyper.py): HY-V4
-(hyper connections, gated MLA with sinks) and Qwen4-exp (hyper connections, gated-delta-net
-and gated attention with an indexer), tiny transformers checkpoints loaded at PP=2 x TP=k on
+(hyper connections, gated MLA with sinks), Qwen4-exp (hyper connections, gated-delta-net
+and gated attention with an indexer) and DeepSeek-V4 (hyper connections, KV compressors,
+grouped output LoRA), tiny transformers checkpoints loaded at PP=2 x TP=k on
 the CPU, every tensor of every rank bitwise equal to tests/hyper_tp_ref.py's slice. Before,
-TP=2 was refused on ``hc_pre.hc_attn_layer.hc_base`` / ``attn_hyper_connection.*`` ("not a
-known projection")."""
+TP=2 was refused on ``hc_pre.hc_attn_layer.hc_base`` / ``attn_hyper_connection.*`` /
+``attn.compressor.ape`` ("not a known projection")."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -16,7 +17,7 @@ from helpers import reference_tensors
 import json
 from typing import Callable
 
-from hyper_tp_ref import qwen4_exp_slice, stored_slice
+from hyper_tp_ref import deepseek_v4_slice, qwen4_exp_slice, stored_slice
 from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
@@ -83,3 +84,11 @@ def test_qwen4_exp_pp2_tp2_bytes(model_type: str, tmp_path_factory: pytest.TempP
                  "self_attn.k_proj.weight", "mlp.experts.0.gate_proj.weight"):
         assert comp in split, comp
     assert not any("hyper_connection" in c or "indexer" in c for c in split), split
+
+
+def test_deepseek_v4_pp2_tp2_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
+    split = _check(_build("deepseek_v4", tmp_path_factory), 2, deepseek_v4_slice)
+    for comp in ("attn.wq_b.weight", "attn.wo_a.weight", "attn.wo_b.weight", "attn.attn_sink",
+                 "ffn.shared_experts.w1.weight", "ffn.experts.0.w2.weight", "head.weight"):
+        assert comp in split, comp
+    assert not any("hc_" in c or "compressor" in c or "indexer" in c for c in split), split
