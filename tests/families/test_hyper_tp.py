@@ -86,8 +86,14 @@ def test_qwen4_exp_pp2_tp2_bytes(model_type: str, tmp_path_factory: pytest.TempP
     assert not any("hyper_connection" in c or "indexer" in c for c in split), split
 
 
-def test_deepseek_v4_pp2_tp2_bytes(tmp_path_factory: pytest.TempPathFactory) -> None:
-    split = _check(_build("deepseek_v4", tmp_path_factory), 2, deepseek_v4_slice)
+@pytest.fixture(scope="module")
+def deepseek_v4(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build("deepseek_v4", tmp_path_factory)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_deepseek_v4_pp2_tp_bytes(deepseek_v4: Path, tp: int) -> None:
+    split = _check(deepseek_v4, tp, deepseek_v4_slice)
     for comp in ("attn.wq_b.weight", "attn.wo_a.weight", "attn.wo_b.weight", "attn.attn_sink",
                  "ffn.shared_experts.w1.weight", "ffn.experts.0.w2.weight", "head.weight"):
         assert comp in split, comp
