@@ -2,7 +2,8 @@
 0.5.23), for the generic family. Keyed by ``model_type``; what a rank holds in the stored
 layout:
 
-- **HY-V4** (vLLM ``models/hy_v4``): the hyper-connection mixers
+- **HY-V4** (vLLM ``models/hy_v4``; SGLang's ``hunyuan_v4`` alike: replicated ``hc_fn``,
+  column-parallel ``linear_gate``, sinks narrowed by heads): the hyper-connection mixers
   (``hc_pre.hc_attn_layer.*`` / ``hc_pre.hc_mlp_layer.*`` of every layer, the head's
   ``model.hc_pre.hc_head.*``) are whole on every rank (``ReplicatedLinear`` ``hc_fn``, plain
   ``hc_base`` / ``hc_scale`` parameters). The per-head ``self_attn.learnable_sink_param`` is
@@ -26,7 +27,8 @@ layout:
   by value heads, ``out_proj`` columns, the norm whole. The gated attention's ``q_proj``
   (``[q, gate]`` per head, ``2 x heads x head_dim`` rows) splits by heads as vLLM's
   ``Qwen3NextAttention`` ``QKVParallelLinear`` does.
-- **DeepSeek-V4** (vLLM ``models/deepseek_v4``): the hyper connections (``hc_attn_*`` /
+- **DeepSeek-V4** (vLLM ``models/deepseek_v4``; SGLang's ``deepseek_v4`` alike: replicated
+  ``wq_a`` / ``wkv`` and compressor, column ``wq_b`` / ``wo_a``, row ``wo_b``): the hyper connections (``hc_attn_*`` /
   ``hc_ffn_*`` plain parameters, ``model.hc_head.*``), ``wq_a`` / ``wkv`` (one
   ``disable_tp`` GEMM) with ``q_norm`` / ``norm``, the KV compressors (``ape``, ``wkv`` /
   ``wgate`` built ``disable_tp``, ``norm``; the indexer's too), the indexer's ``wq_b`` /
