@@ -1,0 +1,123 @@
+"""TP rules of Gemma 4's per-layer inputs (PLE), as vLLM 0.32's ``gemma4.py`` /
+``gemma4_mm.py`` and SGLang's ``gemma4_causal`` build them.
+
+Gemma 4 adds to every token a per-layer input: a second embedding ``embed_tokens_per_layer``
+``[vocab_size_per_layer_input, layers x hidden_size_per_layer_input]`` and a projection of the
+hidden state ``per_layer_model_projection`` ``[layers x per_layer, hidden]``; each decoder layer
+gates and projects its slice back (``per_layer_input_gate`` / ``per_layer_projection``). The
+engines hold them so (what a rank holds in the stored layout):
+
+- ``embed_tokens_per_layer``: ``VocabParallelEmbedding``: vocabulary rows split (padded, as
+  ``embed_tokens``); its vocabulary is ``vocab_size_per_layer_input``, not ``vocab_size``.
+- ``per_layer_model_projection``: ``ColumnParallelLinear`` (``gather_output``): rows split
+  evenly.
+- ``per_layer_projection_norm``, a layer's ``post_per_layer_input_norm`` (``RMSNorm`` of
+  ``hidden_size_per_layer_input``), ``per_layer_input_gate`` / ``per_layer_projection``
+  (``ReplicatedLinear``) and ``layer_scalar`` (a buffer of one value): whole on every rank.
+
+Its attention and MLP are the generic rules' (q by heads, k / v by KV heads with each layer's
+own head_dim, gate / up rows, down columns), except where layers' KV heads differ
+(``per_layer_config``: the full-attention layers' ``num_global_key_value_heads``): k / v then
+split in the heads every layer's count divides into, and a TP above that is refused (vLLM
+would replicate a head of the layers with fewer KV heads than TP; one rule for all layers
+cannot say which).
+"""
+from __future__ import annotations
+
+import math
+import re
+from functools import partial
+from typing import Any, Callable, Mapping, Optional
+
+from .base import ShardRule, SpecView
+from .hf_meta import MetaModel, Naming
+
+__all__ = ["gemma_tp_rules", "GEMMA_TP_TYPES"]
+
+RuleFactory = Callable[[str], ShardRule]
+
+#: the model types whose per-layer-input tensors are ruled here
+GEMMA_TP_TYPES = frozenset({"gemma4", "gemma4_text"})
+
+#: layer components held whole on every rank (ReplicatedLinear, RMSNorm, a scalar buffer)
+_LAYER_WHOLE = frozenset({"per_layer_input_gate.weight", "per_layer_projection.weight",
+                          "post_per_layer_input_norm.weight", "layer_scalar"})
+
+_KV = frozenset({"self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.k_proj.bias", "self_attn.v_proj.bias"})
+
+
+def _whole(pattern: str) -> ShardRule:
+    return ShardRule(pattern, None)
+
+
+def _rows(pattern: str) -> ShardRule:
+    return ShardRule(pattern, 0)
+
+
+def _vocab_rows(pattern: str) -> ShardRule:
+    return ShardRule(pattern, 0, pad=True)
+
+
+def _global(name: str, shape: tuple[int, ...], text: Mapping[str, Any]
+            ) -> Optional[RuleFactory]:
+    """The rule of a model-level PLE tensor (any prefix: ``model.`` or
+    ``model.language_model.``); None for others. A shape that is not the config's is left to
+    the generic rules (which refuse it)."""
+    per_layer, layers = text.get("hidden_size_per_layer_input"), text.get("num_hidden_layers")
+    hidden = text.get("hidden_size")
+    if not isinstance(per_layer, int) or not isinstance(layers, int) or not per_layer:
+        return None
+    vocab = text.get("vocab_size_per_layer_input", text.get("vocab_size"))
+    if name.endswith(".embed_tokens_per_layer.weight"):
+        return _vocab_rows if shape == (vocab, layers * per_layer) else None
+    if name.endswith(".per_layer_model_projection.weight"):
+        return _rows if shape == (layers * per_layer, hidden) else None
+    if name.endswith(".per_layer_projection_norm.weight"):
+        return _whole if shape == (per_layer,) else None
+    return None
+
+
+def _kv_counts(text: Mapping[str, Any]) -> set[int]:
+    """Every layer's KV heads: ``num_key_value_heads`` and ``per_layer_config``'s overrides
+    (Gemma 4's full-attention layers: ``num_global_key_value_heads``)."""
+    counts = {text.get("num_key_value_heads") or text.get("num_attention_heads")}
+    per_layer = text.get("per_layer_config")
+    if isinstance(per_layer, Mapping):
+        counts |= {v["num_key_value_heads"] for v in per_layer.values()
+                   if isinstance(v, Mapping) and v.get("num_key_value_heads")}
+    return {c for c in counts if isinstance(c, int) and c > 0}
+
+
+def _kv_units(units: int, _spec: SpecView) -> int:
+    return units
+
+
+def _kv_rule(units: int) -> RuleFactory:
+    """k / v rows of layers whose KV heads differ: the heads every layer's count divides
+    into (their gcd), none replicated: vLLM splits each layer's own heads (replicating a head
+    only where that layer has fewer than TP), so a TP above the gcd is refused, not guessed."""
+    return lambda pattern: ShardRule(pattern, 0, units=partial(_kv_units, units),
+                                     replicate=False)
+
+
+def gemma_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, RuleFactory]:
+    """``{component or global name: pattern -> ShardRule}`` of Gemma 4's per-layer-input
+    tensors (the module docstring); empty for other model types."""
+    if meta.model_type not in GEMMA_TP_TYPES:
+        return {}
+    text = meta.text_config
+    prefix = re.compile(naming.layer_prefix)
+    out: dict[str, RuleFactory] = {}
+    kv = _kv_counts(text)
+    for name, shape in naming.template.items():
+        m = prefix.match(name)
+        if m is None:
+            rule = _global(name, tuple(shape), text)
+            if rule is not None:
+                out[name] = rule
+        elif name[m.end():] in _LAYER_WHOLE:
+            out[name[m.end():]] = _whole
+        elif len(kv) > 1 and name[m.end():] in _KV:
+            out[name[m.end():]] = _kv_rule(math.gcd(*kv))
+    return out

@@ -1,0 +1,93 @@
+"""Gemma 4 under TP through the generic family (families/tp_gemma.py): tiny transformers
+checkpoints loaded at PP=2 x TP=k on the CPU, every tensor of every rank bitwise equal to
+tests/gemma4_ref.py's slice. Before, both were refused at TP=2 on the per-layer embedding
+``embed_tokens_per_layer`` ("not a known projection").
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import generic_sweep
+from gemma4_ref import gemma4_slice, layer_kv_heads
+from helpers import reference_tensors
+from pploader.errors import PlanError
+from pploader.io.read import Reader
+from pploader.planning.checkpoint import open_checkpoint
+from pploader.planning.plan import plan_all
+from pploader.planning.spec import load_spec
+from sweep_shrink import model_config, tiny_config
+
+transformers = pytest.importorskip("transformers")
+
+
+def _build(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
+    """A tiny random ``save_pretrained`` checkpoint (sweep sizes, then ``overrides``)."""
+    arch = generic_sweep.causal_lm_types()[model_type]
+    if not overrides:
+        generic_sweep._checkpoint(model_type, arch, out)
+        return json.loads((out / "config.json").read_text())
+    cls = getattr(transformers, arch)
+    tiny = tiny_config(model_type)
+    config = model_config(type(tiny).from_dict({**tiny.to_dict(), **overrides}), cls)
+    config.architectures = [arch]
+    torch.manual_seed(0)
+    cls._from_config(config, dtype=torch.float32).save_pretrained(out, max_shard_size="40KB")
+    return json.loads((out / "config.json").read_text())
+
+
+def _check(path: Path, config: dict[str, Any], tp: int) -> set[str]:
+    """Every rank's bytes against the reference; the modules some rank holds a part of."""
+    spec, index = load_spec(path), open_checkpoint(path)
+    ref = reference_tensors(path)
+    seen: set[str] = set()
+    split: set[str] = set()
+    for plan in plan_all(spec, index, 2, tp, 1):
+        got = dict(Reader(plan))
+        for item in plan.items:
+            full, piece = ref[item.name], got[item.target]
+            want = gemma4_slice(item.name, full, config, tp, plan.topology.tp_rank)
+            assert torch.equal(piece, want), (plan.topology.rank, item.name)
+            seen.add(item.name)
+            if piece.shape != full.shape:
+                split.add(item.name.split(".")[-2])
+    assert seen == set(index.weight_map)
+    return split
+
+
+@pytest.mark.parametrize("model_type,tp", [("gemma4_text", 2), ("gemma4_text", 4),
+                                           ("gemma4", 2)])
+def test_gemma4_pp2_tp_bytes(model_type: str, tp: int, tmp_path: Path) -> None:
+    """The per-layer embedding split by vocabulary rows, its projection by rows, the
+    per-layer gate / projection whole; at TP=4 the tiny one's 2 KV heads are copied."""
+    config = _build(model_type, tmp_path)
+    split = _check(tmp_path, config, tp)
+    assert {"embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection", "q_proj",
+            "k_proj", "o_proj", "gate_proj", "down_proj"} <= split, split
+    assert not split & {"per_layer_input_gate", "per_layer_projection"}, split
+
+
+def _global_kv(kv: int) -> dict[str, Any]:
+    """Full-attention layers (2, 3 of the tiny one) with ``kv`` KV heads and head_dim 32."""
+    return {"per_layer_config": {str(i): {"head_dim": 32, "num_key_value_heads": kv}
+                                 for i in (2, 3)}}
+
+
+def test_gemma4_global_kv_heads_tp2(tmp_path: Path) -> None:
+    """Sliding layers with 4 KV heads, full-attention layers with 2: each layer's own heads
+    split at TP=2."""
+    config = _build("gemma4_text", tmp_path, num_key_value_heads=4, **_global_kv(2))
+    assert [layer_kv_heads(config, i) for i in range(4)] == [4, 4, 2, 2]
+    assert "k_proj" in _check(tmp_path, config, 2)
+
+
+def test_gemma4_global_kv_heads_below_tp_refused(tmp_path: Path) -> None:
+    """One KV head in the full-attention layers, 2 in the others, at TP=2: vLLM copies the
+    one head of those layers only, which one rule for every layer's k_proj cannot say."""
+    _build("gemma4_text", tmp_path, **_global_kv(1))
+    with pytest.raises(PlanError, match="k_proj"):
+        plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 2, 1)
