@@ -11,7 +11,10 @@ What TP rank ``rank`` of ``tp`` holds of each stored tensor:
   columns by ``num_attention_heads``; ``k_proj`` / ``v_proj`` rows by the layer's own KV heads
   (``per_layer_config[i].num_key_value_heads``, else ``num_key_value_heads``), one head copied
   on ``tp / kv`` ranks when fewer than TP;
-- MLP: ``gate_proj`` / ``up_proj`` rows, ``down_proj`` columns;
+- MLP: ``gate_proj`` / ``up_proj`` rows, ``down_proj`` columns; the MoE layers' stacked
+  experts (``FusedMoE``): ``experts.gate_up_proj`` ``[E, 2I, H]`` the rank's share of the gate
+  half's and of the up half's rows, ``experts.down_proj`` ``[E, H, I]`` its share of ``I``;
+  the router (``scale``, ``per_expert_scale``, ``proj``) whole;
 - everything else whole: norms (``q_norm`` / ``k_norm`` per head, ``per_layer_projection_norm``,
   ``post_per_layer_input_norm``), ``per_layer_input_gate`` / ``per_layer_projection``
   (``ReplicatedLinear``), ``layer_scalar``.
@@ -61,6 +64,12 @@ def gemma4_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: i
         return _vocab(full, tp, rank)
     if name.endswith("per_layer_model_projection.weight"):
         return full[_share(full.shape[0], tp, rank)]
+    if name.endswith("experts.gate_up_proj"):
+        gate, up = full.chunk(2, dim=1)
+        s = _share(gate.shape[1], tp, rank)
+        return torch.cat([gate[:, s], up[:, s]], dim=1)
+    if name.endswith("experts.down_proj"):
+        return full[:, :, _share(full.shape[2], tp, rank)]
     m = re.search(r"\.layers\.(\d+)\.", name)
     if m is None or leaf[-1] != "weight":
         return full

@@ -14,6 +14,10 @@ engines hold them so (what a rank holds in the stored layout):
 - ``per_layer_projection_norm``, a layer's ``post_per_layer_input_norm`` (``RMSNorm`` of
   ``hidden_size_per_layer_input``), ``per_layer_input_gate`` / ``per_layer_projection``
   (``ReplicatedLinear``) and ``layer_scalar`` (a buffer of one value): whole on every rank.
+- the MoE layers' router (``Gemma4Router``): its input ``scale`` ``[hidden]``,
+  ``per_expert_scale`` ``[experts]`` and ``proj`` (``GateLinear``): whole on every rank; the
+  stacked experts are the generic rules' (``FusedMoE``: each half of ``gate_up_proj``'s rows,
+  ``down_proj``'s intermediate dim).
 
 Its attention and MLP are the generic rules' (q by heads, k / v by KV heads with each layer's
 own head_dim, gate / up rows, down columns), except where layers' KV heads differ
@@ -41,7 +45,8 @@ GEMMA_TP_TYPES = frozenset({"gemma4", "gemma4_text"})
 
 #: layer components held whole on every rank (ReplicatedLinear, RMSNorm, a scalar buffer)
 _LAYER_WHOLE = frozenset({"per_layer_input_gate.weight", "per_layer_projection.weight",
-                          "post_per_layer_input_norm.weight", "layer_scalar"})
+                          "post_per_layer_input_norm.weight", "layer_scalar",
+                          "router.scale", "router.per_expert_scale", "router.proj.weight"})
 
 _KV = frozenset({"self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.k_proj.bias", "self_attn.v_proj.bias"})

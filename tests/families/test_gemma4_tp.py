@@ -91,3 +91,13 @@ def test_gemma4_global_kv_heads_below_tp_refused(tmp_path: Path) -> None:
     _build("gemma4_text", tmp_path, **_global_kv(1))
     with pytest.raises(PlanError, match="k_proj"):
         plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 2, 1)
+
+
+def test_gemma4_moe_pp2_tp2_bytes(tmp_path: Path) -> None:
+    """The MoE variant (``enable_moe_block``, as Gemma-4-26B-A4B): the stacked experts' halves
+    split, the router whole. Before, refused on ``router.scale``."""
+    config = _build("gemma4_text", tmp_path, enable_moe_block=True, top_k_experts=2)
+    split = _check(tmp_path, config, 2)
+    assert {"experts", "down_proj", "embed_tokens_per_layer"} <= split, split  # (the module
+    #                                          of ``experts.gate_up_proj`` is ``experts``)
+    assert not split & {"router", "proj"}, split
