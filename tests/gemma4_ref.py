@@ -18,6 +18,10 @@ What TP rank ``rank`` of ``tp`` holds of each stored tensor:
 - everything else whole: norms (``q_norm`` / ``k_norm`` per head, ``per_layer_projection_norm``,
   ``post_per_layer_input_norm``), ``per_layer_input_gate`` / ``per_layer_projection``
   (``ReplicatedLinear``), ``layer_scalar``.
+
+The MTP assistants (SGLang 0.5.23 ``gemma4_mtp``): every tensor outside the layers whole
+(``pre_projection`` / ``post_projection`` ``ReplicatedLinear``, ``embed_tokens`` an
+``nn.Embedding`` whose tied head's logits are never gathered); their layers as above.
 """
 from __future__ import annotations
 
@@ -58,6 +62,8 @@ def gemma4_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: i
                  ) -> torch.Tensor:
     """Rank ``rank``'s part of the stored tensor ``name`` (``config``: config.json)."""
     text = config.get("text_config") or config
+    if config.get("model_type", "").endswith("_assistant") and ".layers." not in name:
+        return full
     heads = text["num_attention_heads"]
     leaf = name.rsplit(".", 2)[-2:]
     if name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight")):

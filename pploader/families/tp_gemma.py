@@ -1,5 +1,7 @@
 """TP rules of Gemma 4's per-layer inputs (PLE), as vLLM 0.32's ``gemma4.py`` /
-``gemma4_mm.py`` and SGLang's ``gemma4_causal`` build them.
+``gemma4_mm.py`` build them, and of its MTP assistants, as SGLang 0.5.23's ``gemma4_mtp``
+does. (SGLang's ``gemma4_causal`` holds the PLE tensors and ``embed_tokens`` whole; vLLM's
+split, followed here, is the one a vLLM load needs.)
 
 Gemma 4 adds to every token a per-layer input: a second embedding ``embed_tokens_per_layer``
 ``[vocab_size_per_layer_input, layers x hidden_size_per_layer_input]`` and a projection of the
@@ -18,6 +20,13 @@ engines hold them so (what a rank holds in the stored layout):
   ``per_expert_scale`` ``[experts]`` and ``proj`` (``GateLinear``): whole on every rank; the
   stacked experts are the generic rules' (``FusedMoE``: each half of ``gate_up_proj``'s rows,
   ``down_proj``'s intermediate dim).
+
+The MTP assistants (``gemma4_assistant``, ``gemma4_unified_assistant``; SGLang 0.5.23
+``gemma4_mtp``, vLLM has no such model) hold every model-level tensor whole: ``pre_projection``
+/ ``post_projection`` are ``ReplicatedLinear``, ``embed_tokens`` an ``nn.Embedding`` (SGLang's
+``Gemma4TextScaledWordEmbedding``) that the tied head reuses, its logits never gathered
+(``skip_all_gather``); so are the centroid head's tensors when present. Their layers are a
+Gemma 4 text model's (``q_proj`` only: the K/V are the target's).
 
 Its attention and MLP are the generic rules' (q by heads, k / v by KV heads with each layer's
 own head_dim, gate / up rows, down columns), except where layers' KV heads differ
@@ -41,7 +50,11 @@ __all__ = ["gemma_tp_rules", "GEMMA_TP_TYPES"]
 RuleFactory = Callable[[str], ShardRule]
 
 #: the model types whose per-layer-input tensors are ruled here
-GEMMA_TP_TYPES = frozenset({"gemma4", "gemma4_text"})
+GEMMA_TP_TYPES = frozenset({"gemma4", "gemma4_text", "gemma4_assistant",
+                            "gemma4_unified_assistant"})
+
+#: Gemma 4's MTP drafters, served by SGLang's ``gemma4_mtp`` only: every model-level tensor whole
+_ASSISTANTS = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})
 
 #: layer components held whole on every rank (ReplicatedLinear, RMSNorm, a scalar buffer)
 _LAYER_WHOLE = frozenset({"per_layer_input_gate.weight", "per_layer_projection.weight",
@@ -118,7 +131,8 @@ def gemma_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, RuleFactory]:
     for name, shape in naming.template.items():
         m = prefix.match(name)
         if m is None:
-            rule = _global(name, tuple(shape), text)
+            rule = _whole if meta.model_type in _ASSISTANTS else \
+                _global(name, tuple(shape), text)
             if rule is not None:
                 out[name] = rule
         elif name[m.end():] in _LAYER_WHOLE:

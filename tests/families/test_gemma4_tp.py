@@ -1,7 +1,8 @@
 """Gemma 4 under TP through the generic family (families/tp_gemma.py): tiny transformers
 checkpoints loaded at PP=2 x TP=k on the CPU, every tensor of every rank bitwise equal to
-tests/gemma4_ref.py's slice. Before, both were refused at TP=2 on the per-layer embedding
-``embed_tokens_per_layer`` ("not a known projection").
+tests/gemma4_ref.py's slice. Before, all were refused at TP=2: the models on the per-layer
+embedding ``embed_tokens_per_layer``, the MoE variant on ``router.scale``, the MTP assistants
+on ``post_projection`` ("not a known projection").
 """
 from __future__ import annotations
 
@@ -69,6 +70,16 @@ def test_gemma4_pp2_tp_bytes(model_type: str, tp: int, tmp_path: Path) -> None:
     assert {"embed_tokens", "embed_tokens_per_layer", "per_layer_model_projection", "q_proj",
             "k_proj", "o_proj", "gate_proj", "down_proj"} <= split, split
     assert not split & {"per_layer_input_gate", "per_layer_projection"}, split
+
+
+@pytest.mark.parametrize("model_type", ["gemma4_assistant", "gemma4_unified_assistant"])
+def test_gemma4_assistant_pp2_tp2_bytes(model_type: str, tmp_path: Path) -> None:
+    """The MTP drafter: its layers' q / o and MLP split, the pre / post projections and the
+    embedding (the tied head) whole. Before, refused on ``post_projection``."""
+    config = _build(model_type, tmp_path)
+    split = _check(tmp_path, config, 2)
+    assert {"q_proj", "o_proj", "gate_proj", "down_proj"} <= split, split
+    assert not split & {"pre_projection", "post_projection", "embed_tokens"}, split
 
 
 def _global_kv(kv: int) -> dict[str, Any]:
