@@ -1,5 +1,5 @@
-"""Gemma 4's TP slices, written from vLLM 0.32's ``gemma4.py`` / ``gemma4_mm.py`` loaders,
-independently of the planner.
+"""Gemma 4's and Gemma 3n's TP slices, written from vLLM 0.32's ``gemma4.py`` /
+``gemma4_mm.py`` / ``gemma3n.py`` loaders, independently of the planner.
 
 What TP rank ``rank`` of ``tp`` holds of each stored tensor:
 
@@ -18,6 +18,11 @@ What TP rank ``rank`` of ``tp`` holds of each stored tensor:
 - everything else whole: norms (``q_norm`` / ``k_norm`` per head, ``per_layer_projection_norm``,
   ``post_per_layer_input_norm``), ``per_layer_input_gate`` / ``per_layer_projection``
   (``ReplicatedLinear``), ``layer_scalar``.
+
+Gemma 3n besides: ``altup_projections.{i}`` / ``altup_unembed_projections.{i}``
+(``ColumnParallelLinear``) rows evenly, ``laurel.linear_left`` rows, ``laurel.linear_right``
+columns (``RowParallelLinear``); the ``altup`` block of a layer (``ReplicatedLinear`` and its
+scales) whole.
 
 The MTP assistants (SGLang 0.5.23 ``gemma4_mtp``): every tensor outside the layers whole
 (``pre_projection`` / ``post_projection`` ``ReplicatedLinear``, ``embed_tokens`` an
@@ -68,7 +73,9 @@ def gemma4_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: i
     leaf = name.rsplit(".", 2)[-2:]
     if name.endswith(("embed_tokens.weight", "embed_tokens_per_layer.weight", "lm_head.weight")):
         return _vocab(full, tp, rank)
-    if name.endswith("per_layer_model_projection.weight"):
+    if name.endswith("per_layer_model_projection.weight") or \
+            re.search(r"altup_(unembed_)?projections\.\d+\.weight$", name) or \
+            name.endswith("laurel.linear_left.weight"):
         return full[_share(full.shape[0], tp, rank)]
     if name.endswith("experts.gate_up_proj"):
         gate, up = full.chunk(2, dim=1)
@@ -92,6 +99,6 @@ def gemma4_slice(name: str, full: torch.Tensor, config: Mapping[str, Any], tp: i
         return full[:, s.start * hd:s.stop * hd]
     if role in ("gate_proj", "up_proj"):
         return full[_share(full.shape[0], tp, rank)]
-    if role == "down_proj":
+    if role == "down_proj" or name.endswith("laurel.linear_right.weight"):
         return full[:, _share(full.shape[1], tp, rank)]
     return full

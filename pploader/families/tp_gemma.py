@@ -21,6 +21,14 @@ engines hold them so (what a rank holds in the stored layout):
   stacked experts are the generic rules' (``FusedMoE``: each half of ``gate_up_proj``'s rows,
   ``down_proj``'s intermediate dim).
 
+Gemma 3n (vLLM ``gemma3n.py``) has the same per-layer inputs, and besides: the AltUp
+projections ``altup_projections.{i}`` / ``altup_unembed_projections.{i}``
+(``ColumnParallelLinear``, ``gather_output``): rows split evenly; a layer's ``altup`` block
+(``correction_coefs`` / ``prediction_coefs`` / ``modality_router``: ``ReplicatedLinear``,
+``router_norm``, ``correct_output_scale``): whole; its LAuReL block: ``laurel.linear_left``
+rows (``ColumnParallelLinear``), ``laurel.linear_right`` columns (``RowParallelLinear``),
+``post_laurel_norm`` whole.
+
 The MTP assistants (``gemma4_assistant``, ``gemma4_unified_assistant``; SGLang 0.5.23
 ``gemma4_mtp``, vLLM has no such model) hold every model-level tensor whole: ``pre_projection``
 / ``post_projection`` are ``ReplicatedLinear``, ``embed_tokens`` an ``nn.Embedding`` (SGLang's
@@ -51,7 +59,7 @@ RuleFactory = Callable[[str], ShardRule]
 
 #: the model types whose per-layer-input tensors are ruled here
 GEMMA_TP_TYPES = frozenset({"gemma4", "gemma4_text", "gemma4_assistant",
-                            "gemma4_unified_assistant"})
+                            "gemma4_unified_assistant", "gemma3n_text"})
 
 #: Gemma 4's MTP drafters, served by SGLang's ``gemma4_mtp`` only: every model-level tensor whole
 _ASSISTANTS = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})
@@ -59,7 +67,17 @@ _ASSISTANTS = frozenset({"gemma4_assistant", "gemma4_unified_assistant"})
 #: layer components held whole on every rank (ReplicatedLinear, RMSNorm, a scalar buffer)
 _LAYER_WHOLE = frozenset({"per_layer_input_gate.weight", "per_layer_projection.weight",
                           "post_per_layer_input_norm.weight", "layer_scalar",
-                          "router.scale", "router.per_expert_scale", "router.proj.weight"})
+                          "router.scale", "router.per_expert_scale", "router.proj.weight",
+                          "altup.correct_output_scale", "altup.correction_coefs.weight",
+                          "altup.prediction_coefs.weight", "altup.modality_router.weight",
+                          "altup.router_norm.weight", "laurel.post_laurel_norm.weight"})
+
+#: Gemma 3n's LAuReL block: ``linear_left`` column-parallel (rows), ``linear_right``
+#: row-parallel (columns)
+_LAYER_SPLIT = {"laurel.linear_left.weight": 0, "laurel.linear_right.weight": 1}
+
+#: Gemma 3n's AltUp projections (``ColumnParallelLinear``, ``gather_output``): rows
+_ALTUP = re.compile(r"(.*\.)?altup_(unembed_)?projections\.\d+\.weight")
 
 _KV = frozenset({"self_attn.k_proj.weight", "self_attn.v_proj.weight",
                  "self_attn.k_proj.bias", "self_attn.v_proj.bias"})
@@ -67,6 +85,10 @@ _KV = frozenset({"self_attn.k_proj.weight", "self_attn.v_proj.weight",
 
 def _whole(pattern: str) -> ShardRule:
     return ShardRule(pattern, None)
+
+
+def _split(pattern: str, dim: int) -> ShardRule:
+    return ShardRule(pattern, dim)
 
 
 def _rows(pattern: str) -> ShardRule:
@@ -93,6 +115,8 @@ def _global(name: str, shape: tuple[int, ...], text: Mapping[str, Any]
         return _rows if shape == (layers * per_layer, hidden) else None
     if name.endswith(".per_layer_projection_norm.weight"):
         return _whole if shape == (per_layer,) else None
+    if _ALTUP.fullmatch(name):
+        return _rows if shape == (hidden, hidden) else None
     return None
 
 
@@ -137,6 +161,8 @@ def gemma_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, RuleFactory]:
                 out[name] = rule
         elif name[m.end():] in _LAYER_WHOLE:
             out[name[m.end():]] = _whole
+        elif name[m.end():] in _LAYER_SPLIT:
+            out[name[m.end():]] = partial(_split, dim=_LAYER_SPLIT[name[m.end():]])
         elif len(kv) > 1 and name[m.end():] in _KV:
             out[name[m.end():]] = _kv_rule(math.gcd(*kv))
     return out

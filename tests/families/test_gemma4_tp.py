@@ -2,7 +2,7 @@
 checkpoints loaded at PP=2 x TP=k on the CPU, every tensor of every rank bitwise equal to
 tests/gemma4_ref.py's slice. Before, all were refused at TP=2: the models on the per-layer
 embedding ``embed_tokens_per_layer``, the MoE variant on ``router.scale``, the MTP assistants
-on ``post_projection`` ("not a known projection").
+on ``post_projection``, Gemma 3n on ``altup_projections.0`` ("not a known projection").
 """
 from __future__ import annotations
 
@@ -80,6 +80,19 @@ def test_gemma4_assistant_pp2_tp2_bytes(model_type: str, tmp_path: Path) -> None
     split = _check(tmp_path, config, 2)
     assert {"q_proj", "o_proj", "gate_proj", "down_proj"} <= split, split
     assert not split & {"pre_projection", "post_projection", "embed_tokens"}, split
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_gemma3n_pp2_tp_bytes(tp: int, tmp_path: Path) -> None:
+    """Gemma 3n: the AltUp projections by rows, LAuReL's left rows and right columns, the
+    per-layer embedding by vocabulary rows; each layer's AltUp coefficients whole. Before,
+    refused on ``altup_projections.0``."""
+    config = _build("gemma3n_text", tmp_path)
+    split = _check(tmp_path, config, tp)
+    assert {"0", "1", "2", "linear_left", "linear_right", "embed_tokens_per_layer",
+            "per_layer_model_projection", "q_proj", "down_proj"} <= split, split
+    assert not split & {"correction_coefs", "prediction_coefs", "modality_router", "altup",
+                        "per_layer_input_gate", "router_norm"}, split
 
 
 def _global_kv(kv: int) -> dict[str, Any]:
