@@ -144,8 +144,8 @@ def _kv_rule(units: int) -> RuleFactory:
 
 
 def gemma_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, RuleFactory]:
-    """``{component or global name: pattern -> ShardRule}`` of Gemma 4's per-layer-input
-    tensors (the module docstring); empty for other model types."""
+    """``{component or global name: pattern -> ShardRule}`` of the Gemma 4 / Gemma 3n tensors
+    the engines split their own way (the module docstring); empty for other model types."""
     if meta.model_type not in GEMMA_TP_TYPES:
         return {}
     text = meta.text_config
@@ -159,10 +159,12 @@ def gemma_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, RuleFactory]:
                 _global(name, tuple(shape), text)
             if rule is not None:
                 out[name] = rule
-        elif name[m.end():] in _LAYER_WHOLE:
-            out[name[m.end():]] = _whole
-        elif name[m.end():] in _LAYER_SPLIT:
-            out[name[m.end():]] = partial(_split, dim=_LAYER_SPLIT[name[m.end():]])
-        elif len(kv) > 1 and name[m.end():] in _KV:
-            out[name[m.end():]] = _kv_rule(math.gcd(*kv))
+            continue
+        comp = name[m.end():]
+        if comp in _LAYER_WHOLE:
+            out[comp] = _whole
+        elif comp in _LAYER_SPLIT:
+            out[comp] = partial(_split, dim=_LAYER_SPLIT[comp])
+        elif len(kv) > 1 and comp in _KV:
+            out[comp] = _kv_rule(math.gcd(*kv))
     return out
