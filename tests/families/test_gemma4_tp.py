@@ -125,3 +125,23 @@ def test_gemma4_moe_pp2_tp2_bytes(tmp_path: Path) -> None:
     assert {"experts", "down_proj", "embed_tokens_per_layer"} <= split, split  # (the module
     #                                          of ``experts.gate_up_proj`` is ``experts``)
     assert not split & {"router", "proj"}, split
+
+
+def test_gemma4_k_eq_v_global_heads_tp2(tmp_path: Path) -> None:
+    """As the larger Gemma 4 releases: ``attention_k_eq_v`` with ``num_global_key_value_heads``
+    (the full-attention layers ship ``k_proj`` only, 2 KV heads of head_dim 32; the sliding
+    ones 4). Each layer's own heads split at TP=2."""
+    tiny = {k: v for k, v in tiny_config("gemma4_text").to_dict().items()
+            if k != "per_layer_config"}  # transformers derives it from the release's keys
+    cls = transformers.Gemma4ForCausalLM
+    made = model_config(type(tiny_config("gemma4_text")).from_dict(
+        {**tiny, "num_key_value_heads": 4, "attention_k_eq_v": True,
+         "num_global_key_value_heads": 2, "global_head_dim": 32}), cls)
+    made.architectures = ["Gemma4ForCausalLM"]
+    torch.manual_seed(0)
+    cls._from_config(made, dtype=torch.float32).save_pretrained(tmp_path, max_shard_size="40KB")
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert [layer_kv_heads(config, i) for i in range(4)] == [4, 4, 2, 2]
+    names = set(open_checkpoint(tmp_path).weight_map)
+    assert "model.layers.2.self_attn.v_proj.weight" not in names
+    assert "k_proj" in _check(tmp_path, config, 2)
