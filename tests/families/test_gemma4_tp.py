@@ -145,3 +145,12 @@ def test_gemma4_k_eq_v_global_heads_tp2(tmp_path: Path) -> None:
     names = set(open_checkpoint(tmp_path).weight_map)
     assert "model.layers.2.self_attn.v_proj.weight" not in names
     assert "k_proj" in _check(tmp_path, config, 2)
+
+
+def test_gemma4_kv_shared_layers_tp2(tmp_path: Path) -> None:
+    """``num_kv_shared_layers`` (as the E2B / E4B releases): the last layer has ``q_proj``
+    only (its K/V are an earlier layer's); every rank's slices as without sharing."""
+    config = _build("gemma4_text", tmp_path, num_kv_shared_layers=1)
+    names = set(open_checkpoint(tmp_path).weight_map)
+    assert "model.layers.3.self_attn.k_proj.weight" not in names
+    assert {"q_proj", "k_proj", "embed_tokens_per_layer"} <= _check(tmp_path, config, 2)
