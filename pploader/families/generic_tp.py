@@ -17,6 +17,7 @@ from .fused_qkv import engine_rules
 from .generic_mtp import mtp_rule
 from .hf_meta import MetaModel, Naming
 from .hf_tp_plan import TRANSFORMERS_BACKEND, with_plan
+from .tp_gemma import gemma_tp_rules
 from .tp_hyper import hyper_tp_rules
 from .tp_mixers import layout_tp_rules
 
@@ -73,7 +74,7 @@ def shard_rules(naming: Naming, meta: MetaModel,
     # its forward views qkv rows as 4 fixed blocks, so fused_qkv refuses a TP that cuts one
     fused = {**engine_rules(meta, naming), **hyper_tp_rules(meta, naming)} \
         if meta.architecture not in TRANSFORMERS_BACKEND or meta.model_type == "codegen" else {}
-    engine = {**fused, **layout_tp_rules(meta, naming)}
+    engine = {**fused, **layout_tp_rules(meta, naming), **gemma_tp_rules(meta, naming)}
     rules, encoders = [], frozenset(naming.encoder)
     for comp, shape in comps.items():
         pattern = re.escape(comp).replace("\\#", r"\d+").replace("#", r"\d+")
