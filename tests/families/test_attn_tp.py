@@ -7,7 +7,6 @@ not match ``num_attention_heads``; dots3's ``k_rope_only_layernorm``: "norm of w
 """
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any, Callable
@@ -15,7 +14,7 @@ from typing import Any, Callable
 import pytest
 import torch
 
-import generic_sweep
+from tp_check import build_tiny, check_ranks
 from attn_tp_ref import dbrx_slice, dots3_slice, laguna_slice, longcat_slice
 from helpers import reference_tensors
 from pploader.errors import PlanError
@@ -23,7 +22,7 @@ from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
-from sweep_shrink import model_config, tiny_config
+from sweep_shrink import tiny_config
 
 transformers = pytest.importorskip("transformers")
 REF: dict[str, Callable[..., torch.Tensor]] = {
@@ -32,37 +31,13 @@ REF: dict[str, Callable[..., torch.Tensor]] = {
 
 
 def _build(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
-    """A tiny random ``save_pretrained`` checkpoint (sweep sizes, then ``overrides``)."""
-    arch = generic_sweep.causal_lm_types()[model_type]
-    if not overrides:
-        generic_sweep._checkpoint(model_type, arch, out)
-        return json.loads((out / "config.json").read_text())
-    cls = getattr(transformers, arch)
-    tiny = tiny_config(model_type)
-    config = model_config(type(tiny).from_dict({**tiny.to_dict(), **overrides}), cls)
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    cls._from_config(config, dtype=torch.float32).save_pretrained(out, max_shard_size="40KB")
-    return json.loads((out / "config.json").read_text())
+    return build_tiny(model_type, out, **overrides)
 
 
 def _check(model_type: str, path: Path, config: dict[str, Any], tp: int) -> set[str]:
     """Every rank's bytes against the reference; the modules some rank holds a part of."""
-    spec, index = load_spec(path), open_checkpoint(path)
-    ref = reference_tensors(path)
-    seen: set[str] = set()
-    split: set[str] = set()
-    for plan in plan_all(spec, index, 2, tp, 1):
-        got = dict(Reader(plan))
-        for item in plan.items:
-            full, piece = ref[item.name], got[item.target]
-            want = REF[model_type](item.name, full, config, tp, plan.topology.tp_rank)
-            assert torch.equal(piece, want), (plan.topology.rank, item.name)
-            seen.add(item.name)
-            if piece.shape != full.shape:
-                split.add(item.name.split(".")[-2])
-    assert seen == set(index.weight_map)
-    return split
+    return check_ranks(path, tp, lambda name, full, rank:
+                       REF[model_type](name, full, config, tp, rank))[1]
 
 
 @pytest.mark.parametrize("tp", [2, 4])

@@ -8,67 +8,36 @@ refused at TP=2 (``c_attn``, ``query_key_value``, ``qkv_proj``, ``c_fc``, ``c_fc
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 
-import generic_sweep
+from tp_check import build_tiny, check_ranks
 from fused_qkv_ref import engine_param, engine_view, stored_slice
-from helpers import reference_tensors
 from pploader.errors import PlanError
-from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
-from sweep_shrink import model_config, tiny_config
 
 transformers = pytest.importorskip("transformers")
 FUSED = ("c_attn", "query_key_value", "qkv_proj")
 
 
 def _build(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
-    """A tiny random ``save_pretrained`` checkpoint of ``model_type`` (sweep sizes, then
-    ``overrides``); its config.json."""
-    if not overrides:
-        generic_sweep._checkpoint(model_type, generic_sweep.causal_lm_types()[model_type], out)
-        return json.loads((out / "config.json").read_text())
-    arch = generic_sweep.causal_lm_types()[model_type]
-    cls = getattr(transformers, arch)
-    tiny = tiny_config(model_type)
-    config = model_config(type(tiny).from_dict({**tiny.to_dict(), **overrides}), cls)
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    model = cls._from_config(config, dtype=torch.float32)
-    model.save_pretrained(out, max_shard_size="40KB")
-    return json.loads((out / "config.json").read_text())
+    return build_tiny(model_type, out, **overrides)
 
 
 def _check(model_type: str, path: Path, config: dict[str, Any], tp: int) -> set[str]:
-    """Every rank's items against the reference; the module names split by some rank."""
-    spec, index = load_spec(path), open_checkpoint(path)
-    ref = reference_tensors(path)
-    seen: set[str] = set()
-    split: set[str] = set()
-    for plan in plan_all(spec, index, 2, tp, 1):
-        got = dict(Reader(plan))
-        rank = plan.topology.tp_rank
-        for item in plan.items:
-            full, piece = ref[item.name], got[item.target]
-            want = stored_slice(model_type, item.name, full, config, tp, rank)
-            assert torch.equal(piece, want), (plan.topology.rank, item.name)
-            module = item.name.split(".")[-2]
-            if module in FUSED or model_type in ("gpt2", "gpt-sw3"):
-                engine = engine_param(model_type, item.name, full, config, tp, rank)
-                assert torch.equal(engine_view(model_type, item.name, piece, config, tp),
-                                   engine), (plan.topology.rank, item.name)
-            seen.add(item.name)
-            if piece.shape != full.shape:
-                split.add(module)
-    assert seen == set(index.weight_map)
-    return split
+    """Every rank's items against the reference, each fused qkv / Conv1D piece through the
+    engine's own load transform too; the module names split by some rank."""
+    def engine(name: str, full: torch.Tensor, piece: torch.Tensor, rank: int) -> None:
+        if name.split(".")[-2] in FUSED or model_type in ("gpt2", "gpt-sw3"):
+            assert torch.equal(engine_view(model_type, name, piece, config, tp),
+                               engine_param(model_type, name, full, config, tp, rank)), (rank, name)
+    return check_ranks(path, tp, lambda name, full, rank:
+                       stored_slice(model_type, name, full, config, tp, rank), also=engine)[1]
 
 
 CASES = {  # model type -> (overrides, modules that must be split)

@@ -13,11 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-import generic_sweep
+from tp_check import build_tiny, check_ranks
 from gemma4_ref import gemma4_slice, layer_kv_heads
-from helpers import reference_tensors
 from pploader.errors import PlanError
-from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
@@ -27,37 +25,13 @@ transformers = pytest.importorskip("transformers")
 
 
 def _build(model_type: str, out: Path, **overrides: Any) -> dict[str, Any]:
-    """A tiny random ``save_pretrained`` checkpoint (sweep sizes, then ``overrides``)."""
-    arch = generic_sweep.causal_lm_types()[model_type]
-    if not overrides:
-        generic_sweep._checkpoint(model_type, arch, out)
-        return json.loads((out / "config.json").read_text())
-    cls = getattr(transformers, arch)
-    tiny = tiny_config(model_type)
-    config = model_config(type(tiny).from_dict({**tiny.to_dict(), **overrides}), cls)
-    config.architectures = [arch]
-    torch.manual_seed(0)
-    cls._from_config(config, dtype=torch.float32).save_pretrained(out, max_shard_size="40KB")
-    return json.loads((out / "config.json").read_text())
+    return build_tiny(model_type, out, **overrides)
 
 
 def _check(path: Path, config: dict[str, Any], tp: int) -> set[str]:
     """Every rank's bytes against the reference; the modules some rank holds a part of."""
-    spec, index = load_spec(path), open_checkpoint(path)
-    ref = reference_tensors(path)
-    seen: set[str] = set()
-    split: set[str] = set()
-    for plan in plan_all(spec, index, 2, tp, 1):
-        got = dict(Reader(plan))
-        for item in plan.items:
-            full, piece = ref[item.name], got[item.target]
-            want = gemma4_slice(item.name, full, config, tp, plan.topology.tp_rank)
-            assert torch.equal(piece, want), (plan.topology.rank, item.name)
-            seen.add(item.name)
-            if piece.shape != full.shape:
-                split.add(item.name.split(".")[-2])
-    assert seen == set(index.weight_map)
-    return split
+    return check_ranks(path, tp, lambda name, full, rank:
+                       gemma4_slice(name, full, config, tp, rank))[1]
 
 
 @pytest.mark.parametrize("model_type,tp", [("gemma4_text", 2), ("gemma4_text", 4),

@@ -13,15 +13,11 @@ import pytest
 import torch
 
 import generic_sweep
-from helpers import reference_tensors
+from tp_check import check_ranks
 import json
 from typing import Callable
 
 from hyper_tp_ref import deepseek_v4_slice, qwen4_exp_slice, stored_slice
-from pploader.io.read import Reader
-from pploader.planning.checkpoint import open_checkpoint
-from pploader.planning.plan import plan_all
-from pploader.planning.spec import load_spec
 
 pytest.importorskip("transformers")
 
@@ -42,21 +38,9 @@ Slice = Callable[[str, torch.Tensor, int, int], torch.Tensor]
 
 def _check(path: Path, tp: int, reference: Slice = stored_slice) -> set[str]:
     """Every rank's items against the reference; the components some rank holds a slice of."""
-    spec, index = load_spec(path), open_checkpoint(path)
-    ref = reference_tensors(path)
-    seen: dict[str, int] = {}
-    split: set[str] = set()
-    for plan in plan_all(spec, index, 2, tp, 1):
-        got = dict(Reader(plan))
-        rank = plan.topology.tp_rank
-        for item in plan.items:
-            full, piece = ref[item.name], got[item.target]
-            assert torch.equal(piece, reference(item.name, full, tp, rank)), \
-                (plan.topology.rank, item.name)
-            seen[item.name] = seen.get(item.name, 0) + 1
-            if piece.shape != full.shape:
-                split.add(item.name.split(".", 3)[-1] if ".layers." in item.name else item.name)
-    assert set(seen) == set(index.weight_map)
+    seen, split = check_ranks(path, tp, lambda name, full, rank: reference(name, full, tp, rank),
+                              key=lambda name: name.split(".", 3)[-1] if ".layers." in name
+                              else name)
     assert set(seen.values()) == {tp}   # each tensor on every TP rank of its stage, once each
     return split
 
