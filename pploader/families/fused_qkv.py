@@ -74,7 +74,7 @@ from .base import ShardRule, SpecView
 from .hf_meta import MetaModel, Naming
 from .mxfp4 import engine_tp_rules
 
-__all__ = ["engine_rules", "fused_tp_rules", "kv_aliases", "FUSED_TP_TYPES"]
+__all__ = ["engine_rules", "fused_tp_rules", "component_rules", "kv_aliases", "FUSED_TP_TYPES"]
 
 RuleFactory = Callable[[str], ShardRule]
 _Builder = Callable[[str, tuple[int, ...], Mapping[str, Any]], Optional[RuleFactory]]
@@ -339,13 +339,19 @@ def fused_tp_rules(model_type: str, naming: Naming, text: Mapping[str, Any]
     the engine serving ``model_type`` defines (see the module docstring); empty for other
     model types, whose rules stay the generic family's."""
     build = FUSED_TP_TYPES.get(model_type)
-    if build is None:
-        return {}
+    return {} if build is None else component_rules(naming, build, text)
+
+
+def component_rules(naming: Naming, build: _Builder, text: Mapping[str, Any], *,
+                    globals_too: bool = False) -> dict[str, RuleFactory]:
+    """``build(component, shape, text)`` over each distinct layer component of ``naming``
+    (and, with ``globals_too``, each non-layer tensor under its full name), the rules it
+    gives kept: the walk every per-model-type rule table shares."""
     prefix = re.compile(naming.layer_prefix)
     out: dict[str, RuleFactory] = {}
     for name, shape in naming.template.items():
         m = prefix.match(name)
-        comp = name[m.end():] if m else None
+        comp = name[m.end():] if m else (name if globals_too else None)
         if comp is None or comp in out:
             continue
         factory = build(comp, tuple(shape), text)

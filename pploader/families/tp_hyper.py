@@ -47,6 +47,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .base import ShardRule, SpecView
 from .blocks import gdn_rules
+from .fused_qkv import component_rules
 from .hf_meta import MetaModel, Naming
 
 __all__ = ["hyper_tp_rules", "HYPER_TP_TYPES"]
@@ -173,16 +174,5 @@ def hyper_tp_rules(meta: MetaModel, naming: Naming) -> dict[str, RuleFactory]:
     and globals under their full name) whose split the engine serving ``meta.model_type``
     defines (see the module docstring); empty for other model types."""
     build = HYPER_TP_TYPES.get(meta.model_type)
-    if build is None:
-        return {}
-    prefix = re.compile(naming.layer_prefix)
-    out: dict[str, RuleFactory] = {}
-    for name, shape in naming.template.items():
-        m = prefix.match(name)
-        comp = name[m.end():] if m else name
-        if comp in out:
-            continue
-        factory = build(comp, tuple(shape), meta.text_config)
-        if factory is not None:
-            out[comp] = factory
-    return out
+    return {} if build is None else component_rules(naming, build, meta.text_config,
+                                                    globals_too=True)
