@@ -195,12 +195,8 @@ def summary(path: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make")
-    m.add_argument("out", type=Path)
-    m.add_argument("--layers", type=int, default=10)
-    m.add_argument("--hidden", type=int, default=2048)
-    m.add_argument("--intermediate", type=int, default=5632)
-    m.add_argument("--vocab", type=int, default=32000)
+    from vllm_cpu import add_make   # type: ignore[import-not-found]
+    add_make(sub)
     for cmd, repeat in (("run", 3), ("reloads", 5)):
         r = sub.add_parser(cmd)
         r.add_argument("model", type=Path)

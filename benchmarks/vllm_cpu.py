@@ -95,6 +95,16 @@ if os.environ.get(OUT_ENV):   # the engine's workers import this file too (spawn
 
 
 # ---- making the checkpoint ---------------------------------------------------------------
+def add_make(sub: Any) -> None:
+    """The ``make`` subcommand (a synthetic llama), shared with sglang_cpu.py."""
+    m = sub.add_parser("make")
+    m.add_argument("out", type=Path)
+    m.add_argument("--layers", type=int, default=10)
+    m.add_argument("--hidden", type=int, default=2048)
+    m.add_argument("--intermediate", type=int, default=5632)
+    m.add_argument("--vocab", type=int, default=32000)
+
+
 def make(out: Path, layers: int, hidden: int, inter: int, vocab: int) -> None:
     """A llama of tiny-model structure but large tensors (random bf16, ~1.2 GB default)."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -267,12 +277,7 @@ def summary(path: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
-    m = sub.add_parser("make")
-    m.add_argument("out", type=Path)
-    m.add_argument("--layers", type=int, default=10)
-    m.add_argument("--hidden", type=int, default=2048)
-    m.add_argument("--intermediate", type=int, default=5632)
-    m.add_argument("--vocab", type=int, default=32000)
+    add_make(sub)
     r = sub.add_parser("run")
     r.add_argument("model", type=Path)
     r.add_argument("--pp", type=int, default=2)
