@@ -90,6 +90,7 @@ def _sources_digest() -> str:
     return digest.hexdigest()
 
 
+@lru_cache(maxsize=1)
 def _transformers_version() -> str:
     try:
         return metadata.version("transformers")
