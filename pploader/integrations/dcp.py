@@ -44,7 +44,7 @@ from ..io.registry import open_backend, prepare_staging, select_backend
 from ..planning.checkpoint import (DTYPES, CheckpointIndex, TensorEntry, check_model_dir,
                                    open_checkpoint)
 from ..planning.header import FileIdentity, ShardHeader
-from ..planning.items import ReadItem, read_item
+from ..planning.items import ReadItem, placed_item, relative_item
 from ..planning.partition import StageWindow
 from ..planning.rank_plan import RankPlan
 from ..planning.shard import Selection
@@ -122,7 +122,6 @@ class PPLoaderStorageReader(StorageReader):
         self._index: Optional[CheckpointIndex] = None
         self._keys: dict[str, str] = {}          # state-dict key -> checkpoint name
         self._planned: Optional[tuple[tuple[DCPReadItem, ...], list[ReadItem]]] = None
-        self._relative: dict[tuple, ReadItem] = {}  # read items at offset 0, by kind
         self._rank: Optional[int] = None
         self._copy_threads: Optional[int] = None  # this load's CPU threads (the global step)
         #: each local shard's identity when ``read_metadata`` ran: a header parsed later must
@@ -167,7 +166,7 @@ class PPLoaderStorageReader(StorageReader):
                                       f"state-dict key {key}: fix the NameMap / rename",
                                       file=index.source, tensor=name, rank=self._rank)
             keys[key] = name
-        self._index, self._keys, self._planned, self._relative = index, keys, None, {}
+        self._index, self._keys, self._planned = index, keys, None
         self._pinned, self._verified = file_identities(index), set()
         metadata = Metadata(state_dict_metadata=LazyTensors(self.entry, keys),  # type: ignore[arg-type]
                             storage_data=LazyStorage(keys))
@@ -378,17 +377,11 @@ class PPLoaderStorageReader(StorageReader):
         if not math.prod(lengths):  # an empty shard: nothing to read
             return ReadItem(entry.name, target, entry.file, entry.dtype, lengths, shape, (),
                             lengths)
-        # planned once per (dtype, shape, box) at offset 0, then moved to each tensor (the
-        # same projection in every layer): a dim-1 box's row runs are computed once
-        kind = (entry.dtype, shape, dims, self.range_cost_bytes)
-        rel = self._relative.get(kind)
-        if rel is None:
-            rel = self._relative[kind] = read_item(entry._replace(start=0, end=entry.nbytes),
-                                                   target, Selection(dims),
-                                                   self.range_cost_bytes)
-        start = entry.start
-        return rel._replace(name=entry.name, target=target, file=entry.file,
-                            ranges=tuple((start + a, n) for a, n in rel.ranges))
+        # planned once per process per (dtype, shape, box) at offset 0, then moved to each
+        # tensor (the same projection in every layer, every load): a dim-1 box's row runs are
+        # computed once
+        rel = relative_item(entry.dtype, shape, Selection(dims), self.range_cost_bytes)
+        return placed_item(rel, entry, target)
 
     def _check_destination(self, item: ReadItem, dst: torch.Tensor) -> None:
         dtype = DTYPES[item.dtype][0]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from functools import partial
+from functools import lru_cache, partial
 from itertools import chain, compress, repeat
-from operator import attrgetter, itemgetter, lt, not_
+from operator import add, attrgetter, itemgetter, lt, not_
 from typing import TYPE_CHECKING, Iterable, NamedTuple, Optional, Sequence
 
 from ..errors import PlanError
@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # pragma: no cover - the families and quant modules load on f
     from .quant import QuantScheme
     from .spec import ModelSpec
 
-__all__ = ["ReadItem", "read_item", "make_item", "tensor_selection", "peer_selection",
+__all__ = ["ReadItem", "read_item", "relative_item", "placed_item", "shift_ranges", "make_item", "tensor_selection", "peer_selection",
            "total_read_bytes", "total_ideal_bytes", "read_method_items"]
 
 
@@ -70,7 +70,7 @@ class ReadItem(NamedTuple):
 make_item = partial(tuple.__new__, ReadItem)
 
 _ranges_of, _gather_of = attrgetter("ranges"), attrgetter("gather")
-_length_of = itemgetter(1)  # of an (offset, length) range
+_first_of, _length_of = itemgetter(0), itemgetter(1)  # of an (offset, length) range
 _ideal_key = attrgetter("shape", "dtype", "pad_rows")  # what ``ideal_bytes`` depends on
 
 
@@ -128,6 +128,28 @@ def read_item(entry: TensorEntry, target: str, selection: Selection,
     return ReadItem(entry.name, target, entry.file, entry.dtype, out_shape, shape,
                     ((entry.start + lo * row_bytes, box_bytes),), box_shape, gather,
                     selection.pad_rows)
+
+
+@lru_cache(maxsize=4096)
+def relative_item(dtype: str, shape: tuple[int, ...], selection: Selection,
+                  range_cost: int = DEFAULT_RANGE_COST_BYTES) -> ReadItem:
+    """The ReadItem of ``selection`` of a ``dtype`` tensor of ``shape`` stored at offset 0,
+    unnamed: planned once per process for every tensor alike (every layer's projection, every
+    load of a reader made per load), then moved by :func:`placed_item`."""
+    nbytes = math.prod(shape) * ITEMSIZE[dtype]
+    return read_item(TensorEntry("", "", dtype, shape, 0, nbytes), "", selection, range_cost)
+
+
+def shift_ranges(ranges: tuple[tuple[int, int], ...], delta: int
+                 ) -> tuple[tuple[int, int], ...]:
+    """``ranges`` moved by ``delta`` bytes (C passes: a TP row slice has ~10k ranges)."""
+    return tuple(zip(map(add, map(_first_of, ranges), repeat(delta)), map(_length_of, ranges)))
+
+
+def placed_item(relative: ReadItem, entry: TensorEntry, target: str) -> ReadItem:
+    """A :func:`relative_item` moved to ``entry``'s name, file and offset, read as ``target``."""
+    return relative._replace(name=entry.name, target=target, file=entry.file,
+                             ranges=shift_ranges(relative.ranges, entry.start))
 
 
 def _unpadded(shape: tuple[int, ...], pad_rows: int) -> tuple[int, ...]:

@@ -22,7 +22,8 @@ from .accounting import check_expected, check_mtp
 from .quant import QuantScheme, quant_scheme
 from .quant_groups import mixed_columns
 from .roles import CheckpointRoles, checkpoint_roles
-from .items import (ReadItem, make_item, peer_selection, read_item, tensor_selection)
+from .items import (ReadItem, make_item, peer_selection, read_item, shift_ranges,
+                    tensor_selection)
 from .shard import DEFAULT_RANGE_COST_BYTES, Selection, local_experts
 from .rank_plan import RankPlan
 from .spec import ModelSpec
@@ -180,7 +181,7 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
         ranges: list = list(zip(zip(map(add, starts, map(_first, firsts)),
                                     map(_second, firsts))))
     else:
-        ranges = [tuple((s + a, n) for a, n in r) for s, r in zip(starts, rels)]
+        ranges = list(map(shift_ranges, rels, starts))
     items = list(map(make_item, zip(
         names, targets, map(_file_of, ents),
         *(map(attrgetter(f), made) for f in ("dtype", "shape", "source_shape")),
