@@ -208,6 +208,15 @@ class MappedBackend:
         materialise(item, raw, out)
         return out
 
+    def _populated_copy(self, f: MappedFile, item: ReadItem, dst: torch.Tensor) -> torch.Tensor:
+        """:meth:`_from_mapping` after mapping the item's resident pages in one call (best
+        effort: an older kernel's EINVAL leaves them to the copy's faults)."""
+        if item.ranges and item.target not in self.whole:
+            lo, hi = span_of(item.ranges)
+            self._check_end(f, item, hi)
+            advise(*page_span(f.base.data_ptr(), lo, hi), MADV_POPULATE_READ)
+        return self._from_mapping(f, item, dst)
+
     def _check_end(self, f: MappedFile, item: ReadItem, end: int) -> None:
         if end > f.base.numel():
             raise self._err(f"file changed during load: unexpected end of file (the item "
@@ -275,9 +284,13 @@ class MappedBackend:
             warm = self._warm(files) if self.fault_budget is not None or \
                 self.cold != "fault" else self._all_mapped(files)
             hot = [i for i, w in zip(self.plan.items, warm) if w]
+            # a resident stage in ``fault`` mode: each item's pages mapped in one call just
+            # before its copy (MADV_POPULATE_READ), cheaper than the copy's faults into
+            # destinations already touched (docs/benchmarks.md, DCP reader on CPU)
+            copy = self._populated_copy if self.cold == "fault" and not self.faulting \
+                else self._from_mapping
             jobs: list[Callable[[], object]] = [
-                partial(self._from_mapping, files[i.file], i, destinations[i.target])
-                for i in hot]
+                partial(copy, files[i.file], i, destinations[i.target]) for i in hot]
             cold: list[ReadItem] = []
             parts: dict[ReadItem, torch.Tensor] = {}
             mapped = 0  # bytes of the partly resident items copied from the mapping
