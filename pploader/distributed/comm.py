@@ -42,7 +42,8 @@ from ..planning.topology import Topology
 logger = logging.getLogger(__name__)
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "DEFAULT_NAMESPACE",
-           "run_guarded", "run_agreed", "gather_refusals"]
+           "run_guarded", "run_agreed", "gather_refusals",
+           "start_refusal_gather"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEAD_AFTER_S = 10.0
@@ -462,13 +463,25 @@ def gather_refusals(refusal: Optional[str], group: Any = None) -> dict[int, str]
     never comes (a rank that dies there fails the collective's own timeout). One all-reduce
     of a flag when every rank is ready (the common case: no pickling, one round trip); the
     messages are all-gathered only when some rank refused."""
+    return start_refusal_gather(refusal, group)()
+
+
+def start_refusal_gather(refusal: Optional[str], group: Any = None
+                         ) -> Callable[[], dict[int, str]]:
+    """:func:`gather_refusals` started now, finished by the returned call: the flag's
+    all-reduce runs while the caller prepares what needs no agreement (mapping, page advice),
+    so waiting for the slowest rank overlaps that work instead of following it."""
     backend = str(dist.get_backend(group))
     device = torch.device("cpu") if "gloo" in backend or "nccl" not in backend else \
         torch.device("cuda", torch.cuda.current_device())
     flag = torch.tensor([0 if refusal is None else 1], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    if not int(flag.item()):
-        return {}
-    found: list[Optional[str]] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(found, refusal, group=group)
-    return {r: str(e) for r, e in enumerate(found) if e is not None}
+    work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group, async_op=True)
+
+    def finish() -> dict[int, str]:
+        work.wait()
+        if not int(flag.item()):
+            return {}
+        found: list[Optional[str]] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(found, refusal, group=group)
+        return {r: str(e) for r, e in enumerate(found) if e is not None}
+    return finish

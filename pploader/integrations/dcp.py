@@ -35,7 +35,7 @@ from torch.distributed.checkpoint.planner import ReadItem as DCPReadItem
 from torch.futures import Future
 
 from ..arguments import check, check_callable, check_device, check_paths, check_type
-from ..distributed.comm import gather_refusals
+from ..distributed.comm import start_refusal_gather
 from ..errors import CheckpointError, PlanError, PPLoaderError, ReadError
 from ..io.backend import ReadBackend, ReadOptions, ReadStats, merge_stats
 from ..io.mapped import COLD_THREADS, open_mapped
@@ -217,7 +217,11 @@ class PPLoaderStorageReader(StorageReader):
         except Exception as exc:  # noqa: BLE001 - agreed on below, then re-raised
             refusal = exc
         step = getattr(plan, "storage_data", None)
-        self._agree(refusal, step)
+        # the ranks' verdicts travel while this rank maps its files and advises their pages;
+        # the gate waits for them before the first write (or raises a refusal)
+        gate = self._start_agreement(refusal, step)
+        if refusal is not None:
+            gate()
         self._copy_threads = self.threads or (
             step.copy_threads if isinstance(step, GlobalStep) else None)
         direct: dict[torch.device, list[tuple[ReadItem, torch.Tensor]]] = {}
@@ -229,9 +233,10 @@ class PPLoaderStorageReader(StorageReader):
                 copied.append((item, dst))
         with torch.no_grad():
             for device, pairs in sorted(direct.items(), key=lambda kv: kv[0].type != "cpu"):
-                backend = self._open(self._rank_plan([i for i, _ in pairs]), device)
+                backend = self._open(self._rank_plan([i for i, _ in pairs]), device, gate)
                 backend.load({i.target: d for i, d in pairs})
                 merge_stats(stats, backend.stats)
+            gate()  # no load above (or none that called it): agree before any write
             if copied:  # strided destinations: a borrowed CPU ring, one copy_ each
                 sub = self._rank_plan([i for i, _ in copied])
                 views = {i.target: d for i, d in copied}
@@ -253,30 +258,38 @@ class PPLoaderStorageReader(StorageReader):
         fut.set_result(None)
         return fut
 
-    def _agree(self, refusal: Optional[BaseException], step: Any) -> None:
-        """Raise ``refusal``, or a refusal of another rank, before this rank reads a byte.
+    def _start_agreement(self, refusal: Optional[BaseException], step: Any
+                         ) -> Callable[[], None]:
+        """The gate before this rank's first write: raises ``refusal``, or a refusal of
+        another rank, once; the ranks' verdicts are exchanged from now on.
 
         Every rank of the load reaches ``read_data`` (DCP runs it on all of them), so one
-        all-gather there carries each rank's verdict. The DCP group is the default one when
+        all-reduce there carries each rank's verdict. The DCP group is the default one when
         the global plan step saw as many plans as the job has ranks; a subgroup is used when
         given as ``process_group``; otherwise (a custom planner dropped ``storage_data``) each
         rank checks only its own requests."""
         ranks = step.ranks if isinstance(step, GlobalStep) else 1
         group = self.process_group
         dist = torch.distributed
-        if group is None and not (ranks > 1 and dist.is_available() and dist.is_initialized()
-                                  and ranks == dist.get_world_size()):
+        finish: Optional[Callable[[], dict[int, str]]] = None
+        if group is not None or (ranks > 1 and dist.is_available() and dist.is_initialized()
+                                 and ranks == dist.get_world_size()):
+            finish = start_refusal_gather(None if refusal is None else str(refusal), group)
+        passed: list[bool] = []
+
+        def gate() -> None:
+            if passed:
+                return
+            passed.append(True)
+            others = finish() if finish is not None else {}
             if refusal is not None:
                 raise refusal
-            return
-        others = gather_refusals(None if refusal is None else str(refusal), group)
-        if refusal is not None:
-            raise refusal
-        if others:
-            first = min(others)
-            raise ReadError(f"rank(s) {sorted(others)} refused their requests before any rank "
-                            f"read (rank {first}: {others[first]}); nothing was read",
-                            file=None, rank=self._rank)
+            if others:
+                first = min(others)
+                raise ReadError(f"rank(s) {sorted(others)} refused their requests before any "
+                                f"rank read (rank {first}: {others[first]}); nothing was read",
+                                file=None, rank=self._rank)
+        return gate
 
     # -- pploader side ------------------------------------------------------------------
 
@@ -413,15 +426,18 @@ class PPLoaderStorageReader(StorageReader):
         except Exception as exc:  # noqa: BLE001 - the load reads with what it finds
             logger.debug("no early staging for %s: %s", self.staging_device, exc)
 
-    def _open(self, plan: RankPlan, device: torch.device) -> ReadBackend:
+    def _open(self, plan: RankPlan, device: torch.device, gate: Callable[[], None]
+              ) -> ReadBackend:
         """The read backend of ``plan`` onto ``device``: the configured one, else on CPU the
         ``mapped`` backend with ``cold="fault"`` and no residency checks: every shard one
         strided copy from a ``MADV_NORMAL`` mapping, its resident pages mapped by the
         kernel's fault-around, its missing ones read around each fault in large requests,
         as torch's reader's ``safe_open`` mapping does), else the device's default."""
-        if device.type == "cpu" and self.io_backend is None:
-            return open_mapped(plan, device, self._options(device), cold="fault",
-                               cold_threads=self.threads or COLD_THREADS)
+        if device.type == "cpu" and self.io_backend is None:  # it calls ``gate`` itself
+            return open_mapped(plan, device,
+                               dataclasses.replace(self._options(device), before_write=gate),
+                               cold="fault", cold_threads=self.threads or COLD_THREADS)
+        gate()
         return open_backend(plan, device, self._options(device), self._backend_name(device))
 
     def _has_backend(self, device: torch.device) -> bool:

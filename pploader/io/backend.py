@@ -84,6 +84,10 @@ class ReadOptions:
     pinned staging to reuse across loads; ``fit_staging``: size new staging to the plan (and
     ``window_bytes``) instead of the default (many small in-place writes, bind/write.py).
     ``device_window_bytes``: the device budget of a stream onto a GPU (io/transfer/direct.py).
+    ``before_write``: called once by ``load(destinations)`` of a backend that supports it (the
+    ``mapped`` one) after its opening work and before its first write into a destination, so
+    a caller's agreement among ranks (the DCP reader's) overlaps that work; a caller using
+    another backend calls it itself before ``load``.
     """
 
     window_bytes: Optional[int] = None
@@ -96,6 +100,7 @@ class ReadOptions:
     direct_io: Optional[bool] = None
     fit_staging: bool = False
     device_window_bytes: Optional[int] = None
+    before_write: Optional[Callable[[], None]] = None
 
     def __post_init__(self) -> None:
         """Every public read path passes here: the option table's ranges (arguments.py), an
@@ -107,6 +112,7 @@ class ReadOptions:
         check_choice("mode", self.mode, ("owned", "borrowed"))
         check_event("cancel", self.cancel)
         check_callable("on_progress", self.on_progress)
+        check_callable("before_write", self.before_write)
 
 
 @runtime_checkable

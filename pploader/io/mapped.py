@@ -208,15 +208,6 @@ class MappedBackend:
         materialise(item, raw, out)
         return out
 
-    def _populated_copy(self, f: MappedFile, item: ReadItem, dst: torch.Tensor) -> torch.Tensor:
-        """:meth:`_from_mapping` after mapping the item's resident pages in one call (best
-        effort: an older kernel's EINVAL leaves them to the copy's faults)."""
-        if item.ranges and item.target not in self.whole:
-            lo, hi = span_of(item.ranges)
-            self._check_end(f, item, hi)
-            advise(*page_span(f.base.data_ptr(), lo, hi), MADV_POPULATE_READ)
-        return self._from_mapping(f, item, dst)
-
     def _check_end(self, f: MappedFile, item: ReadItem, end: int) -> None:
         if end > f.base.numel():
             raise self._err(f"file changed during load: unexpected end of file (the item "
@@ -280,17 +271,21 @@ class MappedBackend:
         reader: Optional[Reader] = None
         try:
             if self.cold == "readahead":
+                if self.options.before_write is not None:
+                    self.options.before_write()
                 return dict(self._each_ahead(files, destinations))
             warm = self._warm(files) if self.fault_budget is not None or \
                 self.cold != "fault" else self._all_mapped(files)
             hot = [i for i, w in zip(self.plan.items, warm) if w]
-            # a resident stage in ``fault`` mode: each item's pages mapped in one call just
-            # before its copy (MADV_POPULATE_READ), cheaper than the copy's faults into
-            # destinations already touched (docs/benchmarks.md, DCP reader on CPU)
-            copy = self._populated_copy if self.cold == "fault" and not self.faulting \
-                else self._from_mapping
+            if self.cold == "fault" and not self.faulting:
+                # a resident stage: its pages mapped in one call per run of nearby items
+                # (MADV_POPULATE_READ), cheaper than the copies' faults into destinations
+                # already touched (docs/benchmarks.md, the DCP reader on CPU)
+                self._populate(files, [(i.file, span_of(i.ranges)) for i in hot
+                                       if i.ranges and i.target not in self.whole])
             jobs: list[Callable[[], object]] = [
-                partial(copy, files[i.file], i, destinations[i.target]) for i in hot]
+                partial(self._from_mapping, files[i.file], i, destinations[i.target])
+                for i in hot]
             cold: list[ReadItem] = []
             parts: dict[ReadItem, torch.Tensor] = {}
             mapped = 0  # bytes of the partly resident items copied from the mapping
@@ -315,6 +310,8 @@ class MappedBackend:
                 jobs.extend(copies)
                 mapped += run_bytes(self._item_runs(item)) - sum(i.nbytes for i in reads)
                 parts.update(reads)
+            if self.options.before_write is not None:
+                self.options.before_write()
             self._run_copies(jobs, self.plan.items[0] if self.plan.items else None)
             for item in hot:
                 self._count_warm(item)
