@@ -1,9 +1,11 @@
 """Architectures vLLM serves through its transformers backend, split by the model's
 ``base_model_tp_plan`` (pploader/families/hf_tp_plan.py): tiny transformers checkpoints
 loaded on CPU at PP=2 x TP=2, every tensor of every rank bitwise equal to the slice
-tests/hf_plan_ref.py computes on its own from the plans; the refusals (a style vLLM has no
-linear class for, a non-string style, sizes that do not divide, a linear the backend's fusers
-decide); the generic TP plans already derived left alone.
+tests/hf_plan_ref.py computes on its own from the plans and vLLM's fusions (DiffLlama, MiniMax,
+AXK2 and Phi-4-multimodal, whose q / k / v or GLU vLLM merges whatever the plan says); the
+refusals (a style vLLM has no linear class for, a non-string style, sizes that do not divide,
+a linear the backend's fusers may merge in a class whose fusion is not recorded, a model type
+the transformers vLLM 0.32 accepts lacks); the generic TP plans already derived left alone.
 """
 from __future__ import annotations
 
@@ -16,12 +18,13 @@ import torch
 
 import generic_sweep
 from helpers import reference_tensors
-from hf_plan_ref import PLANS, plan_slices
+from hf_plan_ref import HEAD_DIM, PLANS, plan_slices
 from pploader import PPLoaderError
 from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
+from tp_check import build_tiny, check_ranks
 
 pytest.importorskip("transformers")
 
@@ -103,20 +106,72 @@ def test_sizes_that_do_not_divide_are_refused(tmp_path: Path) -> None:
     assert "130 does not divide" in str(exc) and "tp=4" in str(exc)
 
 
-def test_a_replicated_linear_the_fusers_may_merge_is_refused(tmp_path: Path) -> None:
-    # the plan names only the fused qkv: the attention's dense is left replicated beside a
+def test_a_replicated_linear_the_fusers_may_merge_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a class whose fusion is not recorded (GPT-NeoX's attention, taken out of the table): a
+    # plan naming only its fused qkv leaves the attention's dense replicated beside a
     # column-parallel sibling, which vLLM's fusers may turn row-parallel
-    path = _with_plan(_neox(tmp_path), {k: v for k, v in _NEOX_PLAN.items()
+    from pploader.families import hf_fusers
+    monkeypatch.delitem(hf_fusers.FUSIONS, "GPTNeoXAttention")
+    # (a config of its own: derived structures are memoized per config)
+    path = _with_plan(_neox(tmp_path, intermediate_size=192), {k: v for k, v in _NEOX_PLAN.items()
                                         if "attention.dense" not in k})
     exc = _refusal(path)
     assert exc.tensor is not None and "attention.dense" in exc.tensor
-    assert "fuse" in str(exc)
+    assert "fuse" in str(exc) and "GPTNeoXAttention" in str(exc)
 
 
-def test_diffllama_without_a_plan_is_refused_naming_the_fusion(tmp_path: Path) -> None:
-    _tiny("diffllama", tmp_path)
+def test_a_recorded_unfused_class_takes_the_plan(tmp_path: Path) -> None:
+    # GPT-NeoX's attention is recorded as traced and left unfused by vLLM: the dense the plan
+    # leaves out is a ReplicatedLinear, whole on every rank
+    path = _with_plan(_neox(tmp_path), {k: v for k, v in _NEOX_PLAN.items()
+                                        if "attention.dense" not in k})
+    dense = "gpt_neox.layers.0.attention.dense.weight"
+    ref = reference_tensors(path)
+    for plan in plan_all(load_spec(path), open_checkpoint(path), 1, 2, 1):
+        got = dict(Reader(plan))
+        item = next(i for i in plan.items if i.name == dense)
+        assert torch.equal(got[item.target], ref[dense])
+
+
+@pytest.mark.parametrize("model_type", ["dory", "flint", "lfm3"])
+def test_a_type_the_transformers_vllm_accepts_lacks_is_refused(model_type: str,
+                                                                tmp_path: Path) -> None:
+    # vLLM 0.32 requires transformers <5.20, which has no such model type
+    _tiny(model_type, tmp_path)
     exc = _refusal(tmp_path)
-    assert "fuse" in str(exc) and "base_model_tp_plan" in str(exc)
+    assert exc.tensor is not None
+    assert "transformers <5.20" in str(exc) and repr(model_type) in str(exc)
+    assert plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 1, 1)  # TP=1 plans
+
+
+@pytest.mark.parametrize(("model_type", "kv", "tp"), [("diffllama", 2, 4), ("minimax", 1, 2)])
+def test_fused_qkv_copies_a_kv_head_when_fewer_than_tp(model_type: str, kv: int, tp: int,
+                                                       tmp_path: Path) -> None:
+    # vLLM's QKV fuser merges q / k / v into a QKVParallelLinear whatever the plan says (none
+    # for DiffLlama; MiniMax's colwise): with fewer KV heads than ranks each rank holds one
+    # whole KV head, not a part of the rows as a ColumnParallelLinear would; PP=1 and PP=2
+    # x TP (DiffLlama needs an even KV head count)
+    build_tiny(model_type, tmp_path, num_key_value_heads=kv)
+    k = "model.layers.0.self_attn.k_proj.weight"
+    ref = reference_tensors(tmp_path)
+    hd = HEAD_DIM[model_type]
+    assert ref[k].shape[0] == kv * hd
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    for plan in plan_all(spec, index, 1, tp, 1):
+        got = dict(Reader(plan))
+        item = next(i for i in plan.items if i.name == k)
+        head = plan.topology.tp_rank * kv // tp  # vLLM's copied KV head of this rank
+        assert torch.equal(got[item.target], ref[k][head * hd:(head + 1) * hd])
+
+    def want(name: str, whole: torch.Tensor, rank: int) -> torch.Tensor:
+        slices, pad = plan_slices(model_type, name, whole.shape, tp, rank)
+        piece = whole[slices]
+        return torch.cat([piece, piece.new_zeros((pad,) + tuple(piece.shape[1:]))]) \
+            if pad else piece
+
+    _, split = check_ranks(tmp_path, tp, want)
+    assert {"q_proj", "o_proj"} <= split and ("k_proj" in split) == (kv > 1)
 
 
 def test_the_plan_is_derived_only_for_transformers_backend_architectures(
