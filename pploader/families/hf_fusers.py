@@ -41,9 +41,10 @@ FUSIONS: dict[str, dict[str, str]] = {
     # MiniMax (the lightning-attention layers' qkv_proj / output_gate / out_proj whole)
     "MiniMaxAttention": {"q_proj": QKV, "k_proj": QKV, "v_proj": QKV, "o_proj": ROW},
     "MiniMaxLightningAttention": {},
-    # AXK2 (MLA; ``q_gate_proj`` is the checkpoint's ``q_b_proj``)
+    # AXK2 (MLA; ``q_gate_proj`` is the checkpoint's ``q_b_proj``; ``o_proj``, whose output
+    # is not the forward's, takes the plan's rowwise)
     "AXK2Attention": {"q_a_proj": WHOLE_ROLE, "kv_a_proj_with_mqa": WHOLE_ROLE,
-                      "q_gate_proj": COL, "kv_b_proj": COL, "o_proj": ROW},
+                      "q_gate_proj": COL, "kv_b_proj": COL},
     "AXK2Indexer": {},
     "AXK2GateMLP": {},
     "AXK2MLP": {"gate_proj": MERGED, "up_proj": MERGED, "down_proj": ROW},

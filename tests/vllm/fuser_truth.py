@@ -9,7 +9,7 @@ base model becomes a vLLM layer: ``qkv:q`` / ``qkv:k`` / ``qkv:v`` (``QKVParalle
 ``replace_linear_class`` gets (``colwise`` / ``rowwise`` / ``replicate`` / ...), keyed by the
 module's name below the base model; ``vocab`` for vocabulary embeddings.
 
-    ~/.cache/pploader/vllm-venv/bin/python tests/vllm/fuser_truth.py CHECKPOINT_DIR [TP]
+    ~/.cache/pploader/vllm-venv/bin/python tests/vllm/fuser_truth.py CHECKPOINT_DIR [TP] [--classes]
 
 The checkpoint's transformers version must be importable there (a newer model type than the
 venv's transformers: put that transformers first on ``PYTHONPATH``).
@@ -24,10 +24,11 @@ from typing import Any
 
 #: the fusers that merge or re-style linears (RMSNorm / attention fusers change no split)
 _STACKING = {"QKVFuser", "PackedQKVFuser", "MLAFuser", "GLUFuser", "MergedColumnParallelFuser"}
-CLASSES = "--classes" in sys.argv
 
 
-def decide(path: str, tp: int) -> dict[str, str]:
+def decide(path: str, tp: int, classes_only: bool = False) -> dict[str, Any]:
+    """Per linear (below the base model), or with ``classes_only`` per module class with two
+    linears or more (``{"fusers": [...], "linears": {name: kind}}``), vLLM's decision."""
     import torch
     from torch import nn
     from transformers import AutoModel
@@ -124,12 +125,13 @@ def decide(path: str, tp: int) -> dict[str, str]:
                 walk(child, qual, {})
 
     walk(model, "model", {})
-    if CLASSES:
+    if classes_only:
         return classes
     return out
 
 
 if __name__ == "__main__":
     args = [a for a in sys.argv[1:] if a != "--classes"]
-    print(json.dumps(decide(args[0], int(args[1]) if len(args) > 1 else 2),
+    print(json.dumps(decide(args[0], int(args[1]) if len(args) > 1 else 2,
+                            "--classes" in sys.argv),
                      indent=1, sort_keys=True))
