@@ -36,15 +36,7 @@ PLANS: dict[str, dict[str, str]] = {
                   # the experts: vLLM's FusedMoE (w1 / w3 rows, w2 columns)
                   "mlp.experts.#.gate_proj": "col", "mlp.experts.#.up_proj": "col",
                   "mlp.experts.#.down_proj": "row"},
-    # vLLM's fusers (QKV / GLU) decide these; the models' plans name none or part
-    "diffllama": {"self_attn.q_proj": "heads", "self_attn.k_proj": "heads",
-                  "self_attn.v_proj": "heads", "self_attn.o_proj": "row",
-                  "mlp.gate_proj": "col", "mlp.up_proj": "col", "mlp.down_proj": "row"},
-    "minimax": {"self_attn.q_proj": "heads", "self_attn.k_proj": "heads",
-                "self_attn.v_proj": "heads", "self_attn.o_proj": "row",
-                # the lightning layers' qkv_proj / output_gate / out_proj: whole
-                "block_sparse_moe.experts.#.w1": "col", "block_sparse_moe.experts.#.w3": "col",
-                "block_sparse_moe.experts.#.w2": "row"},
+    # vLLM's fusers decide these whatever the plans name (families/hf_fusers.py)
     # MLA: q_a / kv_a one unsplit linear, q_b (the model's q_gate_proj) / kv_b by rows
     "axk2": {"self_attn.q_b_proj": "col", "self_attn.kv_b_proj": "col",
              "self_attn.o_proj": "row", "mlp.gate_proj": "col", "mlp.up_proj": "col",
@@ -61,7 +53,7 @@ PLANS: dict[str, dict[str, str]] = {
 }
 
 #: per model type: the head size of its fused attention (the tiny configs' ``head_dim``)
-HEAD_DIM: dict[str, int] = {"diffllama": 16, "minimax": 16, "phi4_multimodal": 16}
+HEAD_DIM: dict[str, int] = {"phi4_multimodal": 16}
 
 #: per model type: the vocabulary-parallel tensors (input embedding, head, head bias)
 VOCAB: dict[str, frozenset[str]] = {
@@ -70,7 +62,7 @@ VOCAB: dict[str, frozenset[str]] = {
     "doge": frozenset({"model.embed_tokens.weight", "lm_head.weight"}),
     "flex_olmo": frozenset({"model.embed_tokens.weight", "lm_head.weight"}),
     **{t: frozenset({"model.embed_tokens.weight", "lm_head.weight"})
-       for t in ("diffllama", "minimax", "axk2", "phi4_multimodal")},
+       for t in ("axk2", "phi4_multimodal")},
 }
 
 _LAYER = re.compile(r"^.*?\.(?:layers|h|encoders)\.\d+\.(.+)\.(weight|bias)$")

@@ -19,13 +19,18 @@ Recorded with vLLM 0.32 and transformers 5.19, the newest transformers vLLM 0.32
 (``<5.20``): the decisions follow that version's forwards (5.24's attention takes a ``cache``
 argument that stops vLLM 0.32's trace before q / k / v). A module class absent from the table
 keeps ``hf_tp_plan``'s own rules and refusals. The architectures of :data:`NOT_BUILT` have no
-model class in the transformers vLLM 0.32 accepts, so no vLLM release defines their split.
+model class in the transformers vLLM 0.32 accepts, so no vLLM release defines their split;
+those :func:`unbuilt_layers` finds (a decoder layer none of whose modules calls transformers'
+attention interface, from which vLLM builds each layer's attention) it refuses to build at all.
 """
 from __future__ import annotations
 
+import ast
+import inspect
+import textwrap
 from typing import Any, Mapping, Optional
 
-__all__ = ["FUSIONS", "NOT_BUILT", "fused_splits"]
+__all__ = ["FUSIONS", "NOT_BUILT", "fused_splits", "unbuilt_layers"]
 
 #: roles: a piece of a ``QKVParallelLinear`` (by heads), of a ``MergedColumnParallelLinear``
 #: (GLU when the class is in :data:`GLU`), a linear the fusion makes column- / row-parallel,
@@ -117,3 +122,52 @@ def _merged_ok(lins: list[Any], glu: bool) -> bool:
     return (len({lin.in_features for lin in lins}) == 1
             and len({lin.bias is None for lin in lins}) == 1
             and (not glu or len({lin.out_features for lin in lins}) == 1))
+
+
+def unbuilt_layers(model: Any, num_layers: int) -> list[tuple[int, str]]:
+    """The decoder layers (index, class of a module of that ``layer_idx`` or ``"?"``) vLLM's
+    transformers backend cannot build: no module with that ``layer_idx`` whose forward calls,
+    exactly once, a function it took from transformers' ``ALL_ATTENTION_FUNCTIONS`` (vLLM then
+    refuses the model: "does not dispatch through the Transformers attention interface")."""
+    served: set[int] = set()
+    seen: dict[int, str] = {}
+    for module in model.modules():
+        idx = getattr(module, "layer_idx", None)
+        if not isinstance(idx, int) or isinstance(idx, bool):
+            continue
+        seen.setdefault(idx, type(module).__name__)
+        cls = type(module)
+        if cls not in _INTERFACE:
+            _INTERFACE[cls] = _calls_interface(cls)
+        if _INTERFACE[cls]:
+            served.add(idx)
+    return [(i, seen.get(i, "?")) for i in range(num_layers) if i not in served]
+
+
+#: module class -> whether its forward calls the attention interface (sources parsed once)
+_INTERFACE: dict[type, bool] = {}
+
+
+def _calls_interface(cls: Any) -> bool:
+    """Whether ``cls.forward`` calls one attention function looked up in
+    ``ALL_ATTENTION_FUNCTIONS`` (by ``.get_interface(...)``, an attribute or a subscript)."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(inspect.unwrap(getattr(cls, "forward")))))
+    except (AttributeError, OSError, SyntaxError, TypeError):
+        return False
+
+    def lookup(node: Any) -> bool:
+        node = node.func if isinstance(node, ast.Call) else node
+        return isinstance(node, (ast.Attribute, ast.Subscript)) and \
+            isinstance(node.value, ast.Name) and node.value.id == "ALL_ATTENTION_FUNCTIONS"
+
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Assign) and lookup(node.value):
+            names |= {t.id for t in node.targets if isinstance(t, ast.Name)}
+        elif isinstance(node, ast.AnnAssign) and lookup(node.value) and \
+                isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+             and isinstance(n.func, ast.Name) and n.func.id in names]
+    return len(calls) == 1

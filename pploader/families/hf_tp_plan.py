@@ -13,7 +13,9 @@ model and walks its modules once, replacing them by vLLM's layers:
 - before the plan, its fusers trace each module's forward and merge sibling projections
   whatever the plan says: q / k / v into a ``QKVParallelLinear`` (split by heads, a KV head
   replicated when there are fewer than TP), a GLU's gate / up into a
-  ``MergedColumnParallelLinear``, and the projection after them row-parallel;
+  ``MergedColumnParallelLinear``, and the projection after them row-parallel; which ones,
+  per module class, is recorded in ``hf_fusers`` (a class it records takes that, its other
+  linears the plan's style; another keeps the rules below);
 - the vocabulary embeddings (the input embedding's ``nn.Embedding``s and any whose size is a
   ``*vocab_size`` of the config) -> ``VocabParallelEmbedding``, the head -> ``ParallelLMHead``
   (its bias too); every other parameter and buffer is held whole.
@@ -23,8 +25,9 @@ architectures of :data:`TRANSFORMERS_BACKEND`; :func:`with_plan` turns it into t
 family's rules where its own would refuse. Refused, naming tensor and reason: a style the
 backend has no linear class for (it would fall back to a replicated linear, against the
 plan's split; a non-string style, which it rejects), a linear the plan leaves replicated
-beside a sibling the fusers could merge it with (the trace decides, not the plan), a head
-parameter other than the weight / bias. Sizes that do not divide are refused by the planner
+beside a sibling the fusers could merge it with, in a class ``hf_fusers`` does not record
+(the trace decides, not the plan), a head parameter other than the weight / bias, and every
+tensor of an architecture the transformers vLLM accepts lacks (``hf_fusers.NOT_BUILT``). Sizes that do not divide are refused by the planner
 (``planning/shard.py``), as vLLM's ``divide`` asserts. Stacked / per-expert expert tensors
 (vLLM's ``FusedMoE``) are left to the generic rules. The plan is the installed
 transformers' own: vLLM must run with the same version.
@@ -36,7 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import PlanError
 from .base import ShardRule, SpecView
-from .hf_fusers import NOT_BUILT, fused_splits
+from .hf_fusers import NOT_BUILT, fused_splits, unbuilt_layers
 
 __all__ = ["TRANSFORMERS_BACKEND", "plan_splits", "with_plan", "rule_of"]
 
@@ -96,7 +99,20 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
             walk(child, _join(rel, name))
 
     walk(base, "")
-    unbuilt = NOT_BUILT.get(type(model).__name__)
+    unbuilt: Optional[str] = None
+    if type(model).__name__ in NOT_BUILT:
+        unbuilt = (f"vLLM 0.32, whose transformers backend would serve it, requires "
+                   f"transformers <5.20, which has no model type "
+                   f"{NOT_BUILT[type(model).__name__]!r}: no engine defines its split")
+    elif found:
+        num = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        missing = unbuilt_layers(model, num) if isinstance(num, int) else []
+        if missing:
+            idx, cls = missing[0]
+            unbuilt = (f"vLLM's transformers backend refuses to build it (layer {idx}, "
+                       f"{cls}: none of its modules calls transformers' attention interface, "
+                       f"from which vLLM makes each layer's attention; {len(missing)} such "
+                       "layer(s)): no engine serves it")
     prefix = base_path + "." if base_path else ""
     layers = layers_path + "."
     out: dict[str, str] = {}
@@ -112,9 +128,7 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
         else:
             how = found.get(key[len(prefix):], WHOLE)
         if unbuilt is not None:
-            how = (f"refuse:vLLM 0.32, whose transformers backend would serve it, requires "
-                   f"transformers <5.20, which has no model type {unbuilt!r}: no engine "
-                   "defines its split")
+            how = "refuse:" + unbuilt
         comp = _comp(key, layers)
         if comp in out:
             if out[comp] != how:

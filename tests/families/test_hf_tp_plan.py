@@ -1,11 +1,12 @@
 """Architectures vLLM serves through its transformers backend, split by the model's
 ``base_model_tp_plan`` (pploader/families/hf_tp_plan.py): tiny transformers checkpoints
 loaded on CPU at PP=2 x TP=2, every tensor of every rank bitwise equal to the slice
-tests/hf_plan_ref.py computes on its own from the plans and vLLM's fusions (DiffLlama, MiniMax,
-AXK2 and Phi-4-multimodal, whose q / k / v or GLU vLLM merges whatever the plan says); the
+tests/hf_plan_ref.py computes on its own from the plans and vLLM's fusions (AXK2's MLA and
+GLUs, Phi-4-multimodal's towers' q / k / v, which vLLM merges whatever the plan says); the
 refusals (a style vLLM has no linear class for, a non-string style, sizes that do not divide,
 a linear the backend's fusers may merge in a class whose fusion is not recorded, a model type
-the transformers vLLM 0.32 accepts lacks); the generic TP plans already derived left alone.
+the transformers vLLM 0.32 accepts lacks, a model vLLM cannot build); the generic TP plans
+already derived left alone.
 """
 from __future__ import annotations
 
@@ -18,13 +19,12 @@ import torch
 
 import generic_sweep
 from helpers import reference_tensors
-from hf_plan_ref import HEAD_DIM, PLANS, plan_slices
+from hf_plan_ref import PLANS, plan_slices
 from pploader import PPLoaderError
 from pploader.io.read import Reader
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
-from tp_check import build_tiny, check_ranks
 
 pytest.importorskip("transformers")
 
@@ -145,33 +145,27 @@ def test_a_type_the_transformers_vllm_accepts_lacks_is_refused(model_type: str,
     assert plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 1, 1)  # TP=1 plans
 
 
-@pytest.mark.parametrize(("model_type", "kv", "tp"), [("diffllama", 2, 4), ("minimax", 1, 2)])
-def test_fused_qkv_copies_a_kv_head_when_fewer_than_tp(model_type: str, kv: int, tp: int,
-                                                       tmp_path: Path) -> None:
-    # vLLM's QKV fuser merges q / k / v into a QKVParallelLinear whatever the plan says (none
-    # for DiffLlama; MiniMax's colwise): with fewer KV heads than ranks each rank holds one
-    # whole KV head, not a part of the rows as a ColumnParallelLinear would; PP=1 and PP=2
-    # x TP (DiffLlama needs an even KV head count)
-    build_tiny(model_type, tmp_path, num_key_value_heads=kv)
-    k = "model.layers.0.self_attn.k_proj.weight"
-    ref = reference_tensors(tmp_path)
-    hd = HEAD_DIM[model_type]
-    assert ref[k].shape[0] == kv * hd
-    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
-    for plan in plan_all(spec, index, 1, tp, 1):
-        got = dict(Reader(plan))
-        item = next(i for i in plan.items if i.name == k)
-        head = plan.topology.tp_rank * kv // tp  # vLLM's copied KV head of this rank
-        assert torch.equal(got[item.target], ref[k][head * hd:(head + 1) * hd])
+@pytest.mark.parametrize(("model_type", "layer", "cls"), [
+    ("diffllama", 0, "DiffLlamaAttention"), ("minimax", 1, "MiniMaxDecoderLayer")])
+def test_a_model_vllm_cannot_build_is_refused(model_type: str, layer: int, cls: str,
+                                              tmp_path: Path) -> None:
+    # vLLM makes each layer's attention from the module that calls transformers' attention
+    # interface; DiffLlama's differential attention and MiniMax's lightning layers call none,
+    # so vLLM refuses to build the model (at any TP), whatever its fusers would merge
+    _tiny(model_type, tmp_path)
+    exc = _refusal(tmp_path)
+    assert exc.tensor is not None
+    assert f"layer {layer}, {cls}" in str(exc) and "attention interface" in str(exc)
+    assert plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 1, 1)  # TP=1 plans
 
-    def want(name: str, whole: torch.Tensor, rank: int) -> torch.Tensor:
-        slices, pad = plan_slices(model_type, name, whole.shape, tp, rank)
-        piece = whole[slices]
-        return torch.cat([piece, piece.new_zeros((pad,) + tuple(piece.shape[1:]))]) \
-            if pad else piece
 
-    _, split = check_ranks(tmp_path, tp, want)
-    assert {"q_proj", "o_proj"} <= split and ("k_proj" in split) == (kv > 1)
+def test_attention_interface_calls_are_found() -> None:
+    from transformers.models.diffllama import modeling_diffllama as dl
+    from transformers.models.llama import modeling_llama as ll
+    from pploader.families.hf_fusers import _calls_interface
+    assert _calls_interface(ll.LlamaAttention)
+    assert not _calls_interface(dl.DiffLlamaAttention)
+    assert not _calls_interface(ll.LlamaMLP)
 
 
 def test_the_plan_is_derived_only_for_transformers_backend_architectures(

@@ -125,8 +125,18 @@ def decide(path: str, tp: int, classes_only: bool = False) -> dict[str, Any]:
                 walk(child, qual, {})
 
     walk(model, "model", {})
+    # vLLM builds its attention per layer from the modules that call transformers' attention
+    # interface (AttentionFuser); a layer with none makes it refuse the model, at any TP
+    from vllm.model_executor.models.transformers.fuser import get_fusers
+    from vllm.model_executor.models.transformers.fusers import AttentionFuser
+    served = {m.layer_idx for m in model.modules()
+              if isinstance(getattr(m, "layer_idx", None), int)
+              and any(isinstance(f, AttentionFuser) for f in get_fusers(m))}
+    text = config.get_text_config()
+    missing = [i for i in range(text.num_hidden_layers) if i not in served]
     if classes_only:
         return classes
+    out["<layers vLLM cannot build: no attention-interface call>"] = str(missing)
     return out
 
 
