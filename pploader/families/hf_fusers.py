@@ -126,7 +126,9 @@ def _merged_ok(lins: list[Any], glu: bool) -> bool:
 
 def unbuilt_layers(model: Any, num_layers: int) -> list[tuple[int, str]]:
     """The decoder layers (index, class of a module of that ``layer_idx`` or ``"?"``) vLLM's
-    transformers backend cannot build: no module with that ``layer_idx`` whose forward calls,
+    transformers backend cannot build, among the modules of ``model`` (the decoder layers'
+    list: a tower's attention does not count, vLLM dispatches only the text config's to its
+    own attention): no module with that ``layer_idx`` whose forward calls,
     exactly once, a function it took from transformers' ``ALL_ATTENTION_FUNCTIONS`` (vLLM then
     refuses the model: "does not dispatch through the Transformers attention interface")."""
     served: set[int] = set()

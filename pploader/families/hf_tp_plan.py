@@ -106,7 +106,8 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
                    f"{NOT_BUILT[type(model).__name__]!r}: no engine defines its split")
     elif found:
         num = getattr(model.config.get_text_config(), "num_hidden_layers", None)
-        missing = unbuilt_layers(model, num) if isinstance(num, int) else []
+        missing = unbuilt_layers(model.get_submodule(layers_path), num) \
+            if isinstance(num, int) else []  # (the decoder layers: not a tower's)
         if missing:
             idx, cls = missing[0]
             unbuilt = (f"vLLM's transformers backend refuses to build it (layer {idx}, "
