@@ -23,6 +23,8 @@ from typing import Any
 
 
 #: the fusers that merge or re-style linears (RMSNorm / attention fusers change no split)
+#: the key of the layers vLLM refuses to build (no attention-interface call), as a list's str
+UNBUILT = "<layers vLLM cannot build: no attention-interface call>"
 _STACKING = {"QKVFuser", "PackedQKVFuser", "MLAFuser", "GLUFuser", "MergedColumnParallelFuser"}
 
 
@@ -136,7 +138,7 @@ def decide(path: str, tp: int, classes_only: bool = False) -> dict[str, Any]:
     missing = [i for i in range(text.num_hidden_layers) if i not in served]
     if classes_only:
         return classes
-    out["<layers vLLM cannot build: no attention-interface call>"] = str(missing)
+    out[UNBUILT] = str(missing)
     return out
 
 
