@@ -10,7 +10,11 @@ TP=2 plan is refused, looks up from the installed engines' own sources (no impor
 - transformers: whether the model's config gives a ``base_model_tp_plan`` and the model
   supports vLLM's attention interface (``_supports_attention_backend``): what vLLM's
   transformers backend (``--model-impl transformers``) needs to split an architecture it has
-  no model file for.
+  no model file for; and whether the transformers installed beside vLLM (which it requires in a
+  range, e.g. ``<5.20`` for vLLM 0.32) has the model type at all: the backend builds the model
+  from that transformers, so a type added later has no vLLM split; and (from pploader's own
+  reason) whether the backend refuses to build the model, a layer's attention calling no
+  attention interface.
 
 Writes the markdown list of docs/families.md ("TP=2 refusals and the engines")::
 
@@ -78,16 +82,43 @@ def hf_tp(arch: str) -> tuple[bool, bool]:
     return any(plans), bool(getattr(cls, "_supports_attention_backend", False))
 
 
+def vllm_transformers(site: Path) -> tuple[str, frozenset[str]]:
+    """(version, model types) of the transformers installed beside vLLM in ``site`` (its
+    ``models/`` folders; no import)."""
+    dist = sorted(site.glob("transformers-*.dist-info"))
+    version = dist[-1].name[len("transformers-"):-len(".dist-info")] if dist else "?"
+    models = site / "transformers" / "models"
+    return version, frozenset(p.name for p in models.iterdir() if p.is_dir()) \
+        if models.is_dir() else frozenset()
+
+
 def verdict(arch: str, native: dict[str, str], backend: dict[str, str], removed: dict[str, str],
-            sglang: dict[str, str]) -> tuple[bool, str]:
-    """(whether some engine splits it, the engine column's text)."""
+            sglang: dict[str, str], model_type: str = "",
+            hf: tuple[str, frozenset[str]] = ("", frozenset()), reason: str = ""
+            ) -> tuple[bool, str]:
+    """(whether some engine splits it, the engine column's text); ``hf``: the transformers
+    beside vLLM (:func:`vllm_transformers`), ``model_type`` the architecture's, ``reason``
+    pploader's refusal."""
+    if "transformers backend refuses to build it" in reason:
+        # pploader's hf_fusers.unbuilt_layers: a layer whose attention calls no attention
+        # interface (vLLM's own check, with the transformers it runs: tests/vllm/fuser_truth.py)
+        return False, ("no engine: vLLM's transformers backend refuses to build it (a layer's "
+                       "attention does not call transformers' attention interface); " +
+                       ("no SGLang model" if arch not in sglang else f"SGLang `{sglang[arch]}`"))
     found = []
     if arch in native:
         found.append(f"vLLM `{native[arch]}`")
     if arch in sglang:
         found.append(f"SGLang `{sglang[arch]}`")
     plan, attn = hf_tp(arch)
-    if arch in backend or (plan and attn and not found):
+    version, types = hf
+    lacking = bool(types) and model_type.replace("-", "_") not in types
+    if (arch in backend or (plan and attn and not found)) and lacking:
+        if not found:
+            return False, (f"no engine: vLLM's transformers backend builds the model from the "
+                           f"transformers vLLM requires ({version} installed with it), which "
+                           f"has no `{model_type}`; no SGLang model")
+    elif arch in backend or (plan and attn and not found):
         found.append("vLLM's transformers backend (the model's `base_model_tp_plan`)")
     if found:
         return True, "split by " + ", ".join(found)
@@ -106,13 +137,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
     native, backend, removed = vllm_registry(Path(args.vllm))
     sglang = sglang_models(Path(args.sglang))
+    hf = vllm_transformers(Path(args.vllm))
     rows = [r for r in json.loads(Path(args.sweep).read_text())
             if str(r.get("tp2", "")).startswith("refused")]
     split = none = 0
     lines = ["| model type | architecture | first refused tensor: pploader's reason | engines |",
              "|---|---|---|---|"]
     for r in rows:
-        some, text = verdict(r["architecture"], native, backend, removed, sglang)
+        some, text = verdict(r["architecture"], native, backend, removed, sglang,
+                             str(r.get("model_type", "")), hf, str(r.get("tp2_reason", "")))
         split, none = split + some, none + (not some)
         reason = str(r.get("tp2_reason", "")).split("no unambiguous split for ")[-1]
         reason = reason.split("; run with tp=1")[0].replace("|", "/")

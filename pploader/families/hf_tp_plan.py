@@ -13,7 +13,9 @@ model and walks its modules once, replacing them by vLLM's layers:
 - before the plan, its fusers trace each module's forward and merge sibling projections
   whatever the plan says: q / k / v into a ``QKVParallelLinear`` (split by heads, a KV head
   replicated when there are fewer than TP), a GLU's gate / up into a
-  ``MergedColumnParallelLinear``, and the projection after them row-parallel;
+  ``MergedColumnParallelLinear``, and the projection after them row-parallel; which ones,
+  per module class, is recorded in ``hf_fusers`` (a class it records takes that, its other
+  linears the plan's style; another keeps the rules below);
 - the vocabulary embeddings (the input embedding's ``nn.Embedding``s and any whose size is a
   ``*vocab_size`` of the config) -> ``VocabParallelEmbedding``, the head -> ``ParallelLMHead``
   (its bias too); every other parameter and buffer is held whole.
@@ -23,8 +25,9 @@ architectures of :data:`TRANSFORMERS_BACKEND`; :func:`with_plan` turns it into t
 family's rules where its own would refuse. Refused, naming tensor and reason: a style the
 backend has no linear class for (it would fall back to a replicated linear, against the
 plan's split; a non-string style, which it rejects), a linear the plan leaves replicated
-beside a sibling the fusers could merge it with (the trace decides, not the plan), a head
-parameter other than the weight / bias. Sizes that do not divide are refused by the planner
+beside a sibling the fusers could merge it with, in a class ``hf_fusers`` does not record
+(the trace decides, not the plan), a head parameter other than the weight / bias, and every
+tensor of an architecture the transformers vLLM accepts lacks (``hf_fusers.NOT_BUILT``). Sizes that do not divide are refused by the planner
 (``planning/shard.py``), as vLLM's ``divide`` asserts. Stacked / per-expert expert tensors
 (vLLM's ``FusedMoE``) are left to the generic rules. The plan is the installed
 transformers' own: vLLM must run with the same version.
@@ -36,6 +39,7 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 from ..errors import PlanError
 from .base import ShardRule, SpecView
+from .hf_fusers import NOT_BUILT, fused_splits, unbuilt_layers
 
 __all__ = ["TRANSFORMERS_BACKEND", "plan_splits", "with_plan", "rule_of"]
 
@@ -70,7 +74,8 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
         isinstance(embed, nn.Module) else set()
     vocab |= {id(m) for m in base.modules()
               if isinstance(m, nn.Embedding) and m.num_embeddings in sizes}
-    head_dim = getattr(model.config.get_text_config(), "head_dim", None)
+    text = model.config.get_text_config()
+    head_dim, head_size = getattr(text, "head_dim", None), _head_size(text)
     found: dict[str, str] = {}
 
     def put(path: str, how: str) -> None:
@@ -79,7 +84,10 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
     def walk(module: Any, rel: str) -> None:
         linears = {n: c for n, c in module.named_children() if isinstance(c, nn.Linear)}
         styles = {n: _style(plan, _join(rel, n)) for n in linears}
-        for name, how in _linear_splits(module, linears, styles, head_dim).items():
+        fused = fused_splits(module, linears, head_size)
+        splits = _linear_splits(module, linears, styles, head_dim) if fused is None else \
+            {n: fused.get(n) or _plan_split(styles[n]) for n in linears}
+        for name, how in splits.items():
             for pname in ("weight", "bias"):
                 if getattr(linears[name], pname, None) is not None:
                     put(_join(rel, f"{name}.{pname}"), _param_how(how, pname))
@@ -91,6 +99,21 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
             walk(child, _join(rel, name))
 
     walk(base, "")
+    unbuilt: Optional[str] = None
+    if type(model).__name__ in NOT_BUILT:
+        unbuilt = (f"vLLM 0.32, whose transformers backend would serve it, requires "
+                   f"transformers <5.20, which has no model type "
+                   f"{NOT_BUILT[type(model).__name__]!r}: no engine defines its split")
+    elif found:
+        num = getattr(model.config.get_text_config(), "num_hidden_layers", None)
+        missing = unbuilt_layers(model.get_submodule(layers_path), num) \
+            if isinstance(num, int) else []  # (the decoder layers: not a tower's)
+        if missing:
+            idx, cls = missing[0]
+            unbuilt = (f"vLLM's transformers backend refuses to build it (layer {idx}, "
+                       f"{cls}: none of its modules calls transformers' attention interface, "
+                       f"from which vLLM makes each layer's attention; {len(missing)} such "
+                       "layer(s)): no engine serves it")
     prefix = base_path + "." if base_path else ""
     layers = layers_path + "."
     out: dict[str, str] = {}
@@ -105,6 +128,8 @@ def plan_splits(model: Any, layers_path: str) -> dict[str, str]:
                 "and an lm_head of weight and bias only)"
         else:
             how = found.get(key[len(prefix):], WHOLE)
+        if unbuilt is not None:
+            how = "refuse:" + unbuilt
         comp = _comp(key, layers)
         if comp in out:
             if out[comp] != how:
@@ -176,10 +201,35 @@ def _linear_splits(module: Any, linears: Mapping[str, Any], styles: Mapping[str,
             out[name] = ("refuse:the plan leaves it replicated, but vLLM's transformers backend "
                          "may fuse it with its sibling projections (QKV / GLU / merged "
                          "column) by tracing the module's forward, which shards them; the "
-                         "plan does not say which")
+                         f"plan does not say which, and {type(module).__name__} is not a "
+                         "class whose fusion pploader records (families/hf_fusers.py)")
         else:
             out[name] = WHOLE
     return out
+
+
+def _plan_split(style: Any) -> str:
+    """The split of a linear vLLM's fusers leave to the plan: its style's linear class."""
+    if not isinstance(style, str):
+        return f"refuse:plan style {style!r} is not a string (vLLM raises)"
+    if style in COLUMN:
+        return DIM0
+    if style in ROW:
+        return DIM1
+    if style != REPLICATE and _asks_split(style):
+        return (f"refuse:plan style {style!r}: vLLM's transformers backend has no linear "
+                "class for it (it would hold the weight whole, against the plan's split)")
+    return WHOLE
+
+
+def _head_size(text: Any) -> Optional[int]:
+    """The model's head size as vLLM reads it: ``head_dim``, else hidden size / heads."""
+    hd = getattr(text, "head_dim", None)
+    if isinstance(hd, int) and hd > 0:
+        return hd
+    hidden, heads = getattr(text, "hidden_size", None), getattr(text, "num_attention_heads", None)
+    return hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads \
+        else None
 
 
 def _asks_split(style: str) -> bool:

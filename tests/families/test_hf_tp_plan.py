@@ -1,9 +1,12 @@
 """Architectures vLLM serves through its transformers backend, split by the model's
 ``base_model_tp_plan`` (pploader/families/hf_tp_plan.py): tiny transformers checkpoints
 loaded on CPU at PP=2 x TP=2, every tensor of every rank bitwise equal to the slice
-tests/hf_plan_ref.py computes on its own from the plans; the refusals (a style vLLM has no
-linear class for, a non-string style, sizes that do not divide, a linear the backend's fusers
-decide); the generic TP plans already derived left alone.
+tests/hf_plan_ref.py computes on its own from the plans and vLLM's fusions (AXK2's MLA and
+GLUs, Phi-4-multimodal's towers' q / k / v, which vLLM merges whatever the plan says); the
+refusals (a style vLLM has no linear class for, a non-string style, sizes that do not divide,
+a linear the backend's fusers may merge in a class whose fusion is not recorded, a model type
+the transformers vLLM 0.32 accepts lacks, a model vLLM cannot build); the generic TP plans
+already derived left alone.
 """
 from __future__ import annotations
 
@@ -103,20 +106,66 @@ def test_sizes_that_do_not_divide_are_refused(tmp_path: Path) -> None:
     assert "130 does not divide" in str(exc) and "tp=4" in str(exc)
 
 
-def test_a_replicated_linear_the_fusers_may_merge_is_refused(tmp_path: Path) -> None:
-    # the plan names only the fused qkv: the attention's dense is left replicated beside a
+def test_a_replicated_linear_the_fusers_may_merge_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a class whose fusion is not recorded (GPT-NeoX's attention, taken out of the table): a
+    # plan naming only its fused qkv leaves the attention's dense replicated beside a
     # column-parallel sibling, which vLLM's fusers may turn row-parallel
-    path = _with_plan(_neox(tmp_path), {k: v for k, v in _NEOX_PLAN.items()
+    from pploader.families import hf_fusers
+    monkeypatch.delitem(hf_fusers.FUSIONS, "GPTNeoXAttention")
+    # (a config of its own: derived structures are memoized per config)
+    path = _with_plan(_neox(tmp_path, intermediate_size=192), {k: v for k, v in _NEOX_PLAN.items()
                                         if "attention.dense" not in k})
     exc = _refusal(path)
     assert exc.tensor is not None and "attention.dense" in exc.tensor
-    assert "fuse" in str(exc)
+    assert "fuse" in str(exc) and "GPTNeoXAttention" in str(exc)
 
 
-def test_diffllama_without_a_plan_is_refused_naming_the_fusion(tmp_path: Path) -> None:
-    _tiny("diffllama", tmp_path)
+def test_a_recorded_unfused_class_takes_the_plan(tmp_path: Path) -> None:
+    # GPT-NeoX's attention is recorded as traced and left unfused by vLLM: the dense the plan
+    # leaves out is a ReplicatedLinear, whole on every rank
+    path = _with_plan(_neox(tmp_path), {k: v for k, v in _NEOX_PLAN.items()
+                                        if "attention.dense" not in k})
+    dense = "gpt_neox.layers.0.attention.dense.weight"
+    ref = reference_tensors(path)
+    for plan in plan_all(load_spec(path), open_checkpoint(path), 1, 2, 1):
+        got = dict(Reader(plan))
+        item = next(i for i in plan.items if i.name == dense)
+        assert torch.equal(got[item.target], ref[dense])
+
+
+@pytest.mark.parametrize("model_type", ["dory", "flint", "lfm3"])
+def test_a_type_the_transformers_vllm_accepts_lacks_is_refused(model_type: str,
+                                                                tmp_path: Path) -> None:
+    # vLLM 0.32 requires transformers <5.20, which has no such model type
+    _tiny(model_type, tmp_path)
     exc = _refusal(tmp_path)
-    assert "fuse" in str(exc) and "base_model_tp_plan" in str(exc)
+    assert exc.tensor is not None
+    assert "transformers <5.20" in str(exc) and repr(model_type) in str(exc)
+    assert plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 1, 1)  # TP=1 plans
+
+
+@pytest.mark.parametrize(("model_type", "layer", "cls"), [
+    ("diffllama", 0, "DiffLlamaAttention"), ("minimax", 1, "MiniMaxDecoderLayer")])
+def test_a_model_vllm_cannot_build_is_refused(model_type: str, layer: int, cls: str,
+                                              tmp_path: Path) -> None:
+    # vLLM makes each layer's attention from the module that calls transformers' attention
+    # interface; DiffLlama's differential attention and MiniMax's lightning layers call none,
+    # so vLLM refuses to build the model (at any TP), whatever its fusers would merge
+    _tiny(model_type, tmp_path)
+    exc = _refusal(tmp_path)
+    assert exc.tensor is not None
+    assert f"layer {layer}, {cls}" in str(exc) and "attention interface" in str(exc)
+    assert plan_all(load_spec(tmp_path), open_checkpoint(tmp_path), 2, 1, 1)  # TP=1 plans
+
+
+def test_attention_interface_calls_are_found() -> None:
+    from transformers.models.diffllama import modeling_diffllama as dl
+    from transformers.models.llama import modeling_llama as ll
+    from pploader.families.hf_fusers import _calls_interface
+    assert _calls_interface(ll.LlamaAttention)
+    assert not _calls_interface(dl.DiffLlamaAttention)
+    assert not _calls_interface(ll.LlamaMLP)
 
 
 def test_the_plan_is_derived_only_for_transformers_backend_architectures(
