@@ -50,7 +50,7 @@ from .mapped_file import MappedFile, map_file
 from .mapped_split import Run, run_bytes, split_into, strided_runs
 from .pagecache import MADV_POPULATE_READ, PAGE_BYTES, advise
 from .read import Reader
-from .readahead import Prefetch, advise_sequential, merge_span, page_span, span_of
+from .readahead import Prefetch, advise_sequential, merge_span, page_span
 
 __all__ = ["MappedBackend", "open_mapped", "WARM_FRACTION", "COLD_THREADS", "COLD_MODES",
            "READAHEAD_WINDOW", "strided_runs"]
@@ -144,6 +144,13 @@ class MappedBackend:
             runs = self._runs[item.target] = strided_runs(item.ranges)
         return runs
 
+    def _span(self, item: ReadItem) -> tuple[int, int]:
+        """(first byte, end) of the item's ranges, from its strided runs (a dim-1 shard's
+        thousands of rows are one run: no pass over its ranges)."""
+        runs = self._item_runs(item)
+        return (min(off for off, _, _, _ in runs),
+                max(off + (count - 1) * stride + n for off, n, count, stride in runs))
+
     def _warm(self, files: dict[str, MappedFile]) -> list[bool]:
         """Per item (plan order): served from the mapping (its files opened and mapped)."""
         out = []
@@ -168,7 +175,7 @@ class MappedBackend:
         for item in self.plan.items:
             self._open(files, item)
             if item.ranges:
-                merge_span(spans.setdefault(item.file, []), *span_of(item.ranges))
+                merge_span(spans.setdefault(item.file, []), *self._span(item))
         self.faulting = any(not files[f].nearly_resident(lo, lo + n)
                              for f, pieces in spans.items() for lo, n in pieces)
         return [bool(item.ranges) for item in self.plan.items]
@@ -237,7 +244,7 @@ class MappedBackend:
                 reader = self._cold_reader(cold)
                 reader.on_progress = None  # counted below, once per item
                 stream = iter(reader)
-            self._populate(files, [(i.file, span_of(i.ranges))
+            self._populate(files, [(i.file, self._span(i))
                                    for i, w in zip(self.plan.items, warm) if w])
             for item, is_warm in zip(self.plan.items, warm):
                 self._check_cancel(item)
@@ -281,7 +288,7 @@ class MappedBackend:
                 # a resident stage: its pages mapped in one call per run of nearby items
                 # (MADV_POPULATE_READ), cheaper than the copies' faults into destinations
                 # already touched (docs/benchmarks.md, the DCP reader on CPU)
-                self._populate(files, [(i.file, span_of(i.ranges)) for i in hot
+                self._populate(files, [(i.file, self._span(i)) for i in hot
                                        if i.ranges and i.target not in self.whole])
             jobs: list[Callable[[], object]] = [
                 partial(self._from_mapping, files[i.file], i, destinations[i.target])
@@ -296,7 +303,7 @@ class MappedBackend:
                     # the kernel's fault read-around (MADV_NORMAL on the item's pages: large
                     # requests), the copy on the copy threads as for a warm item
                     f = files[item.file]
-                    lo, hi = span_of(item.ranges)
+                    lo, hi = self._span(item)
                     self._check_end(f, item, hi)
                     advise(*page_span(f.base.data_ptr(), lo, hi), MADV_NORMAL)
                     jobs.append(partial(self._from_mapping, f, item, destinations[item.target]))
@@ -400,7 +407,7 @@ class MappedBackend:
             if not item.ranges:
                 continue
             whole = self.whole.get(item.target)   # its full tensor: bounds without a scan
-            lo, hi = span_of(item.ranges) if whole is None else (whole[0], sum(whole))
+            lo, hi = self._span(item) if whole is None else (whole[0], sum(whole))
             self._check_end(f, item, hi)
             was = extent.get(item.file, (lo, hi))
             extent[item.file] = (min(was[0], lo), max(was[1], hi))
@@ -422,7 +429,7 @@ class MappedBackend:
                 if item.ranges:
                     slot[k] = len(spans)
                     spans.append(page_span(files[item.file].base.data_ptr(),
-                                           *span_of(item.ranges)))
+                                           *self._span(item)))
             prefetch = Prefetch(spans, window=self.options.window_bytes or READAHEAD_WINDOW,
                                 warm_fraction=self.warm_fraction)
         try:
