@@ -32,19 +32,26 @@ ROLES = {"qkv:q": "qkv", "qkv:k": "qkv", "qkv:v": "qkv", "merged": "merged",
          "rowwise": "row", "colwise": "col", "mla_whole": "whole", "replicate": "whole"}
 
 
-@pytest.mark.parametrize("model_type", TYPES)
-def test_recorded_fusions_are_vllms(model_type: str, tmp_path: Path) -> None:
+def _tiny_config_dir(model_type: str, path: Path) -> Path:
+    """The sweep's tiny config of ``model_type`` saved in ``path`` (skipped when the installed
+    transformers lacks the type)."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
     if model_type not in CONFIG_MAPPING_NAMES:
         pytest.skip(f"the installed transformers has no {model_type}")
-    import fuser_truth
     import generic_sweep
-    from pploader.families.hf_fusers import FUSIONS
     from sweep_shrink import tiny_config
     config = tiny_config(model_type)
     config.architectures = [generic_sweep.causal_lm_types()[model_type]]
-    config.save_pretrained(tmp_path)
-    classes = fuser_truth.decide(str(tmp_path), 2, classes_only=True)
+    config.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_recorded_fusions_are_vllms(model_type: str, tmp_path: Path) -> None:
+    import fuser_truth
+    from pploader.families.hf_fusers import FUSIONS
+    classes = fuser_truth.decide(str(_tiny_config_dir(model_type, tmp_path)), 2,
+                                 classes_only=True)
     checked = 0
     for cls, entry in classes.items():
         if not entry["linears"] and cls not in FUSIONS:
@@ -63,17 +70,9 @@ def test_layers_vllm_cannot_build_are_pploaders(model_type: str, tmp_path: Path)
     import torch
     from torch import nn
     from transformers import AutoConfig, AutoModel
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    if model_type not in CONFIG_MAPPING_NAMES:
-        pytest.skip(f"the installed transformers has no {model_type}")
     import fuser_truth
-    import generic_sweep
     from pploader.families.hf_fusers import unbuilt_layers
-    from sweep_shrink import tiny_config
-    config = tiny_config(model_type)
-    config.architectures = [generic_sweep.causal_lm_types()[model_type]]
-    config.save_pretrained(tmp_path)
-    vllm = fuser_truth.decide(str(tmp_path), 2)[fuser_truth.UNBUILT]
+    vllm = fuser_truth.decide(str(_tiny_config_dir(model_type, tmp_path)), 2)[fuser_truth.UNBUILT]
     config = AutoConfig.from_pretrained(tmp_path)
     with torch.device("meta"):
         model = AutoModel.from_config(config)
