@@ -72,7 +72,30 @@ def _checkpoint(model_type: str, arch: str, out: Path) -> torch.nn.Module:
     model = getattr(transformers, arch)._from_config(config, dtype=torch.float32)
     model.eval()
     model.save_pretrained(out, max_shard_size="40KB")
+    as_released(model_type, out, config.to_dict())
     return model
+
+
+def as_released(model_type: str, out: Path, config: dict) -> None:
+    """Rewrite what transformers' save splits unlike the released checkpoints (its reverse
+    conversion cuts a fused tensor in equal parts; pploader/families/saved_splits.py): an
+    OLMo-hybrid's ``{q,k,v}_conv1d`` become [key, key, value] rows, as released and as vLLM
+    loads them (transformers concatenates them back on load either way)."""
+    if model_type != "olmo_hybrid":
+        return
+    from safetensors.torch import load_file, save_file
+    key = config["linear_num_key_heads"] * config["linear_key_head_dim"]
+    value = config["linear_num_value_heads"] * config["linear_value_head_dim"]
+    files = sorted(out.glob("*.safetensors"))
+    tensors = {f: load_file(f) for f in files}
+    where = {n: f for f, ts in tensors.items() for n in ts}
+    for name in [n for n in where if n.endswith(".linear_attn.q_conv1d.weight")]:
+        parts = [name[:-len("q_conv1d.weight")] + c + "_conv1d.weight" for c in "qkv"]
+        fused = torch.cat([tensors[where[n]][n] for n in parts])
+        for n, piece in zip(parts, fused.split([key, key, value])):
+            tensors[where[n]][n] = piece.clone()
+    for f, ts in tensors.items():  # same names, files and total bytes: the index holds
+        save_file(ts, f, metadata={"format": "pt"})
 
 
 def _load_check(spec: Any, index: Any, ref: dict, pp: int, ep: int) -> int:

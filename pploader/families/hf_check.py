@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from ..errors import ConfigError
+from .saved_splits import released_shapes
 
 __all__ = ["sampled_layers", "check_conversion", "pin_conversions"]
 
@@ -71,7 +72,8 @@ def check_conversion(model: Any, state: Mapping[str, Any], layer_of: Mapping[str
     from transformers.core_model_loading import revert_weight_conversion
     part = {k: v for k, v in state.items() if k not in layer_of or layer_of[k][0] in sample}
     reverted = revert_weight_conversion(model, part)
-    got = {k: tuple(v.shape) for k, v in reverted.items()}
+    got = released_shapes(model.config.model_type, model.config.get_text_config(),
+                          {k: tuple(v.shape) for k, v in reverted.items()})
     in_layers = {n for i, names in layer_names.items() for n in names}
     want = {n: s for n, s in template.items() if n not in in_layers}
     for i in sample:

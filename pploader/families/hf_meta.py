@@ -26,6 +26,7 @@ from .hf_check import check_conversion, pin_conversions, sampled_layers
 from .hf_experts import declared_experts, halved_experts, ids_below, routed_count
 from .hf_tp_plan import TRANSFORMERS_BACKEND, plan_splits
 from .hf_multimodal import PREFIXED, encoder_keys, prefixed_conversions, tower_paths
+from .saved_splits import released_shapes
 from .hf_ties import (first_uses, loop_uses, revert_one, saved_names, saved_pairs,
                       tied_copies, unrun_entries)
 
@@ -421,8 +422,9 @@ def _naming(fmt: str, model: Any, state: dict, keys: list[str],  # noqa: C901
         layer_keys = {k: rel for k, (i, rel) in layer_of.items() if i == rep}
         # the whole layer at once: conversions may merge several tensors into one
         whole = ({k: tuple(state[k].shape) for k in layer_keys} if fmt == "transformers" else
-                 {n: tuple(t.shape) for n, t in revert_weight_conversion(
-                     model, {k: state[k] for k in layer_keys}).items()})
+                 released_shapes(model.config.model_type, model.config.get_text_config(),
+                                 {n: tuple(t.shape) for n, t in revert_weight_conversion(
+                                     model, {k: state[k] for k in layer_keys}).items()}))
         for name, shape in whole.items():
             prefix, comp = _split_layer(name, rep)
             prefixes.add(prefix)

@@ -144,14 +144,41 @@ def test_mamba2_heads_that_tp_does_not_divide_are_refused(tmp_path: Path) -> Non
 
 
 def test_olmo_hybrid_convs_of_the_wrong_width_are_refused(tmp_path: Path) -> None:
-    """2 key heads, 4 value heads: transformers' original naming stores the fused conv as
-    three equal chunks (43 / 43 / 42 rows), not [key, key, value] (32 / 32 / 64) as vLLM loads
-    them: TP is refused naming the conv, PP still plans."""
+    """2 key heads, 4 value heads: transformers' save (its reverse conversion) stores the
+    fused conv as three equal chunks (43 / 43 / 42 rows), not [key, key, value] (32 / 32 / 64)
+    as released and as vLLM loads them: refused at any layout, naming the conv."""
     _checkpoint("olmo_hybrid", tmp_path)
     spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
-    with pytest.raises(PlanError, match=r"linear_attn\.[qk]_conv1d.*not its part's width 32"):
-        plan_all(spec, index, 2, 2, 1)
-    assert plan_all(spec, index, 2, 1, 1)
+    for pp, tp in ((2, 2), (2, 1)):
+        with pytest.raises(PlanError, match=r"linear_attn\.[qkv]_conv1d.*shape \[4[23], 1, 4\]"
+                                            r" in the checkpoint != \[(32|64), 1, 4\]"):
+            plan_all(spec, index, pp, tp, 1)
+
+
+@pytest.mark.parametrize("pp,tp", LAYOUTS)
+def test_olmo_hybrid_released_conv_widths_split_as_vllm(pp: int, tp: int,
+                                                        tmp_path: Path) -> None:
+    """2 key heads, 4 value heads (the real config's key width is half its value width) in
+    the released naming, convs [key, key, value] = 32 / 32 / 64 rows: every rank equals the
+    slices vLLM's ``olmo_hybrid`` loads (the sweep's checkpoint, written by transformers'
+    reverse conversion as equal thirds, is refused instead: the test above)."""
+    config = _checkpoint("olmo_hybrid", tmp_path)
+    generic_sweep.as_released("olmo_hybrid", tmp_path, config)
+    spec, index = load_spec(tmp_path), open_checkpoint(tmp_path)
+    ref = reference_tensors(tmp_path)
+    split: set[str] = set()
+    for plan in plan_all(spec, index, pp, tp, 1, exchange_cost=None):
+        got = dict(Reader(plan))
+        for item in plan.items:
+            full = ref[item.name]
+            piece, pad = engine_piece(item.name, tuple(full.shape), config, tp,
+                                      plan.topology.tp_rank)
+            want = take(full, piece, pad)
+            assert _bytes(got[item.target]) == _bytes(want), (plan.topology.rank, item.name)
+            if piece is not None and "_conv1d" in item.name:
+                split.add(_component(item.name))
+    assert split == {"linear_attn.q_conv1d.weight", "linear_attn.k_conv1d.weight",
+                     "linear_attn.v_conv1d.weight"}
 
 
 def _one_plan(path: Path, item: object) -> RankPlan:
