@@ -203,10 +203,13 @@ def test_cli_tp2_load_with_any_exchange_batch_completes_or_is_refused(llama: Pat
     took = time.monotonic() - start
     if int(batch) > host_memory_bytes():
         assert out.returncode != 0, out.stderr[-2000:]
-        for r in range(2):  # each rank: one line from the argument check (torchrun then
-            # reports its failed children its own way)
-            assert f"[rank {r}] pploader load: error: argument --exchange-batch: " \
-                f"{batch} is too large" in out.stderr, out.stderr[-2000:]
+        # every rank refuses at its argument check; torchrun stops the others as soon as the
+        # first exits, so on a loaded machine only the first rank's line may be printed
+        lines = [ln for ln in out.stderr.splitlines()
+                 if "pploader load: error: argument --exchange-batch: " in ln]
+        assert lines, out.stderr[-2000:]
+        assert all(ln.startswith(("[rank 0] ", "[rank 1] ")) and f"{batch} is too large" in ln
+                   for ln in lines), lines
         assert took < 30, took
         return
     assert out.returncode == 0, out.stderr[-3000:]
