@@ -188,6 +188,7 @@ def _check_pp2(model: Any, hand: Hand, tmp_path: Path) -> None:
     from pploader.cache.pools import PoolOptions, build_rank_pools
     from pploader.job import plan_job
     model.save_pretrained(tmp_path, max_shard_size="200KB")
+    generic_sweep.as_released(model.config.model_type, tmp_path, model.config.to_dict())
     job = plan_job(tmp_path, 2)
     assert "unavailable" not in job.pipeline_pools, job.pipeline_pools
     seen = []

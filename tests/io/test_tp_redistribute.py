@@ -210,7 +210,7 @@ def test_cli_tp2_load_with_any_exchange_batch_completes_or_is_refused(llama: Pat
         assert lines, out.stderr[-2000:]
         assert all(ln.startswith(("[rank 0] ", "[rank 1] ")) and f"{batch} is too large" in ln
                    for ln in lines), lines
-        assert took < 30, took
+        assert took < 60, took  # the door refuses; a hang would end in --timeout's error
         return
     assert out.returncode == 0, out.stderr[-3000:]
     doc = json.loads(out.stdout)
