@@ -42,8 +42,7 @@ from ..planning.topology import Topology
 logger = logging.getLogger(__name__)
 
 __all__ = ["Comm", "DEFAULT_TIMEOUT_S", "DEFAULT_DEAD_AFTER_S", "DEFAULT_NAMESPACE",
-           "run_guarded", "run_agreed", "gather_refusals",
-           "start_refusal_gather"]
+           "run_guarded", "run_agreed", "start_refusal_gather"]
 
 DEFAULT_TIMEOUT_S = 60.0
 DEFAULT_DEAD_AFTER_S = 10.0
@@ -457,20 +456,15 @@ def run_guarded(comm: Optional[Comm], fn: Callable[[], T], *, rank: Optional[int
     return run_agreed(comm, fn, rank=rank)[0]
 
 
-def gather_refusals(refusal: Optional[str], group: Any = None) -> dict[int, str]:
-    """Every rank's refusal (None: ready) in ``group``, by group rank, for a step every rank
-    of the group is known to reach (DCP's ``read_data``), so it cannot wait on a rank that
-    never comes (a rank that dies there fails the collective's own timeout). One all-reduce
-    of a flag when every rank is ready (the common case: no pickling, one round trip); the
-    messages are all-gathered only when some rank refused."""
-    return start_refusal_gather(refusal, group)()
-
-
 def start_refusal_gather(refusal: Optional[str], group: Any = None
                          ) -> Callable[[], dict[int, str]]:
-    """:func:`gather_refusals` started now, finished by the returned call: the flag's
-    all-reduce runs while the caller prepares what needs no agreement (mapping, page advice),
-    so waiting for the slowest rank overlaps that work instead of following it."""
+    """Every rank's refusal (None: ready) in ``group``, by group rank, for a step every rank
+    of the group is known to reach (DCP's ``read_data``), so it cannot wait on a rank that
+    never comes (a rank that dies there fails the collective's own timeout). Started now,
+    finished by the returned call: the flag's all-reduce runs while the caller prepares what
+    needs no agreement (mapping, page advice), so waiting for the slowest rank overlaps that
+    work. One all-reduce of a flag when every rank is ready (no pickling, one round trip);
+    the messages are all-gathered only when some rank refused."""
     backend = str(dist.get_backend(group))
     device = torch.device("cpu") if "gloo" in backend or "nccl" not in backend else \
         torch.device("cuda", torch.cuda.current_device())
