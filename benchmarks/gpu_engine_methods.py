@@ -397,15 +397,24 @@ def _ready(prep: dict) -> dict:
             "slots": ring.threads * ring.per_thread}
 
 
+def _as_documented(device: str) -> str:
+    """``"cuda"`` (as the docs write it) when ``device`` is the current GPU, else ``device``."""
+    if torch.device(device).type == "cuda" and torch.device(device) == torch.device(
+            "cuda", torch.cuda.current_device()):
+        return "cuda"
+    return device
+
+
 def m_engine_load_stage(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
     """``plan_stage`` + ``load_stage(device=cuda)`` (owned device tensors), then
     ``param.copy_`` each: the public API exactly as the docs show it."""
     import pploader
     params = prep["params"]
     ready = _ready(prep)
+    device = _as_documented(ctx.device)
     t0 = time.perf_counter()
     staged = pploader.plan_stage(ctx.ckdir, pploader.Topology(ctx.pp, rank=ctx.stage))
-    res = pploader.load_stage(staged, device=ctx.device)
+    res = pploader.load_stage(staged, device=device)
     t1 = time.perf_counter()
     copied = 0
     for item in staged.plan.items:

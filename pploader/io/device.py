@@ -27,6 +27,7 @@ from ..planning.items import ReadItem
 from ..planning.rank_plan import RankPlan
 from .backend import ReadOptions, ReadStats, materialise, zero_padding
 from .pinned_ring import DEFAULT_DEVICE_THREADS, DEFAULT_SLOT_BYTES, PinnedRing
+from .registry import indexed_device
 from .staging import lend_staging, process_staging, return_staging, start_staging
 from .requests import Chunk as _Chunk
 from .requests import chunks as _chunks
@@ -133,7 +134,7 @@ class DeviceLoader:
         cudaMalloc and the copies wait for the preparer's cudaHostRegister in the driver);
         each reader then page-locks its slots after its first read into them. Prepare the
         ring *before* the load instead (``PinnedRing(prepare=True)`` at start-up)."""
-        self.plan, self.device = plan, torch.device(device)
+        self.plan, self.device = plan, indexed_device(device)
         self.direct_io, self.direct = direct_io, False
         if self.device.type != "cuda":
             raise ValueError(f"DeviceLoader needs a cuda device, got {self.device}")

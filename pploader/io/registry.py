@@ -116,13 +116,22 @@ def open_backend(plan: "RankPlan", device: "str | torch.device" = "cpu",
                  backends: Sequence[BackendInfo] = BACKENDS) -> "ReadBackend":
     """A backend reading ``plan`` onto ``device`` (see :func:`select_backend`); nothing is read
     until its ``load()`` or iteration."""
-    import torch
-
     from .backend import ReadOptions
     info = select_backend(device, name, backends, plan_storage(plan))
     module, _, attr = info.factory.partition(":")
     factory = getattr(importlib.import_module(module), attr)
-    return factory(plan, torch.device(device), options or ReadOptions())  # type: ignore[no-any-return]
+    return factory(plan, indexed_device(device), options or ReadOptions())  # type: ignore[no-any-return]
+
+
+def indexed_device(device: "str | torch.device | int") -> "torch.device":
+    """``device`` as a ``torch.device``; a CUDA device without an index (``"cuda"``, as the
+    docs write it) becomes the current GPU's: the backends' reader threads bind to it with
+    ``torch.cuda.set_device``, which refuses an unindexed device (torch 2.11)."""
+    import torch
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type == "cuda" and dev.index is None and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return dev
 
 
 def prepare_staging(device: "str | torch.device", options: Optional["ReadOptions"] = None,
@@ -131,7 +140,6 @@ def prepare_staging(device: "str | torch.device", options: Optional["ReadOptions
     """Start the chosen backend's staging for ``device`` ahead of a load (None when the backend
     has none): the caller plans and agrees meanwhile, calls ``stop_preparing()`` on it before
     the load and passes it as ``ReadOptions(ring=...)``."""
-    import torch
 
     from .backend import ReadOptions
     info = select_backend(device, name, backends)
@@ -139,7 +147,7 @@ def prepare_staging(device: "str | torch.device", options: Optional["ReadOptions
         return None
     module, _, attr = info.staging.partition(":")
     factory = getattr(importlib.import_module(module), attr)
-    return factory(torch.device(device), options or ReadOptions())
+    return factory(indexed_device(device), options or ReadOptions())
 
 
 def shared_staging(plan: "RankPlan", device: "str | torch.device", options: "ReadOptions",
@@ -151,13 +159,12 @@ def shared_staging(plan: "RankPlan", device: "str | torch.device", options: "Rea
     ``plan`` (by its storage) has no staging."""
     from dataclasses import replace
 
-    import torch
     if options.ring is not None:
         return options
     info = select_backend(device, name, backends, plan_storage(plan))
     if not info.staging:
         return options
     module, _, attr = info.staging.partition(":")
-    staging = getattr(importlib.import_module(module), attr)(torch.device(device), options)
+    staging = getattr(importlib.import_module(module), attr)(indexed_device(device), options)
     staging.stop_preparing()  # page-locked on first use, beside the load's own reads
     return replace(options, ring=staging)

@@ -283,6 +283,26 @@ def test_nccl_pipeline_forward_matches_single_process(tmp_path: Path) -> None:
     assert (res[1]["logits"] - ref).abs().max().item() <= 1e-4
 
 
+@pytest.mark.parametrize("device", ["cuda", torch.device("cuda")])
+def test_unindexed_cuda_device_as_the_docs_write_it(tiny_llama: Path, device) -> None:
+    """``load_stage(device="cuda")``, ``iter_stage_weights(device="cuda")`` and
+    ``load_stage_into(..., device="cuda")`` as the docs write them land on the current GPU
+    (the readers' ``torch.cuda.set_device`` refused an unindexed device on torch 2.11)."""
+    from pploader import iter_stage_weights
+    here = torch.device("cuda", torch.cuda.current_device())
+    staged = plan_stage(tiny_llama, Topology(2, rank=1))
+    ref = _cpu(staged.plan)
+    loaded = load_stage(staged, device=device).state_dict
+    streamed = {k: v.clone() for k, v in iter_stage_weights(staged, device=device)}
+    for got in (loaded, streamed):
+        assert set(got) == set(ref)
+        for k, v in got.items():
+            assert v.device == here and torch.equal(v.cpu(), ref[k]), k
+    topo = Topology(1)
+    module, _ = _stage_loaded(tiny_llama, topo, device, torch.bfloat16)
+    _same(module, _stage(tiny_llama, topo, "cpu", torch.bfloat16))
+
+
 # ---- load_stage_into / reload_from_disk onto a CUDA module ------------------------------------
 
 @pytest.fixture

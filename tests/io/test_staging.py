@@ -65,3 +65,17 @@ def test_a_reader_page_locks_a_slot_it_reaches_first(fake_cuda: None,
     ring.reached(0, 0)
     ring.reached(0, 0)  # once per slot
     assert len(calls) == 1
+
+
+def test_an_unindexed_cuda_device_is_the_current_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``device="cuda"`` as the docs write it reaches the backends as the current GPU's index
+    (their reader threads call ``torch.cuda.set_device``, which refuses an unindexed device
+    on torch 2.11); an indexed device and the CPU pass unchanged."""
+    from pploader.io.registry import indexed_device
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed_device("cuda") == torch.device("cuda", 1)
+    assert indexed_device(torch.device("cuda")) == torch.device("cuda", 1)
+    assert indexed_device("cuda:0") == torch.device("cuda", 0)
+    assert indexed_device(0) == torch.device("cuda", 0)
+    assert indexed_device("cpu") == torch.device("cpu")

@@ -25,7 +25,7 @@ from ...planning.checkpoint import DTYPES
 from ...planning.rank_plan import RankPlan
 from ...planning.redistribute import ExchangeItem, Redistribute, piece_selection
 from ..backend import ReadBackend, ReadOptions, ReadStats, collect, sum_stats
-from ..registry import open_backend, shared_staging
+from ..registry import indexed_device, open_backend, shared_staging
 from .auto_cost import AUTO_EXCHANGE_COSTS, auto_exchange_cost  # noqa: F401 (re-exported)
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -95,7 +95,7 @@ class ExchangeTransfer:
             raise ValueError(f"plan's TP group {self.exchange.group} is not the comm's "
                              f"{comm.topology.tp_group()}")
         self.comm, self.cancel, self.on_progress = comm, options.cancel, options.on_progress
-        self.device = torch.device(device)
+        self.device = indexed_device(device)
         cuda = self.device.type == "cuda"
         self.group_bytes = group_bytes if group_bytes is not None else (
             DEFAULT_DEVICE_GROUP_BYTES if cuda else 0)
