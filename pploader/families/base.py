@@ -229,6 +229,15 @@ class Family:
     native_dtypes: Mapping[str, str] = field(default_factory=dict)  # tensor name -> the
     #   safetensors dtype the model itself gives it whatever config.json's dtype (integer
     #   buffers such as a router's lookup table); stored so, it is loaded as stored
+    #: for an architecture and model_type saved under two namings that need two families
+    #: (ZAYA: its release naming here, transformers' own naming in the generic family): True
+    #: when config.json is the one this family plans; None = every config naming the
+    #: architecture (find_family asks it after ``accepts``)
+    config_match: Optional[Callable[[Mapping], bool]] = None
+    #: refuses the TP / EP sizes the model's engine refuses (``(spec, tp_size, ep_size)``,
+    #: raising PlanError that names the tensor and the engine's reason), beyond the head
+    #: checks every family gets; None = none (plan_rank calls it once per rank)
+    check_parallel: Optional[Callable[[SpecView, int, int], None]] = None
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def for_checkpoint(self, names: Iterable[str]) -> "Family":
@@ -341,6 +350,10 @@ class Family:
         """True when this family was written for ``architecture`` under ``model_type``."""
         return architecture in self.architectures and (
             model_type is None or not self.model_types or model_type in self.model_types)
+
+    def matches_config(self, config: Mapping) -> bool:
+        """True when this family plans ``config`` (``config_match``; None: any config)."""
+        return self.config_match is None or bool(self.config_match(config))
 
     def layer_name(self, layer: int, component: str) -> str:
         """Checkpoint name of ``component`` in ``layer`` (inverse of the layer prefix)."""
