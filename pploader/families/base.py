@@ -33,10 +33,11 @@ __all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Templat
 #: is GQA attention over a window (``layer_types``); ``short_conv`` is LFM2's gated short
 #: convolution (state: its last inputs), ``lightning_attention`` MiniMax's decayed linear
 #: attention, ``rg_lru`` RecurrentGemma's recurrent block, ``rwkv`` RWKV's time mixing; ``unknown`` is a layer the generic family
-#: could not classify (its cache geometry is refused, naming the layer).
+#: could not classify (its cache geometry is refused, naming the layer). ``cca_attention`` is
+#: ZAYA1's compressed convolutional attention: K / V pages plus a conv state per request.
 LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_attention_mamba2",
                "mlp", "sliding_attention", "short_conv", "lightning_attention", "rg_lru", "rwkv",
-               "unknown")
+               "cca_attention", "unknown")
 
 #: Non-parameter buffers some old exporters saved (rotary tables): known, never read (logged).
 STRAY_BUFFERS = r"(.+\.)?rotary_emb\.inv_freq"

@@ -37,10 +37,12 @@ the key heads (no KV-head copies: its grouped mean and ``conv_qk.1`` are per hea
 the expert count, an expert intermediate (``ffn_hidden_size / 2``) TP does not divide, and an
 EP that does not divide the experts.
 
-Cache pools: an attention layer caches K/V and CCA's conv state (``(q + k heads) x head_dim /
-tp`` channels x ``cca_time0 + cca_time1 - 2``) plus the previous hidden state; pploader's
-cache geometry has no such kind, so these layers have kind ``unknown`` and pools are refused
-naming the layer (``--no-pools``); the MoE layers (``mlp``) cache nothing.
+Cache pools, as SGLang sizes them (``ZayaConfig.mamba2_cache_params`` and the attention's
+``RadixAttention``): an attention layer (kind ``cca_attention``) keeps K / V of its
+``num_query_groups / tp`` key heads per token, and per request CCA's conv state
+(``(q + k heads) x head_dim / tp`` channels x ``cca_time0 + cca_time1 - 2`` inputs) and the
+previous token's hidden state (``hidden_size`` x 1, every rank whole); the MoE layers (``mlp``)
+cache nothing.
 """
 from __future__ import annotations
 
@@ -49,6 +51,7 @@ from typing import Mapping
 from ..errors import ConfigError, PlanError
 from .base import Family, GlobalRule, Layout, ShardRule, SpecView, cfg
 from .blocks import Shapes, assemble
+from .cache_dims import CacheDims, CcaDims, GqaDims
 
 __all__ = ["FAMILIES", "ZAYA", "is_release_config", "check_parallel"]
 
@@ -133,7 +136,7 @@ def _layout(config: Mapping) -> Layout:
     if nq % nk:
         raise ConfigError(f"{nq} query heads are not a multiple of the {nk} key heads")
     experts = int(cfg(config, "num_experts"))
-    kinds = tuple("unknown" if i % 2 == 0 else "mlp" for i in range(n))
+    kinds = tuple("cca_attention" if i % 2 == 0 else "mlp" for i in range(n))
     return Layout(n, kinds, frozenset(range(1, n, 2)), experts)
 
 
@@ -254,6 +257,16 @@ def _rules() -> tuple[ShardRule, ...]:
             ShardRule(r"zaya_block\.experts\.local_experts\.\d+\.linear_fc2\.weight", 1))
 
 
+def _kv(spec: SpecView) -> GqaDims:
+    return GqaDims(k_heads(spec.config), head_dim(spec.config))
+
+
+def _cca(spec: SpecView) -> CcaDims:
+    c = spec.config
+    return CcaDims(q_heads(c), k_heads(c), head_dim(c), spec.hidden_size,
+                   int(c["cca_time0"]) + int(c["cca_time1"]) - 2)  # type: ignore[call-overload]
+
+
 def check_parallel(spec: SpecView, tp: int, ep: int) -> None:
     """Refuse the TP / EP sizes SGLang's ZAYA refuses, naming the first tensor they fail on."""
     c = spec.config
@@ -288,6 +301,7 @@ ZAYA = Family(
     name="zaya", architectures=("ZayaForCausalLM",), layout=_layout,
     model_types=frozenset({"zaya"}), config_match=is_release_config,
     check_parallel=check_parallel, config_defaults=DEFAULTS, globals=_globals(),
+    cache_dims=CacheDims(gqa=_kv, cca=_cca),
     expert_pattern=r"zaya_block\.experts\.local_experts\.(\d+)\..+",
     shard_rules=_rules(), template=_template)
 

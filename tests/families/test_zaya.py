@@ -182,13 +182,21 @@ def test_attention_placed_off_the_even_ids_is_refused() -> None:
         spec_from_config({**CONFIG, "zaya_layers": [E, "a", E, "a"]})
 
 
-def test_pools_are_refused_naming_the_attention_layer(release: Path) -> None:
-    """CCA's conv state has no cache geometry in pploader: refused, naming layer 0."""
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cache_geometry_is_sglangs(release: Path, tp: int) -> None:
+    """By hand from SGLang's sizing (bf16): an attention layer keeps K and V of NK / tp key
+    heads per token; per request the conv over (NQ + NK) * D / tp channels x (2 - 1) + (2 - 1)
+    inputs and the previous hidden state [H, 1]; an MoE layer keeps nothing."""
     from pploader.cache.geometry import layer_cache
     spec = load_spec(release)
-    with pytest.raises(ConfigError, match="layer 0 has kind 'unknown'"):
-        layer_cache(spec, 0)
-    assert layer_cache(spec, 1).kv is None and not layer_cache(spec, 1).states  # MoE: nothing
+    att, moe = layer_cache(spec, 0, tp), layer_cache(spec, 1, tp)
+    assert att.kind == "cca_attention" and att.kv is not None
+    assert (att.kv.heads, att.kv.head_dim, att.kv_bytes_per_token) == \
+        (NK // tp, D, 2 * (NK // tp) * D * 2)
+    assert {s.name: s.shape for s in att.states} == \
+        {"conv": ((NQ + NK) * D // tp, 2), "prev_hidden": (H, 1)}
+    assert att.state_bytes_per_request == ((NQ + NK) * D // tp * 2 + H) * 2
+    assert moe.kv is None and not moe.states
 
 
 def test_transformers_naming_goes_to_the_generic_family(tmp_path: Path) -> None:
@@ -209,3 +217,36 @@ def test_transformers_naming_goes_to_the_generic_family(tmp_path: Path) -> None:
     assert spec.family.name != "zaya"
     plans = plan_all(spec, index, 2)
     assert {i.name for p in plans for i in p.items} == set(index.weight_map)
+
+
+# ---- a real gloo job: PP=2 x TP=2 (SGLang's split), plain, exchanged and read once ----------
+def _gloo_rank(rank: int, world: int, model: str) -> dict:
+    from pploader import Topology, load_stage, plan_stage
+    from pploader.distributed.comm import Comm
+    topo = Topology.for_world(world, rank, pp=2, tp=2)
+    comm = Comm(topo, timeout_s=60)
+    plain = load_stage(plan_stage(model, topo, partition="sglang", exchange_cost=None))
+    exchanged = load_stage(plan_stage(model, topo, partition="sglang", exchange_cost=0.0),
+                           comm=comm)
+    once = load_stage(plan_stage(model, topo, partition="sglang", read_once=True,
+                                 exchange_cost=None), comm=comm)
+    comm.agree(None)
+    comm.close()
+    return {"tp_rank": topo.tp_rank, "pp_rank": topo.pp_rank,
+            **{kind: {k: _bytes(v) for k, v in load.state_dict.items()}
+               for kind, load in (("plain", plain), ("exchanged", exchanged), ("once", once))}}
+
+
+@pytest.mark.slow
+def test_gloo_loads_sglangs_pieces(release: Path) -> None:
+    from helpers import run_ranks
+    ref = reference_tensors(release)
+    seen: set[str] = set()
+    for res in run_ranks(_gloo_rank, 4, str(release)):
+        assert res["plain"] == res["exchanged"] == res["once"]
+        assert set(res["plain"]) == {n for n in ref if zaya_ref.owns(n, CONFIG, 2, res["pp_rank"],
+                                                                     1, 0)}
+        for name, raw in res["plain"].items():
+            assert raw == _bytes(zaya_ref.piece(name, ref[name], CONFIG, 2, res["tp_rank"])), name
+        seen |= set(res["plain"])
+    assert seen == set(ref)
