@@ -29,7 +29,8 @@ SGLang's weight loaders take each tensor (head-parallel CCA):
 - ``val_proj1`` / ``val_proj2``, the router, norms and residual scales: whole on every rank;
 - experts: ``linear_fc1``'s gate and up halves each by rows, ``linear_fc2`` by columns
   (``FusedMoE`` ``w1`` / ``w3`` / ``w2``); under EP a rank holds experts
-  ``[r * E / ep, (r + 1) * E / ep)``;
+  ``[r * E / ep, (r + 1) * E / ep)``; ``load_stage_into`` stacks them into a module's
+  ``zaya_block.experts.w13_weight`` / ``w2_weight`` (``fused_targets``) where it has them;
 - ``embed_tokens`` / ``lm_head``: vocabulary rows (the padded split every family uses).
 
 SGLang refuses (and so does :func:`check_parallel`): a TP that does not divide the query or
@@ -52,6 +53,7 @@ from ..errors import ConfigError, PlanError
 from .base import Family, GlobalRule, Layout, ShardRule, SpecView, cfg
 from .blocks import Shapes, assemble
 from .cache_dims import CacheDims, CcaDims, GqaDims
+from .fused import FusedTarget
 
 __all__ = ["FAMILIES", "ZAYA", "is_release_config", "check_parallel"]
 
@@ -297,13 +299,20 @@ def check_parallel(spec: SpecView, tp: int, ep: int) -> None:
                         tensor=first_moe + "linear_fc1.weight")
 
 
+#: SGLang's ``FusedMoE`` parameters: an expert's ``linear_fc1`` piece (the rank's gate rows,
+#: then its up rows) is its ``w13_weight`` row as is, ``linear_fc2`` its ``w2_weight`` row
+FUSED_EXPERTS = (FusedTarget("zaya_block.experts.w13_weight",
+                             (_EXPERTS + "{e}.linear_fc1.weight",)),
+                 FusedTarget("zaya_block.experts.w2_weight",
+                             (_EXPERTS + "{e}.linear_fc2.weight",)))
+
 ZAYA = Family(
     name="zaya", architectures=("ZayaForCausalLM",), layout=_layout,
     model_types=frozenset({"zaya"}), config_match=is_release_config,
     check_parallel=check_parallel, config_defaults=DEFAULTS, globals=_globals(),
     cache_dims=CacheDims(gqa=_kv, cca=_cca),
     expert_pattern=r"zaya_block\.experts\.local_experts\.(\d+)\..+",
-    shard_rules=_rules(), template=_template)
+    shard_rules=_rules(), template=_template, fused_targets=FUSED_EXPERTS)
 
 #: this module's families (found by families/__init__.py)
 FAMILIES = (ZAYA,)

@@ -250,3 +250,51 @@ def test_gloo_loads_sglangs_pieces(release: Path) -> None:
             assert raw == _bytes(zaya_ref.piece(name, ref[name], CONFIG, 2, res["tp_rank"])), name
         seen |= set(res["plain"])
     assert seen == set(ref)
+
+
+@pytest.mark.parametrize("tp,ep", [(2, 1), (1, 2)])
+def test_experts_bind_into_sglangs_stacked_parameters(release: Path, tp: int, ep: int) -> None:
+    """``load_stage_into`` writes each local expert's pieces into SGLang's ``FusedMoE``
+    parameters: ``w13_weight`` [E_local, 2 I / tp, H] (its gate rows then its up rows, as the
+    loader's ``w1`` / ``w3`` shards), ``w2_weight`` [E_local, H, I / tp]; everything else under
+    its own name."""
+    from torch import nn
+    from pploader import Topology, load_stage_into, plan_stage
+    from pploader.planning.checkpoint import DTYPES
+    ref = reference_tensors(release)
+    per = E // ep
+    for rank in range(2 * tp * ep):
+        topo = Topology.for_world(2 * tp * ep, rank, pp=2, tp=tp, ep=ep)
+        staged = plan_stage(release, topo, partition="sglang")
+        items = {i.target: (tuple(i.shape), DTYPES[i.dtype][0]) for i in staged.plan.items}
+        moe = sorted({t.split(".zaya_block.")[0] for t in items if ".local_experts." in t})
+        root = nn.Module()
+
+        def add(name: str, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+            *path, leaf = name.split(".")
+            mod = root
+            for part in path:
+                if not hasattr(mod, part):
+                    mod.add_module(part, nn.Module())
+                mod = getattr(mod, part)
+            mod.register_parameter(leaf, nn.Parameter(torch.empty(shape, dtype=dtype),
+                                                      requires_grad=False))
+        for name, (shape, dtype) in items.items():
+            if ".local_experts." not in name:
+                add(name, shape, dtype)
+        for layer in moe:
+            add(layer + ".zaya_block.experts.w13_weight", (per, FFN // tp, H), torch.bfloat16)
+            add(layer + ".zaya_block.experts.w2_weight", (per, H, FFN // 2 // tp), torch.bfloat16)
+        result = load_stage_into(root, staged, process=False)
+        assert result.missing == () and result.unexpected == (), (topo.describe(), result)
+        params = dict(root.named_parameters())
+        first = topo.ep_rank * per
+        for layer in moe:
+            x = f"{layer}.zaya_block.experts."
+            for j in range(per):
+                e = f"{x}local_experts.{first + j}."
+                for fused, piece in (("w13_weight", "linear_fc1.weight"),
+                                     ("w2_weight", "linear_fc2.weight")):
+                    want = zaya_ref.piece(e + piece, ref[e + piece], CONFIG, tp, topo.tp_rank)
+                    assert torch.equal(params[x + fused][j], want), (topo.describe(), e, fused)
+        assert not any(".local_experts." in n for n in params)
