@@ -44,20 +44,35 @@ CONFIG: dict[str, Any] = {
     "activation_func": "swiglu", "gated_linear_unit": True, "partial_rotary_factor": 0.5}
 
 
+#: the other branch of every option SGLang's modules read: LayerNorm (weight and bias),
+#: biased attention linears, no residual scaling, no MOD skip expert, no EDA, a tied head
+VARIANT: dict[str, Any] = {**CONFIG, "normalization": "LayerNorm", "attention_bias": True,
+                           "scale_residual_merge": False, "zaya_use_mod": False,
+                           "zaya_use_eda": False, "tie_word_embeddings": True}
+
+
 def release_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Name -> shape of a release checkpoint, from SGLang's modules (not pploader's template)."""
     ch = (NQ + NK) * D
-    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H),
-                                       "model.final_norm.weight": (H,),
-                                       "lm_head.weight": (V, H)}
-    for n in ("hidden_states_scale", "hidden_states_bias", "residual_scale", "residual_bias"):
-        out[f"model.res_scale.{n}"] = (H,)
+    norms = ("weight", "bias") if config["normalization"] == "LayerNorm" else ("weight",)
+    bias = config["attention_bias"]
+    slots = E + 1 if config["zaya_use_mod"] else E
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, H)}
+    out.update({f"model.final_norm.{n}": (H,) for n in norms})
+    if not config["tie_word_embeddings"]:
+        out["lm_head.weight"] = (V, H)
+    if config["scale_residual_merge"]:
+        for n in ("hidden_states_scale", "hidden_states_bias", "residual_scale",
+                  "residual_bias"):
+            out[f"model.res_scale.{n}"] = (H,)
     for i, kind in enumerate(config["zaya_layers"]):
         p = f"model.layers.{i}."
-        out[p + "input_norm.weight"] = (H,)
-        out[p + "res_scale.hidden_states_scale"] = out[p + "res_scale.hidden_states_bias"] = (H,)
-        if i:  # layer 0 has no incoming residual stream
-            out[p + "res_scale.residual_scale"] = out[p + "res_scale.residual_bias"] = (H,)
+        out.update({f"{p}input_norm.{n}": (H,) for n in norms})
+        if config["scale_residual_merge"]:
+            out[p + "res_scale.hidden_states_scale"] = (H,)
+            out[p + "res_scale.hidden_states_bias"] = (H,)
+            if i:  # layer 0 has no incoming residual stream
+                out[p + "res_scale.residual_scale"] = out[p + "res_scale.residual_bias"] = (H,)
         if kind == "a":
             q = p + "self_attn.qkv."
             out.update({q + "linear_q.weight": (NQ * D, H), q + "linear_k.weight": (NK * D, H),
@@ -66,13 +81,20 @@ def release_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                         q + "conv_qk.0.weight": (ch, 1, 2), q + "conv_qk.0.bias": (ch,),
                         q + "conv_qk.1.weight": (ch, D, 2), q + "conv_qk.1.bias": (ch,),
                         q + "temp": (NK,), p + "self_attn.o_proj.weight": (H, NQ * D)})
+            if bias:
+                out.update({q + "linear_q.bias": (NQ * D,), q + "linear_k.bias": (NK * D,),
+                            q + "val_proj1.bias": (NK * D // 2,),
+                            q + "val_proj2.bias": (NK * D // 2,),
+                            p + "self_attn.o_proj.bias": (H,)})
         else:
             r = p + "zaya_block.router."
             out.update({r + "down_proj.weight": (X, H), r + "down_proj.bias": (X,),
-                        r + "rmsnorm_eda.weight": (X,), r + "router_states_scale": (X,),
+                        r + "rmsnorm_eda.weight": (X,),
                         r + "router_mlp.0.weight": (X, X), r + "router_mlp.0.bias": (X,),
                         r + "router_mlp.2.weight": (X, X), r + "router_mlp.2.bias": (X,),
-                        r + "router_mlp.4.weight": (E + 1, X), r + "balancing_biases": (E + 1,)})
+                        r + "router_mlp.4.weight": (slots, X), r + "balancing_biases": (slots,)})
+            if config["zaya_use_eda"]:
+                out[r + "router_states_scale"] = (X,)
             for e in range(E):
                 x = f"{p}zaya_block.experts.local_experts.{e}."
                 out[x + "linear_fc1.weight"] = (FFN, H)
@@ -101,6 +123,11 @@ def write_release(path: Path, config: dict[str, Any]) -> Path:
 @pytest.fixture(scope="module")
 def release(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_release(tmp_path_factory.mktemp("zaya") / "release", CONFIG)
+
+
+@pytest.fixture(scope="module")
+def variant(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_release(tmp_path_factory.mktemp("zaya") / "variant", VARIANT)
 
 
 def _bytes(t: torch.Tensor) -> bytes:
@@ -139,6 +166,27 @@ def test_every_rank_equals_sglangs_pieces(release: Path, pp: int, tp: int, ep: i
                 (t.describe(), item.name)
         seen |= want_names
     assert seen == set(ref)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_the_other_options_plan_as_sglang_builds_them(variant: Path, tp: int) -> None:
+    """LayerNorm, attention biases (q / k by heads, val_proj and o_proj's whole), no residual
+    scaling, no MOD / EDA, a tied head (the last stage reads the embedding as its head): the
+    strict plan accepts exactly SGLang's tensors, each rank's pieces bitwise."""
+    spec, index = load_spec(variant), open_checkpoint(variant)
+    ref = reference_tensors(variant)
+    for plan in plan_all(spec, index, 2, tp, partition="sglang"):
+        t = plan.topology
+        want = {n for n in ref if zaya_ref.owns(n, VARIANT, 2, t.pp_rank, 1, 0)}
+        if t.pp_rank == 1:  # the tied head: the embedding, read as lm_head
+            want.add("model.embed_tokens.weight")
+            assert {i.target for i in plan.items if i.name == "model.embed_tokens.weight"} \
+                == {"lm_head.weight"}
+        assert {i.name for i in plan.items} == want, t.describe()
+        got = dict(Reader(plan))
+        for item in plan.items:
+            piece = zaya_ref.piece(item.target, ref[item.name], VARIANT, tp, t.tp_rank)
+            assert _bytes(got[item.target]) == _bytes(piece), (t.describe(), item.name)
 
 
 def test_sglang_split_is_not_the_even_one(release: Path) -> None:
