@@ -14,8 +14,10 @@ ZAYA1 is saved under two namings that share ``ZayaForCausalLM`` and ``model_type
 No tensor-name conversion links the two, and family dispatch reads config.json only, so the
 config decides (:func:`is_release_config`): the release config carries SGLang's fields
 (``zaya_layers``, ``ffn_hidden_size``, ``zaya_mlp_expansion``, ``num_query_groups``) and none
-of the fields transformers' config always writes (``layer_types``, ``moe_intermediate_size``,
-``router_hidden_size``, ``rms_norm_eps``). A config with both goes to the generic family.
+of the ZAYA fields transformers' config always writes (``layer_types``,
+``moe_intermediate_size``, ``router_hidden_size``). A config with both goes to the generic
+family (transformers loads such a repository with no renaming, so its tensors are in
+transformers' naming).
 
 Layers and PP: SGLang builds ``num_hidden_layers`` layers (``len(zaya_layers)`` when given),
 attention at even ids and MoE at odd ids (``_layer_class``), and splits them over PP stages
@@ -57,9 +59,11 @@ from .fused import FusedTarget
 
 __all__ = ["FAMILIES", "ZAYA", "is_release_config", "check_parallel"]
 
-#: fields SGLang's release config has (any one marks it) / transformers' config always writes
+#: fields SGLang's release config has (any one marks it) / ZAYA fields transformers' config
+#: always writes (even at their defaults: the base config class lacks them); the generic
+#: ``rms_norm_eps`` is left out, a release config may carry it too
 RELEASE_KEYS = ("zaya_layers", "ffn_hidden_size", "zaya_mlp_expansion", "num_query_groups")
-TRANSFORMERS_KEYS = ("layer_types", "moe_intermediate_size", "router_hidden_size", "rms_norm_eps")
+TRANSFORMERS_KEYS = ("layer_types", "moe_intermediate_size", "router_hidden_size")
 
 #: SGLang's ``ZayaConfig`` defaults for the release fields a config may leave out
 DEFAULTS: Mapping[str, object] = {

@@ -140,6 +140,13 @@ def test_release_config_goes_to_the_zaya_family() -> None:
     spec = spec_from_config(CONFIG)
     assert spec.num_layers == len(LAYERS)  # zaya_layers, not num_hidden_layers
     assert spec.moe_layers == frozenset({1, 3, 5}) and spec.num_experts == E
+    from pploader.families.zaya import is_release_config
+    assert find_family({**CONFIG, "rms_norm_eps": 1e-5})[0].name == "zaya"
+    for key, value in (("layer_types", ["hybrid"] * 7), ("moe_intermediate_size", 16),
+                       ("router_hidden_size", X)):  # transformers' fields: its naming
+        assert not is_release_config({**CONFIG, key: value})
+    assert not is_release_config({"architectures": ["ZayaForCausalLM"], "model_type": "zaya",
+                                  "hidden_size": H, "num_attention_heads": NQ})
 
 
 @pytest.mark.parametrize("pp,tp,ep", [(2, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)])
