@@ -38,7 +38,8 @@ SGLang's weight loaders take each tensor (head-parallel CCA):
 SGLang refuses (and so does :func:`check_parallel`): a TP that does not divide the query or
 the key heads (no KV-head copies: its grouped mean and ``conv_qk.1`` are per head), a TP above
 the expert count, an expert intermediate (``ffn_hidden_size / 2``) TP does not divide, and an
-EP that does not divide the experts.
+EP that does not divide the experts; and a vocabulary whose SGLang split (padded to a multiple
+of 64 first) is not pploader's ``ceil(V / tp)`` rows a rank (never for ZAYA1's 262,272).
 
 Cache pools, as SGLang sizes them (``ZayaConfig.mamba2_cache_params`` and the attention's
 ``RadixAttention``): an attention layer (kind ``cca_attention``) keeps K / V of its
@@ -273,6 +274,10 @@ def _cca(spec: SpecView) -> CcaDims:
                    int(c["cca_time0"]) + int(c["cca_time1"]) - 2)  # type: ignore[call-overload]
 
 
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
 def check_parallel(spec: SpecView, tp: int, ep: int) -> None:
     """Refuse the TP / EP sizes SGLang's ZAYA refuses, naming the first tensor they fail on."""
     c = spec.config
@@ -297,6 +302,15 @@ def check_parallel(spec: SpecView, tp: int, ep: int) -> None:
             raise PlanError(f"--tp {tp} does not divide the experts' intermediate size {half} "
                             "(ffn_hidden_size / 2), as SGLang's FusedMoE requires",
                             tensor=first_moe + "linear_fc2.weight")
+    if tp > 1:
+        vocab = spec.vocab_size
+        pad = 64 if _round_up(vocab, 64) % tp == 0 else 64 * tp  # VocabParallelEmbedding
+        if _round_up(vocab, pad) // tp != -(-vocab // tp):
+            raise PlanError(f"--tp {tp}: SGLang pads the vocabulary of {vocab} to "
+                            f"{_round_up(vocab, pad)} rows before splitting it, "
+                            f"{_round_up(vocab, pad) // tp} a rank, and pploader's split "
+                            f"({-(-vocab // tp)} a rank) would give other rows",
+                            tensor="model.embed_tokens.weight")
     if ep > 1 and spec.num_experts % ep:
         raise PlanError(f"--ep {ep} does not divide the {spec.num_experts} experts: SGLang's "
                         "FusedMoE gives every EP rank the same number",

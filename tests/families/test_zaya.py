@@ -230,6 +230,11 @@ def test_more_ranks_than_experts_or_an_uneven_intermediate_is_refused() -> None:
         fam.check_parallel(odd, 2, 1)
     assert err.value.tensor == fc1 + "linear_fc2.weight"
     fam.check_parallel(spec_from_config(CONFIG), 2, 2)  # what SGLang accepts passes
+    # SGLang pads 250 rows to 256 (128 a rank at TP=2); ceil(250 / 2) = 125 would differ
+    with pytest.raises(PlanError, match="pads the vocabulary of 250 to 256") as err:
+        fam.check_parallel(spec_from_config({**CONFIG, "vocab_size": 250}), 2, 1)
+    assert err.value.tensor == "model.embed_tokens.weight"
+    fam.check_parallel(spec_from_config({**CONFIG, "vocab_size": 262272}), 2, 1)  # ZAYA1's
 
 
 def test_attention_placed_off_the_even_ids_is_refused() -> None:
