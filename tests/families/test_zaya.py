@@ -237,9 +237,18 @@ def test_more_ranks_than_experts_or_an_uneven_intermediate_is_refused() -> None:
     fam.check_parallel(spec_from_config({**CONFIG, "vocab_size": 262272}), 2, 1)  # ZAYA1's
 
 
-def test_attention_placed_off_the_even_ids_is_refused() -> None:
+def test_configs_sglang_refuses() -> None:
+    """Attention off the even ids SGLang builds it at; num_query_groups != num_key_value_heads
+    (ZayaConfig asserts them equal); query heads not a multiple of the key heads (CCA asserts
+    it); an odd ffn_hidden_size (no gate / up halves)."""
     with pytest.raises(ConfigError, match="layer 0 is 4"):
         spec_from_config({**CONFIG, "zaya_layers": [E, "a", E, "a"]})
+    with pytest.raises(ConfigError, match="num_query_groups 2 != num_key_value_heads 4"):
+        spec_from_config({**CONFIG, "num_key_value_heads": 4})
+    with pytest.raises(ConfigError, match="not a multiple of the 2 key heads"):
+        spec_from_config({**CONFIG, "num_attention_heads": 3, "cca_num_q_heads": None})
+    with pytest.raises(ConfigError, match="not even"):
+        spec_from_config({**CONFIG, "ffn_hidden_size": 31, "ffn_hidden_size_list": None})
 
 
 @pytest.mark.parametrize("tp", [1, 2])
