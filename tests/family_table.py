@@ -388,6 +388,9 @@ ROWS: tuple[Row, ...] = (
                    "self_attn.o_proj.weight": row_halves,
                    "mlp.gate_up_proj.weight": lambda t, r: segments(t, r, [128, 128]),
                    "mlp.down_proj.weight": row_halves, "input_layernorm.weight": whole}),
+    # ZAYA1's release naming (SGLang's zaya): no transformers model writes it, so no bundled
+    # tiny config or transformers case; tests/families/test_zaya.py builds and checks it
+    Row("zaya", "zaya"),
 )
 
 BY_FAMILY: dict[str, Row] = {r.family: r for r in ROWS}

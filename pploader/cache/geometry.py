@@ -22,6 +22,9 @@ Layouts (what :class:`pploader.cache.pools.CachePools` allocates, per layer):
 - ``rwkv`` (RWKV v4): shift ``[2, hidden]`` (model dtype: the previous token of the time and
   channel mixing) and wkv ``[3, attention_hidden]`` (numerator, denominator, max); tp=1 only.
 - ``hybrid_attention_mamba2`` (Falcon-H1, Zamba): both the GQA pages and the mamba2 state.
+- ``cca_attention`` (ZAYA1, as SGLang sizes it): the GQA pages, conv
+  ``[(q_heads + k_heads) * head_dim / tp, padding]`` (``padding = cca_time0 + cca_time1 - 2``)
+  and prev_hidden ``[hidden, 1]`` (the delayed value's input, whole on every rank).
 - ``sliding_attention``: GQA pages holding at most ``window`` tokens per sequence (sliding-window
   or chunked attention); a GQA layer the family gives a window (``CacheDims.windows``: Mistral,
   Qwen2 with ``use_sliding_window``...) is one too. Without a window it is pooled full-length.
@@ -66,6 +69,7 @@ KIND_CACHES: Mapping[str, tuple[str, ...]] = {
     "lightning_attention": ("lightning",),  # MiniMax: [heads, head_dim, head_dim] per request
     "rg_lru": ("rg_lru",),  # RecurrentGemma's recurrent block: conv + one value per channel
     "rwkv": ("rwkv",),  # RWKV v4: token shifts [2, hidden] + WKV state [3, attention_hidden]
+    "cca_attention": ("gqa", "cca"),  # ZAYA1: K / V pages + the q / k conv and previous hidden
 }
 
 
@@ -273,11 +277,19 @@ def _rwkv(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
             StateTensor("wkv", (3, d.attention_hidden), dt[2]))
 
 
+def _cca(spec: "ModelSpec", tp: int, dt: Dtypes) -> tuple[StateTensor, ...]:
+    d = spec.family.cache_dims.of_cca(spec)
+    q = _split(d.q_heads, tp, "CCA query heads")
+    k = _split(d.k_heads, tp, "CCA key heads")
+    return (StateTensor("conv", ((q + k) * d.head_dim, d.padding), dt[1]),
+            StateTensor("prev_hidden", (d.hidden, 1), dt[1]))
+
+
 _KV_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], KVLayout]] = {
     "gqa": _gqa, "mla": _mla}
 _STATE_BUILDERS: Mapping[str, Callable[["ModelSpec", int, Dtypes], tuple[StateTensor, ...]]] = {
     "mamba2": _mamba2, "mamba1": _mamba1, "gdn": _gdn, "short_conv": _short_conv,
-    "lightning": _lightning, "rg_lru": _rg_lru, "rwkv": _rwkv}
+    "lightning": _lightning, "rg_lru": _rg_lru, "rwkv": _rwkv, "cca": _cca}
 
 
 #: layer kinds whose KV a window can bound (GQA attention); a window on another kind is an error

@@ -113,7 +113,8 @@ def _capacity(geom: StageCacheGeometry, budget: int, page_size: int, num_pages: 
 
 
 #: kinds listed in ``kind_bytes`` even at 0 bytes (a stage of attention layers shows its KV)
-_KV_KINDS = ("full_attention", "sliding_attention", "mla", "hybrid_attention_mamba2")
+_KV_KINDS = ("full_attention", "sliding_attention", "mla", "hybrid_attention_mamba2",
+             "cca_attention")
 
 
 def _per_request_pages(geom: StageCacheGeometry, page_size: int,

@@ -51,7 +51,9 @@ def supported_architectures() -> list[str]:
 
 def find_family(config: Mapping) -> tuple[Family, str]:
     """The family of a config.json, by its ``architectures`` list: a hand-written family
-    when one names it, else the generic family built from transformers' meta model."""
+    when one names it (and, where an architecture has two namings, ``Family.config_match``
+    says the config is its naming's), else the generic family built from transformers'
+    meta model."""
     archs = config.get("architectures") or []
     if not isinstance(archs, list) or not archs:
         raise ConfigError("config.json has no `architectures` list; supported: "
@@ -59,7 +61,7 @@ def find_family(config: Mapping) -> tuple[Family, str]:
     model_type = config.get("model_type")
     for arch in archs:
         for fam in FAMILIES:
-            if fam.accepts(arch, model_type):
+            if fam.accepts(arch, model_type) and fam.matches_config(config):
                 return fam, arch
     return _generic(config, archs)
 
@@ -79,7 +81,7 @@ def _generic(config: Mapping, archs: list) -> tuple[Family, str]:
         reason = f"the generic family cannot derive it: {exc.detail}"
     for name in archs:
         for fam in FAMILIES:
-            if fam.accepts(name, None):
+            if fam.accepts(name, None) and fam.matches_config(config):
                 logger.info("%s: model_type %r is not one %s was written for, and %s; planned "
                             "with the hand-written family %s by its architecture", name,
                             config.get("model_type"), fam.name, reason, fam.name)

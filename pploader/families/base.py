@@ -33,10 +33,11 @@ __all__ = ["Family", "GlobalRule", "ShardRule", "Layout", "TensorRole", "Templat
 #: is GQA attention over a window (``layer_types``); ``short_conv`` is LFM2's gated short
 #: convolution (state: its last inputs), ``lightning_attention`` MiniMax's decayed linear
 #: attention, ``rg_lru`` RecurrentGemma's recurrent block, ``rwkv`` RWKV's time mixing; ``unknown`` is a layer the generic family
-#: could not classify (its cache geometry is refused, naming the layer).
+#: could not classify (its cache geometry is refused, naming the layer). ``cca_attention`` is
+#: ZAYA1's compressed convolutional attention: K / V pages plus a conv state per request.
 LAYER_KINDS = ("full_attention", "mla", "gdn", "mamba1", "mamba2", "hybrid_attention_mamba2",
                "mlp", "sliding_attention", "short_conv", "lightning_attention", "rg_lru", "rwkv",
-               "unknown")
+               "cca_attention", "unknown")
 
 #: Non-parameter buffers some old exporters saved (rotary tables): known, never read (logged).
 STRAY_BUFFERS = r"(.+\.)?rotary_emb\.inv_freq"
@@ -229,6 +230,15 @@ class Family:
     native_dtypes: Mapping[str, str] = field(default_factory=dict)  # tensor name -> the
     #   safetensors dtype the model itself gives it whatever config.json's dtype (integer
     #   buffers such as a router's lookup table); stored so, it is loaded as stored
+    #: for an architecture and model_type saved under two namings that need two families
+    #: (ZAYA: its release naming here, transformers' own naming in the generic family): True
+    #: when config.json is the one this family plans; None = every config naming the
+    #: architecture (find_family asks it after ``accepts``)
+    config_match: Optional[Callable[[Mapping], bool]] = None
+    #: refuses the TP / EP sizes the model's engine refuses (``(spec, tp_size, ep_size)``,
+    #: raising PlanError that names the tensor and the engine's reason), beyond the head
+    #: checks every family gets; None = none (plan_rank calls it once per rank)
+    check_parallel: Optional[Callable[[SpecView, int, int], None]] = None
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
     def for_checkpoint(self, names: Iterable[str]) -> "Family":
@@ -341,6 +351,10 @@ class Family:
         """True when this family was written for ``architecture`` under ``model_type``."""
         return architecture in self.architectures and (
             model_type is None or not self.model_types or model_type in self.model_types)
+
+    def matches_config(self, config: Mapping) -> bool:
+        """True when this family plans ``config`` (``config_match``; None: any config)."""
+        return self.config_match is None or bool(self.config_match(config))
 
     def layer_name(self, layer: int, component: str) -> str:
         """Checkpoint name of ``component`` in ``layer`` (inverse of the layer prefix)."""

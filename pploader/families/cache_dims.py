@@ -19,7 +19,7 @@ from .spec_view import SpecView
 from .blocks import GdnDims, Mamba1Dims, Mamba2Dims
 from .windows import Windows, spec_layout_windows
 
-__all__ = ["MlaDims", "GqaDims", "ShortConvDims", "LightningDims", "RgLruDims", "RwkvDims", "CacheDims", "CONFIG_KEYS",
+__all__ = ["MlaDims", "GqaDims", "CcaDims", "ShortConvDims", "LightningDims", "RgLruDims", "RwkvDims", "CacheDims", "CONFIG_KEYS",
            "CONFIG_CACHE_DIMS", "mla_dims", "config_mamba2_dims", "ssm_cache_dtype",
            "param_cache_dims", "KEY_PROJECTIONS"]
 
@@ -67,6 +67,19 @@ class RwkvDims:
 
     hidden: int
     attention_hidden: int
+
+
+@dataclass(frozen=True)
+class CcaDims:
+    """ZAYA1's CCA state (SGLang's ``mamba2_cache_params``): the conv over the q / k latents
+    (``(q_heads + k_heads) * head_dim`` channels, split by heads over TP) keeps ``padding``
+    inputs; the delayed value keeps the previous token's ``hidden`` state (whole on every rank)."""
+
+    q_heads: int
+    k_heads: int
+    head_dim: int
+    hidden: int
+    padding: int
 
 
 @dataclass(frozen=True)
@@ -182,6 +195,7 @@ class CacheDims:
     lightning: Optional[Callable[[SpecView], LightningDims]] = None
     rg_lru: Optional[Callable[[SpecView], RgLruDims]] = None
     rwkv: Optional[Callable[[SpecView], RwkvDims]] = None
+    cca: Optional[Callable[[SpecView], CcaDims]] = None
     ssm_dtype: Callable[[SpecView], Optional[str]] = ssm_cache_dtype
     #: tokens of KV each layer keeps per sequence (sliding / chunked attention; None = the
     #: whole context); None here = no layer of the family is windowed (families/windows.py)
@@ -225,6 +239,9 @@ class CacheDims:
 
     def of_rwkv(self, spec: SpecView) -> RwkvDims:
         return _read(self.rwkv, "rwkv", spec)
+
+    def of_cca(self, spec: SpecView) -> CcaDims:
+        return _read(self.cca, "cca", spec)
 
 
 def _read(reader: Optional[Callable[[SpecView], T]], mixer: str, spec: SpecView) -> T:
