@@ -226,6 +226,10 @@ class Family:
     #: (Zamba2's shared-block LoRA adapters: the block stored in its first hybrid layer holds
     #: every hybrid layer's adapter, each layer runs one; integrations leave the others empty)
     unrun: frozenset[str] = frozenset()
+    #: the family's own refusals of a TP / EP size, beyond the shard rules (what its engine
+    #: asserts at load, or cuts in a way no rule states): ``(spec, tp_size, ep_size)``, raises
+    #: PlanError naming the tensor; None = the rules alone decide
+    check_sizes: Optional[Callable[[SpecView, int, int], None]] = None
     native_dtypes: Mapping[str, str] = field(default_factory=dict)  # tensor name -> the
     #   safetensors dtype the model itself gives it whatever config.json's dtype (integer
     #   buffers such as a router's lookup table); stored so, it is loaded as stored

@@ -125,6 +125,8 @@ def plan_rank(spec: ModelSpec, index: CheckpointIndex, topology: Topology,
     roles = roles or checkpoint_roles(spec, index)
     spec = roles.spec
     check_tp_heads(spec, topology.tp_size)
+    if spec.family.check_sizes is not None:
+        spec.family.check_sizes(spec, topology.tp_size, topology.ep_size)
     experts = (local_experts(spec.num_experts, topology.ep_size, topology.ep_rank)
                if spec.num_experts and topology.ep_size > 1 else None)
     if topology.ep_size > 1 and not spec.num_experts:
