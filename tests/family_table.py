@@ -388,6 +388,10 @@ ROWS: tuple[Row, ...] = (
                    "self_attn.o_proj.weight": row_halves,
                    "mlp.gate_up_proj.weight": lambda t, r: segments(t, r, [128, 128]),
                    "mlp.down_proj.weight": row_halves, "input_layernorm.weight": whole}),
+    # Inkling in its release naming (vLLM's models/inkling; transformers writes no such
+    # checkpoint): tested by tests/families/test_inkling.py against tests/inkling_ref.py
+    Row("inkling", "inkling_model"),
+    Row("inkling_mm", "inkling_mm_model"),
 )
 
 BY_FAMILY: dict[str, Row] = {r.family: r for r in ROWS}

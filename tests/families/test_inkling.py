@@ -173,3 +173,40 @@ def test_transformers_naming_stays_generic(tmp_path: Path) -> None:
     assert spec.family.name not in ("inkling", "inkling_mm")
     assert spec.architecture == "InklingForCausalLM"
     assert any(".self_attn.q_proj." in n for n in open_checkpoint(tmp_path).weight_map)
+
+
+# ---- a real gloo job: PP=2 x TP=2, plain and exchanged ------------------------------------
+def _gloo_rank(rank: int, world: int, model: str) -> dict:
+    from pploader import Topology, load_stage, plan_stage
+    from pploader.distributed.comm import Comm
+    topo = Topology.for_world(world, rank, pp=2, tp=2)
+    comm = Comm(topo, timeout_s=60)
+    plain = load_stage(plan_stage(model, topo, exchange_cost=None))
+    exchanged_plan = plan_stage(model, topo, exchange_cost=0.0)
+    exchanged = load_stage(exchanged_plan, comm=comm)
+    comm.agree(None)
+    comm.close()
+    ex = exchanged_plan.plan.redistribute
+    return {"tp_rank": topo.tp_rank, "exchanged": sorted(ex.targets) if ex is not None else [],
+            **{kind: {k: v.view(torch.int16).clone() for k, v in load.state_dict.items()}
+               for kind, load in (("plain", plain), ("exchanged", exchanged))}}
+
+
+@pytest.mark.slow
+def test_gloo_loads_vllms_slices(release: Path) -> None:
+    """Four gloo ranks load their stage plain and exchanged (strided slices as row shares +
+    an all-to-all of the TP group): both equal the reference slices bitwise."""
+    from helpers import run_ranks
+    config = json.loads((release / "config.json").read_text())
+    ref = reference_tensors(release)
+    seen: set[str] = set()
+    for res in run_ranks(_gloo_rank, 4, str(release)):
+        assert res["exchanged"], "no tensor was exchanged"
+        assert res["plain"].keys() == res["exchanged"].keys()
+        for name, got in res["plain"].items():
+            slices, pad = inkling_ref.engine_slices(name, tuple(ref[name].shape), config, 2,
+                                                    res["tp_rank"])
+            want = _want(ref[name], slices, pad).view(torch.int16)
+            assert torch.equal(got, want) and torch.equal(res["exchanged"][name], want), name
+        seen |= set(res["plain"])
+    assert seen == {n for n in ref if not n.startswith("model.mtp.")}
