@@ -86,7 +86,10 @@ def tensors(config: dict[str, Any], seed: int = 0) -> dict[str, torch.Tensor]:
                 p + "mlp.experts.w2_weight": (e, h, inter),
                 p + "mlp.shared_experts.shared_w13_weight": (s, 2 * inter, h),
                 p + "mlp.shared_experts.shared_w2_weight": (s, h, inter)})
-    return {n: torch.randn(shape, generator=g).to(torch.bfloat16) for n, shape in shapes.items()}
+    # the router's bias and the scales in float32, as vLLM's parameters hold them
+    fp32 = (".gate.bias", ".global_scale")
+    return {n: torch.randn(shape, generator=g).to(
+        torch.float32 if n.endswith(fp32) else torch.bfloat16) for n, shape in shapes.items()}
 
 
 def write(out: Path, config: Optional[dict[str, Any]] = None, shards: int = 3) -> Path:

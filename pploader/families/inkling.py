@@ -33,7 +33,8 @@ divide the query heads, the KV heads (a larger TP replicates K / V in ``qkvr`` b
 (the interleaved gate / up pairs); an EP size that does not divide the routed experts (vLLM
 pads them to a multiple of EP and places equal blocks, not pploader's linear split).
 Caches: every layer holds KV and four short-conv streams in one paged block (vLLM's
-``InklingConvState``), a kind pploader's pools do not size: layer kind ``unknown``.
+``InklingConvState``), a kind pploader's pools do not size: layer kind ``unknown``. EP with
+TP together is refused too: vLLM's EP keeps every routed expert whole.
 """
 from __future__ import annotations
 
@@ -241,6 +242,13 @@ def check_sizes(spec: SpecView, tp: int, ep: int) -> None:
                         "Inkling pads them to a multiple of EP and gives each rank an equal "
                         "block, not the linear split pploader plans; use an EP dividing "
                         f"{d.routed}", tensor=layer.format(min(spec.moe_layers, default=0))
+                        + "mlp.experts.w13_weight")
+    if ep > 1 and tp > 1:
+        raise PlanError(f"--ep {ep} with --tp {tp}: vLLM's Inkling under expert parallelism keeps "
+                        "every routed expert whole (its MoE TP size is 1, the experts spread "
+                        "over the TP x DP ranks), while --ep x --tp cuts each expert by TP "
+                        "inside its EP block; use --ep alone (attention data parallel) or --tp "
+                        "alone", tensor=layer.format(min(spec.moe_layers, default=0))
                         + "mlp.experts.w13_weight")
     if tp <= 1:
         return
