@@ -391,6 +391,10 @@ ROWS: tuple[Row, ...] = (
     # ZAYA1's release naming (SGLang's zaya): no transformers model writes it, so no bundled
     # tiny config or transformers case; tests/families/test_zaya.py builds and checks it
     Row("zaya", "zaya"),
+    # Inkling in its release naming (vLLM's models/inkling; transformers writes no such
+    # checkpoint): tested by tests/families/test_inkling.py against tests/inkling_ref.py
+    Row("inkling", "inkling_model"),
+    Row("inkling_mm", "inkling_mm_model"),
 )
 
 BY_FAMILY: dict[str, Row] = {r.family: r for r in ROWS}

@@ -235,9 +235,10 @@ class Family:
     #: when config.json is the one this family plans; None = every config naming the
     #: architecture (find_family asks it after ``accepts``)
     config_match: Optional[Callable[[Mapping], bool]] = None
-    #: refuses the TP / EP sizes the model's engine refuses (``(spec, tp_size, ep_size)``,
-    #: raising PlanError that names the tensor and the engine's reason), beyond the head
-    #: checks every family gets; None = none (plan_rank calls it once per rank)
+    #: refuses the TP / EP sizes the model's engine refuses, or cuts in a way no shard rule
+    #: states (``(spec, tp_size, ep_size)``, raising PlanError that names the tensor and the
+    #: engine's reason), beyond the head checks every family gets; None = the rules alone
+    #: decide (plan_rank calls it once per rank)
     check_parallel: Optional[Callable[[SpecView, int, int], None]] = None
     _compiled: dict = field(default_factory=dict, compare=False, repr=False)
 
