@@ -94,11 +94,12 @@ def vllm_transformers(site: Path) -> tuple[str, frozenset[str]]:
 
 def verdict(arch: str, native: dict[str, str], backend: dict[str, str], removed: dict[str, str],
             sglang: dict[str, str], model_type: str = "",
-            hf: tuple[str, frozenset[str]] = ("", frozenset()), reason: str = ""
-            ) -> tuple[bool, str]:
+            hf: tuple[str, frozenset[str]] = ("", frozenset()), reason: str = "",
+            released: str = "") -> tuple[bool, str]:
     """(whether some engine splits it, the engine column's text); ``hf``: the transformers
     beside vLLM (:func:`vllm_transformers`), ``model_type`` the architecture's, ``reason``
-    pploader's refusal."""
+    pploader's refusal, ``released`` the hand-written family planning the architecture's
+    release naming (:func:`release_family`)."""
     if "transformers backend refuses to build it" in reason:
         # pploader's hf_fusers.unbuilt_layers: a layer whose attention calls no attention
         # interface (vLLM's own check, with the transformers it runs: tests/vllm/fuser_truth.py)
@@ -120,6 +121,12 @@ def verdict(arch: str, native: dict[str, str], backend: dict[str, str], removed:
                            f"has no `{model_type}`; no SGLang model")
     elif arch in backend or (plan and attn and not found):
         found.append("vLLM's transformers backend (the model's `base_model_tp_plan`)")
+    if found and released:
+        # the engines load only the model's release naming, which a hand-written family plans
+        # (zaya, inkling); the naming transformers writes, which the sweep plans, none loads
+        return False, (f"no engine loads this (transformers') naming: {', '.join(found)} "
+                       f"load(s) only the release naming, which pploader plans with the "
+                       f"hand-written family `{released}`")
     if found:
         return True, "split by " + ", ".join(found)
     why = ["not in vLLM's registry" + (f" (removed in {removed[arch]})" if arch in removed
@@ -127,6 +134,17 @@ def verdict(arch: str, native: dict[str, str], backend: dict[str, str], removed:
     why.append("its transformers config has no `base_model_tp_plan`" if not plan else
                "its transformers model does not support vLLM's attention backend")
     return False, "no engine: " + "; ".join(why)
+
+
+def release_family(arch: str) -> str:
+    """The hand-written family that plans ``arch`` in a naming other than transformers' (the
+    release naming its engine loads: a family that takes only some configs, or other model
+    types than the sweep's), else ""."""
+    from pploader.families import FAMILIES
+    for fam in FAMILIES:
+        if arch in fam.architectures and (fam.config_match is not None or fam.model_types):
+            return fam.name
+    return ""
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -145,7 +163,8 @@ def main(argv: Optional[list[str]] = None) -> int:
              "|---|---|---|---|"]
     for r in rows:
         some, text = verdict(r["architecture"], native, backend, removed, sglang,
-                             str(r.get("model_type", "")), hf, str(r.get("tp2_reason", "")))
+                             str(r.get("model_type", "")), hf, str(r.get("tp2_reason", "")),
+                             release_family(r["architecture"]))
         split, none = split + some, none + (not some)
         reason = str(r.get("tp2_reason", "")).split("no unambiguous split for ")[-1]
         reason = reason.split("; run with tp=1")[0].replace("|", "/")
