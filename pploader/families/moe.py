@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .base import CheckpointFormat, Family, Layout, SpecView, cfg, cfg_opt
+from .base import CheckpointFormat, Family, Layout, QuantNaming, SpecView, cfg, cfg_opt
 from .cache_dims import CacheDims
 from .windows import qwen_moe_windows, uniform_windows
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
@@ -19,11 +19,15 @@ from .common import (attention_rules, attention_tensors, globals_tensors, llama_
 from .fused import GATE_UP, QKV, expert_fusions, stacked_renames
 
 
-__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "qwen_moe_layers",
+__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "STACKED_QUANT", "qwen_moe_layers",
            "qwen_experts"]
 
 #: A transformers-format checkpoint: some layer holds fused 3-D experts.
 FUSED_MARKER = r"\.experts\.gate_up_proj$"
+
+#: transformers' naming of quantized stacked experts (``FP8Experts``: ``gate_up_proj`` fp8
+#: [E, 2I, H] with ``gate_up_proj_scale_inv`` [E, 2I/bn, H/bk]; families/base.py QuantNaming)
+STACKED_QUANT = ("quant_naming", QuantNaming(stacked=("gate_up_proj", "down_proj")))
 
 #: transformers' 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` -> ``w13_weight`` / ``w2_weight``
 #: (same layout), so one stacked-expert module loads both namings.
@@ -81,7 +85,8 @@ QWEN3_MOE = Family(
     + mlp_rules(),
     template=_qwen3_moe_template, fused_targets=(QKV, GATE_UP, *expert_fusions(), *STACKED_3D),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
-                              (("template", lambda s: _qwen3_moe_template(s, fused=True)),)),))
+                              (("template", lambda s: _qwen3_moe_template(s, fused=True)),
+                               STACKED_QUANT)),))
 
 
 def _mixtral_layout(config: Mapping) -> Layout:
@@ -118,7 +123,8 @@ MIXTRAL = Family(
     fused_targets=(QKV, *expert_fusions("block_sparse_moe.experts.", "w1", "w3", "w2"),
                    *STACKED_3D),  # transformers' naming moves the block to ``mlp.``
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
-                              (("template", lambda s: _mixtral_template(s, fused=True)),)),))
+                              (("template", lambda s: _mixtral_template(s, fused=True)),
+                               STACKED_QUANT)),))
 
 #: this module's families (found by families/__init__.py)
 FAMILIES = (QWEN3_MOE, MIXTRAL)
