@@ -26,7 +26,11 @@ __all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "ST
 FUSED_MARKER = r"\.experts\.gate_up_proj$"
 
 #: transformers' naming of quantized stacked experts (``FP8Experts``: ``gate_up_proj`` fp8
-#: [E, 2I, H] with ``gate_up_proj_scale_inv`` [E, 2I/bn, H/bk]; families/base.py QuantNaming)
+#: [E, 2I, H] with ``gate_up_proj_scale_inv`` [E, 2I/bn, H/bk]; families/base.py QuantNaming),
+#: for the families whose vLLM model loads them (AutoWeightsLoader -> ``RoutedExperts.
+#: load_weights``: Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE). Not Mixtral: vLLM's Mixtral module is
+#: ``block_sparse_moe`` with ``w1`` / ``w3`` names, so transformers' ``mlp.experts.*`` naming
+#: is not mapped there.
 STACKED_QUANT = ("quant_naming", QuantNaming(stacked=("gate_up_proj", "down_proj")))
 
 #: transformers' 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` -> ``w13_weight`` / ``w2_weight``
@@ -123,8 +127,7 @@ MIXTRAL = Family(
     fused_targets=(QKV, *expert_fusions("block_sparse_moe.experts.", "w1", "w3", "w2"),
                    *STACKED_3D),  # transformers' naming moves the block to ``mlp.``
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
-                              (("template", lambda s: _mixtral_template(s, fused=True)),
-                               STACKED_QUANT)),))
+                              (("template", lambda s: _mixtral_template(s, fused=True)),)),))
 
 #: this module's families (found by families/__init__.py)
 FAMILIES = (QWEN3_MOE, MIXTRAL)

@@ -23,7 +23,7 @@ from .blocks import (Shapes, assemble, expert_rules, gdn_dims, gdn_rules, gdn_te
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
 from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
-from .moe import FUSED_MARKER, STACKED_3D, qwen_experts, qwen_moe_layers
+from .moe import FUSED_MARKER, STACKED_3D, STACKED_QUANT, qwen_experts, qwen_moe_layers
 
 
 __all__ = ["FAMILIES", "QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
@@ -159,7 +159,8 @@ _MOE_FUSED = (QKV, GATE_UP, gate_up("mlp.shared_expert."), *expert_fusions(), *S
 
 
 def _fused(template: object) -> tuple[CheckpointFormat, ...]:
-    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),)),)
+    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),
+                                                           STACKED_QUANT)),)
 
 
 QWEN3_NEXT = Family(

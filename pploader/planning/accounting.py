@@ -220,10 +220,12 @@ def _refuse_stacked(spec: ModelSpec, scheme: Optional[QuantScheme], missing: Seq
                    "save_original_format=False (stacked weights and scales, planned where the "
                    "family names stacked quantized experts: QuantNaming.stacked)")
         else:
-            why = (f"in {scheme.name} storage, not planned for {fam.name}: no writer produces "
-                   "it and vLLM's RoutedExperts.load_weights maps only a stacked weight and its "
-                   "block scales (<param>_scale_inv); AWQ / GPTQ / compressed-tensors experts "
-                   "are written and loaded per expert")
+            why = (f"in {scheme.name} storage, not planned for {fam.name}: pploader plans "
+                   "stacked quantized experts only where the family names them "
+                   "(QuantNaming.stacked: transformers' fine-grained FP8 experts, "
+                   "<param> + <param>_scale_inv, which vLLM's RoutedExperts.load_weights "
+                   "loads); AWQ / GPTQ / compressed-tensors MoE checkpoints store experts one "
+                   "by one")
         raise PlanError(f"a quantization tensor of stacked (3-D) experts {why}",
                         tensor=name, rank=topology.rank)
 

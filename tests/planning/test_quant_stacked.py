@@ -34,34 +34,54 @@ transformers = pytest.importorskip("transformers")
 EXPERTS = 4
 
 
+def _config(kind: str, inter: int):  # type: ignore[no-untyped-def]
+    from transformers import AutoConfig
+    if kind == "qwen3_5_moe":  # gated-delta-net + attention layers, shared expert
+        cfg = AutoConfig.for_model(
+            "qwen3_5_moe_text", vocab_size=128, hidden_size=64, num_hidden_layers=4,
+            layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+            linear_num_value_heads=4, num_experts=EXPERTS, num_experts_per_tok=2,
+            moe_intermediate_size=inter, shared_expert_intermediate_size=32)
+        cfg.architectures = ["Qwen3_5MoeForCausalLM"]
+        return cfg
+    cfg = AutoConfig.for_model(
+        kind, vocab_size=128, hidden_size=64, intermediate_size=inter, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=EXPERTS,
+        num_local_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=inter)
+    cfg.architectures = {"qwen3_moe": ["Qwen3MoeForCausalLM"],
+                         "mixtral": ["MixtralForCausalLM"]}[kind]
+    return cfg
+
+
 def _fp8_moe(root: Path, monkeypatch: pytest.MonkeyPatch, inter: int, block: int,
-             original_format: bool = False) -> Path:
-    """A tiny Qwen3-MoE quantized by transformers' fine-grained FP8 quantizer and saved by
+             original_format: bool = False, kind: str = "qwen3_moe") -> Path:
+    """A tiny MoE quantized by transformers' fine-grained FP8 quantizer and saved by
     ``save_pretrained`` (transformers-5 fused naming unless ``original_format``)."""
-    from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment",
                         lambda self, *a, **k: None)  # CPU: no GPU check; same quantizer code
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=128, hidden_size=64, intermediate_size=128,
-        moe_intermediate_size=inter, num_hidden_layers=2, num_attention_heads=2,
-        num_key_value_heads=2, head_dim=32, num_experts=EXPERTS, num_experts_per_tok=2)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(root / "bf16")
+    AutoModelForCausalLM.from_config(_config(kind, inter), dtype=torch.bfloat16) \
+        .save_pretrained(root / "bf16")
     q = AutoModelForCausalLM.from_pretrained(
-        root / "bf16", dtype=torch.bfloat16,
-        quantization_config=FineGrainedFP8Config(weight_block_size=(block, block)))
+        root / "bf16", dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(
+            weight_block_size=(block, block),
+            # Qwen3.5's 4-row GDN a/b projections and 1-row shared-expert gate stay 16-bit
+            modules_to_not_convert=["in_proj_a", "in_proj_b", "shared_expert_gate", "lm_head"]))
     out = root / "fp8"
     q.save_pretrained(out, save_original_format=original_format)
     return out
 
 
-@pytest.fixture(scope="module")
-def fused(tmp_path_factory: pytest.TempPathFactory) -> Path:
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+def fused(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     mp = pytest.MonkeyPatch()
     try:
-        return _fp8_moe(tmp_path_factory.mktemp("stacked-fp8"), mp, inter=64, block=16)
+        return _fp8_moe(tmp_path_factory.mktemp("stacked-fp8"), mp, inter=64, block=16,
+                        kind=request.param)
     finally:
         mp.undo()
 
@@ -72,7 +92,7 @@ def test_writer_layout_is_stacked_fp8_with_block_scales(fused: Path) -> None:
     gu, gs = ref["model.layers.0.mlp.experts.gate_up_proj"], \
         ref["model.layers.0.mlp.experts.gate_up_proj_scale_inv"]
     dn, ds = ref["model.layers.1.mlp.experts.down_proj"], \
-        ref["model.layers.1.mlp.experts.down_proj_scale_inv"]
+        ref["model.layers.1.mlp.experts.down_proj_scale_inv"]  # [E, H, I]: H = I = 64 here
     assert gu.dtype == dn.dtype == torch.float8_e4m3fn
     assert (tuple(gu.shape), tuple(gs.shape)) == ((EXPERTS, 128, 64), (EXPERTS, 8, 4))
     assert (tuple(dn.shape), tuple(ds.shape)) == ((EXPERTS, 64, 64), (EXPERTS, 4, 4))
@@ -83,7 +103,7 @@ def test_writer_layout_is_stacked_fp8_with_block_scales(fused: Path) -> None:
 def test_stacked_fp8_experts_load_as_the_engine_slices_them(fused: Path, pp: int, tp: int,
                                                             ep: int) -> None:
     ref = reference_tensors(fused)
-    per_stage = 2 // pp
+    per_stage = json.loads((fused / "config.json").read_text())["num_hidden_layers"] // pp
     for rank in range(pp * tp * ep):
         staged = plan_stage(fused, Topology(pp, tp, ep, rank=rank))
         result = load_stage(staged)
@@ -127,8 +147,7 @@ def test_default_save_with_stacked_scales_is_refused(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """transformers' default save of the same model reverts the weights to per-expert
     tensors but keeps the scales stacked (``experts.gate_up_proj_scale_inv`` next to
-    ``experts.N.gate_proj.weight``): refused, naming a tensor, the missing per-expert scales
-    and the stacked ones it does not place."""
+    ``experts.N.gate_proj.weight``): refused, naming the stacked scale and why."""
     model = _fp8_moe(tmp_path, monkeypatch, inter=64, block=16, original_format=True)
     names = set(reference_tensors(model))
     assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names
@@ -137,7 +156,21 @@ def test_default_save_with_stacked_scales_is_refused(tmp_path: Path,
         plan_all(load_spec(model), open_checkpoint(model), pp=2)
     msg = str(err.value)
     assert err.value.tensor is not None and "experts" in err.value.tensor
-    assert "missing" in msg and "experts.gate_up_proj_scale_inv" in msg, msg
+    assert "next to per-expert weights" in msg and "save_original_format=False" in msg, msg
+    assert err.value.tensor.endswith("experts.down_proj_scale_inv"), msg
+
+
+def test_stacked_fp8_in_a_family_without_engine_loader_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mixtral in transformers' fused naming with FP8 experts: transformers writes it, but
+    vLLM's Mixtral has ``block_sparse_moe`` experts named w1 / w3 / w2, so nothing maps
+    ``mlp.experts.gate_up_proj_scale_inv``: refused, naming the scale."""
+    model = _fp8_moe(tmp_path, monkeypatch, inter=64, block=16, kind="mixtral")
+    assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in reference_tensors(model)
+    with pytest.raises(PlanError, match="stacked .3-D. experts in fp8-block storage, not "
+                                        "planned for mixtral") as err:
+        plan_all(load_spec(model), open_checkpoint(model), pp=2)
+    assert err.value.tensor is not None and err.value.tensor.endswith("_scale_inv")
 
 
 def _int_stacked(root: Path, qc: dict, suffixes: dict[str, tuple[torch.dtype, tuple]]
@@ -182,6 +215,7 @@ def _int_stacked(root: Path, qc: dict, suffixes: dict[str, tuple[torch.dtype, tu
 ])
 def test_integer_stacked_experts_are_refused(tmp_path: Path, qc: dict, suffixes: dict) -> None:
     model = _int_stacked(tmp_path / "m", qc, suffixes)
-    with pytest.raises(PlanError) as err:
+    with pytest.raises(PlanError, match="stacked .3-D. experts in .* storage, not planned "
+                                        "for qwen3_moe") as err:
         plan_all(load_spec(model), open_checkpoint(model), pp=1)
     assert err.value.tensor is not None and ".mlp.experts." in err.value.tensor, str(err.value)
