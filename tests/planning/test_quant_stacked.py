@@ -4,15 +4,16 @@ loads them, refused (naming the tensor) elsewhere.
 Planned: transformers' fine-grained FP8 experts (``FP8Experts``) as
 ``save_pretrained(save_original_format=False)`` writes them, made here by transformers'
 own quantizer (``FineGrainedFP8Config``, run on CPU: its GPU check is bypassed, the
-quantization itself is transformers' code) on a tiny Qwen3-MoE and a tiny Qwen3.5-MoE (gated
-delta-net layers, shared expert). Every rank's expert tensors
+quantization itself is transformers' code) on tiny Qwen3-MoE, Qwen3.5-MoE (gated delta-net
+layers, shared expert) and, through the generic family, OLMoE and Qwen2-MoE. Every rank's
+expert tensors
 at PP=2, PP=2 x EP=2 and PP=2 x TP=2, loaded on CPU, equal bitwise the slices of
 tests/stacked_fp8_ref.py (vLLM's ``RoutedExperts.load_weights`` rule).
 
 Refused: a TP size whose slices cut a scale block (vLLM refuses it too: ``fp8.py``,
 "intermediate_size_per_partition ... block_n"); transformers' default save of the same model
 (per-expert fp8 weights with stacked ``*_scale_inv``); stacked FP8 in families pploader does
-not name them for (Mixtral, the generic family); stacked experts in integer (AWQ /
+not name them for (Mixtral, generic types whose vLLM loader was not checked); stacked experts in integer (AWQ /
 compressed-tensors) storage, which no writer produces and no engine loads.
 """
 from __future__ import annotations
@@ -53,6 +54,7 @@ def _config(kind: str, inter: int):  # type: ignore[no-untyped-def]
         num_attention_heads=2, num_key_value_heads=2, head_dim=32, num_experts=EXPERTS,
         num_local_experts=EXPERTS, num_experts_per_tok=2, moe_intermediate_size=inter)
     cfg.architectures = {"qwen3_moe": ["Qwen3MoeForCausalLM"], "olmoe": ["OlmoeForCausalLM"],
+                         "qwen2_moe": ["Qwen2MoeForCausalLM"], "phimoe": ["PhimoeForCausalLM"],
                          "mixtral": ["MixtralForCausalLM"]}[kind]
     return cfg
 
@@ -78,7 +80,7 @@ def _fp8_moe(root: Path, monkeypatch: pytest.MonkeyPatch, inter: int, block: int
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe", "olmoe", "qwen2_moe"])
 def fused(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     mp = pytest.MonkeyPatch()
     try:
@@ -162,13 +164,13 @@ def test_default_save_with_stacked_scales_is_refused(tmp_path: Path,
     assert err.value.tensor.endswith("experts.down_proj_scale_inv"), msg
 
 
-@pytest.mark.parametrize("kind, family", [("mixtral", "mixtral"), ("olmoe", "generic:olmoe")])
+@pytest.mark.parametrize("kind, family", [("mixtral", "mixtral"), ("phimoe", "generic:phimoe")])
 def test_stacked_fp8_in_a_family_without_engine_loader_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kind: str, family: str) -> None:
     """FP8 stacked experts in transformers' fused naming that pploader does not plan, written
     by transformers: Mixtral (vLLM's Mixtral has ``block_sparse_moe`` experts named w1 / w3 /
-    w2, so nothing maps ``mlp.experts.gate_up_proj_scale_inv``) and a generic-family model
-    (OLMoE): refused, naming the scale."""
+    w2, so nothing maps ``mlp.experts.gate_up_proj_scale_inv``) and a generic-family type
+    outside ``hf_experts.STACKED_FP8_TYPES`` (PhiMoE): refused, naming the scale."""
     model = _fp8_moe(tmp_path, monkeypatch, inter=64, block=16, kind=kind)
     assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in reference_tensors(model)
     with pytest.raises(PlanError, match="stacked .3-D. experts in fp8-block storage, not "
