@@ -14,6 +14,11 @@ dim 1 (``chunk(2, dim=1)``: gate, then up), each half loaded as ``w1`` / ``w3``;
 narrows each half on its rows to ``rows // tp`` from ``tp_rank * (rows // tp)``;
 ``down_proj`` and its scales are narrowed on dim 2 (``_load_w2``) the same way. Under EP a
 rank holds experts ``[ep_rank * E / ep, (ep_rank + 1) * E / ep)`` (linear placement).
+
+transformers' default save (``save_original_format=True``) writes the weights per expert
+(``experts.N.gate_proj.weight`` ``[I, H]``...) and keeps the scales stacked; the same loader
+takes a per-expert weight as expert ``N``'s ``w1`` / ``w3`` (rows ``rows // tp`` from
+``tp_rank * (rows // tp)``) or ``w2`` (columns alike), and the stacked scales as above.
 """
 from __future__ import annotations
 
@@ -38,3 +43,19 @@ def expert_slice(name: str, full: torch.Tensor, tp: int, tp_rank: int, ep: int,
     if leaf in ("down_proj", "down_proj_scale_inv"):
         return t[:, :, _rows(t.shape[2], tp, tp_rank)]
     raise AssertionError(f"no reference for {name}")
+
+
+def per_expert_slice(name: str, full: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    """What TP rank ``tp_rank`` holds of per-expert weight ``name`` (an expert of its EP
+    block: ``expert_id`` below)."""
+    proj = name.rsplit(".", 2)[-2]
+    if proj in ("gate_proj", "up_proj"):
+        return full[_rows(full.shape[0], tp, tp_rank)]
+    if proj == "down_proj":
+        return full[:, _rows(full.shape[1], tp, tp_rank)]
+    raise AssertionError(f"no reference for {name}")
+
+
+def expert_id(name: str) -> int:
+    """``N`` of ``...experts.N.<proj>.weight``."""
+    return int(name.split(".experts.")[1].split(".")[0])

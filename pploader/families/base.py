@@ -139,11 +139,20 @@ class QuantNaming:
     the parameter's name followed by the suffix less its leading weight name
     (``experts.gate_up_proj_scale_inv``: transformers' ``_alloc_expert_proj`` and the
     ``weight_scale_inv`` -> ``_scale_inv`` rule of ``HfQuantizer.update_weight_conversions``).
-    Only for schemes that store the weight itself (``weight``)."""
+    Only for schemes that store the weight itself (``weight``).
+
+    ``external``: a regex searched in weight names whose companions are not stored next to
+    them but as tensors of their own that the family's template names (transformers'
+    default save of a fine-grained-FP8 MoE: per-expert weights, stacked ``_scale_inv``)."""
 
     weight: str = "weight"
     logical: str = "weight"
     stacked: tuple[str, ...] = ()
+    external: str = ""
+
+    def has_companions(self, weight: str) -> bool:
+        """False for a weight whose companions are stored elsewhere (``external``)."""
+        return not self.external or re.search(self.external, weight) is None
 
     def is_stacked(self, name: str) -> bool:
         """True for a stacked expert parameter named as a weight (see ``stacked``)."""

@@ -214,11 +214,13 @@ def _refuse_stacked(spec: ModelSpec, scheme: Optional[QuantScheme], missing: Seq
         if hit is None or hit.end() == len(comp):
             continue
         if comp[hit.end():] in tails and first is not None and first.expert is not None:
-            why = ("next to per-expert weights: transformers' default save_pretrained of a "
-                   "fine-grained-FP8 MoE reverts the weights to experts.N.* tensors but keeps "
-                   "their scales stacked, a layout pploader does not split; save it with "
-                   "save_original_format=False (stacked weights and scales, planned where the "
-                   "family names stacked quantized experts: QuantNaming.stacked)")
+            why = (f"next to per-expert weights, not planned for {fam.name}: "
+                   "transformers' default save_pretrained of a fine-grained-FP8 MoE reverts "
+                   "the weights to experts.N.* tensors but keeps their scales stacked (a "
+                   "layout only families with that format plan: families/moe.py, Qwen3-MoE); "
+                   "save it with save_original_format=False (stacked weights and scales, "
+                   "planned where the family names stacked quantized experts: "
+                   "QuantNaming.stacked)")
         else:
             why = (f"in {scheme.name} storage, not planned for {fam.name}: pploader plans "
                    "stacked quantized experts only where the family names them "
@@ -248,10 +250,11 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     names = list(expected)
     weight = scheme.naming.logical  # the template's weight name (stored: naming.weight)
     naming = scheme.naming
-    if naming.stacked:  # stacked expert parameters (``experts.gate_up_proj``) are weights too
-        weighty: list[str] = [n.rpartition(".")[2] if naming.is_stacked(n) else
-                              weight if n == weight or n.endswith("." + weight) else ""
-                              for n in names]
+    if naming.stacked or naming.external:  # stacked expert parameters are weights too; a
+        weighty: list[str] = [  # weight with its companions elsewhere expands to itself
+            n.rpartition(".")[2] if naming.is_stacked(n) else
+            weight if (n == weight or n.endswith("." + weight)) and naming.has_companions(n)
+            else "" for n in names]
     elif weight in expected:  # a bare "weight" is weight-named too
         weighty = [weight if n == weight or n.endswith("." + weight) else "" for n in names]
     else:

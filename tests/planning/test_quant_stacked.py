@@ -6,14 +6,16 @@ Planned: transformers' fine-grained FP8 experts (``FP8Experts``) as
 own quantizer (``FineGrainedFP8Config``, run on CPU: its GPU check is bypassed, the
 quantization itself is transformers' code) on tiny Qwen3-MoE, Qwen3.5-MoE (gated delta-net
 layers, shared expert) and, through the generic family, OLMoE and Qwen2-MoE. Every rank's
-expert tensors
-at PP=2, PP=2 x EP=2 and PP=2 x TP=2, loaded on CPU, equal bitwise the slices of
-tests/stacked_fp8_ref.py (vLLM's ``RoutedExperts.load_weights`` rule).
+expert tensors at PP=2, PP=2 x EP=2 and PP=2 x TP=2, loaded on CPU, equal bitwise the slices
+of tests/stacked_fp8_ref.py (vLLM's ``RoutedExperts.load_weights`` rule).
+
+Also planned for Qwen3-MoE: transformers' default save of the same model (per-expert fp8
+weights, the scales stacked), checked bitwise the same way.
 
 Refused: a TP size whose slices cut a scale block (vLLM refuses it too: ``fp8.py``,
-"intermediate_size_per_partition ... block_n"); transformers' default save of the same model
-(per-expert fp8 weights with stacked ``*_scale_inv``); stacked FP8 in families pploader does
-not name them for (Mixtral, generic types whose vLLM loader was not checked); stacked experts in integer (AWQ /
+"intermediate_size_per_partition ... block_n"); the default save in a family without that
+format (Qwen3.5-MoE); stacked FP8 in families pploader does not name them for (Mixtral,
+generic types whose vLLM loader was not checked); stacked experts in integer (AWQ /
 compressed-tensors) storage, which no writer produces and no engine loads.
 """
 from __future__ import annotations
@@ -30,7 +32,7 @@ from pploader import PlanError, Topology, load_stage, plan_stage
 from pploader.planning.checkpoint import open_checkpoint
 from pploader.planning.plan import plan_all
 from pploader.planning.spec import load_spec
-from stacked_fp8_ref import expert_slice
+from stacked_fp8_ref import expert_id, expert_slice, per_expert_slice
 
 transformers = pytest.importorskip("transformers")
 
@@ -147,21 +149,71 @@ def test_tp_cutting_an_expert_scale_block_is_refused(tmp_path: Path,
     assert err.value.tensor.endswith(("gate_up_proj", "down_proj")), msg
 
 
-def test_default_save_with_stacked_scales_is_refused(tmp_path: Path,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    """transformers' default save of the same model reverts the weights to per-expert
-    tensors but keeps the scales stacked (``experts.gate_up_proj_scale_inv`` next to
-    ``experts.N.gate_proj.weight``): refused, naming the stacked scale and why."""
-    model = _fp8_moe(tmp_path, monkeypatch, inter=64, block=16, original_format=True)
-    names = set(reference_tensors(model))
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in names
-    assert "model.layers.0.mlp.experts.gate_up_proj_scale_inv" in names
+@pytest.fixture(scope="module")
+def default_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """transformers' default save of the quantized Qwen3-MoE: per-expert fp8 weights, the
+    scales stacked (``experts.gate_up_proj_scale_inv`` next to ``experts.N.gate_proj``)."""
+    mp = pytest.MonkeyPatch()
+    try:
+        return _fp8_moe(tmp_path_factory.mktemp("default-save"), mp, inter=64, block=16,
+                        original_format=True)
+    finally:
+        mp.undo()
+
+
+@pytest.mark.parametrize("pp, tp, ep", [(2, 1, 1), (2, 1, 2), (2, 2, 1)])
+def test_default_save_loads_as_the_engine_slices_it(default_save: Path, pp: int, tp: int,
+                                                    ep: int) -> None:
+    ref = reference_tensors(default_save)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in ref
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv" not in ref
+    per_ep = EXPERTS // ep
+    for rank in range(pp * tp * ep):
+        staged = plan_stage(default_save, Topology(pp, tp, ep, rank=rank))
+        result = load_stage(staged)
+        t = staged.plan.topology
+        w = staged.plan.window
+        layers = range(w.start_layer, w.end_layer)
+        mine = range(t.ep_rank * per_ep, (t.ep_rank + 1) * per_ep)
+        want = {n for n in ref if ".mlp.experts." in n and int(n.split(".")[2]) in layers
+                and (n.endswith("_scale_inv") or expert_id(n) in mine)}
+        got = {n for n in result.state_dict if ".mlp.experts." in n}
+        assert got == want, (rank, sorted(got ^ want))
+        for name in sorted(want):
+            piece = expert_slice(name, ref[name], tp, t.tp_rank, ep, t.ep_rank) \
+                if name.endswith("_scale_inv") else per_expert_slice(name, ref[name], tp,
+                                                                      t.tp_rank)
+            got_t = result.state_dict[name]
+            assert got_t.dtype == piece.dtype and got_t.shape == piece.shape, (rank, name)
+            assert torch.equal(got_t.view(torch.uint8), piece.contiguous().view(torch.uint8)), \
+                (rank, name)
+
+
+def test_default_save_cutting_a_block_is_refused(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default save with moe_intermediate_size 48 in 16-blocks: TP=2 cuts a block of
+    each expert's weight (its scales are stacked, the block is the scheme's): refused."""
+    model = _fp8_moe(tmp_path, monkeypatch, inter=48, block=16, original_format=True)
+    spec, index = load_spec(model), open_checkpoint(model)
+    plan_all(spec, index, pp=2, ep=2)
+    with pytest.raises(PlanError) as err:
+        plan_all(spec, index, pp=2, tp=2)
+    msg = str(err.value)
+    assert "cuts" in msg and "block 16" in msg, msg
+    assert err.value.tensor is not None and ".mlp.experts." in err.value.tensor, msg
+
+
+def test_default_save_in_a_family_without_that_format_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same layout for Qwen3.5-MoE (not planned there): refused, naming the stacked
+    scale and why."""
+    model = _fp8_moe(tmp_path, monkeypatch, inter=64, block=16, original_format=True,
+                     kind="qwen3_5_moe")
     with pytest.raises(PlanError) as err:
         plan_all(load_spec(model), open_checkpoint(model), pp=2)
     msg = str(err.value)
-    assert err.value.tensor is not None and "experts" in err.value.tensor
     assert "next to per-expert weights" in msg and "save_original_format=False" in msg, msg
-    assert err.value.tensor.endswith("experts.down_proj_scale_inv"), msg
+    assert err.value.tensor is not None and err.value.tensor.endswith("_scale_inv"), msg
 
 
 @pytest.mark.parametrize("kind, family", [("mixtral", "mixtral"), ("phimoe", "generic:phimoe")])

