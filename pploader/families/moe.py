@@ -65,7 +65,7 @@ def qwen_experts(spec: SpecView, *, fused: bool, prefix: str = "mlp.") -> Shapes
 
 def _fp8_blocks(spec: SpecView) -> tuple[int, int]:
     """``weight_block_size`` of a fine-grained FP8 config (stacked scales need blocks)."""
-    found = spec.config.get("quantization_config")
+    found = spec.config.get("quantization_config") or spec.full_config.get("quantization_config")
     qc: Mapping = found if isinstance(found, Mapping) else {}
     block = qc.get("weight_block_size")
     if str(qc.get("quant_method", "")).lower() != "fp8" or not isinstance(block, list) \

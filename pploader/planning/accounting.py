@@ -217,7 +217,8 @@ def _refuse_stacked(spec: ModelSpec, scheme: Optional[QuantScheme], missing: Seq
             why = (f"next to per-expert weights, not planned for {fam.name}: "
                    "transformers' default save_pretrained of a fine-grained-FP8 MoE reverts "
                    "the weights to experts.N.* tensors but keeps their scales stacked (a "
-                   "layout only families with that format plan: families/moe.py, Qwen3-MoE); "
+                   "layout only families with that format plan: Qwen3-MoE, Qwen3-Next, "
+                   "Qwen3.5-MoE); "
                    "save it with save_original_format=False (stacked weights and scales, "
                    "planned where the family names stacked quantized experts: "
                    "QuantNaming.stacked)")

@@ -9,12 +9,12 @@ layers, shared expert) and, through the generic family, OLMoE and Qwen2-MoE. Eve
 expert tensors at PP=2, PP=2 x EP=2 and PP=2 x TP=2, loaded on CPU, equal bitwise the slices
 of tests/stacked_fp8_ref.py (vLLM's ``RoutedExperts.load_weights`` rule).
 
-Also planned for Qwen3-MoE: transformers' default save of the same model (per-expert fp8
-weights, the scales stacked), checked bitwise the same way.
+Also planned for Qwen3-MoE and Qwen3.5-MoE: transformers' default save of the same model
+(per-expert fp8 weights, the scales stacked), checked bitwise the same way.
 
 Refused: a TP size whose slices cut a scale block (vLLM refuses it too: ``fp8.py``,
 "intermediate_size_per_partition ... block_n"); the default save in a family without that
-format (Qwen3.5-MoE); stacked FP8 in families pploader does not name them for (Mixtral,
+format (Mixtral); stacked FP8 in families pploader does not name them for (Mixtral,
 generic types whose vLLM loader was not checked); stacked experts in integer (AWQ /
 compressed-tensors) storage, which no writer produces and no engine loads.
 """
@@ -149,14 +149,15 @@ def test_tp_cutting_an_expert_scale_block_is_refused(tmp_path: Path,
     assert err.value.tensor.endswith(("gate_up_proj", "down_proj")), msg
 
 
-@pytest.fixture(scope="module")
-def default_save(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """transformers' default save of the quantized Qwen3-MoE: per-expert fp8 weights, the
-    scales stacked (``experts.gate_up_proj_scale_inv`` next to ``experts.N.gate_proj``)."""
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+def default_save(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+                 ) -> Path:
+    """transformers' default save of the quantized model: per-expert fp8 weights, the scales
+    stacked (``experts.gate_up_proj_scale_inv`` next to ``experts.N.gate_proj``)."""
     mp = pytest.MonkeyPatch()
     try:
         return _fp8_moe(tmp_path_factory.mktemp("default-save"), mp, inter=64, block=16,
-                        original_format=True)
+                        original_format=True, kind=request.param)
     finally:
         mp.undo()
 
@@ -205,15 +206,18 @@ def test_default_save_cutting_a_block_is_refused(tmp_path: Path,
 
 def test_default_save_in_a_family_without_that_format_is_refused(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The same layout for Qwen3.5-MoE (not planned there): refused, naming the stacked
-    scale and why."""
+    """The same layout for Mixtral (vLLM's Mixtral maps no stacked scale): refused, naming a
+    tensor, the per-expert scales it lacks and the stacked ones it has."""
     model = _fp8_moe(tmp_path, monkeypatch, inter=64, block=16, original_format=True,
-                     kind="qwen3_5_moe")
+                     kind="mixtral")
+    assert "model.layers.0.block_sparse_moe.experts.gate_up_proj_scale_inv" in \
+        reference_tensors(model)
     with pytest.raises(PlanError) as err:
         plan_all(load_spec(model), open_checkpoint(model), pp=2)
     msg = str(err.value)
-    assert "next to per-expert weights" in msg and "save_original_format=False" in msg, msg
-    assert err.value.tensor is not None and err.value.tensor.endswith("_scale_inv"), msg
+    assert "missing" in msg and "experts.0.w1.weight_scale_inv" in msg, msg
+    assert "not expected" in msg and "experts.gate_up_proj_scale_inv" in msg, msg
+    assert err.value.tensor is not None and ".experts." in err.value.tensor, msg
 
 
 @pytest.mark.parametrize("kind, family", [("mixtral", "mixtral"), ("phimoe", "generic:phimoe")])
