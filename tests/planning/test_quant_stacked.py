@@ -21,6 +21,7 @@ compressed-tensors) storage, which no writer produces and no engine loads.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -41,14 +42,21 @@ EXPERTS = 4
 
 def _config(kind: str, inter: int):  # type: ignore[no-untyped-def]
     from transformers import AutoConfig
-    if kind == "qwen3_5_moe":  # gated-delta-net + attention layers, shared expert
-        cfg = AutoConfig.for_model(
-            "qwen3_5_moe_text", vocab_size=128, hidden_size=64, num_hidden_layers=4,
+    if kind.startswith("qwen3_5_moe"):  # gated-delta-net + attention layers, shared expert
+        text = dict(
+            vocab_size=128, hidden_size=64, num_hidden_layers=4,
             layer_types=["linear_attention", "full_attention"] * 2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, linear_conv_kernel_dim=4,
             linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
             linear_num_value_heads=4, num_experts=EXPERTS, num_experts_per_tok=2,
             moe_intermediate_size=inter, shared_expert_intermediate_size=32)
+        if kind.endswith("_vl"):  # the released form: LM under model.language_model.
+            cfg = AutoConfig.for_model("qwen3_5_moe", text_config=text, vision_config=dict(
+                depth=1, hidden_size=32, intermediate_size=64, num_heads=2, patch_size=8,
+                out_hidden_size=64))
+            cfg.architectures = ["Qwen3_5MoeForConditionalGeneration"]
+            return cfg
+        cfg = AutoConfig.for_model("qwen3_5_moe_text", **text)
         cfg.architectures = ["Qwen3_5MoeForCausalLM"]
         return cfg
     cfg = AutoConfig.for_model(
@@ -65,24 +73,31 @@ def _fp8_moe(root: Path, monkeypatch: pytest.MonkeyPatch, inter: int, block: int
              original_format: bool = False, kind: str = "qwen3_moe") -> Path:
     """A tiny MoE quantized by transformers' fine-grained FP8 quantizer and saved by
     ``save_pretrained`` (transformers-5 fused naming unless ``original_format``)."""
-    from transformers import AutoModelForCausalLM, FineGrainedFP8Config
+    from transformers import (AutoModelForCausalLM, AutoModelForImageTextToText,
+                              FineGrainedFP8Config)
     from transformers.quantizers.quantizer_finegrained_fp8 import FineGrainedFP8HfQuantizer
     monkeypatch.setattr(FineGrainedFP8HfQuantizer, "validate_environment",
                         lambda self, *a, **k: None)  # CPU: no GPU check; same quantizer code
+    auto = AutoModelForImageTextToText if kind.endswith("_vl") else AutoModelForCausalLM
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(_config(kind, inter), dtype=torch.bfloat16) \
-        .save_pretrained(root / "bf16")
-    q = AutoModelForCausalLM.from_pretrained(
+    auto.from_config(_config(kind, inter), dtype=torch.bfloat16).save_pretrained(root / "bf16")
+    q = auto.from_pretrained(
         root / "bf16", dtype=torch.bfloat16, quantization_config=FineGrainedFP8Config(
             weight_block_size=(block, block),
             # Qwen3.5's 4-row GDN a/b projections and 1-row shared-expert gate stay 16-bit
-            modules_to_not_convert=["in_proj_a", "in_proj_b", "shared_expert_gate", "lm_head"]))
+            modules_to_not_convert=["in_proj_a", "in_proj_b", "shared_expert_gate", "lm_head",
+                                    "visual"]))
     out = root / "fp8"
     q.save_pretrained(out, save_original_format=original_format)
     return out
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe", "olmoe", "qwen2_moe"])
+def _layer(name: str) -> int:
+    return int(re.search(r"\.layers\.(\d+)\.", name).group(1))  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_vl", "olmoe",
+                                        "qwen2_moe"])
 def fused(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     mp = pytest.MonkeyPatch()
     try:
@@ -95,10 +110,12 @@ def fused(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 def test_writer_layout_is_stacked_fp8_with_block_scales(fused: Path) -> None:
     """The checkpoint holds what the docstring says (the layout the reference assumes)."""
     ref = reference_tensors(fused)
-    gu, gs = ref["model.layers.0.mlp.experts.gate_up_proj"], \
-        ref["model.layers.0.mlp.experts.gate_up_proj_scale_inv"]
-    dn, ds = ref["model.layers.1.mlp.experts.down_proj"], \
-        ref["model.layers.1.mlp.experts.down_proj_scale_inv"]  # [E, H, I]: H = I = 64 here
+    lm = "model.language_model." if "model.language_model.layers.0.input_layernorm.weight" \
+        in ref else "model."
+    gu, gs = ref[lm + "layers.0.mlp.experts.gate_up_proj"], \
+        ref[lm + "layers.0.mlp.experts.gate_up_proj_scale_inv"]
+    dn, ds = ref[lm + "layers.1.mlp.experts.down_proj"], \
+        ref[lm + "layers.1.mlp.experts.down_proj_scale_inv"]  # [E, H, I]: H = I = 64 here
     assert gu.dtype == dn.dtype == torch.float8_e4m3fn
     assert (tuple(gu.shape), tuple(gs.shape)) == ((EXPERTS, 128, 64), (EXPERTS, 8, 4))
     assert (tuple(dn.shape), tuple(ds.shape)) == ((EXPERTS, 64, 64), (EXPERTS, 4, 4))
@@ -109,7 +126,8 @@ def test_writer_layout_is_stacked_fp8_with_block_scales(fused: Path) -> None:
 def test_stacked_fp8_experts_load_as_the_engine_slices_them(fused: Path, pp: int, tp: int,
                                                             ep: int) -> None:
     ref = reference_tensors(fused)
-    per_stage = json.loads((fused / "config.json").read_text())["num_hidden_layers"] // pp
+    config = json.loads((fused / "config.json").read_text())
+    per_stage = config.get("text_config", config)["num_hidden_layers"] // pp
     for rank in range(pp * tp * ep):
         staged = plan_stage(fused, Topology(pp, tp, ep, rank=rank))
         result = load_stage(staged)
@@ -119,7 +137,7 @@ def test_stacked_fp8_experts_load_as_the_engine_slices_them(fused: Path, pp: int
         assert (w.start_layer, w.end_layer) == (pp_rank * per_stage, (pp_rank + 1) * per_stage)
         assert (staged.plan.topology.tp_rank, staged.plan.topology.ep_rank) == (tp_rank, ep_rank)
         want = {n for n in ref if ".mlp.experts." in n
-                and int(n.split(".")[2]) in range(w.start_layer, w.end_layer)}
+                and _layer(n) in range(w.start_layer, w.end_layer)}
         got = {n for n in result.state_dict if ".mlp.experts." in n}
         assert got == want, (rank, sorted(got ^ want))
         assert len(want) == 4 * per_stage
@@ -149,7 +167,7 @@ def test_tp_cutting_an_expert_scale_block_is_refused(tmp_path: Path,
     assert err.value.tensor.endswith(("gate_up_proj", "down_proj")), msg
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen3_5_moe", "qwen3_5_moe_vl"])
 def default_save(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
                  ) -> Path:
     """transformers' default save of the quantized model: per-expert fp8 weights, the scales
@@ -166,8 +184,9 @@ def default_save(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
 def test_default_save_loads_as_the_engine_slices_it(default_save: Path, pp: int, tp: int,
                                                     ep: int) -> None:
     ref = reference_tensors(default_save)
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in ref
-    assert "model.layers.0.mlp.experts.0.gate_proj.weight_scale_inv" not in ref
+    assert any(n.endswith("layers.0.mlp.experts.0.gate_proj.weight") for n in ref)
+    assert any(n.endswith("layers.0.mlp.experts.gate_up_proj_scale_inv") for n in ref)
+    assert not any(n.endswith("experts.0.gate_proj.weight_scale_inv") for n in ref)
     per_ep = EXPERTS // ep
     for rank in range(pp * tp * ep):
         staged = plan_stage(default_save, Topology(pp, tp, ep, rank=rank))
@@ -176,7 +195,7 @@ def test_default_save_loads_as_the_engine_slices_it(default_save: Path, pp: int,
         w = staged.plan.window
         layers = range(w.start_layer, w.end_layer)
         mine = range(t.ep_rank * per_ep, (t.ep_rank + 1) * per_ep)
-        want = {n for n in ref if ".mlp.experts." in n and int(n.split(".")[2]) in layers
+        want = {n for n in ref if ".mlp.experts." in n and _layer(n) in layers
                 and (n.endswith("_scale_inv") or expert_id(n) in mine)}
         got = {n for n in result.state_dict if ".mlp.experts." in n}
         assert got == want, (rank, sorted(got ^ want))
