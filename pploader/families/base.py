@@ -133,10 +133,36 @@ class QuantNaming:
     the suffixes come from the quantization scheme, planning/quant.py). The planner asks the
     family's naming instead of cutting names itself. ``weight`` is the stored weight's last
     name part (``qweight`` for AWQ / GPTQ, ``weight_packed`` for compressed-tensors int4: the
-    scheme sets it), ``logical`` the one templates and TP rules use."""
+    scheme sets it), ``logical`` the one templates and TP rules use.
+
+    ``stacked``: last name parts of stacked 3-D expert parameters that are weights themselves
+    (transformers' ``FP8Experts``: ``experts.gate_up_proj`` [E, 2I, H]). Their companions are
+    the parameter's name followed by the suffix less its leading weight name
+    (``experts.gate_up_proj_scale_inv``: transformers' ``_alloc_expert_proj`` and the
+    ``weight_scale_inv`` -> ``_scale_inv`` rule of ``HfQuantizer.update_weight_conversions``).
+    Only for schemes that store the weight itself (``weight``).
+
+    ``external``: a regex searched in weight names whose companions are not stored next to
+    them but as tensors of their own that the family's template names (transformers'
+    default save of a fine-grained-FP8 MoE: per-expert weights, stacked ``_scale_inv``)."""
 
     weight: str = "weight"
     logical: str = "weight"
+    stacked: tuple[str, ...] = ()
+    external: str = ""
+
+    def has_companions(self, weight: str) -> bool:
+        """False for a weight whose companions are stored elsewhere (``external``)."""
+        return not self.external or re.search(self.external, weight) is None
+
+    def is_stacked(self, name: str) -> bool:
+        """True for a stacked expert parameter named as a weight (see ``stacked``)."""
+        return bool(self.stacked) and self.weight == self.logical == "weight" and \
+            name.rpartition(".")[2] in self.stacked
+
+    def _stem(self, weight: str) -> int:
+        """Length of the part of weight name ``weight`` its companions' names share."""
+        return len(weight) if self.is_stacked(weight) else len(weight) - len(self.weight)
 
     def stored(self, logical_name: str) -> str:
         """The stored weight's name (or component) for a logical one (``x.weight`` ->
@@ -154,10 +180,16 @@ class QuantNaming:
         return name[:len(name) - len(self.weight)] + self.logical
 
     def is_weight(self, name: str) -> bool:
-        return name == self.weight or name.endswith("." + self.weight)
+        return name == self.weight or name.endswith("." + self.weight) or self.is_stacked(name)
+
+    def _stacked_tail(self, suffix: str) -> str:
+        """What a stacked parameter's companion ``suffix`` appends to its name."""
+        return suffix[len(self.weight):] if suffix.startswith(self.weight) else "_" + suffix
 
     def companion(self, weight: str, suffix: str) -> str:
         """The name of weight ``weight``'s companion ``suffix``."""
+        if self.is_stacked(weight):
+            return weight + self._stacked_tail(suffix)
         return weight[:len(weight) - len(self.weight)] + suffix
 
     def weight_of(self, name: str, suffixes: Iterable[str]) -> Optional[tuple[str, str]]:
@@ -166,23 +198,31 @@ class QuantNaming:
         for suffix in suffixes if len(suffixes) < 2 else sorted(suffixes, key=len, reverse=True):
             if name == suffix or name.endswith("." + suffix):
                 return name[:len(name) - len(suffix)] + self.weight, suffix
+            tail = self._stacked_tail(suffix)
+            if self.stacked and name.endswith(tail) and self.is_stacked(name[:-len(tail)]):
+                return name[:-len(tail)], suffix
         return None
 
     def companion_component(self, weight_component: str, weight: str, name: str) -> str:
         """The component of companion ``name`` of ``weight``, from the weight's component
         (``mlp.w.weight`` -> ``mlp.w.weight_scale_inv``)."""
-        tail = name[len(weight) - len(self.weight):]
-        return weight_component[:len(weight_component) - len(self.weight)] + tail
+        tail = name[self._stem(weight):]
+        return weight_component[:len(weight_component) - (len(weight) - self._stem(weight))] \
+            + tail
 
     def weight_component(self, companion_component: str, name: str, weight: str) -> str:
         """The component of ``weight``, from its companion ``name``'s component (inverse of
         :meth:`companion_component`)."""
-        tail = name[len(weight) - len(self.weight):]
-        return companion_component[:len(companion_component) - len(tail)] + self.weight
+        tail = name[self._stem(weight):]
+        return companion_component[:len(companion_component) - len(tail)] \
+            + weight[self._stem(weight):]
 
     def module_of(self, name: str) -> str:
-        """The module of weight ``name`` (``a.b.weight`` / ``a.b.qweight`` -> ``a.b``); other
-        names unchanged."""
+        """The module of weight ``name`` (``a.b.weight`` / ``a.b.qweight`` -> ``a.b``; a
+        stacked parameter ``a.experts.gate_up_proj`` -> ``a.experts``); other names
+        unchanged."""
+        if self.is_stacked(name):
+            return name.rpartition(".")[0]
         for last in (self.weight, self.logical):
             if name.endswith("." + last):
                 return name[:-len(last) - 1]

@@ -30,7 +30,8 @@ from typing import Any, Mapping, Optional
 
 from .cache_dims import key_projection, param_cache_dims
 from .generic_mtp import num_mtp_layers, with_mtp
-from .base import CheckpointFormat, Family, GlobalRule, Layout, SpecView
+from .base import CheckpointFormat, Family, GlobalRule, Layout, QuantNaming, SpecView
+from .hf_experts import STACKED_FP8_TYPES
 from .hf_meta import MetaModel, Naming, derive
 from .fused_qkv import kv_aliases
 from .generic_tp import shard_rules
@@ -117,7 +118,10 @@ def _naming_fields(naming: Naming, meta: MetaModel) -> dict[str, Any]:
             return {**template, head: head_shape}  # tied config, head stored: read as head
         return template
     fused = "|".join(re.escape(c) for c in naming.fused_components) or None
+    stacked = tuple(sorted({c.rpartition(".")[2] for c in naming.fused_components})) \
+        if meta.model_type in STACKED_FP8_TYPES else ()
     return dict(layer_prefix=naming.layer_prefix, globals=tuple(globals_),
+                quant_naming=QuantNaming(stacked=stacked),
                 expert_pattern=naming.expert_pattern, fused_expert_pattern=fused,
                 template=template_of, format=naming.name, shared=naming.shared,
                 unrun=frozenset(naming.unrun),

@@ -6,7 +6,17 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["COUNT_ATTRS", "declared_experts", "routed_count", "ids_below", "halved_experts"]
+__all__ = ["COUNT_ATTRS", "declared_experts", "routed_count", "ids_below", "halved_experts",
+           "STACKED_FP8_TYPES"]
+
+#: model types whose stacked experts in transformers' naming may be stored as transformers'
+#: fine-grained FP8 (``mlp.experts.gate_up_proj`` + ``gate_up_proj_scale_inv``; families/base.py
+#: ``QuantNaming.stacked``) because vLLM 0.32 loads them: the MoE block sits at
+#: ``mlp.experts`` as in transformers, built by ``FusedMoEFactory`` with the default
+#: gate_proj / up_proj / down_proj names, and the model loads through ``AutoWeightsLoader``
+#: down to ``RoutedExperts.load_weights`` (models/olmoe.py, models/qwen2_moe.py). Other
+#: types' stacked quantized experts are refused naming the tensor.
+STACKED_FP8_TYPES = frozenset({"olmoe", "qwen2_moe"})
 
 
 #: attributes expert modules declare their expert count under (JetMoE's ParallelExperts,

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .base import CheckpointFormat, Family, Layout, SpecView, cfg, cfg_opt
+from ..errors import ConfigError
+from .base import (CheckpointFormat, Family, Layout, QuantNaming, ShardRule, SpecView, cfg,
+                   cfg_opt)
 from .cache_dims import CacheDims
 from .windows import qwen_moe_windows, uniform_windows
 from .blocks import Shapes, assemble, expert_rules, expert_tensors, num_experts_of
@@ -19,11 +21,19 @@ from .common import (attention_rules, attention_tensors, globals_tensors, llama_
 from .fused import GATE_UP, QKV, expert_fusions, stacked_renames
 
 
-__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "qwen_moe_layers",
+__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "STACKED_QUANT", "stacked_scales", "qwen_moe_layers",
            "qwen_experts"]
 
 #: A transformers-format checkpoint: some layer holds fused 3-D experts.
 FUSED_MARKER = r"\.experts\.gate_up_proj$"
+
+#: transformers' naming of quantized stacked experts (``FP8Experts``: ``gate_up_proj`` fp8
+#: [E, 2I, H] with ``gate_up_proj_scale_inv`` [E, 2I/bn, H/bk]; families/base.py QuantNaming),
+#: for the families whose vLLM model loads them (AutoWeightsLoader -> ``RoutedExperts.
+#: load_weights``: Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE). Not Mixtral: vLLM's Mixtral module is
+#: ``block_sparse_moe`` with ``w1`` / ``w3`` names, so transformers' ``mlp.experts.*`` naming
+#: is not mapped there.
+STACKED_QUANT = ("quant_naming", QuantNaming(stacked=("gate_up_proj", "down_proj")))
 
 #: transformers' 3-D ``mlp.experts.gate_up_proj`` / ``down_proj`` -> ``w13_weight`` / ``w2_weight``
 #: (same layout), so one stacked-expert module loads both namings.
@@ -53,7 +63,50 @@ def qwen_experts(spec: SpecView, *, fused: bool, prefix: str = "mlp.") -> Shapes
                              spec.int("moe_intermediate_size"), fused=fused)}
 
 
-def _qwen3_moe_template(spec: SpecView, fused: bool = False) -> Shapes:
+def _fp8_blocks(spec: SpecView) -> tuple[int, int]:
+    """``weight_block_size`` of a fine-grained FP8 config (stacked scales need blocks)."""
+    found = spec.config.get("quantization_config") or spec.full_config.get("quantization_config")
+    qc: Mapping = found if isinstance(found, Mapping) else {}
+    block = qc.get("weight_block_size")
+    if str(qc.get("quant_method", "")).lower() != "fp8" or not isinstance(block, list) \
+            or len(block) != 2:
+        raise ConfigError("stacked experts.*_scale_inv next to per-expert weights are "
+                          "transformers' fine-grained FP8 (quant_method fp8 with "
+                          f"weight_block_size); this config has {dict(qc)!r}",
+                          file="config.json")
+    return int(block[0]), int(block[1])
+
+
+def stacked_scales(spec: SpecView, prefix: str = "mlp.experts.") -> Shapes:
+    """transformers' default save of a fine-grained-FP8 MoE: per-expert fp8 weights, their
+    block scales stacked as ``FP8Experts`` holds them (``_alloc_expert_proj``: gate_up
+    ``[E, max(ceil(2I/bn), 2), ceil(H/bk)]``, down ``[E, ceil(H/bn), ceil(I/bk)]``)."""
+    bn, bk = _fp8_blocks(spec)
+    e, h, i = spec.num_experts, spec.hidden_size, spec.int("moe_intermediate_size")
+    return {prefix + "gate_up_proj_scale_inv": (e, max(-(-2 * i // bn), 2), -(-h // bk)),
+            prefix + "down_proj_scale_inv": (e, -(-h // bn), -(-i // bk))}
+
+
+def _scale_halves(spec: SpecView) -> tuple[int, ...]:
+    rows = spec.int("moe_intermediate_size") // _fp8_blocks(spec)[0]
+    return (rows, rows)
+
+
+#: those stacked scales under TP as vLLM's ``RoutedExperts.load_weights`` takes a stacked
+#: tensor (``chunk(2, dim=1)``, each half's rows split per rank; down on dim 2); each rank's
+#: per-expert weights are whole blocks (else refused on the weight), so the scales are too
+STACKED_SCALE_RULES = (
+    ShardRule(r"mlp\.experts\.gate_up_proj_scale_inv", 1, segments=_scale_halves,
+              replicate=False),
+    ShardRule(r"mlp\.experts\.down_proj_scale_inv", 2, replicate=False))
+
+#: the format of those checkpoints: per-expert weights without companions of their own
+SCALES_MARKER = r"\.experts\.(gate_up_proj|down_proj)_scale_inv$"
+EXTERNAL_SCALES = ("quant_naming", QuantNaming(
+    external=r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"))
+
+
+def _qwen3_moe_template(spec: SpecView, fused: bool = False, scales: bool = False) -> Shapes:
     h = spec.hidden_size
     bias = bool(spec.config.get("attention_bias", False))
 
@@ -62,6 +115,8 @@ def _qwen3_moe_template(spec: SpecView, fused: bool = False) -> Shapes:
                        **attention_tensors(spec, bias=bias, o_bias=bias, qk_norm=True)}
         if i in spec.moe_layers:
             out.update(qwen_experts(spec, fused=fused))
+            if scales:
+                out.update(stacked_scales(spec))
         else:
             out.update(mlp_tensors(h, spec.int("intermediate_size")))
         return out
@@ -72,16 +127,23 @@ def _moe_inter(spec: SpecView) -> int:
     return spec.int("moe_intermediate_size")
 
 
+_QWEN3_MOE_RULES = vocab_rules() + attention_rules() + \
+    expert_rules(r"mlp\.experts\.", _moe_inter) + mlp_rules()
+
 QWEN3_MOE = Family(
     name="qwen3_moe", architectures=("Qwen3MoeForCausalLM",), layout=_qwen3_moe_layout,
     model_types=frozenset({"qwen3_moe"}), cache_dims=CacheDims(windows=qwen_moe_windows),
     globals=llama_globals(), expert_pattern=r"mlp\.experts\.(\d+)\..+",
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
-    shard_rules=vocab_rules() + attention_rules() + expert_rules(r"mlp\.experts\.", _moe_inter)
-    + mlp_rules(),
+    shard_rules=_QWEN3_MOE_RULES,
     template=_qwen3_moe_template, fused_targets=(QKV, GATE_UP, *expert_fusions(), *STACKED_3D),
     formats=(CheckpointFormat("transformers", FUSED_MARKER,
-                              (("template", lambda s: _qwen3_moe_template(s, fused=True)),)),))
+                              (("template", lambda s: _qwen3_moe_template(s, fused=True)),
+                               STACKED_QUANT)),
+             CheckpointFormat("fp8-stacked-scales", SCALES_MARKER, (
+                 ("template", lambda s: _qwen3_moe_template(s, scales=True)), EXTERNAL_SCALES,
+                 ("fused_expert_pattern", r"mlp\.experts\.(gate_up_proj|down_proj)_scale_inv"),
+                 ("shard_rules", STACKED_SCALE_RULES + _QWEN3_MOE_RULES)))))
 
 
 def _mixtral_layout(config: Mapping) -> Layout:

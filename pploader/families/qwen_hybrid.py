@@ -23,7 +23,8 @@ from .blocks import (Shapes, assemble, expert_rules, gdn_dims, gdn_rules, gdn_te
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
 from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
-from .moe import FUSED_MARKER, STACKED_3D, qwen_experts, qwen_moe_layers
+from .moe import (EXTERNAL_SCALES, FUSED_MARKER, SCALES_MARKER, STACKED_3D, STACKED_QUANT,
+                  STACKED_SCALE_RULES, qwen_experts, qwen_moe_layers, stacked_scales)
 
 
 __all__ = ["FAMILIES", "QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
@@ -78,7 +79,8 @@ def _shared_expert(spec: SpecView) -> Shapes:
 
 
 def _hybrid_template(spec: SpecView, *, split_proj: bool, fused: bool,
-                     prefix: str = "model.", head: str = "lm_head.weight") -> Shapes:
+                     prefix: str = "model.", head: str = "lm_head.weight",
+                     scales: bool = False) -> Shapes:
     h = spec.hidden_size
 
     def layer(i: int) -> Shapes:
@@ -90,6 +92,8 @@ def _hybrid_template(spec: SpecView, *, split_proj: bool, fused: bool,
         if i in spec.moe_layers:
             out.update(qwen_experts(spec, fused=fused))
             out.update(_shared_expert(spec))
+            if scales:  # transformers' default save of fine-grained FP8 (families/moe.py)
+                out.update(stacked_scales(spec))
         else:
             out.update(mlp_tensors(h, spec.int("intermediate_size")))
         return out
@@ -119,8 +123,9 @@ def vision_tensors(vision: Mapping, prefix: str = "model.visual.") -> Shapes:
     return {prefix + k: s for k, s in out.items()}
 
 
-def _vl_template(spec: SpecView, *, fused: bool) -> Shapes:
-    out = _hybrid_template(spec, split_proj=True, fused=fused, prefix="model.language_model.")
+def _vl_template(spec: SpecView, *, fused: bool, scales: bool = False) -> Shapes:
+    out = _hybrid_template(spec, split_proj=True, fused=fused, prefix="model.language_model.",
+                           scales=scales)
     vision = spec.full_config.get("vision_config")
     if not isinstance(vision, Mapping):
         raise ConfigError(f"{spec.architecture} config.json has no vision_config")
@@ -158,8 +163,15 @@ _DENSE_FUSED = (QKV, GATE_UP)
 _MOE_FUSED = (QKV, GATE_UP, gate_up("mlp.shared_expert."), *expert_fusions(), *STACKED_3D)
 
 
-def _fused(template: object) -> tuple[CheckpointFormat, ...]:
-    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),)),)
+def _fused(template: object, scaled: object, rules: tuple) -> tuple[CheckpointFormat, ...]:
+    """transformers' fused naming (stacked experts, FP8 ones included), and its default save of
+    a fine-grained-FP8 model: per-expert weights with stacked scales (families/moe.py)."""
+    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),
+                                                           STACKED_QUANT)),
+            CheckpointFormat("fp8-stacked-scales", SCALES_MARKER, (
+                ("template", scaled), EXTERNAL_SCALES,
+                ("fused_expert_pattern", r"mlp\.experts\.(gate_up_proj|down_proj)_scale_inv"),
+                ("shard_rules", STACKED_SCALE_RULES + rules))))
 
 
 QWEN3_NEXT = Family(
@@ -168,7 +180,9 @@ QWEN3_NEXT = Family(
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP, fused_targets=_MOE_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=False, fused=False),
-    formats=_fused(lambda s: _hybrid_template(s, split_proj=False, fused=True)))
+    formats=_fused(lambda s: _hybrid_template(s, split_proj=False, fused=True),
+                   lambda s: _hybrid_template(s, split_proj=False, fused=False, scales=True),
+                   _rules()))
 
 QWEN3_5 = Family(
     name="qwen3_5", architectures=("Qwen3_5ForCausalLM",), layout=_layout_dense,
@@ -184,7 +198,9 @@ QWEN3_5_MOE = Family(
     fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False),
-    formats=_fused(lambda s: _hybrid_template(s, split_proj=True, fused=True)))
+    formats=_fused(lambda s: _hybrid_template(s, split_proj=True, fused=True),
+                   lambda s: _hybrid_template(s, split_proj=True, fused=False, scales=True),
+                   _rules()))
 
 _VL_PREFIX = r"model\.language_model\."
 _VL_GLOBALS = llama_globals("model.language_model.") + (
@@ -206,7 +222,8 @@ QWEN3_5_MOE_VL = Family(
     mtp_pattern=_MTP, fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _vl_template(s, fused=False),
-    formats=_fused(lambda s: _vl_template(s, fused=True)))
+    formats=_fused(lambda s: _vl_template(s, fused=True),
+                   lambda s: _vl_template(s, fused=False, scales=True), _rules(_VL_PREFIX)))
 
 #: this module's families (found by families/__init__.py)
 FAMILIES = (QWEN3_NEXT, QWEN3_5, QWEN3_5_MOE, QWEN3_5_VL, QWEN3_5_MOE_VL)

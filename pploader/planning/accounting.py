@@ -8,6 +8,7 @@ the messages are those of the per-name checks.
 """
 from __future__ import annotations
 
+import re
 from collections import deque
 from itertools import compress, repeat
 from operator import attrgetter, itemgetter, not_
@@ -153,9 +154,14 @@ def _check_names(roles: CheckpointRoles, index: CheckpointIndex,
     missing = sorted(expected.keys() - index.weight_map.keys())
     unexpected = sorted(set(have) - expected.keys())
     where = f"stage {window.pp_rank} (layers {window.start_layer}-{window.end_layer - 1})"
-    if missing:
+    if missing or unexpected:
+        _refuse_stacked(spec, scheme, missing, unexpected, topology)
+    if missing:  # with the unexpected ones too: together they show a layout mismatch
+        also = (f"; {len(unexpected)} tensor(s) not expected for this config: "
+                + ", ".join(unexpected[:8]) + (" ..." if len(unexpected) > 8 else "")
+                ) if unexpected else ""
         raise PlanError(f"{where}: {len(missing)} required tensor(s) missing from the checkpoint: "
-                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else ""),
+                        + ", ".join(missing[:8]) + (" ..." if len(missing) > 8 else "") + also,
                         tensor=missing[0], rank=topology.rank)
     if unexpected:
         raise PlanError(f"{where}: {len(unexpected)} tensor(s) not expected for this config: "
@@ -188,6 +194,45 @@ def _stage_names(chosen: Mapping[str, TensorRole], window: StageWindow,
         keep[at] = wanted(roles[at], window, experts)
 
 
+def _refuse_stacked(spec: ModelSpec, scheme: Optional[QuantScheme], missing: Sequence[str],
+                    unexpected: Sequence[str], topology: Topology) -> None:
+    """A clearer refusal when the stage's surplus names are quantization tensors of stacked
+    (3-D) experts (``experts.gate_up_proj_scale_inv``, ``experts.down_proj.weight_packed``):
+    only stacked fine-grained FP8 in a family's transformers naming is planned (the layout
+    transformers' ``FP8Experts`` saves and vLLM's ``RoutedExperts.load_weights`` loads)."""
+    fam = spec.family
+    if scheme is None or fam.fused_expert_pattern is None:
+        return
+    stacked, layer = re.compile(fam.fused_expert_pattern), re.compile(fam.layer_prefix)
+    tails = {"_" + c.suffix[len("weight_"):] for c in scheme.companions  # transformers'
+             if c.suffix.startswith("weight_")}  # naming of stacked scales: <param>_scale_inv
+    first = fam.classify(missing[0], spec.num_layers, spec.num_mtp_layers) if missing else None
+    for name in unexpected:
+        m = layer.match(name)
+        comp = name[m.end():] if m else name
+        hit = stacked.match(comp)
+        if hit is None or hit.end() == len(comp):
+            continue
+        if comp[hit.end():] in tails and first is not None and first.expert is not None:
+            why = (f"next to per-expert weights, not planned for {fam.name}: "
+                   "transformers' default save_pretrained of a fine-grained-FP8 MoE reverts "
+                   "the weights to experts.N.* tensors but keeps their scales stacked (a "
+                   "layout only families with that format plan: Qwen3-MoE, Qwen3-Next, "
+                   "Qwen3.5-MoE); "
+                   "save it with save_original_format=False (stacked weights and scales, "
+                   "planned where the family names stacked quantized experts: "
+                   "QuantNaming.stacked)")
+        else:
+            why = (f"in {scheme.name} storage, not planned for {fam.name}: pploader plans "
+                   "stacked quantized experts only where the family names them "
+                   "(QuantNaming.stacked: transformers' fine-grained FP8 experts, "
+                   "<param> + <param>_scale_inv, which vLLM's RoutedExperts.load_weights "
+                   "loads); AWQ / GPTQ / compressed-tensors MoE checkpoints store experts one "
+                   "by one")
+        raise PlanError(f"a quantization tensor of stacked (3-D) experts {why}",
+                        tensor=name, rank=topology.rank)
+
+
 def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
             entries: Mapping[str, TensorEntry]) -> dict[str, tuple[int, ...]]:
     """``expand_template(scheme, expected, dtype_of=<stored dtype>)``, computed once per
@@ -205,19 +250,25 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
         scheme = scheme.schemes[0]  # type: ignore[attr-defined]
     names = list(expected)
     weight = scheme.naming.logical  # the template's weight name (stored: naming.weight)
-    if weight in expected:  # a bare "weight" is weight-named too
-        weighty: list[bool] = [n == weight or n.endswith("." + weight) for n in names]
+    naming = scheme.naming
+    if naming.stacked or naming.external:  # stacked expert parameters are weights too; a
+        weighty: list[str] = [  # weight with its companions elsewhere expands to itself
+            n.rpartition(".")[2] if naming.is_stacked(n) else
+            weight if (n == weight or n.endswith("." + weight)) and naming.has_companions(n)
+            else "" for n in names]
+    elif weight in expected:  # a bare "weight" is weight-named too
+        weighty = [weight if n == weight or n.endswith("." + weight) else "" for n in names]
     else:
-        weighty = list(map(str.endswith, names, repeat("." + weight)))
+        weighty = [weight if w else "" for w in map(str.endswith, names, repeat("." + weight))]
     stored = names if scheme.naming.weight == weight else \
         list(map(scheme.naming.stored, names))  # AWQ / GPTQ: x.weight stored as x.qweight
     keys = list(zip(expected.values(),
                     map(_dtype_of, map(entries.get, stored, repeat(_ABSENT))), weighty))
     made: dict[tuple, tuple[tuple[Optional[str], tuple[int, ...]], ...]] = {}
     for key in set(keys):  # the expansion of a stand-in name "x.weight" / "x", relative to it
-        probe = "x." + weight if key[2] else "x"
+        probe = "x." + key[2] if key[2] else "x"
         got = expand_template(scheme, {probe: key[0]}, dtype_of=_stored(key[1]))
-        stem = probe[:-len(weight)] if key[2] else probe
+        stem = probe[:-len(key[2])] if key[2] else probe
         made[key] = tuple((n[len(stem):] if n != probe else None, s) for n, s in got.items())
     itself = {k for k, rel in made.items() if len(rel) == 1 and rel[0][0] is None}
     plain = list(map(itself.__contains__, keys))
@@ -229,7 +280,7 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
     quantized: dict[str, tuple[int, ...]] = {}
     mixed = list(map(not_, plain))
     for name, key in zip(compress(names, mixed), compress(keys, mixed)):
-        stem = name[:-len(weight)] if key[2] else name
+        stem = name[:-len(key[2])] if key[2] else name
         for suffix, s in made[key]:
             quantized[name if suffix is None else stem + suffix] = s
     if quantized.keys().isdisjoint(out):
@@ -237,7 +288,7 @@ def _expand(scheme: QuantScheme, expected: Mapping[str, tuple[int, ...]],
         return out
     out = {}  # a companion also named by the template: applied in the template's order
     for name, key in zip(names, keys):
-        stem = name[:-len(weight)] if key[2] else name
+        stem = name[:-len(key[2])] if key[2] else name
         for suffix, s in made[key]:
             out[name if suffix is None else stem + suffix] = s
     return out

@@ -122,7 +122,10 @@ class QuantScheme:
 
     # ---- names ---------------------------------------------------------------------------
     def companion_names(self, weight: str) -> dict[str, Companion]:
-        """``{name: companion}`` of a quantized weight stored as ``weight``."""
+        """``{name: companion}`` of a quantized weight stored as ``weight`` (none when the
+        family stores them elsewhere: ``QuantNaming.external``)."""
+        if not self.naming.has_companions(weight):
+            return {}
         return {self.naming.companion(weight, c.suffix): c for c in self.companions}
 
     def weight_of(self, name: str, exists: Optional[Callable[[str], bool]] = None
