@@ -4,6 +4,7 @@ reports' metadata allowance, dropping a checkpoint's pages, and the engine's lay
 checked against its own ``get_pp_indices``. No engine import here."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -23,6 +24,18 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_s
          "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
          "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
          "bos_token_id": 1, "eos_token_id": 2}
+
+
+def engine_marks(engine: str, slow: bool = True) -> list[Any]:
+    """The ``pytestmark`` of an engine suite's test file: its marker, ``slow`` (engine
+    starts), skipped unless the real engine is installed. tests/ is on sys.path (conftest), so
+    tests/vllm is a namespace package ``vllm``: only a regular package (an ``__init__`` file,
+    so an ``origin``) counts."""
+    spec = importlib.util.find_spec(engine)
+    installed = spec is not None and spec.origin is not None
+    return [getattr(pytest.mark, engine), *([pytest.mark.slow] if slow else []),
+            pytest.mark.skipif(not installed, reason=f"{engine} is not installed here: run "
+                               f".ci/{engine}-suite.sh")]
 
 
 def run_engines(script: Path, runs: list[dict[str, Any]], prompts: list[list[int]],

@@ -11,7 +11,6 @@ changes the reductions and has its own default-loader run.
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -19,16 +18,11 @@ from typing import Any
 
 import pytest
 
-from engine_suite import loads as _loads
+from engine_suite import engine_marks, loads as _loads
 from engine_suite import metadata_bytes as _metadata_bytes
 from engine_suite import LLAMA, PROMPTS, run_engines
 
-_SPEC = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SPEC is not None and _SPEC.origin is not None
-
-pytestmark = [pytest.mark.sglang, pytest.mark.slow,
-              pytest.mark.skipif(not HAVE_SGLANG,
-                                 reason="sglang is not installed here: run .ci/sglang-suite.sh")]
+pytestmark = engine_marks("sglang")
 
 HERE = Path(__file__).resolve().parent
 QWEN2_TIED = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 256,

@@ -3,19 +3,15 @@ split, the written-parameter tracking. Marked ``sglang`` (needs sglang importabl
 .ci/sglang-suite.sh)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-_SPEC = importlib.util.find_spec("sglang")
-HAVE_SGLANG = _SPEC is not None and _SPEC.origin is not None
+from engine_suite import engine_marks
 
-pytestmark = [pytest.mark.sglang,
-              pytest.mark.skipif(not HAVE_SGLANG,
-                                 reason="sglang is not installed here: run .ci/sglang-suite.sh")]
+pytestmark = engine_marks("sglang", slow=False)
 
 
 def test_plugin_makes_the_name_a_choice_and_resolves_it_to_the_class() -> None:

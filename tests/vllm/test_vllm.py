@@ -6,25 +6,17 @@ another, since each start costs about a minute here; the tests below read its re
 """
 from __future__ import annotations
 
-import importlib.util
 import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_suite import loads as _loads
+from engine_suite import engine_marks, loads as _loads
 from engine_suite import metadata_bytes as _metadata_bytes
 from engine_suite import LLAMA, PROMPTS, run_engines
 
-# tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
-# a real installed vllm (a regular package, with an __init__ file) counts
-_SPEC = importlib.util.find_spec("vllm")
-HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
-
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not HAVE_VLLM,
-                                 reason="vllm is not installed here: run .ci/vllm-suite.sh")]
+pytestmark = engine_marks("vllm")
 
 HERE = Path(__file__).resolve().parent
 MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "dtype": "bfloat16",

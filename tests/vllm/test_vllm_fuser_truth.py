@@ -10,17 +10,14 @@ lacks is skipped. Takes seconds.
 """
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.find_spec("vllm")
-HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not HAVE_VLLM,
-                                 reason="vllm is not installed here: run .ci/vllm-suite.sh")]
+from engine_suite import engine_marks
+
+pytestmark = engine_marks("vllm", slow=False)
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 

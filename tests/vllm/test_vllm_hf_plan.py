@@ -9,19 +9,14 @@ Marked ``vllm``: skipped unless this interpreter has vllm (``.ci/vllm-suite.sh``
 """
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from engine_suite import loads, run_engines
+from engine_suite import engine_marks, loads, run_engines
 
-_SPEC = importlib.util.find_spec("vllm")
-HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not HAVE_VLLM,
-                                 reason="vllm is not installed here: run .ci/vllm-suite.sh")]
+pytestmark = engine_marks("vllm")
 
 HERE = Path(__file__).resolve().parent
 PROMPTS = [[1, 5, 9, 200, 33, 7], [1, 100, 1000, 4, 4]]

@@ -8,7 +8,6 @@ pass), and each rank read its ideal bytes. Marked ``vllm``: run by .ci/vllm-suit
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -19,12 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-_SPEC = importlib.util.find_spec("vllm")
-HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
+from engine_suite import engine_marks
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow,
-              pytest.mark.skipif(not HAVE_VLLM,
-                                 reason="vllm is not installed here: run .ci/vllm-suite.sh")]
+pytestmark = engine_marks("vllm")
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]

@@ -2,7 +2,6 @@
 check (placed tensors: tests/integrations/test_placed.py). Marked ``vllm`` (needs vllm importable; see .ci/vllm-suite.sh)."""
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -10,14 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-# tests/ is on sys.path (conftest), so this directory is a namespace package "vllm": only
-# a real installed vllm (a regular package, with an __init__ file) counts
-_SPEC = importlib.util.find_spec("vllm")
-HAVE_VLLM = _SPEC is not None and _SPEC.origin is not None
+from engine_suite import engine_marks
 
-pytestmark = [pytest.mark.vllm,
-              pytest.mark.skipif(not HAVE_VLLM,
-                                 reason="vllm is not installed here: run .ci/vllm-suite.sh")]
+pytestmark = engine_marks("vllm", slow=False)
 
 
 @pytest.fixture(scope="module")
