@@ -290,6 +290,14 @@ INKLING = Family(
     shard_rules=_RULES, template=_template, mtp_pattern=r"model\.mtp\..+",
     check_parallel=check_parallel)
 
+def is_release_mm_config(config: Mapping) -> bool:
+    """True for the multimodal release's config. transformers' ``InklingForConditionalGeneration``
+    shares its ``model_type`` (``inkling_mm_model``) but nests ``inkling_text`` (and saves
+    ``model.language_model.*``); that one goes to the generic family."""
+    text = config.get("text_config")
+    return not (isinstance(text, Mapping) and text.get("model_type") == "inkling_text")
+
+
 #: the multimodal release: the same text model under ``text_config``, the towers whole on the
 #: first stage (vLLM builds them on every rank; only the first runs them). No template: the
 #: vision tower's layer widths come from an assignment over its patch scales (vLLM's
@@ -300,7 +308,8 @@ INKLING_MM = Family(
     layer_prefix=r"model\.llm\.layers\.(\d+)\.",
     globals=_GLOBALS + (GlobalRule(r"model\.(visual|audio)\..+", "first", "vision"),),
     fused_expert_pattern=r"mlp\.experts\.(w13_weight|w2_weight)", shard_rules=_RULES,
-    mtp_pattern=r"model\.mtp\..+", check_parallel=check_parallel)
+    mtp_pattern=r"model\.mtp\..+", check_parallel=check_parallel,
+    config_match=is_release_mm_config)
 
 #: this module's families (found by families/__init__.py)
 FAMILIES = (INKLING, INKLING_MM)

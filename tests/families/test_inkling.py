@@ -201,6 +201,22 @@ def test_transformers_naming_stays_generic(tmp_path: Path) -> None:
     assert any(".self_attn.q_proj." in n for n in open_checkpoint(tmp_path).weight_map)
 
 
+def test_transformers_multimodal_config_is_not_the_release_family() -> None:
+    """transformers' ``InklingForConditionalGeneration`` shares ``inkling_mm_model`` with the
+    multimodal release; its config (``text_config.model_type`` ``inkling_text``, as
+    transformers writes it) is not the release family's, the release config is."""
+    from transformers import AutoConfig
+
+    from pploader.families import FAMILIES
+    mm = next(f for f in FAMILIES if f.name == "inkling_mm")
+    saved = AutoConfig.for_model("inkling_mm_model").to_dict()
+    assert saved["text_config"]["model_type"] == "inkling_text"
+    assert not mm.matches_config(saved)
+    assert mm.matches_config({"model_type": "inkling_mm_model",
+                              "text_config": {"model_type": "inkling_model"}})
+    assert mm.matches_config({"model_type": "inkling_mm_model", "text_config": {}})
+
+
 # ---- a real gloo job: PP=2 x TP=2, plain and exchanged ------------------------------------
 def _gloo_rank(rank: int, world: int, model: str) -> dict:
     from pploader import Topology, load_stage, plan_stage
