@@ -21,8 +21,8 @@ from .common import (attention_rules, attention_tensors, globals_tensors, llama_
 from .fused import GATE_UP, QKV, expert_fusions, stacked_renames
 
 
-__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "STACKED_QUANT", "stacked_scales", "qwen_moe_layers",
-           "qwen_experts"]
+__all__ = ["FAMILIES", "QWEN3_MOE", "MIXTRAL", "FUSED_MARKER", "STACKED_3D", "STACKED_QUANT", "stacked_scales",
+           "transformers_formats", "qwen_moe_layers", "qwen_experts"]
 
 #: A transformers-format checkpoint: some layer holds fused 3-D experts.
 FUSED_MARKER = r"\.experts\.gate_up_proj$"
@@ -106,6 +106,19 @@ EXTERNAL_SCALES = ("quant_naming", QuantNaming(
     external=r"\.experts\.\d+\.(gate_proj|up_proj|down_proj)\.weight$"))
 
 
+def transformers_formats(fused: object, scaled: object, rules: tuple
+                         ) -> tuple[CheckpointFormat, ...]:
+    """A MoE family's transformers checkpoint formats: the fused naming (template ``fused``:
+    stacked 3-D experts, fine-grained FP8 ones included), and transformers' default save of a
+    fine-grained-FP8 model (template ``scaled``: per-expert weights, stacked scales; the
+    family's shard ``rules`` after the scales' own)."""
+    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", fused), STACKED_QUANT)),
+            CheckpointFormat("fp8-stacked-scales", SCALES_MARKER, (
+                ("template", scaled), EXTERNAL_SCALES,
+                ("fused_expert_pattern", r"mlp\.experts\.(gate_up_proj|down_proj)_scale_inv"),
+                ("shard_rules", STACKED_SCALE_RULES + rules))))
+
+
 def _qwen3_moe_template(spec: SpecView, fused: bool = False, scales: bool = False) -> Shapes:
     h = spec.hidden_size
     bias = bool(spec.config.get("attention_bias", False))
@@ -137,13 +150,9 @@ QWEN3_MOE = Family(
     fused_expert_pattern=r"mlp\.experts\.(gate_up_proj|down_proj)",
     shard_rules=_QWEN3_MOE_RULES,
     template=_qwen3_moe_template, fused_targets=(QKV, GATE_UP, *expert_fusions(), *STACKED_3D),
-    formats=(CheckpointFormat("transformers", FUSED_MARKER,
-                              (("template", lambda s: _qwen3_moe_template(s, fused=True)),
-                               STACKED_QUANT)),
-             CheckpointFormat("fp8-stacked-scales", SCALES_MARKER, (
-                 ("template", lambda s: _qwen3_moe_template(s, scales=True)), EXTERNAL_SCALES,
-                 ("fused_expert_pattern", r"mlp\.experts\.(gate_up_proj|down_proj)_scale_inv"),
-                 ("shard_rules", STACKED_SCALE_RULES + _QWEN3_MOE_RULES)))))
+    formats=transformers_formats(lambda s: _qwen3_moe_template(s, fused=True),
+                                 lambda s: _qwen3_moe_template(s, scales=True),
+                                 _QWEN3_MOE_RULES))
 
 
 def _mixtral_layout(config: Mapping) -> Layout:

@@ -16,15 +16,14 @@ from __future__ import annotations
 from typing import Mapping
 
 from ..errors import ConfigError
-from .base import CheckpointFormat, Family, GlobalRule, Layout, SpecView, cfg, cfg_opt
+from .base import Family, GlobalRule, Layout, SpecView, cfg, cfg_opt
 from .cache_dims import CacheDims
 from .blocks import (Shapes, assemble, expert_rules, gdn_dims, gdn_rules, gdn_tensors,
                      kinds_from_names, num_experts_of)
 from .common import (attention_rules, attention_tensors, globals_tensors, llama_globals,
                      mlp_rules, mlp_tensors, vocab_rules)
 from .fused import GATE_UP, QKV, FusedTarget, expert_fusions, gate_up
-from .moe import (EXTERNAL_SCALES, FUSED_MARKER, SCALES_MARKER, STACKED_3D, STACKED_QUANT,
-                  STACKED_SCALE_RULES, qwen_experts, qwen_moe_layers, stacked_scales)
+from .moe import STACKED_3D, qwen_experts, qwen_moe_layers, stacked_scales, transformers_formats
 
 
 __all__ = ["FAMILIES", "QWEN3_NEXT", "QWEN3_5", "QWEN3_5_MOE", "QWEN3_5_VL", "QWEN3_5_MOE_VL",
@@ -163,24 +162,13 @@ _DENSE_FUSED = (QKV, GATE_UP)
 _MOE_FUSED = (QKV, GATE_UP, gate_up("mlp.shared_expert."), *expert_fusions(), *STACKED_3D)
 
 
-def _fused(template: object, scaled: object, rules: tuple) -> tuple[CheckpointFormat, ...]:
-    """transformers' fused naming (stacked experts, FP8 ones included), and its default save of
-    a fine-grained-FP8 model: per-expert weights with stacked scales (families/moe.py)."""
-    return (CheckpointFormat("transformers", FUSED_MARKER, (("template", template),
-                                                           STACKED_QUANT)),
-            CheckpointFormat("fp8-stacked-scales", SCALES_MARKER, (
-                ("template", scaled), EXTERNAL_SCALES,
-                ("fused_expert_pattern", r"mlp\.experts\.(gate_up_proj|down_proj)_scale_inv"),
-                ("shard_rules", STACKED_SCALE_RULES + rules))))
-
-
 QWEN3_NEXT = Family(
     name="qwen3_next", architectures=("Qwen3NextForCausalLM",), layout=_layout_next,
     model_types=frozenset({"qwen3_next"}), cache_dims=_GDN_CACHE,
     globals=llama_globals(), shard_rules=_rules(), mtp_pattern=_MTP, fused_targets=_MOE_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=False, fused=False),
-    formats=_fused(lambda s: _hybrid_template(s, split_proj=False, fused=True),
+    formats=transformers_formats(lambda s: _hybrid_template(s, split_proj=False, fused=True),
                    lambda s: _hybrid_template(s, split_proj=False, fused=False, scales=True),
                    _rules()))
 
@@ -198,7 +186,7 @@ QWEN3_5_MOE = Family(
     fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _hybrid_template(s, split_proj=True, fused=False),
-    formats=_fused(lambda s: _hybrid_template(s, split_proj=True, fused=True),
+    formats=transformers_formats(lambda s: _hybrid_template(s, split_proj=True, fused=True),
                    lambda s: _hybrid_template(s, split_proj=True, fused=False, scales=True),
                    _rules()))
 
@@ -222,7 +210,7 @@ QWEN3_5_MOE_VL = Family(
     mtp_pattern=_MTP, fused_targets=_MOE_FUSED + GDN_FUSED,
     **_EXPERTS,  # type: ignore[arg-type]
     template=lambda s: _vl_template(s, fused=False),
-    formats=_fused(lambda s: _vl_template(s, fused=True),
+    formats=transformers_formats(lambda s: _vl_template(s, fused=True),
                    lambda s: _vl_template(s, fused=False, scales=True), _rules(_VL_PREFIX)))
 
 #: this module's families (found by families/__init__.py)

@@ -56,6 +56,7 @@ from ..errors import ConfigError, PlanError
 from .base import Family, GlobalRule, Layout, ShardRule, SpecView, cfg
 from .blocks import Shapes, assemble
 from .cache_dims import CacheDims, CcaDims, GqaDims
+from .common import vocab_rules
 from .fused import FusedTarget
 
 __all__ = ["FAMILIES", "ZAYA", "is_release_config", "check_parallel"]
@@ -251,8 +252,7 @@ def _halves(spec: SpecView) -> tuple[int, int]:
 
 def _rules() -> tuple[ShardRule, ...]:
     a = r"self_attn\.qkv\."
-    return (ShardRule(r"model\.embed_tokens\.weight", 0, pad=True),
-            ShardRule(r"lm_head\.(weight|bias)", 0, pad=True),
+    return (*vocab_rules(head=r"lm_head\.(weight|bias)"),
             ShardRule(a + r"linear_q\.(weight|bias)", 0, units=_q, replicate=False),
             ShardRule(a + r"linear_k\.(weight|bias)", 0, units=_k, replicate=False),
             ShardRule(a + r"conv_qk\.[01]\.(weight|bias)", 0, segments=_conv_rows,
