@@ -15,8 +15,9 @@ staging and every copy are inside the clock. Run by benchmarks/gpu_field.py
 - ``engine_pploader_w256m`` / ``_w1g`` / ``_w2g`` / ``_w4g`` / ``_w32g``: other device budgets;
   ``engine_pploader_windowed``: the windowed stream the continuous one replaced (two windows
   of 2 GiB, each a whole backend run), for comparison in one run;
-- ``engine_pploader_vllm``: what pploader's vLLM load format calls on a GPU worker
-  (``integrations/placed.stage_weights`` onto the device);
+- ``engine_pploader_vllm``: what pploader's vLLM load format calls on a GPU worker: its
+  ``load_model`` starts the staging and plans the stage on a background thread before the
+  model build (the parameters), then ``integrations/placed.stage_weights`` onto the device;
 - ``engine_vllm_default``: vLLM's default shape: ``safe_open`` every shard, ``get_tensor``
   every name, ``copy_`` when the stage owns it (pageable host -> device);
 - ``engine_pploader_sglang``: what pploader's SGLang load format calls on a GPU rank
@@ -176,10 +177,23 @@ def _ring_ready_s(prep: dict) -> Optional[float]:
 
 
 def prep_engine_format(ctx: Ctx) -> dict:
-    """:func:`prep_engine_staged`, with the load format's modules imported before the clock:
-    vLLM imports them when it registers the plugin, at engine start, never in a load."""
+    """What the vLLM format's ``load_model`` does before vLLM builds the model: its modules
+    are imported (vLLM imports them when it registers the plugin, at engine start), the
+    staging starts page-locking (``early_staging``) and the stage is planned on a
+    background thread (``start_early_plan``, with vLLM's layer split); then the parameters
+    (the model build) and the clock."""
+    from pploader import Topology, get_pp_indices
     from pploader.integrations import placed  # noqa: F401
-    return prep_engine_staged(ctx)
+    from pploader.integrations.engine_core import start_early_plan
+
+    def place(num_layers: int) -> tuple[Topology, tuple[int, ...]]:
+        bounds = [get_pp_indices(num_layers, r, ctx.pp) for r in range(ctx.pp)]
+        return Topology(ctx.pp, rank=ctx.stage), tuple(end - start for start, end in bounds)
+    from pploader.io.backend import ReadOptions
+    from pploader.io.registry import prepare_staging
+    ring = prepare_staging(ctx.device, ReadOptions())
+    early = start_early_plan(ctx.ckdir, "placed", 0, place)
+    return {"ring": ring, "early_plan": early, "params": _params(ctx)}
 
 
 def _engine_pploader_vllm_window(window_bytes: int) -> Method:
@@ -200,7 +214,9 @@ def m_engine_pploader_vllm(ctx: Ctx, prep: dict, window_bytes: Optional[int] = N
     params = prep["params"]
     ready_s = _ring_ready_s(prep)
     t0 = time.perf_counter()
-    staged = plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage), range_cost_bytes=0)
+    early = prep.get("early_plan")
+    staged = early.result() if early is not None else \
+        plan_stage(ctx.ckdir, Topology(ctx.pp, rank=ctx.stage), range_cost_bytes=0)
     ring = prep.get("ring")
     if ring is not None:
         ring.stop_preparing()
@@ -216,7 +232,8 @@ def m_engine_pploader_vllm(ctx: Ctx, prep: dict, window_bytes: Optional[int] = N
         "logical_bytes": reader.stats.read_bytes, "plan_s": t1 - t0,
         "ring_ready_before_clock_s": ready_s,
         "stream_timings": {k: round(v, 4) for k, v in timings.items()},
-        "api": "plan_stage + placed.stage_weights(device=cuda) -> param.copy_ (vLLM format)"})
+        "early_plan": early is not None,
+        "api": "early plan + placed.stage_weights(device=cuda) -> param.copy_ (vLLM format)"})
 
 
 def m_engine_vllm_default(ctx: Ctx, prep: dict) -> tuple[dict, dict]:

@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from .registry import indexed_device
+
 __all__ = ["PinnedRing", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS"]
 
 DEFAULT_SLOT_BYTES = 16 << 20
@@ -263,12 +265,10 @@ def _advise_huge_pages(ptr: int, nbytes: int) -> None:
 def _device_index(device: "torch.device | int | str | None") -> Optional[int]:
     if device is None:
         return None
-    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    d = indexed_device(device)
     if d.type != "cuda":
         raise ValueError(f"a pinned ring page-locks for a cuda device, not {d}")
-    if d.index is not None:
-        return d.index
-    return torch.cuda.current_device() if torch.cuda.is_available() else None
+    return d.index
 
 
 def _host_register(ptr: int, nbytes: int, device_index: Optional[int]) -> bool:
