@@ -196,6 +196,35 @@ def prep_engine_format(ctx: Ctx) -> dict:
     return {"ring": ring, "early_plan": early, "params": _params(ctx)}
 
 
+def prep_engine_format_reserved(ctx: Ctx) -> dict:
+    """:func:`prep_engine_format`, then the device window's bytes allocated once and freed
+    before the clock: the caching allocator holds a free segment the stream's per-item
+    tensors are carved from (no cudaMalloc inside the load). An experiment."""
+    prep = prep_engine_format(ctx)
+    block = torch.empty(DEFAULT_DEVICE_WINDOW_BYTES, dtype=torch.uint8, device=ctx.device)
+    del block
+    return prep
+
+
+def _side_alloc_stream(method: Method) -> Method:
+    """``method`` with the device stream allocating on a stream of its own instead of the
+    consumer's (released items then ``record_stream`` the consumer's): the readers' copies
+    never wait behind the consumer's queued work. An experiment."""
+    def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
+        from pploader.io import device_stream
+        init = device_stream.DeviceStream.__init__
+
+        def patched(self: Any, *args: Any, **kwargs: Any) -> None:
+            init(self, *args, **kwargs)
+            self._alloc_stream = torch.cuda.Stream(self.device)
+        device_stream.DeviceStream.__init__ = patched  # type: ignore[method-assign]
+        try:
+            return method(ctx, prep)
+        finally:
+            device_stream.DeviceStream.__init__ = init  # type: ignore[method-assign]
+    return run
+
+
 def _engine_pploader_vllm_window(window_bytes: int) -> Method:
     """:func:`m_engine_pploader_vllm` with another device budget."""
     def run(ctx: Ctx, prep: dict) -> tuple[dict, dict]:
@@ -475,6 +504,11 @@ ENGINE_METHODS: dict[str, tuple[Method, Optional[Callable[[Ctx], dict]]]] = {
     "engine_pploader_w32g": (_engine_pploader_window(32 << 30), prep_engine_staged),
     "engine_pploader_vllm": (m_engine_pploader_vllm, prep_engine_format),
     "engine_pploader_vllm_w1g": (_engine_pploader_vllm_window(1 << 30), prep_engine_format),
+    "engine_pploader_vllm_w4g": (_engine_pploader_vllm_window(4 << 30), prep_engine_format),
+    "engine_pploader_vllm_w32g": (_engine_pploader_vllm_window(32 << 30), prep_engine_format),
+    "engine_pploader_vllm_reserved": (m_engine_pploader_vllm, prep_engine_format_reserved),
+    "engine_pploader_vllm_sidealloc": (_side_alloc_stream(m_engine_pploader_vllm),
+                                       prep_engine_format),
     # an engine whose model build takes 2 s: the staging is page-locked before the load
     "engine_pploader_built": (m_engine_pploader, prep_engine_built),
     # in-flight depth: readers x request size (default 16 x 16 MiB)

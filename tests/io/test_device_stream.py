@@ -155,3 +155,40 @@ def test_a_failing_reader_raises_in_the_consumer_and_stops_the_rest(
     for t in threads:
         t.join(timeout=30)
     assert not any(t.is_alive() for t in threads)
+
+
+@pytest.mark.timeout(30)
+def test_an_empty_tensor_is_handed_at_once(tiny_llama: Path, fake_cuda: _Stream) -> None:
+    """An item with no bytes to read (a zero-size tensor) has no chunk: it is handed at its
+    place in the order without waiting for any reader (nor the consumer's 1 s poll)."""
+    import dataclasses
+    import time
+
+    from pploader.planning.items import ReadItem
+    plan, reqs, whole = _open(tiny_llama, 1, slot_bytes=4096)
+    first = plan.items[0]
+    empty = ReadItem(name="empty", target="empty", file=first.file, dtype=first.dtype,
+                     shape=(0, 4), source_shape=(0, 4), ranges=(), buffer_shape=(0, 4))
+    plan = dataclasses.replace(plan, items=(first, empty, *plan.items[1:]))
+    reqs = chunks([p for i, item in enumerate(plan.items) for p in pieces(item, i)], 4096)
+    start, got = time.perf_counter(), {}
+    for target, tensor, _ in _run(plan, reqs, 1 << 30, fake_cuda):
+        got[target] = tensor
+    assert time.perf_counter() - start < 0.9
+    assert got["empty"].shape == (0, 4) and list(got) == [i.target for i in plan.items]
+    assert all(torch.equal(got[k], v) for k, v in whole.items())
+
+
+@pytest.mark.timeout(60)
+def test_an_allocation_failure_raises_in_the_consumer(
+        tiny_llama: Path, fake_cuda: _Stream, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The allocator thread's error (a device out of memory) is what the consumer raises,
+    and every reader stops."""
+    plan, reqs, _ = _open(tiny_llama, 1, slot_bytes=4096)
+
+    def fail(self: DeviceStream, targets: list[int]) -> None:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (test)")
+    monkeypatch.setattr(DeviceStream, "_allocate", fail)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match="out of memory"):
+        for _ in _run(plan, reqs, 1 << 20, fake_cuda):
+            pass
