@@ -298,15 +298,12 @@ def run_all(args: argparse.Namespace, methods: Optional[MethodField] = None,
     out.mkdir(parents=True, exist_ok=True)
     write_checkpoint(args.ckdir, args.scale)
     gen_s = time.time() - t_start
-    from .machine import compile_package
-    compile_package()  # as installed: no child compiles pploader inside its clock
     paths = checkpoint_files(args.ckdir)
     plan = [(m, c) for c, order in (("warm", WARM), ("cold", COLD))
             if c in args.caches.split(",") for m in (want if want is not None else order)
             if available(m, found)]
     env = {"torch": __import__("torch").__version__, "gen_s": round(gen_s, 1),
-           "cpus": os.cpu_count(), "argv": sys.argv,
-           "no_bytecode_env": bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))}
+           "cpus": os.cpu_count(), "argv": sys.argv}
     rows: list[dict] = []
     if first is not None:
         rows += first(paths)

@@ -15,6 +15,7 @@ compared). GB = 1e9 bytes; GB/s per rank = its local shards' bytes / its load se
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import resource
@@ -412,8 +413,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         model = args.model
     paths = checkpoint_files(model)
-    from .machine import compile_package
-    compile_package(args.base)  # as installed: no compiling inside a rank's first load
+    # pploader's modules byte-compiled, as an installed package has them (pip compiles on
+    # install; a checkout under PYTHONDONTWRITEBYTECODE=1 would compile them in every rank's
+    # first load, inside the clock: torch's own modules are compiled)
+    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
+    if args.base is not None:
+        compileall.compile_dir(str(Path(args.base) / "pploader"), quiet=2)
     if args.hf_threads is None:
         args.hf_threads = 8 if args.device == "cuda" else 1
     rows: list[dict] = []

@@ -2,24 +2,12 @@
 every ``pploader bench`` / ``--dcp`` document)."""
 from __future__ import annotations
 
-import compileall
 import os
 import platform
 import time
 from pathlib import Path
-from typing import Optional
 
-__all__ = ["machine_info", "compile_package"]
-
-
-def compile_package(base: "Optional[str | os.PathLike[str]]" = None) -> None:
-    """Byte-compile pploader's modules (and those of a checkout at ``base``, an A/B's other
-    side), as an installed package has them: pip compiles on install, while a checkout run
-    under ``PYTHONDONTWRITEBYTECODE=1`` would compile every module a fresh process imports,
-    inside its first load's time (torch's own modules come compiled)."""
-    compileall.compile_dir(str(Path(__file__).resolve().parents[1]), quiet=2)
-    if base is not None:
-        compileall.compile_dir(str(Path(base) / "pploader"), quiet=2)
+__all__ = ["machine_info"]
 
 
 def machine_info(directory: Path) -> dict:

@@ -18,8 +18,6 @@ from typing import Optional
 
 import torch
 
-from .registry import indexed_device
-
 __all__ = ["PinnedRing", "DEFAULT_SLOT_BYTES", "DEFAULT_DEVICE_THREADS"]
 
 DEFAULT_SLOT_BYTES = 16 << 20
@@ -265,10 +263,12 @@ def _advise_huge_pages(ptr: int, nbytes: int) -> None:
 def _device_index(device: "torch.device | int | str | None") -> Optional[int]:
     if device is None:
         return None
-    d = indexed_device(device)
+    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
     if d.type != "cuda":
         raise ValueError(f"a pinned ring page-locks for a cuda device, not {d}")
-    return d.index
+    if d.index is not None:
+        return d.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else None
 
 
 def _host_register(ptr: int, nbytes: int, device_index: Optional[int]) -> bool:

@@ -17,11 +17,7 @@ and they all get it here:
   ends, the background page-locking resumes for the next load
   (:func:`lend_staging` / :func:`return_staging`);
 - a load that finds the ring lent to another load running in the process gets a ring of its
-  own for that load (two loads never share slots);
-- the load path's own modules (planning, the families, the readers) are imported on a
-  background thread too (:func:`warm_load_path`, once per process): imported inside a fresh
-  process's first load, they cost it 30-70 ms, about a sixth of an 8 GB stage's load at the
-  raw ceiling.
+  own for that load (two loads never share slots).
 
 :func:`release_staging` unregisters and frees the process's rings (tests, a process that is
 done loading).
@@ -29,7 +25,6 @@ done loading).
 from __future__ import annotations
 
 import atexit
-import importlib
 import logging
 import threading
 from typing import Optional
@@ -37,10 +32,9 @@ from typing import Optional
 import torch
 
 from .pinned_ring import DEFAULT_DEVICE_THREADS, PinnedRing
-from .registry import indexed_device
 
 __all__ = ["start_staging", "lend_staging", "return_staging", "release_staging",
-           "process_staging", "warm_load_path", "LOAD_PATH_MODULES"]
+           "process_staging"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,44 +45,12 @@ _RINGS: dict[tuple[int, int], PinnedRing] = {}
 _LENT: set[int] = set()
 
 
-#: what a first ``plan_stage`` + ``load_stage`` / ``iter_stage_weights`` imports (the rest of
-#: planning and every family come with these; the GPU reader with the staging itself)
-LOAD_PATH_MODULES = ("pploader.planning.stage", "pploader.stage", "pploader.arguments",
-                     "pploader.io.read", "pploader.io.device",
-                     "pploader.io.device_stream", "pploader.io.transfer.direct")
-_WARM: list[threading.Thread] = []
-
-
 def _key(device: "str | torch.device | int", threads: Optional[int]) -> Optional[tuple[int, int]]:
-    dev = indexed_device(device)
-    if dev.type != "cuda" or dev.index is None:
+    dev = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if dev.type != "cuda" or not torch.cuda.is_available():
         return None
-    return dev.index, threads or DEFAULT_DEVICE_THREADS
-
-
-def _import_all(names: tuple[str, ...]) -> None:
-    import sys
-    if "torch.distributed.checkpoint" in sys.modules:  # a DCP job: its reader's module too
-        names = (*names, "pploader.integrations.dcp")
-    for name in names:
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 - the load imports it again and reports
-            logger.debug("warming %s: %s", name, exc)
-            return
-
-
-def warm_load_path(names: tuple[str, ...] = LOAD_PATH_MODULES) -> threading.Thread:
-    """Import the load path's modules on a daemon thread, once per process (the thread;
-    join it to wait), so that the first load does not import them inside its own time.
-    Safe beside the caller's own imports: pploader's modules import one another without
-    cycles (tests/cli/test_layout.py checks), so two threads never wait on each other."""
-    with _LOCK:
-        if not _WARM:
-            _WARM.append(threading.Thread(target=_import_all, args=(names,),
-                                          name="pploader-warm", daemon=True))
-            _WARM[0].start()
-        return _WARM[0]
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    return index, threads or DEFAULT_DEVICE_THREADS
 
 
 def process_staging(device: "str | torch.device | int",
@@ -109,9 +71,7 @@ def start_staging(device: "str | torch.device | int" = "cuda",
                   threads: Optional[int] = None) -> Optional[PinnedRing]:
     """Start page-locking the process's staging for ``device`` on a background thread (once;
     again after a load paused it) and return the ring; None without CUDA. Call it as early as
-    possible (before building the model): the first load reads through whatever is ready.
-    The load path's modules are imported meanwhile too (:func:`warm_load_path`)."""
-    warm_load_path()
+    possible (before building the model): the first load reads through whatever is ready."""
     ring = process_staging(device, threads)
     if ring is not None:
         with _LOCK:

@@ -80,23 +80,3 @@ def test_an_unindexed_cuda_device_is_the_current_gpu(monkeypatch: pytest.MonkeyP
     assert indexed_device(0) == torch.device("cuda", 0)
     assert indexed_device("cpu") == torch.device("cpu")
 
-
-def test_start_staging_imports_the_load_path_in_the_background() -> None:
-    """In a fresh process, ``start_staging`` (CUDA or not) imports the first load's modules on
-    a background thread: a first load then finds them imported. Once per process."""
-    import subprocess
-    import sys
-    code = ("import sys, pploader\n"
-            "from pploader.io import staging\n"
-            "assert 'pploader.planning.stage' not in sys.modules\n"
-            "pploader.start_staging('cuda')\n"
-            "assert staging._WARM, 'start_staging started no warm-up'\n"
-            "warm = staging.warm_load_path()\n"
-            "assert warm.name == 'pploader-warm' and staging.warm_load_path() is warm\n"
-            "warm.join(60)\n"
-            "missing = [m for m in staging.LOAD_PATH_MODULES + ('pploader.families',)\n"
-            "           if m not in sys.modules]\n"
-            "assert not missing, missing\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0, done.stderr
