@@ -182,15 +182,16 @@ def prep_engine_format(ctx: Ctx) -> dict:
     staging starts page-locking (``early_staging``) and the stage is planned on a
     background thread (``start_early_plan``, with vLLM's layer split); then the parameters
     (the model build) and the clock."""
-    from pploader import Topology, get_pp_indices
+    from pploader import Topology
     from pploader.integrations import placed  # noqa: F401
     from pploader.integrations.engine_core import start_early_plan
-
-    def place(num_layers: int) -> tuple[Topology, tuple[int, ...]]:
-        bounds = [get_pp_indices(num_layers, r, ctx.pp) for r in range(ctx.pp)]
-        return Topology(ctx.pp, rank=ctx.stage), tuple(end - start for start, end in bounds)
     from pploader.io.backend import ReadOptions
     from pploader.io.registry import prepare_staging
+    from pploader.planning.partition import engine_layer_counts
+
+    def place(num_layers: int) -> tuple[Topology, tuple[int, ...]]:
+        return Topology(ctx.pp, rank=ctx.stage), \
+            tuple(engine_layer_counts("vllm", num_layers, ctx.pp))
     ring = prepare_staging(ctx.device, ReadOptions())
     early = start_early_plan(ctx.ckdir, "placed", 0, place)
     return {"ring": ring, "early_plan": early, "params": _params(ctx)}

@@ -182,7 +182,7 @@ def test_an_empty_tensor_is_handed_at_once(tiny_llama: Path, fake_cuda: _Stream)
 @pytest.mark.timeout(60)
 def test_an_allocation_failure_raises_in_the_consumer(
         tiny_llama: Path, fake_cuda: _Stream, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The allocator thread's error (a device out of memory) is what the consumer raises,
+    """A reader's allocation error (a device out of memory) is what the consumer raises,
     and every reader stops."""
     plan, reqs, _ = _open(tiny_llama, 1, slot_bytes=4096)
 

@@ -79,4 +79,3 @@ def test_an_unindexed_cuda_device_is_the_current_gpu(monkeypatch: pytest.MonkeyP
     assert indexed_device("cuda:0") == torch.device("cuda", 0)
     assert indexed_device(0) == torch.device("cuda", 0)
     assert indexed_device("cpu") == torch.device("cpu")
-
