@@ -4,7 +4,8 @@
 starts (torch's, the readers', the heartbeat), so every thread inherits the block and one
 watcher thread receives the signal even while the main thread waits on a lock or sits in a
 long C call (where Python's own handler would not run until it returned: a hung load or a
-big shard write could not be interrupted). The watcher removes pploader's temporary output in
+big shard write could not be interrupted). The watcher silences the other threads' stderr (a
+write into a temporary it is removing fails there), removes pploader's temporary output in
 progress (:func:`pploader.outputs.discard_pending`), writes one line and leaves with the
 conventional status, 130 (SIGINT) or 143 (SIGTERM), through ``os._exit``: never a hang in
 teardown (threads, the store, a peer that is gone).
@@ -60,16 +61,34 @@ def _speaks(signum: int, env: Mapping[str, str], sender: Optional[int]) -> bool:
     return local.strip() == "0"
 
 
+def _take_stderr() -> Optional[int]:
+    """Point descriptor 2 at /dev/null for every other thread and return a copy of the old
+    one (None when there is none): a thread still running while the output is removed (a
+    write into a temporary that just vanished) must not add its error to the one line."""
+    with contextlib.suppress(OSError, ValueError):
+        sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        return None
+    with contextlib.suppress(OSError):
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        os.close(null)
+    return saved
+
+
 def _end(signum: int, sender: Optional[int], prefix: str) -> None:
-    """Remove the temporary output, say why (maybe), leave with 128 + signum."""
+    """Silence the other threads, remove the temporary output, say why (maybe), leave with
+    128 + signum."""
     from .outputs import discard_pending
+    line_fd = _take_stderr()
     try:
         discard_pending()
     finally:
-        if _speaks(signum, os.environ, sender):
-            with contextlib.suppress(OSError, ValueError):
-                sys.stderr.write(signal_line(signum, prefix))
-                sys.stderr.flush()
+        if line_fd is not None and _speaks(signum, os.environ, sender):
+            with contextlib.suppress(OSError):
+                os.write(line_fd, signal_line(signum, prefix).encode())
         os._exit(exit_status(signum))
 
 

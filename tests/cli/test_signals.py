@@ -277,3 +277,29 @@ def test_one_line_per_node_and_none_for_torchruns_stop() -> None:
     assert not _speaks(signal.SIGINT, {**torchrun, QUIET_ENV: "1"}, None)
     assert (exit_status(signal.SIGINT), exit_status(signal.SIGTERM)) == (130, 143)
     assert signal_line(signal.SIGTERM, "[rank 3] ") == "[rank 3] pploader: terminated (SIGTERM)\n"
+
+
+def test_other_threads_say_nothing_after_the_signal() -> None:
+    """A thread still writing once the watcher ends the process (the main thread failing on
+    a temporary the watcher is removing: CI's one flaky convert run) adds nothing to the
+    one line. The removal is slowed here so that the main thread writes during it."""
+    script = (
+        "import os, signal, sys, threading, time\n"
+        "import pploader.outputs as outputs\n"
+        "from pploader.cli_signals import exit_on_signals\n"
+        "ending = threading.Event()\n"
+        "def slow_discard():\n"
+        "    ending.set()\n"
+        "    time.sleep(0.5)\n"
+        "outputs.discard_pending = slow_discard\n"
+        "with exit_on_signals():\n"
+        "    os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    end = time.monotonic() + 10\n"
+        "    while time.monotonic() < end:\n"
+        "        if ending.is_set():\n"
+        "            sys.stderr.write('pploader: error: a vanished temporary\\n')\n"
+        "        time.sleep(0.001)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          env=_env(), timeout=60)
+    assert proc.returncode == 143, proc.stderr[-500:]
+    assert proc.stderr == "pploader: terminated (SIGTERM)\n", proc.stderr[-500:]
