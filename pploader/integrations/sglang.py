@@ -126,10 +126,13 @@ def _mtp_checkpoint(model_dir: str) -> bool:
 
 
 def _track_loaders(model: nn.Module) -> tuple[set[str], Callable[[], None]]:
-    """Wrap every parameter's ``weight_loader`` (SGLang's or the default) so that the names
-    of the parameters a load wrote are recorded; returns (that set, undo)."""
+    """Wrap every parameter's ``weight_loader`` (SGLang's or the default), and every module's
+    own ``weight_loader`` method (ZAYA's ``load_weights`` calls its ``FusedMoE``'s directly,
+    with the parameter as first argument), so that the names of the parameters a load wrote
+    are recorded; returns (that set, undo)."""
     written: set[str] = set()
     undo: list[Callable[[], None]] = []
+    names = {id(p): n for n, p in model.named_parameters()}
     for name, param in model.named_parameters():
         own = param.__dict__.get("weight_loader", _MISSING)
         slot = "weight_loader"
@@ -143,18 +146,34 @@ def _track_loaders(model: nn.Module) -> tuple[set[str], Callable[[], None]]:
             written.add(_name)
             return _inner(p, *args, **kwargs)
         setattr(param, slot, tracked)
+        undo.append(_restorer(param, slot, own))
+    for module in model.modules():
+        method = getattr(type(module), "weight_loader", None)
+        if not callable(method) or "weight_loader" in module.__dict__:
+            continue
 
-        def restore(p: Any = param, s: str = slot, o: Any = own) -> None:
-            if o is _MISSING:
-                p.__dict__.pop(s, None)
-            else:
-                setattr(p, s, o)
-        undo.append(restore)
+        def tracked_module(p: Any, *args: Any, _inner: Any = module.weight_loader,
+                           **kwargs: Any) -> Any:
+            if id(p) in names:
+                written.add(names[id(p)])
+            return _inner(p, *args, **kwargs)
+        module.__dict__["weight_loader"] = tracked_module
+        undo.append(_restorer(module, "weight_loader", _MISSING))
 
     def undo_all() -> None:
         for fn in undo:
             fn()
     return written, undo_all
+
+
+def _restorer(owner: Any, slot: str, own: Any) -> Callable[[], None]:
+    """Put ``owner``'s ``slot`` back: the attribute it had, or none (``_MISSING``)."""
+    def restore() -> None:
+        if own is _MISSING:
+            owner.__dict__.pop(slot, None)
+        else:
+            setattr(owner, slot, own)
+    return restore
 
 
 def _load_tracked(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],

@@ -85,6 +85,33 @@ def test_written_parameters_are_tracked_then_the_loaders_restored() -> None:
     assert model.c.weight_loader is own
 
 
+def test_a_modules_own_weight_loader_called_directly_is_tracked() -> None:
+    """ZAYA's ``load_weights`` calls its ``FusedMoE``'s ``weight_loader`` method itself, with
+    the stacked parameter (not the parameter's loader): the write is recorded by the
+    parameter's name, and the module's method is its class's again afterwards."""
+    from pploader.integrations.sglang import _track_loaders
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w13_weight = nn.Parameter(torch.zeros(2, 4), requires_grad=False)
+
+        def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str, *,
+                          expert_id: int) -> None:
+            param.data[expert_id].copy_(loaded)
+
+    model = nn.Module()
+    model.experts = Experts()
+    model.norm = nn.Parameter(torch.zeros(2), requires_grad=False)
+    written, undo = _track_loaders(model)
+    model.experts.weight_loader(model.experts.w13_weight, torch.ones(4), "x", expert_id=1)
+    assert written == {"experts.w13_weight"}
+    assert model.experts.w13_weight[1].tolist() == [1.0] * 4
+    undo()
+    assert "weight_loader" not in model.experts.__dict__
+    assert model.experts.weight_loader.__func__ is Experts.weight_loader
+
+
 def test_only_a_checkpoint_with_mtp_layers_gets_the_stage_only_draft_load(
         tmp_path: Path) -> None:
     """The draft worker plans an MTP layer only where the draft's checkpoint declares MTP
