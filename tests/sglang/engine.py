@@ -133,6 +133,20 @@ def serve(run: dict[str, Any], report_dir: str, max_tokens: int) -> dict[str, An
     return out
 
 
+def _flush_late(llm: Any, answer: Any) -> Any:
+    """SGLang answers False when the weights were written but the previous generate's request
+    was still being retired as it flushed the cache (a race seen on a loaded 2-core box, with
+    either loader): flush again until it goes through (None: the answer was not that)."""
+    if not (isinstance(answer, list) and answer and answer[0] is False
+            and str(answer[1]).startswith("Weights were updated")):
+        return None
+    for _ in range(60):
+        if getattr(llm.flush_cache(), "success", False):
+            return True
+        time.sleep(0.5)
+    return False
+
+
 def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> dict[str, Any]:
     if run.get("server"):
         return serve(run, tempfile.mkdtemp(prefix=f"sglang-{run['name']}-"), max_tokens)
@@ -164,6 +178,7 @@ def one_run(run: dict[str, Any], prompts: list[list[int]], max_tokens: int) -> d
                 answer = llm.update_weights_from_disk(new_dir, load_format=fmt)
                 step["answer"] = list(answer) if isinstance(answer, tuple) else answer
                 step["raised"] = None
+                step["flushed_late"] = _flush_late(llm, step["answer"])
             except Exception as exc:  # noqa: BLE001 - what the caller of SGLang's API sees
                 step["raised"] = f"{type(exc).__name__}: {exc}"
             step["seconds"] = time.perf_counter() - t0

@@ -336,6 +336,13 @@ def _refused(step: dict[str, Any]) -> None:
         assert report["reload_error"]["written"] is False, report
 
 
+def _switched(step: dict[str, Any]) -> bool:
+    """SGLang accepted the reload: True, or "weights were updated" with the cache flushed
+    late (tests/sglang/engine.py's ``_flush_late``: a request still retiring, either loader)."""
+    assert step["raised"] is None, step["raised"]
+    return step["answer"][0] is True or step.get("flushed_late") is True
+
+
 def test_reload_refuses_bad_checkpoints_on_every_rank_then_switches(
         results: dict, checkpoints: dict) -> None:
     """SGLang's update_weights_from_disk on a pploader engine at PP=2. Each bad checkpoint
@@ -353,9 +360,9 @@ def test_reload_refuses_bad_checkpoints_on_every_rank_then_switches(
     assert checkpoints["truncated_shard"].name in truncated["answer"][1]
     assert "down_proj" in wrong_shape["answer"][1]
     assert checkpoints["corrupt_shard"].name in corrupt["answer"][1]
-    assert good["answer"][0] is True, good["answer"]
+    assert _switched(good), good["answer"]
     reference = results["pp2-default"]["reloads"][0]
-    assert reference["answer"][0] is True, reference["answer"]
+    assert _switched(reference), reference["answer"]
     assert good["tokens"] == reference["tokens"] != run["tokens"]
     for report in good["reports"]:
         reloaded = report["reload"]
