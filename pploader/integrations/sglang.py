@@ -16,8 +16,8 @@ its ``pp_group`` / ``tp_group``, ``get_pp_indices`` which reads ``SGLANG_PP_LAYE
 itself), reads only its stage (integrations/engine_core.py, shared with vLLM) and hands the
 tensors to the model's own ``load_weights`` (SGLang's weight loaders narrow TP, stack q/k/v and
 gate/up, place experts), then runs SGLang's ``process_weights_after_loading``. Every
-parameter must have been written by a weight loader (tracked by wrapping the parameters'
-``weight_loader`` for the duration of the load). ``model_loader_extra_config``: ``tp_mode``,
+parameter must have been written during ``load_weights`` (integrations/written.py: its
+weight loaders, a module's own, or an in-place write into its storage). ``model_loader_extra_config``: ``tp_mode``,
 ``io_backend``, ``range_cost_bytes`` (as vLLM's), ``report_dir`` (each rank writes its load /
 reload accounting there as ``rank<N>.json``).
 
@@ -66,6 +66,7 @@ from .engine_core import (LAST, EarlyPlan, LoadState, check_all_loaded, early_st
                           plan_engine_stage, share_engine_logging, start_early_plan)
 from .engine_reload import record_served, same_layout, served_state
 from .placed import rchar_bytes, read_stage
+from .written import tracking_writes
 
 DefaultModelLoader = _sgl_loader.DefaultModelLoader
 
@@ -77,7 +78,6 @@ __all__ = ["LOAD_FORMAT", "PPLoaderModelLoader", "register", "engine_topology",
 LOAD_FORMAT = "pploader"
 ENGINE = "SGLang"
 SPLIT = "get_pp_indices (SGLANG_PP_LAYER_PARTITION)"
-_MISSING = object()
 #: where this process writes its reports (``report_dir``), kept for reloads
 _REPORT_DIR: dict[str, str] = {}
 #: SGLang's NextN draft parameters that its speculative worker replaces with the target's
@@ -125,66 +125,12 @@ def _mtp_checkpoint(model_dir: str) -> bool:
         return False
 
 
-def _track_loaders(model: nn.Module) -> tuple[set[str], Callable[[], None]]:
-    """Wrap every parameter's ``weight_loader`` (SGLang's or the default), and every module's
-    own ``weight_loader`` method (ZAYA's ``load_weights`` calls its ``FusedMoE``'s directly,
-    with the parameter as first argument), so that the names of the parameters a load wrote
-    are recorded; returns (that set, undo)."""
-    written: set[str] = set()
-    undo: list[Callable[[], None]] = []
-    names = {id(p): n for n, p in model.named_parameters()}
-    for name, param in model.named_parameters():
-        own = param.__dict__.get("weight_loader", _MISSING)
-        slot = "weight_loader"
-        if own is _MISSING and isinstance(getattr(type(param), "weight_loader", None), property):
-            slot = "_weight_loader"   # SGLang's parameter classes: a read-only property
-            own = param.__dict__.get(slot, _MISSING)
-        inner = getattr(param, slot, default_weight_loader)
-
-        def tracked(p: Any, *args: Any, _name: str = name, _inner: Any = inner,
-                    **kwargs: Any) -> Any:
-            written.add(_name)
-            return _inner(p, *args, **kwargs)
-        setattr(param, slot, tracked)
-        undo.append(_restorer(param, slot, own))
-    for module in model.modules():
-        method = getattr(type(module), "weight_loader", None)
-        if not callable(method) or "weight_loader" in module.__dict__:
-            continue
-
-        def tracked_module(p: Any, *args: Any, _inner: Any = module.weight_loader,
-                           **kwargs: Any) -> Any:
-            if id(p) in names:
-                written.add(names[id(p)])
-            return _inner(p, *args, **kwargs)
-        module.__dict__["weight_loader"] = tracked_module
-        undo.append(_restorer(module, "weight_loader", _MISSING))
-
-    def undo_all() -> None:
-        for fn in undo:
-            fn()
-    return written, undo_all
-
-
-def _restorer(owner: Any, slot: str, own: Any) -> Callable[[], None]:
-    """Put ``owner``'s ``slot`` back: the attribute it had, or none (``_MISSING``)."""
-    def restore() -> None:
-        if own is _MISSING:
-            owner.__dict__.pop(slot, None)
-        else:
-            setattr(owner, slot, own)
-    return restore
-
-
 def _load_tracked(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]],
                   target_device: torch.device) -> set[str]:
     """SGLang's ``load_weights_only`` (its quantization renames, then ``model.load_weights``)
     with the parameters it wrote recorded."""
-    written, undo = _track_loaders(model)
-    try:
+    with tracking_writes(model, default_weight_loader) as written:
         DefaultModelLoader.load_weights_only(model, weights, target_device)
-    finally:
-        undo()
     return written
 
 
