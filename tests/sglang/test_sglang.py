@@ -3,8 +3,9 @@
 Marked ``sglang``: skipped unless this interpreter has sglang (run ``.ci/sglang-suite.sh``,
 which makes the pinned venv). The engines start in one subprocess (tests/sglang/engine.py),
 one after another (each start is 1.5-2 minutes on a 2-core box), so the engines are few and
-each serves several checks; the tests below read its results. The hybrid's two engines and
-the NEXTN engine have their own subprocesses (``-k hybrid`` / ``-k nextn`` start only those). A pipeline split changes no
+each serves several checks; the tests below read its results. The NEXTN engine has its own
+subprocess (``-k nextn``); the hybrid and ZAYA engines are in test_sglang_models.py. A
+pipeline split changes no
 arithmetic (each stage runs the same layers on the hidden states it is handed), so runs that
 differ from a default-loader run only in their PP split are compared with that run; TP
 changes the reductions and has its own default-loader run.
@@ -21,6 +22,8 @@ import pytest
 from engine_suite import engine_marks, loads as _loads
 from engine_suite import metadata_bytes as _metadata_bytes
 from engine_suite import LLAMA, PROMPTS, run_engines
+from sglang_checks import check_bytes as _check_bytes
+from sglang_checks import checkpoint_tensors as _checkpoint_tensors
 
 pytestmark = engine_marks("sglang")
 
@@ -39,21 +42,6 @@ QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"
              "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
              "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
              "bos_token_id": 1, "eos_token_id": 2}
-
-#: Qwen3.5 (dense): gated delta net (linear attention) and gated full attention alternating,
-#: so each PP=2 stage holds one of each; value heads 2 x key heads (SGLang's fused split)
-QWEN3_5 = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text",
-           "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4,
-           "layer_types": ["linear_attention", "full_attention"] * 2,
-           "full_attention_interval": 2,   # what SGLang's config reads (it ignores layer_types)
-           "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 32,
-           "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 32,
-           "linear_value_head_dim": 32, "linear_conv_kernel_dim": 4, "vocab_size": 2048,
-           "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-           "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
-                               "partial_rotary_factor": 0.25},
-           "hidden_act": "silu", "tie_word_embeddings": False, "dtype": "bfloat16",
-           "bos_token_id": 1, "eos_token_id": 2}
 
 #: GLM-4.5-style MoE with one NextN (MTP) layer (checkpoint layer 3): SGLang's
 #: Glm4MoeForCausalLMNextN is its draft model
@@ -134,8 +122,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
          "llama2": make_model(root / "llama2", LLAMA, shard_bytes=1_500_000, seed=2),
          "qwen2_tied": make_model(root / "qwen2_tied", QWEN2_TIED, shard_bytes=1_500_000,
                                   seed=5),
-         "moe": make_model(root / "moe", QWEN3_MOE, shard_bytes=1_500_000, seed=6),
-         "qwen3_5": make_model(root / "qwen3_5", QWEN3_5, shard_bytes=1_500_000, seed=8)}
+         "moe": make_model(root / "moe", QWEN3_MOE, shard_bytes=1_500_000, seed=6)}
     _add_tokenizer(d["llama1"], LLAMA["vocab_size"])
     # truncated: a shard of the last stage only (layer 3)
     bad = root / "llama2_truncated"
@@ -166,32 +153,6 @@ def results(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFacto
             ) -> dict[str, dict[str, Any]]:
     return run_engines(HERE / "engine.py", _runs(checkpoints), PROMPTS,
                        tmp_path_factory.mktemp("sglang-runs"), "sglang")
-
-
-def _check_bytes(run: dict[str, Any], *, limit: float = 1.02, tp: int = 1) -> None:
-    """Each rank read at most ``limit`` x its ideal bytes (``tp`` x that when its TP-split
-    tensors are handed whole as views of the page cache: SGLang narrows them), by its own
-    count and by the kernel's (rchar: every read syscall of the process during the load,
-    so the headers, config.json and the index too; views of resident pages are none)."""
-    for load in _loads(run):
-        syscalls = load["read_bytes"] - load["mapped_bytes"]
-        whole = tp if load["mapped_bytes"] else 1
-        assert load["read_bytes"] <= whole * limit * load["ideal_bytes"], load
-        assert load["rchar_bytes"] is not None and syscalls <= load["rchar_bytes"] \
-            <= limit * syscalls + _metadata_bytes(load), load
-
-
-def _checkpoint_tensors(model_dir: Path) -> tuple[int, int]:
-    """(tensors, bytes) SGLang's default loader hands every rank's ``load_weights``: its
-    safetensors iterator (``DefaultModelLoader``'s default, 8 threads) run over the
-    checkpoint, every shard, every tensor (the model drops other stages' afterwards)."""
-    from sglang.srt.model_loader.weight_utils import (
-        buffered_multi_thread_safetensors_weights_iterator)
-    files = sorted(str(p) for p in model_dir.glob("*.safetensors"))
-    count = total = 0
-    for _, t in buffered_multi_thread_safetensors_weights_iterator(files, max_workers=8):
-        count, total = count + 1, total + t.numel() * t.element_size()
-    return count, total
 
 
 def test_pp2_same_tokens_and_only_stage_bytes(results: dict, checkpoints: dict) -> None:
@@ -263,69 +224,6 @@ def test_moe_pp2(results: dict, checkpoints: dict) -> None:
     _check_bytes(run)
     _, total = _checkpoint_tensors(checkpoints["moe"])
     assert all(x["read_bytes"] < 0.6 * total for x in _loads(run))
-
-
-def _stage_of(name: str, split: int) -> int:
-    """Which PP=2 stage holds ``name`` when the first ``split`` layers are stage 0: the
-    embedding goes first; the final norm and the head last (written from SGLang's PP rule)."""
-    if name.startswith("model.layers."):
-        return int(name.split(".")[2]) >= split
-    return 0 if name.startswith("model.embed_tokens.") else 1
-
-
-@pytest.fixture(scope="module")
-def hybrid(checkpoints: dict[str, Path], tmp_path_factory: pytest.TempPathFactory
-           ) -> dict[str, dict[str, Any]]:
-    """Qwen3.5 at PP=2 through both loaders, in their own engine process (``-k hybrid``
-    starts only these two). SGLang's CPU path for the gated delta net calls sgl_kernel CPU
-    ops: the stand-in's plain-torch ones (tests/sglang/stubs/sgl_kernel/gdn.py, checked
-    against transformers in test_sglang_stubs.py)."""
-    model = str(checkpoints["qwen3_5"])
-    return run_engines(HERE / "engine.py", [
-        {"name": "hybrid-pp2", "model": model, "load_format": "pploader", "pp": 2,
-         "logprobs": True},
-        {"name": "hybrid-pp2-default", "model": model, "load_format": "auto", "pp": 2,
-         "logprobs": True}], PROMPTS, tmp_path_factory.mktemp("sglang-hybrid"), "sglang")
-
-
-def _first_tokens_by_transformers(model_dir: Path) -> list[int]:
-    """transformers' own Qwen3.5 (fp32, its torch gated delta rule): each prompt's argmax."""
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
-    with torch.no_grad():
-        return [int(model(torch.tensor([p])).logits[0, -1].argmax()) for p in PROMPTS]
-
-
-def test_hybrid_gated_delta_net_pp2(hybrid: dict, checkpoints: dict) -> None:
-    """Qwen3.5 (gated delta net + gated attention, one of each per stage) at PP=2 in SGLang's
-    CPU engine: the default loader's greedy tokens and log-probabilities, all finite, the
-    first token transformers' own; each rank read exactly its stage's tensors (counted here
-    from the checkpoint by the layer split), by its count and by rchar."""
-    import math
-    from safetensors import safe_open
-    run, ref = hybrid["hybrid-pp2"], hybrid["hybrid-pp2-default"]
-    assert run["tokens"] == ref["tokens"]
-    assert run["logprobs"] == ref["logprobs"]
-    for probs in run["logprobs"]:
-        assert len(probs) == 8 and all(math.isfinite(p) and p <= 0 for p in probs), probs
-    assert [t[0] for t in run["tokens"]] == _first_tokens_by_transformers(
-        checkpoints["qwen3_5"])
-    loads = _loads(run)
-    assert [(x["start_layer"], x["end_layer"]) for x in loads] == [(0, 2), (2, 4)]
-    _check_bytes(run)
-    want = [[0, 0], [0, 0]]   # per stage: tensors, bytes
-    for shard in sorted(checkpoints["qwen3_5"].glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as fh:
-            for name in fh.keys():
-                t = fh.get_slice(name)
-                nbytes = math.prod(t.get_shape()) * {"BF16": 2, "F32": 4}[t.get_dtype()]
-                stage = _stage_of(name, 2)
-                want[stage][0] += 1
-                want[stage][1] += nbytes
-    assert [[x["items"], x["read_bytes"]] for x in loads] == want
-    count, total = _checkpoint_tensors(checkpoints["qwen3_5"])
-    assert count == want[0][0] + want[1][0] and total == want[0][1] + want[1][1]
 
 
 def _refused(step: dict[str, Any]) -> None:
@@ -437,50 +335,3 @@ def test_nextn_draft_worker_reads_only_its_mtp_layer(nextn: dict[str, Any]) -> N
     if nextn["done"].get("nextn", {}).get("tokens") is None:   # the CPU path's stop, named
         assert "set_embed_and_head" in nextn["log"], nextn["log"][-4000:]
 
-
-ZAYA_PROMPTS = [[5, 17, 42, 99, 3, 8], [200, 1, 7]]   # ids below the tiny vocabulary (256)
-
-
-@pytest.fixture(scope="module")
-def zaya(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """ZAYA1 (CCA attention + MoE layers, SGLang's own ``zaya`` model) at PP=2 and TP=2
-    through both loaders, in their own engine process (``-k zaya``)."""
-    from zaya_release import CONFIG, write_release
-    config = dict(CONFIG, max_position_embeddings=256, pad_token_id=0, bos_token_id=1,
-                  eos_token_id=2)
-    model = write_release(tmp_path_factory.mktemp("zaya") / "release", config,
-                          model_values=True)
-    runs = [{"name": f"zaya-{name}{suffix}", "model": str(model), "load_format": fmt,
-             **layout, "logprobs": True}
-            for name, layout in (("pp2", {"pp": 2}), ("tp2", {"tp": 2}))
-            for suffix, fmt in (("", "pploader"), ("-default", "auto"))]
-    done = run_engines(HERE / "engine.py", runs, ZAYA_PROMPTS,
-                       tmp_path_factory.mktemp("sglang-zaya"), "sglang")
-    return {"model": model, "config": config, **done}
-
-
-def test_zaya_pp2_and_tp2_same_tokens_and_only_stage_bytes(zaya: dict[str, Any]) -> None:
-    """ZAYA1 in SGLang's CPU engine: at PP=2 and at TP=2 the default loader's greedy tokens and
-    log-probabilities; at PP=2 each rank read exactly the tensors tests/zaya_ref.py gives its
-    stage (SGLang's 3 + 4 split of 7 layers). Its ``load_weights`` calls the ``FusedMoE``'s
-    ``weight_loader`` itself: pploader had refused the load ("w13_weight not loaded"). Not
-    run: EP, where SGLang's CPU MoE (``moe_forward_native``) fails on the -1 ids of experts
-    held elsewhere with its own loader too."""
-    import math
-
-    import zaya_ref
-    from pploader.planning.checkpoint import open_checkpoint
-    for name in ("zaya-pp2", "zaya-tp2"):
-        run, ref = zaya[name], zaya[f"{name}-default"]
-        assert run["tokens"] == ref["tokens"] and run["logprobs"] == ref["logprobs"], name
-        assert all(math.isfinite(p) for probs in run["logprobs"] for p in probs), name
-        assert all(len(set(tokens)) > 1 for tokens in run["tokens"]), run["tokens"]
-    loads = _loads(zaya["zaya-pp2"])
-    assert [(x["start_layer"], x["end_layer"]) for x in loads] == [(0, 3), (3, 7)]
-    index = open_checkpoint(str(zaya["model"]))
-    for stage, load in enumerate(loads):
-        want = [n for n in index.weight_map if zaya_ref.owns(n, zaya["config"], 2, stage, 1, 0)]
-        assert load["items"] == len(want)
-        assert load["read_bytes"] == sum(index.entry(n).nbytes for n in want)
-    _check_bytes(zaya["zaya-pp2"])
-    _check_bytes(zaya["zaya-tp2"], tp=2)

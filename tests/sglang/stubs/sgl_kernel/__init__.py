@@ -9,7 +9,9 @@ decoding's KV pool also calls ``copy_all_layer_kv_cache_cpu`` (from the Triton k
 registered below on the ``torch.ops.sgl_kernel`` namespace. SGLang imports other names at
 module level; each is a function that raises when called, so a test never runs on something
 this module only pretends to provide (a ``torch.ops.sgl_kernel`` name not registered here
-raises AttributeError, so SGLang's AMX probe stays off).
+raises AttributeError, so SGLang's AMX probe stays off). ``triton_ops``: plain-torch
+versions of SGLang's own Triton kernels that its CPU path still calls (the MoE shared-expert
+gate).
 """
 from __future__ import annotations
 
@@ -61,6 +63,9 @@ def _register_torch_ops() -> None:
 
 
 _register_torch_ops()
+
+from . import triton_ops  # noqa: E402 - SGLang's own Triton kernels its CPU path calls
+triton_ops.install()
 
 
 def __getattr__(name: str) -> Any:
