@@ -1,8 +1,9 @@
-"""The SGLang suite's plain-torch stand-ins for the gated-delta-net CPU ops
-(tests/sglang/stubs/sgl_kernel/gdn.py) against transformers' own torch reference of Qwen3.5
-(``modeling_qwen3_5``: the chunked gated delta rule, causal conv1d, the gated RMSNorm). No
-engine: the hybrid's engine test compares loaders, both on these stand-ins, so this is what
-says the stand-ins compute the layer's math."""
+"""The SGLang suite's plain-torch stand-ins against transformers' own torch references: the
+gated-delta-net CPU ops (tests/sglang/stubs/sgl_kernel/gdn.py) against Qwen3.5
+(``modeling_qwen3_5``: the chunked gated delta rule, causal conv1d, the gated RMSNorm), and
+the shared-expert gate (``triton_ops.py``) against Qwen3.5-MoE's sparse block. No engine: the
+hybrid engine tests compare loaders, both on these stand-ins, so this is what says the
+stand-ins compute the layers' math."""
 from __future__ import annotations
 
 import importlib.util
@@ -121,3 +122,33 @@ def test_gated_norm_and_projection_split(ref: ModuleType) -> None:
     mixed, zz, bb, aa = gdn.qkvzba_split_reshape_cat_contiguous(qkvz, ba, 2, 4, 4, 2)
     assert torch.equal(mixed, qkvz[:, :24]) and torch.equal(zz.reshape(3, 8), qkvz[:, 24:])
     assert torch.equal(bb, ba[:, :4]) and torch.equal(aa, ba[:, 4:])
+
+
+def test_shared_expert_gate_is_transformers_qwen3_5_moe_block() -> None:
+    """The stand-in for SGLang's Triton shared-expert gate (stubs/sgl_kernel/triton_ops.py),
+    added to a routed output as SGLang's Qwen2-MoE block calls it, equals transformers'
+    Qwen3.5-MoE sparse block (its shared expert through ``sigmoid(shared_expert_gate(h))``,
+    plus the experts' output)."""
+    moe = pytest.importorskip("transformers.models.qwen3_5_moe.modeling_qwen3_5_moe")
+    from transformers.models.qwen3_5_moe.configuration_qwen3_5_moe import Qwen3_5MoeTextConfig
+    spec = importlib.util.spec_from_file_location(
+        "_triton_ops_stub", HERE / "stubs" / "sgl_kernel" / "triton_ops.py")
+    assert spec is not None and spec.loader is not None
+    ops = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ops)
+    torch.manual_seed(0)
+    config = Qwen3_5MoeTextConfig(hidden_size=32, moe_intermediate_size=16,
+                                  shared_expert_intermediate_size=16, num_experts=4,
+                                  num_experts_per_tok=2)
+    block = moe.Qwen3_5MoeSparseMoeBlock(config).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    h = torch.randn(5, 32)
+    with torch.no_grad():
+        want = block(h[None])[0]
+        _, weights, experts = block.gate(h)
+        routed = block.experts(h, experts, weights).contiguous()
+        shared = block.shared_expert(h).contiguous()
+        ops.launch_fused_gate_sigmoid_mul(h, block.shared_expert_gate.weight.squeeze(0)
+                                          .contiguous(), shared, routed, do_add=True)
+    torch.testing.assert_close(routed, want, rtol=1e-5, atol=1e-5)
