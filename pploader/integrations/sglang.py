@@ -16,10 +16,10 @@ its ``pp_group`` / ``tp_group``, ``get_pp_indices`` which reads ``SGLANG_PP_LAYE
 itself), reads only its stage (integrations/engine_core.py, shared with vLLM) and hands the
 tensors to the model's own ``load_weights`` (SGLang's weight loaders narrow TP, stack q/k/v and
 gate/up, place experts), then runs SGLang's ``process_weights_after_loading``. Every
-parameter must have been written during ``load_weights`` (integrations/written.py: its
-weight loaders, a module's own, or an in-place write into its storage). ``model_loader_extra_config``: ``tp_mode``,
-``io_backend``, ``range_cost_bytes`` (as vLLM's), ``report_dir`` (each rank writes its load /
-reload accounting there as ``rank<N>.json``).
+parameter must have been written during ``load_weights`` (integrations/written.py: through
+its weight loader, or in place into its storage). ``model_loader_extra_config``:
+``tp_mode``, ``io_backend``, ``range_cost_bytes`` (as vLLM's), ``report_dir`` (each rank
+writes its load / reload accounting there as ``rank<N>.json``).
 
 Reload: SGLang's ``update_weights_from_disk`` asks the loader for ``_get_weights_iterator``
 (:meth:`PPLoaderModelLoader._get_weights_iterator`: the new checkpoint checked and this stage

@@ -6,11 +6,11 @@ parameter as written when, during the block,
 
 - its ``weight_loader`` is called (the parameter's own attribute, SGLang's read-only property
   slot ``_weight_loader``, or the engine's default loader for a parameter without one);
-- a module's own ``weight_loader`` method is called with it (ZAYA's ``load_weights`` calls its
-  ``FusedMoE``'s directly);
-- an in-place torch operation writes into its storage (``param.data.copy_(...)``,
-  ``param.data[rows] = ...``: gpt-oss's attention sinks in SGLang are written so), seen by a
-  ``TorchFunctionMode`` on the loading thread (about 1.6 us per torch call on the CPU).
+- an in-place torch operation writes into its storage, seen by a ``TorchFunctionMode`` on the
+  loading thread (about 1.6 us per torch call on the CPU). This covers the writes that pass
+  no parameter loader: a module's own ``weight_loader`` called directly (ZAYA's
+  ``load_weights`` calls its ``FusedMoE``'s), ``param.data.copy_(...)`` or
+  ``param.data[rows] = ...`` in ``load_weights`` itself (gpt-oss's attention sinks).
 
 Everything is put back when the block ends.
 """
@@ -36,7 +36,6 @@ def tracking_writes(model: nn.Module, default_loader: Callable[..., Any]) -> Ite
     undo: list[Callable[[], None]] = []
     try:
         _wrap_parameter_loaders(model, default_loader, written, undo)
-        _wrap_module_loaders(model, written, undo)
         with _StorageWrites(model, written):
             yield written
     finally:
@@ -70,23 +69,6 @@ def _wrap_parameter_loaders(model: nn.Module, default_loader: Callable[..., Any]
             return _inner(p, *args, **kwargs)
         setattr(param, slot, tracked)
         undo.append(_restorer(param, slot, own))
-
-
-def _wrap_module_loaders(model: nn.Module, written: set[str],
-                         undo: list[Callable[[], None]]) -> None:
-    names = {id(p): n for n, p in model.named_parameters()}
-    for module in model.modules():
-        if not callable(getattr(type(module), "weight_loader", None)) \
-                or "weight_loader" in module.__dict__:
-            continue
-
-        def tracked(p: Any, *args: Any, _inner: Any = module.weight_loader,
-                    **kwargs: Any) -> Any:
-            if id(p) in names:
-                written.add(names[id(p)])
-            return _inner(p, *args, **kwargs)
-        module.__dict__["weight_loader"] = tracked
-        undo.append(_restorer(module, "weight_loader", _MISSING))
 
 
 class _StorageWrites(TorchFunctionMode):
